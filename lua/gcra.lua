@@ -1,0 +1,46 @@
+-- gcra.lua: exact generic cell rate algorithm, one call per decision.
+--
+-- KEYS[1]  string; the theoretical arrival time (TAT) in redis_now_us.
+-- ARGV[1]  limit      permits per period (integer >= 1)
+-- ARGV[2]  period_us  the period in microseconds
+-- ARGV[3]  burst      permits that may arrive at once (integer >= 1)
+-- ARGV[4]  cost       permits this request takes (integer >= 0; 0 = peek)
+--
+-- Returns  {allowed (0|1), remaining, reset_after_us (until the TAT, when the
+--          full burst is available again), retry_after_us (0 allowed,
+--          -1 never), now_us}
+--
+-- Emission interval T = period / limit; tolerance = burst * T. A request of
+-- cost n is allowed when max(TAT, now) + n*T - now <= tolerance.
+-- The key expires at its TAT, after which a missing key means the same.
+-- Complexity: O(1).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local limit = tonumber(ARGV[1])
+local period = tonumber(ARGV[2])
+local burst = tonumber(ARGV[3])
+local cost = tonumber(ARGV[4])
+
+local interval = period / limit
+local tolerance = burst * interval
+local tat = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+if tat < now then tat = now end
+
+local new_tat = tat + cost * interval
+local allowed = 0
+local retry = 0
+if new_tat - now <= tolerance then
+  allowed = 1
+  if cost > 0 then
+    tat = new_tat
+    redis.call('SET', KEYS[1], string.format('%d', math.ceil(tat)), 'PX', math.ceil((tat - now) / 1000) + 1)
+  end
+elseif cost > burst then
+  retry = -1
+else
+  retry = math.ceil(new_tat - now - tolerance)
+end
+
+local remaining = math.floor((tolerance - (tat - now)) / interval + 1e-9)
+if remaining < 0 then remaining = 0 end
+return {allowed, remaining, math.ceil(tat - now), retry, now}

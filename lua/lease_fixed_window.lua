@@ -1,0 +1,88 @@
+-- lease_fixed_window.lua: lease a slice of a fixed-window budget to one
+-- process, and record the permits it admitted on credit.
+--
+-- KEYS[1]  hash; field = window index, value = permits granted or admitted
+--          in that window (the same key as fixed_window.lua).
+-- ARGV[1]  limit        permits per window
+-- ARGV[2]  period_us    window length in microseconds
+-- ARGV[3]  want         permits asked for (>= 0)
+-- ARGV[4]  share_cap    fraction (0, 1] of what remains that one lease may take
+-- ARGV[5]  debt         permits admitted on credit, not yet recorded (>= 0)
+-- ARGV[6]  debt_window  the window index the debt was admitted in, or -1
+--                       when the process did not know it (charged to the
+--                       current window)
+-- ARGV[7]  next         1: lease from the window after the current one
+--                       (pre-lease before a boundary), 0: the current one
+--
+-- Returns  {granted, remaining (unleased in the target window after this
+--          grant), start_after_us (0, or until the target window starts),
+--          reset_after_us (until the target window ends), retry_after_us
+--          (when nothing was granted: until the target window ends; else 0),
+--          now_us, uncovered (debt permits beyond the limit), window (index
+--          of the target window)}
+--
+-- grant = min(want, available, max(1, floor(share_cap * available))), so
+-- leases shrink as the window fills and few permits strand in other
+-- processes. Debt is always recorded, even past the limit: the count then
+-- shows the true overshoot, and `uncovered` is this report's share of it.
+-- Debt for a window older than the previous one can no longer be checked and
+-- is returned as wholly uncovered. Time comes from Redis TIME only.
+-- Complexity: O(1) (at most three windows per hash).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local limit = tonumber(ARGV[1])
+local period = tonumber(ARGV[2])
+local want = tonumber(ARGV[3])
+local share = tonumber(ARGV[4])
+local debt = tonumber(ARGV[5])
+local debt_window = tonumber(ARGV[6])
+local next_window = tonumber(ARGV[7])
+
+local w = math.floor(now / period)
+if debt_window < 0 then debt_window = w end
+local newest = w
+local uncovered = 0
+if debt > 0 then
+  if debt_window >= w - 1 and debt_window <= w + 1 then
+    local f = string.format('%d', debt_window)
+    local before = tonumber(redis.call('HGET', KEYS[1], f) or '0')
+    local after = redis.call('HINCRBY', KEYS[1], f, debt)
+    uncovered = math.max(0, after - limit) - math.max(0, before - limit)
+    if debt_window > newest then newest = debt_window end
+  else
+    uncovered = debt
+  end
+end
+
+local tw = w + next_window
+local tf = string.format('%d', tw)
+local used = tonumber(redis.call('HGET', KEYS[1], tf) or '0')
+local available = math.max(0, limit - used)
+local cap = math.max(1, math.floor(available * share))
+local granted = math.min(want, available, cap)
+if granted > 0 then
+  used = redis.call('HINCRBY', KEYS[1], tf, granted)
+  if tw > newest then newest = tw end
+end
+
+if granted > 0 or debt > 0 then
+  if redis.call('HLEN', KEYS[1]) > 2 then
+    for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+      local fw = tonumber(f)
+      if fw == nil or fw < w - 1 then
+        redis.call('HDEL', KEYS[1], f)
+      end
+    end
+  end
+  local ttl_ms = math.ceil(((newest + 2) * period - now) / 1000)
+  if redis.call('PTTL', KEYS[1]) < ttl_ms then
+    redis.call('PEXPIRE', KEYS[1], ttl_ms)
+  end
+end
+
+local start_after = tw * period - now
+if start_after < 0 then start_after = 0 end
+local reset = (tw + 1) * period - now
+local retry = 0
+if granted == 0 then retry = reset end
+return {granted, math.max(0, limit - used), start_after, reset, retry, now, uncovered, tw}

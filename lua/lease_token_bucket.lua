@@ -1,0 +1,67 @@
+-- lease_token_bucket.lua: lease tokens from a token bucket to one process,
+-- and record the tokens it admitted on credit.
+--
+-- KEYS[1]  hash; "tk" tokens, "ts" redis_now_us of the last update (the same
+--          key as token_bucket.lua).
+-- ARGV[1]  limit      tokens added per period
+-- ARGV[2]  period_us  the period in microseconds
+-- ARGV[3]  burst      bucket capacity
+-- ARGV[4]  want       tokens asked for (>= 0)
+-- ARGV[5]  share_cap  fraction (0, 1] of the tokens present one lease may take
+-- ARGV[6]  debt       tokens admitted on credit, not yet taken (>= 0)
+-- ARGV[7]  need       the fewest tokens worth a lease (>= 1): below it
+--                     nothing is granted and retry_after says when it will be
+--
+-- Returns  {granted, remaining (whole tokens left), 0, reset_after_us (until
+--          full), retry_after_us (when nothing was granted: until `need`
+--          tokens are present; else 0), now_us, uncovered (debt beyond the
+--          tokens present), 0}
+--
+-- Debt is taken even past empty: the bucket goes negative and refills pay
+-- it back, so credit never becomes free. The key expires when the bucket
+-- would be full. Complexity: O(1).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local limit = tonumber(ARGV[1])
+local period = tonumber(ARGV[2])
+local burst = tonumber(ARGV[3])
+local want = tonumber(ARGV[4])
+local share = tonumber(ARGV[5])
+local debt = tonumber(ARGV[6])
+local need = tonumber(ARGV[7])
+
+local state = redis.call('HMGET', KEYS[1], 'tk', 'ts')
+local tokens = tonumber(state[1])
+local ts = tonumber(state[2])
+if tokens == nil or ts == nil then
+  tokens = burst
+  ts = now
+end
+if now > ts then
+  tokens = math.min(burst, tokens + (now - ts) * limit / period)
+end
+
+local uncovered = 0
+if debt > 0 then
+  uncovered = math.max(0, debt - math.max(0, tokens))
+  tokens = tokens - debt
+end
+
+local available = math.max(0, math.floor(tokens))
+local granted = 0
+if available >= math.min(need, burst) then
+  local cap = math.max(need, math.floor(available * share))
+  granted = math.min(want, available, cap)
+end
+tokens = tokens - granted
+
+local reset = math.ceil((burst - tokens) * period / limit)
+if granted > 0 or debt > 0 then
+  redis.call('HSET', KEYS[1], 'tk', string.format('%.17g', tokens), 'ts', string.format('%d', now))
+  redis.call('PEXPIRE', KEYS[1], math.ceil(reset / 1000) + 1)
+end
+local retry = 0
+if granted == 0 then
+  retry = math.max(1, math.ceil((math.min(need, burst) - tokens) * period / limit))
+end
+return {granted, math.max(0, math.floor(tokens)), 0, reset, retry, now, math.ceil(uncovered), 0}

@@ -1,0 +1,52 @@
+-- token_bucket.lua: exact token bucket, one call per decision.
+--
+-- KEYS[1]  hash; field "tk" = tokens (may be fractional), "ts" = redis_now_us
+--          of the last update.
+-- ARGV[1]  limit      tokens added per period (integer >= 1)
+-- ARGV[2]  period_us  the period in microseconds
+-- ARGV[3]  burst      bucket capacity (integer >= 1)
+-- ARGV[4]  cost       tokens this request takes (integer >= 0; 0 = peek)
+--
+-- Returns  {allowed (0|1), remaining (whole tokens), reset_after_us (until
+--          full), retry_after_us (0 allowed, -1 never), now_us}
+--
+-- A missing key is a full bucket. The key expires when the bucket would be
+-- full again, at which point forgetting it changes nothing.
+-- Complexity: O(1).
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local limit = tonumber(ARGV[1])
+local period = tonumber(ARGV[2])
+local burst = tonumber(ARGV[3])
+local cost = tonumber(ARGV[4])
+
+local state = redis.call('HMGET', KEYS[1], 'tk', 'ts')
+local tokens = tonumber(state[1])
+local ts = tonumber(state[2])
+if tokens == nil or ts == nil then
+  tokens = burst
+  ts = now
+end
+if now > ts then
+  tokens = math.min(burst, tokens + (now - ts) * limit / period)
+end
+
+local allowed = 0
+local retry = 0
+if cost <= tokens then
+  allowed = 1
+  if cost > 0 then
+    tokens = tokens - cost
+  end
+elseif cost > burst then
+  retry = -1
+else
+  retry = math.ceil((cost - tokens) * period / limit)
+end
+
+local reset = math.ceil((burst - tokens) * period / limit)
+if allowed == 1 and cost > 0 then
+  redis.call('HSET', KEYS[1], 'tk', string.format('%.17g', tokens), 'ts', string.format('%d', now))
+  redis.call('PEXPIRE', KEYS[1], math.ceil(reset / 1000) + 1)
+end
+return {allowed, math.floor(tokens), reset, retry, now}

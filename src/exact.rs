@@ -1,0 +1,29 @@
+//! The exact limiter: one store call per decision.
+//!
+//! Correct across any number of processes (the script is atomic on the
+//! store's clock) at the price of a round trip per request. It owns nothing
+//! but the call; failures go back to the limiter, which applies the policy.
+
+use crate::decision::Source;
+use crate::key::KeyEncoder;
+use crate::local::decision_from;
+use crate::store::{Params, Store};
+use crate::{Decision, Error};
+
+pub(crate) struct ExactEngine {
+    store: Store,
+    keys: KeyEncoder,
+    params: Params,
+}
+
+impl ExactEngine {
+    pub(crate) fn new(store: Store, keys: KeyEncoder, params: Params) -> Self {
+        ExactEngine { store, keys, params }
+    }
+
+    pub(crate) async fn check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
+        let store_key = self.keys.store_key(key, self.params.algorithm);
+        let reply = self.store.acquire(&store_key, &self.params, cost).await?;
+        Ok(decision_from(&reply, self.params.limit, Source::Store))
+    }
+}

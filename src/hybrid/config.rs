@@ -1,0 +1,235 @@
+//! Tunables of the hybrid limiter.
+//!
+//! A small value type with `#[must_use]` setters; validated once, when the
+//! limiter is built. It owns no state.
+
+use std::time::Duration;
+
+use crate::Error;
+
+/// Whether a process may admit before the store has granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Consistency {
+    /// Admit only against granted permits: the fleet never exceeds the limit.
+    Strict,
+    /// With a refill in flight, admit up to `max_debt` permits per key per
+    /// process on credit; the debt is reported with the next lease.
+    Optimistic {
+        /// Permits one process may admit on credit for one key.
+        max_debt: u64,
+    },
+}
+
+/// Configuration of a hybrid limiter; see
+/// [`Builder::hybrid`](crate::Builder::hybrid).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HybridConfig {
+    pub(crate) consistency: Consistency,
+    pub(crate) max_wait: Duration,
+    pub(crate) min_lease: u64,
+    pub(crate) max_lease: u64,
+    pub(crate) refill_horizon: Duration,
+    pub(crate) share_cap: f64,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) idle_ttl: Duration,
+    pub(crate) max_keys: usize,
+    pub(crate) batch_size: usize,
+    pub(crate) prelease_lead: Duration,
+    pub(crate) clock_margin: Duration,
+    pub(crate) coarse_clock: bool,
+}
+
+impl HybridConfig {
+    /// Admit only against granted permits. An empty slot waits for its
+    /// refill up to `max_wait` (default 50 ms), then denies.
+    pub fn strict() -> Self {
+        HybridConfig {
+            consistency: Consistency::Strict,
+            max_wait: Duration::from_millis(50),
+            min_lease: 1,
+            max_lease: 10_000,
+            refill_horizon: Duration::from_millis(250),
+            share_cap: 0.5,
+            lease_ttl: Duration::from_secs(1),
+            idle_ttl: Duration::from_secs(30),
+            max_keys: 1_000_000,
+            batch_size: 512,
+            prelease_lead: Duration::from_millis(100),
+            clock_margin: Duration::from_millis(3),
+            coarse_clock: true,
+        }
+    }
+
+    /// Admit up to `max_debt` permits per key per process on credit while a
+    /// refill is in flight. Overshoot is at most `processes × max_debt` per
+    /// window, and counted.
+    pub fn optimistic(max_debt: u64) -> Self {
+        HybridConfig {
+            consistency: Consistency::Optimistic { max_debt },
+            max_wait: Duration::ZERO,
+            ..HybridConfig::strict()
+        }
+    }
+
+    /// The consistency mode.
+    pub fn consistency(&self) -> Consistency {
+        self.consistency
+    }
+
+    /// How long a request may wait for a refill before it is denied (strict)
+    /// or decided by credit / policy (optimistic). Default 50 ms in strict
+    /// mode, 0 in optimistic mode.
+    #[must_use]
+    pub fn max_wait(mut self, wait: Duration) -> Self {
+        self.max_wait = wait;
+        self
+    }
+
+    /// Bounds on one lease's size (default 1 and 10 000).
+    #[must_use]
+    pub fn lease_bounds(mut self, min: u64, max: u64) -> Self {
+        self.min_lease = min;
+        self.max_lease = max;
+        self
+    }
+
+    /// A lease is sized to cover this much of the key's observed demand
+    /// (default 250 ms).
+    #[must_use]
+    pub fn refill_horizon(mut self, horizon: Duration) -> Self {
+        self.refill_horizon = horizon;
+        self
+    }
+
+    /// The largest fraction of what remains in the store that one lease
+    /// may take (default 0.5), so leases shrink as the budget runs out.
+    #[must_use]
+    pub fn share_cap(mut self, share: f64) -> Self {
+        self.share_cap = share;
+        self
+    }
+
+    /// Token bucket and GCRA: how long leased permits stay usable (the
+    /// horizon *h* of the bound `burst + rate·(T + h)`; default 1 s).
+    #[must_use]
+    pub fn lease_ttl(mut self, ttl: Duration) -> Self {
+        self.lease_ttl = ttl;
+        self
+    }
+
+    /// Keys unused this long are forgotten and their permits given back
+    /// (default 30 s).
+    #[must_use]
+    pub fn idle_ttl(mut self, ttl: Duration) -> Self {
+        self.idle_ttl = ttl;
+        self
+    }
+
+    /// The most keys tracked locally (default 1 000 000). Past it, the
+    /// least recently used are evicted; a key that finds no room is decided
+    /// by one store call.
+    #[must_use]
+    pub fn max_keys(mut self, keys: usize) -> Self {
+        self.max_keys = keys;
+        self
+    }
+
+    /// The most lease calls pipelined in one round trip (default 512).
+    #[must_use]
+    pub fn batch_size(mut self, size: usize) -> Self {
+        self.batch_size = size;
+        self
+    }
+
+    /// Fixed window: a key in use this close to its window's end leases
+    /// the next window's first slice ahead of the boundary (default 100 ms;
+    /// zero turns pre-leasing off).
+    #[must_use]
+    pub fn prelease_lead(mut self, lead: Duration) -> Self {
+        self.prelease_lead = lead;
+        self
+    }
+
+    /// Subtracted from every lease deadline to absorb local clock
+    /// granularity and scheduling delays (default 3 ms).
+    #[must_use]
+    pub fn clock_margin(mut self, margin: Duration) -> Self {
+        self.clock_margin = margin;
+        self
+    }
+
+    /// Read time from a clock advanced every millisecond by a background
+    /// thread rather than from the OS on every decision (default on; only
+    /// used with the system clock).
+    #[must_use]
+    pub fn coarse_clock(mut self, on: bool) -> Self {
+        self.coarse_clock = on;
+        self
+    }
+
+    pub(crate) fn max_debt(&self) -> u64 {
+        match self.consistency {
+            Consistency::Strict => 0,
+            Consistency::Optimistic { max_debt } => max_debt,
+        }
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        if !(self.share_cap > 0.0 && self.share_cap <= 1.0) {
+            return Err(Error::invalid(format!(
+                "share_cap must be in (0, 1], got {}",
+                self.share_cap
+            )));
+        }
+        if self.min_lease == 0 || self.max_lease < self.min_lease {
+            return Err(Error::invalid(format!(
+                "lease bounds must satisfy 1 <= min <= max, got {}..={}",
+                self.min_lease, self.max_lease
+            )));
+        }
+        if self.max_lease > crate::quota::MAX_LIMIT {
+            return Err(Error::invalid("max_lease is absurdly large"));
+        }
+        if self.max_keys == 0 || self.batch_size == 0 {
+            return Err(Error::invalid("max_keys and batch_size must be at least 1"));
+        }
+        if self.refill_horizon.is_zero() || self.lease_ttl.is_zero() || self.idle_ttl.is_zero() {
+            return Err(Error::invalid(
+                "refill_horizon, lease_ttl and idle_ttl must be positive",
+            ));
+        }
+        if self.max_wait > Duration::from_secs(60) {
+            return Err(Error::invalid("max_wait above 60 s is not a rate limit but a queue"));
+        }
+        if let Consistency::Optimistic { max_debt } = self.consistency {
+            if max_debt > crate::quota::MAX_LIMIT {
+                return Err(Error::invalid("max_debt is absurdly large"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Default for HybridConfig {
+    fn default() -> Self {
+        HybridConfig::strict()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nonsense_is_rejected() {
+        assert!(HybridConfig::strict().share_cap(f64::NAN).validate().is_err());
+        assert!(HybridConfig::strict().share_cap(0.0).validate().is_err());
+        assert!(HybridConfig::strict().share_cap(1.5).validate().is_err());
+        assert!(HybridConfig::strict().lease_bounds(0, 5).validate().is_err());
+        assert!(HybridConfig::strict().lease_bounds(6, 5).validate().is_err());
+        assert!(HybridConfig::strict().max_keys(0).validate().is_err());
+        assert!(HybridConfig::optimistic(u64::MAX).validate().is_err());
+        assert!(HybridConfig::optimistic(5).validate().is_ok());
+    }
+}

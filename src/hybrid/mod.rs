@@ -1,0 +1,391 @@
+//! The hybrid limiter: leased slices of each key's budget, decided locally.
+//!
+//! The request path (`HybridEngine::check`) looks the key up in a
+//! `DashMap`, spends a permit with one compare-and-swap and returns; it
+//! touches the network only through the sync task, which it wakes when a
+//! slot runs low. Waiting (strict mode) is bounded by `max_wait`; no lock
+//! is held across an await.
+//!
+//! Files: `config` (tunables), `slot` (one key's atomics), `sizing` (how
+//! big a lease), `sync` (the background task: refills, give-backs,
+//! eviction, shutdown).
+
+mod config;
+mod sizing;
+mod slot;
+mod sync;
+
+pub use self::config::{Consistency, HybridConfig};
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use dashmap::DashMap;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use self::slot::{Credit, Slot, Take, UNKNOWN_WINDOW};
+use crate::clock::TimeSource;
+use crate::decision::Source;
+use crate::exact::ExactEngine;
+use crate::key::KeyEncoder;
+use crate::stats::Counters;
+use crate::store::{GiveBackCall, Params, Store};
+use crate::{Algorithm, Decision, Error, ErrorKind};
+
+/// State shared by the request path and the sync task.
+pub(crate) struct Shared {
+    /// User key → local state. Entries are only removed by the sync task.
+    slots: DashMap<Box<str>, Arc<Slot>>,
+    /// Replaceable at run time without locks.
+    config: ArcSwap<HybridConfig>,
+    store: Store,
+    keys: KeyEncoder,
+    params: Params,
+    time: TimeSource,
+    counters: Arc<Counters>,
+    /// Slots waiting for a refill (each at most once: `refill_pending`).
+    queue: Mutex<Vec<Arc<Slot>>>,
+    /// Permits to give back in the next round.
+    returns: Mutex<Vec<GiveBackCall>>,
+    /// Debt of evicted slots (or of failed reports) to report next round.
+    reports: Mutex<Vec<(String, Credit)>>,
+    /// Wakes the sync task.
+    wake: Notify,
+    /// Tells the sync task to exit.
+    stopping: AtomicBool,
+    /// After shutdown: decide by the exact path, lease nothing.
+    closed: AtomicBool,
+    /// Keys without room in the map, and decisions after shutdown.
+    exact: ExactEngine,
+    /// The largest cost that can ever be admitted.
+    max_cost: u64,
+    /// Smoothed store round trip, µs.
+    rtt_us: AtomicU64,
+}
+
+/// Stops the sync task when the last limiter clone is dropped.
+struct StopGuard(Arc<Shared>);
+
+impl Drop for StopGuard {
+    fn drop(&mut self) {
+        self.0.stopping.store(true, Ordering::Release);
+        self.0.wake.notify_one();
+    }
+}
+
+pub(crate) struct HybridEngine {
+    shared: Arc<Shared>,
+    task: Mutex<Option<JoinHandle<()>>>,
+    _guard: StopGuard,
+}
+
+impl HybridEngine {
+    pub(crate) fn start(
+        config: HybridConfig,
+        store: Store,
+        keys: KeyEncoder,
+        params: Params,
+        clock: Option<Arc<dyn crate::Clock>>,
+        counters: Arc<Counters>,
+        max_cost: u64,
+    ) -> Result<Self, Error> {
+        config.validate()?;
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            Error::new(
+                ErrorKind::Unsupported,
+                "the hybrid mode runs a background task: build the limiter inside a Tokio runtime",
+            )
+        })?;
+        let time = TimeSource::new(clock, config.coarse_clock);
+        let shared = Arc::new(Shared {
+            slots: DashMap::new(),
+            config: ArcSwap::from_pointee(config),
+            exact: ExactEngine::new(store.clone(), keys.clone(), params),
+            store,
+            keys,
+            params,
+            time,
+            counters,
+            queue: Mutex::new(Vec::new()),
+            returns: Mutex::new(Vec::new()),
+            reports: Mutex::new(Vec::new()),
+            wake: Notify::new(),
+            stopping: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
+            max_cost,
+            rtt_us: AtomicU64::new(0),
+        });
+        let task = runtime.spawn(sync::run(shared.clone()));
+        Ok(HybridEngine {
+            _guard: StopGuard(shared.clone()),
+            shared,
+            task: Mutex::new(Some(task)),
+        })
+    }
+
+    /// Replaces the tunables; takes effect for the next refill and the next
+    /// slow-path decision.
+    pub(crate) fn reconfigure(&self, config: HybridConfig) -> Result<(), Error> {
+        config.validate()?;
+        self.shared.config.store(Arc::new(config));
+        Ok(())
+    }
+
+    /// Keys tracked locally.
+    pub(crate) fn local_keys(&self) -> usize {
+        self.shared.slots.len()
+    }
+
+    /// `Err` means "the store could not decide": the caller applies the
+    /// failure policy.
+    pub(crate) async fn check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
+        let s = &*self.shared;
+        if cost > s.max_cost {
+            return Ok(Decision::deny(s.params.limit, 0, Duration::ZERO, None, Source::Lease));
+        }
+        if s.closed.load(Ordering::Acquire) {
+            return s.exact_check(key, cost).await;
+        }
+        let now = s.time.now_us();
+        let slot = match s.slots.get(key) {
+            Some(entry) => {
+                let slot = entry.value();
+                if let Take::Taken(left) = slot.take(cost, now) {
+                    slot.touch(now);
+                    if slot.wants_refill(left, now) {
+                        s.request_refill(slot);
+                    }
+                    return Ok(s.lease_decision(slot, left, now));
+                }
+                slot.clone()
+            }
+            None => match s.insert(key, now) {
+                Some(slot) => slot,
+                None => return s.exact_check(key, cost).await,
+            },
+        };
+        self.slow(slot, key, cost).await
+    }
+
+    async fn slow(&self, mut slot: Arc<Slot>, key: &str, cost: u64) -> Result<Decision, Error> {
+        let s = &*self.shared;
+        let config = s.config.load_full();
+        let give_up_at = tokio::time::Instant::now() + config.max_wait;
+        loop {
+            let now = s.time.now_us();
+            if slot.evicted.load(Ordering::Acquire) {
+                slot = match s.insert(key, now) {
+                    Some(slot) => slot,
+                    None => return s.exact_check(key, cost).await,
+                };
+            }
+            slot.touch(now);
+            if let Some(replaced) = slot.promote(now) {
+                Counters::add(&s.counters.stranded, replaced as u64);
+            }
+            if let Take::Taken(left) = slot.take(cost, now) {
+                if slot.wants_refill(left, now) {
+                    s.request_refill(&slot);
+                }
+                return Ok(s.lease_decision(&slot, left, now));
+            }
+            let denied_until = slot.denied_until.load(Ordering::Acquire);
+            if now < denied_until {
+                let wait = Duration::from_micros(denied_until - now);
+                let reset = s.reset_after(&slot, now).max(wait);
+                return Ok(Decision::deny(s.params.limit, 0, reset, Some(wait), Source::DeniedCache));
+            }
+            if cost == 0 {
+                return Ok(s.lease_decision(&slot, 0, now));
+            }
+            slot.need.fetch_max(cost, Ordering::AcqRel);
+            let notified = slot.refilled.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let next_start = s.pending_start(&slot);
+            if next_start.is_none() {
+                s.request_refill(&slot);
+            }
+            if slot.refill_failed.load(Ordering::Acquire) {
+                return Err(Error::new(
+                    ErrorKind::Connection,
+                    "the last refill failed and no leased permit is left",
+                ));
+            }
+            if let Consistency::Optimistic { max_debt } = config.consistency {
+                if s.try_credit(&slot, cost, now, max_debt) {
+                    return Ok(Decision::allow(
+                        s.params.limit,
+                        0,
+                        s.reset_after(&slot, now),
+                        Source::Credit,
+                    ));
+                }
+            }
+            let left = give_up_at.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                let retry = Duration::from_micros(s.rtt_us.load(Ordering::Relaxed).max(1_000));
+                return Ok(Decision::deny(
+                    s.params.limit,
+                    0,
+                    s.reset_after(&slot, now),
+                    Some(retry),
+                    Source::Lease,
+                ));
+            }
+            let wait = match next_start {
+                Some(start) => left.min(Duration::from_micros(start.saturating_sub(now).max(100))),
+                None => left,
+            };
+            let _ = tokio::time::timeout(wait, notified).await;
+        }
+    }
+
+    /// Stops the sync task and gives every unused permit back.
+    pub(crate) async fn shutdown(&self) {
+        let s = &*self.shared;
+        s.closed.store(true, Ordering::Release);
+        s.stopping.store(true, Ordering::Release);
+        s.wake.notify_one();
+        let task = self.task.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
+        let now = s.time.precise_us();
+        let keys: Vec<Box<str>> = s.slots.iter().map(|e| e.key().clone()).collect();
+        for key in keys {
+            if let Some((_, slot)) = s.slots.remove(&key) {
+                s.retire(&slot, now);
+            }
+        }
+        sync::round(s).await;
+    }
+}
+
+impl Shared {
+    fn insert(&self, key: &str, now: u64) -> Option<Arc<Slot>> {
+        if let Some(slot) = self.slots.get(key) {
+            return Some(slot.clone());
+        }
+        let max_keys = self.config.load().max_keys;
+        if self.slots.len() >= max_keys {
+            return None;
+        }
+        let store_key = self.keys.store_key(key, self.params.algorithm);
+        Some(
+            self.slots
+                .entry(key.into())
+                .or_insert_with(|| Arc::new(Slot::new(store_key, now)))
+                .clone(),
+        )
+    }
+
+    async fn exact_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
+        Counters::add(&self.counters.round_trips, 1);
+        self.exact.check(key, cost).await
+    }
+
+    fn request_refill(&self, slot: &Arc<Slot>) {
+        if !slot.refill_pending.swap(true, Ordering::AcqRel) {
+            self.queue
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(slot.clone());
+            self.wake.notify_one();
+        }
+    }
+
+    /// The start of a pre-leased slice not yet usable, if any.
+    fn pending_start(&self, slot: &Slot) -> Option<u64> {
+        if !slot.has_next.load(Ordering::Acquire) {
+            return None;
+        }
+        slot.next
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map(|n| n.start)
+    }
+
+    fn reset_after(&self, slot: &Slot, now: u64) -> Duration {
+        Duration::from_micros(slot.reset_at.load(Ordering::Relaxed).saturating_sub(now))
+    }
+
+    fn lease_decision(&self, slot: &Slot, left: i64, now: u64) -> Decision {
+        let remaining = left.max(0) as u64 + slot.store_remaining.load(Ordering::Relaxed);
+        Decision::allow(
+            self.params.limit,
+            remaining.min(self.params.limit.max(self.params.burst)),
+            self.reset_after(slot, now),
+            Source::Lease,
+        )
+    }
+
+    /// Optimistic mode: admit on credit if this process's unreported debt
+    /// for the key stays within `max_debt` and belongs to one window.
+    fn try_credit(&self, slot: &Slot, cost: u64, now: u64, max_debt: u64) -> bool {
+        let window = match self.params.algorithm {
+            Algorithm::FixedWindow => slot.window_at(now, self.params.period_us),
+            Algorithm::TokenBucket | Algorithm::Gcra => 0,
+        };
+        let mut credit = slot.credit.lock().unwrap_or_else(|p| p.into_inner());
+        if credit.debt > 0 && credit.window != window {
+            return false;
+        }
+        if credit.debt + cost > max_debt {
+            return false;
+        }
+        credit.debt += cost;
+        credit.window = window;
+        drop(credit);
+        Counters::add(&self.counters.credit_admitted, cost);
+        true
+    }
+
+    /// Takes a slot out of service: valid permits go back to the store,
+    /// debt is queued for reporting, expired permits count as stranded.
+    fn retire(&self, slot: &Slot, now: u64) {
+        slot.evicted.store(true, Ordering::Release);
+        let valid = now < slot.deadline.load(Ordering::Acquire);
+        let permits = slot.permits.swap(0, Ordering::AcqRel).max(0) as u64;
+        let window = slot.window.load(Ordering::Acquire);
+        if permits > 0 {
+            if valid {
+                self.give_back(&slot.store_key, permits, window);
+            } else {
+                Counters::add(&self.counters.stranded, permits);
+            }
+        }
+        if slot.has_next.swap(false, Ordering::AcqRel) {
+            if let Some(next) = slot.next.lock().unwrap_or_else(|p| p.into_inner()).take() {
+                self.give_back(&slot.store_key, next.permits.max(0) as u64, next.window);
+            }
+        }
+        let credit = std::mem::take(&mut *slot.credit.lock().unwrap_or_else(|p| p.into_inner()));
+        if credit.debt > 0 {
+            self.reports
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((slot.store_key.clone(), credit));
+        }
+    }
+
+    fn give_back(&self, store_key: &str, permits: u64, window: i64) {
+        if permits == 0 || (window == UNKNOWN_WINDOW && self.params.algorithm == Algorithm::FixedWindow) {
+            return;
+        }
+        self.returns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(GiveBackCall {
+                key: store_key.to_owned(),
+                returned: permits,
+                window,
+            });
+    }
+}
+
+#[cfg(test)]
+mod tests;

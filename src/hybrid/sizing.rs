@@ -1,0 +1,155 @@
+//! Lease sizing: how many permits to ask for, from a key's observed rate.
+//!
+//! Pure arithmetic on numbers the sync task hands in; no atomics, no I/O.
+//! Rate is an exponentially weighted moving average of permits consumed
+//! per microsecond (time constant [`TAU_US`]); a lease that was used up
+//! quickly doubles the next one, so hot keys reach their size in a few
+//! round trips instead of a full time constant.
+
+/// The EWMA time constant: one second.
+pub(crate) const TAU_US: f64 = 1_000_000.0;
+
+/// Per-key sizing state, owned by the sync task.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Sizing {
+    /// Local permits right after the last refill was applied.
+    level: i64,
+    /// When the last refill was applied (local µs); 0 = never.
+    at: u64,
+    /// Permits consumed per µs, smoothed.
+    rate: f64,
+    /// The last lease asked for.
+    last_want: u64,
+}
+
+/// Bounds and horizon for one decision about a lease's size.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct SizingRule {
+    pub(crate) min_lease: u64,
+    pub(crate) max_lease: u64,
+    pub(crate) horizon_us: u64,
+}
+
+impl Sizing {
+    /// Folds in what was consumed since the last refill and returns the
+    /// smoothed rate (permits per µs).
+    pub(crate) fn observe(&mut self, permits_now: i64, debt: u64, now: u64) -> f64 {
+        if self.at == 0 || now <= self.at {
+            return self.rate;
+        }
+        let consumed = (self.level - permits_now.max(0)).max(0) as f64 + debt as f64;
+        let dt = (now - self.at) as f64;
+        let instant = consumed / dt;
+        let alpha = 1.0 - (-dt / TAU_US).exp();
+        self.rate += alpha * (instant - self.rate);
+        self.rate
+    }
+
+    /// The size of the next lease. `time_left_us` caps it at what the
+    /// observed rate can use before the lease ends (fixed window), so few
+    /// permits strand at the boundary. `need` is the largest pending cost.
+    pub(crate) fn want(&mut self, rule: SizingRule, permits_now: i64, now: u64, need: u64, time_left_us: Option<u64>) -> u64 {
+        let by_rate = (self.rate * rule.horizon_us as f64).ceil();
+        let mut want = if by_rate.is_finite() { by_rate as u64 } else { rule.max_lease };
+        // The last lease ran dry within half a horizon: demand outruns the
+        // average, so double.
+        let quick = self.at != 0
+            && permits_now <= self.level / 2
+            && now.saturating_sub(self.at) < rule.horizon_us / 2;
+        if quick {
+            want = want.max(self.last_want.saturating_mul(2));
+        }
+        if let Some(left) = time_left_us {
+            if self.rate > 0.0 {
+                let usable = (self.rate * left as f64 * 1.2).ceil() as u64;
+                want = want.min(usable.max(rule.min_lease));
+            }
+        }
+        let want = want.clamp(rule.min_lease, rule.max_lease).max(need);
+        self.last_want = want;
+        want
+    }
+
+    /// Records the local level after a refill was applied.
+    pub(crate) fn applied(&mut self, level: i64, now: u64) {
+        self.level = level.max(0);
+        self.at = now;
+    }
+
+    pub(crate) fn rate_per_us(&self) -> f64 {
+        self.rate
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RULE: SizingRule = SizingRule {
+        min_lease: 1,
+        max_lease: 10_000,
+        horizon_us: 250_000,
+    };
+
+    #[test]
+    fn a_cold_key_leases_the_minimum() {
+        let mut s = Sizing::default();
+        assert_eq!(s.want(RULE, 0, 1_000, 1, None), 1);
+    }
+
+    #[test]
+    fn a_hot_key_grows_its_lease_quickly_and_settles_near_rate_times_horizon() {
+        // 10 000 permits/s, a refill whenever the lease runs out.
+        let mut s = Sizing::default();
+        let mut now = 1_000_000u64;
+        let mut want = s.want(RULE, 0, now, 1, None);
+        s.applied(want as i64, now);
+        let mut round_trips = 0;
+        for _ in 0..200 {
+            now += want * 100; // 100 µs per permit
+            s.observe(0, 0, now);
+            want = s.want(RULE, 0, now, 1, None);
+            s.applied(want as i64, now);
+            round_trips += 1;
+            if want >= 2_000 {
+                break;
+            }
+        }
+        assert!(round_trips < 20, "took {round_trips} refills to grow");
+        // Then steady state: refill at half the lease.
+        for _ in 0..100 {
+            now += want / 2 * 100;
+            s.observe(want as i64 / 2, 0, now);
+            want = s.want(RULE, want as i64 / 2, now, 1, None);
+            s.applied(want as i64, now);
+        }
+        let ideal = 10_000.0 * 0.25;
+        assert!((want as f64) > ideal * 0.6 && (want as f64) < ideal * 2.5, "{want}");
+    }
+
+    #[test]
+    fn leases_are_clamped_and_capped_by_time_left() {
+        let mut s = Sizing {
+            level: 0,
+            at: 1,
+            rate: 1.0, // a million per second
+            last_want: 0,
+        };
+        assert_eq!(s.want(RULE, 0, 10, 1, None), 10_000);
+        assert_eq!(s.want(RULE, 0, 10, 1, Some(100)), 120);
+        // a pending request larger than the lease is still served
+        let mut cold = Sizing::default();
+        assert_eq!(cold.want(RULE, 0, 10, 50, None), 50);
+    }
+
+    #[test]
+    fn the_rate_decays_when_the_key_goes_quiet() {
+        let mut s = Sizing::default();
+        s.applied(100, 1);
+        s.observe(0, 0, 100_001);
+        let hot = s.rate_per_us();
+        s.applied(100, 100_001);
+        s.observe(100, 0, 5_100_001);
+        assert!(s.rate_per_us() < hot / 10.0);
+    }
+}

@@ -1,0 +1,264 @@
+//! One key's local state: atomics the request path reads and writes.
+//!
+//! The request path touches only atomics here (no lock, no allocation);
+//! the two mutexes are for the slow path and the sync task, and are never
+//! held across an await. A slot never talks to the store.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use tokio::sync::Notify;
+
+use super::sizing::Sizing;
+
+/// "No window known yet": the store charges such debt to its current window.
+pub(crate) const UNKNOWN_WINDOW: i64 = -1;
+
+/// A slice of the next window, granted ahead of the boundary.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct NextLease {
+    pub(crate) permits: i64,
+    pub(crate) window: i64,
+    /// Local µs from which the permits may be spent (the window's start,
+    /// as late as it can be locally, plus the margin).
+    pub(crate) start: u64,
+    /// Local µs at which they become void.
+    pub(crate) deadline: u64,
+    /// Local µs estimate of the window's end, without margin.
+    pub(crate) window_end: u64,
+}
+
+/// Permits admitted on credit and not yet reported.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Credit {
+    pub(crate) debt: u64,
+    pub(crate) window: i64,
+}
+
+pub(crate) struct Slot {
+    /// The store key, encoded once.
+    pub(crate) store_key: String,
+    /// Permits held locally, all granted by the store.
+    pub(crate) permits: AtomicI64,
+    /// Local µs at which the permits become void (window end or lease
+    /// horizon, minus the margin).
+    pub(crate) deadline: AtomicU64,
+    /// Fixed window: the window index the permits belong to.
+    pub(crate) window: AtomicI64,
+    /// Fixed window: local estimate of the end of `window`, without margin.
+    pub(crate) window_end: AtomicU64,
+    /// Below this many permits, a refill is requested.
+    pub(crate) low_water: AtomicI64,
+    /// From this local µs, a refill (fixed window: a pre-lease of the next
+    /// window) is requested even above the low-water mark.
+    pub(crate) refill_at: AtomicU64,
+    /// The store said the key is exhausted until this local µs.
+    pub(crate) denied_until: AtomicU64,
+    /// A refill is queued or in flight; at most one per key.
+    pub(crate) refill_pending: AtomicBool,
+    /// The last refill failed: the failure policy applies once local
+    /// permits are gone.
+    pub(crate) refill_failed: AtomicBool,
+    /// Removed from the map; whoever still holds it must look the key up again.
+    pub(crate) evicted: AtomicBool,
+    /// Largest cost a waiting request needs (so the next lease covers it).
+    pub(crate) need: AtomicU64,
+    /// Last use, local µs (updated at most once per millisecond).
+    pub(crate) last_used: AtomicU64,
+    /// What the store last said remains unleased.
+    pub(crate) store_remaining: AtomicU64,
+    /// Local µs at which the quota is whole again, per the store.
+    pub(crate) reset_at: AtomicU64,
+    /// Woken when a refill has been applied.
+    pub(crate) refilled: Notify,
+    /// Whether `next` holds a lease (checked without the lock).
+    pub(crate) has_next: AtomicBool,
+    pub(crate) next: Mutex<Option<NextLease>>,
+    /// Optimistic mode: credit admitted, not yet reported.
+    pub(crate) credit: Mutex<Credit>,
+    /// Sync task only.
+    pub(crate) sizing: Mutex<Sizing>,
+}
+
+/// The result of trying to spend local permits.
+pub(crate) enum Take {
+    /// Spent; this many remain locally.
+    Taken(i64),
+    /// No valid permits (empty, expired or not yet leased).
+    Empty,
+}
+
+impl Slot {
+    pub(crate) fn new(store_key: String, now: u64) -> Self {
+        Slot {
+            store_key,
+            permits: AtomicI64::new(0),
+            deadline: AtomicU64::new(0),
+            window: AtomicI64::new(UNKNOWN_WINDOW),
+            window_end: AtomicU64::new(0),
+            low_water: AtomicI64::new(0),
+            refill_at: AtomicU64::new(u64::MAX),
+            denied_until: AtomicU64::new(0),
+            refill_pending: AtomicBool::new(false),
+            refill_failed: AtomicBool::new(false),
+            evicted: AtomicBool::new(false),
+            need: AtomicU64::new(0),
+            last_used: AtomicU64::new(now),
+            store_remaining: AtomicU64::new(0),
+            reset_at: AtomicU64::new(0),
+            refilled: Notify::new(),
+            has_next: AtomicBool::new(false),
+            next: Mutex::new(None),
+            credit: Mutex::new(Credit::default()),
+            sizing: Mutex::new(Sizing::default()),
+        }
+    }
+
+    /// Spends `cost` local permits if they are valid at `now`.
+    #[inline]
+    pub(crate) fn take(&self, cost: u64, now: u64) -> Take {
+        if now >= self.deadline.load(Ordering::Acquire) {
+            return Take::Empty;
+        }
+        let cost = cost as i64;
+        let mut current = self.permits.load(Ordering::Acquire);
+        loop {
+            if current < cost {
+                return Take::Empty;
+            }
+            match self.permits.compare_exchange_weak(
+                current,
+                current - cost,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Take::Taken(current - cost),
+                Err(actual) => current = actual,
+            }
+        }
+    }
+
+    /// Records use for idle eviction without writing the shared line on
+    /// every decision.
+    #[inline]
+    pub(crate) fn touch(&self, now: u64) {
+        if self.last_used.load(Ordering::Relaxed) + 1_000 < now {
+            self.last_used.store(now, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the permits just spent leave the slot wanting a refill.
+    #[inline]
+    pub(crate) fn wants_refill(&self, left: i64, now: u64) -> bool {
+        left < self.low_water.load(Ordering::Relaxed) || now >= self.refill_at.load(Ordering::Relaxed)
+    }
+
+    /// Installs a lease. If the current permits are still valid and belong
+    /// to the same window (and this is not a renewal), the grant is added
+    /// and the deadline kept, so no permit outlives its own lease.
+    /// Otherwise the grant replaces them; the replaced permits are returned
+    /// (expired leftovers, for the caller to give back or count as
+    /// stranded).
+    pub(crate) fn install(&self, granted: i64, window: i64, deadline: u64, window_end: u64, now: u64, renew: bool) -> i64 {
+        let current_deadline = self.deadline.load(Ordering::Acquire);
+        if !renew && now < current_deadline && self.window.load(Ordering::Acquire) == window {
+            self.permits.fetch_add(granted, Ordering::AcqRel);
+            return 0;
+        }
+        // Void the old permits first, then publish the new ones, so the
+        // request path never pairs new permits with an old deadline.
+        self.deadline.store(0, Ordering::Release);
+        let old = self.permits.swap(granted, Ordering::AcqRel);
+        self.window.store(window, Ordering::Release);
+        self.window_end.store(window_end, Ordering::Release);
+        self.deadline.store(deadline, Ordering::Release);
+        old.max(0)
+    }
+
+    /// Voids permits whose deadline has passed; returns how many there were.
+    pub(crate) fn expire(&self, now: u64) -> i64 {
+        if now < self.deadline.load(Ordering::Acquire) {
+            return 0;
+        }
+        self.permits.swap(0, Ordering::AcqRel).max(0)
+    }
+
+    /// Moves a due pre-leased slice of the next window into place; returns
+    /// the permits it replaced, or `None` if nothing was due.
+    pub(crate) fn promote(&self, now: u64) -> Option<i64> {
+        if !self.has_next.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+        let lease = (*next)?;
+        if now < lease.start {
+            return None;
+        }
+        *next = None;
+        self.has_next.store(false, Ordering::Release);
+        drop(next);
+        Some(self.install(lease.permits, lease.window, lease.deadline, lease.window_end, now, true))
+    }
+
+    /// Local estimate of the fixed window in force at `now`, from the last
+    /// lease's window and end; `UNKNOWN_WINDOW` before the first lease.
+    pub(crate) fn window_at(&self, now: u64, period_us: u64) -> i64 {
+        let window = self.window.load(Ordering::Acquire);
+        if window == UNKNOWN_WINDOW {
+            return UNKNOWN_WINDOW;
+        }
+        let end = self.window_end.load(Ordering::Acquire);
+        if now < end {
+            window
+        } else {
+            window + 1 + ((now - end) / period_us.max(1)) as i64
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn permits_are_spent_only_before_the_deadline() {
+        let slot = Slot::new("k".into(), 0);
+        assert!(matches!(slot.take(1, 10), Take::Empty));
+        slot.install(3, 7, 100, 103, 10, false);
+        assert!(matches!(slot.take(2, 50), Take::Taken(1)));
+        assert!(matches!(slot.take(2, 50), Take::Empty));
+        assert!(matches!(slot.take(1, 100), Take::Empty), "deadline passed");
+        assert_eq!(slot.expire(100), 1);
+    }
+
+    #[test]
+    fn a_grant_for_the_same_window_adds_and_a_new_window_replaces() {
+        let slot = Slot::new("k".into(), 0);
+        slot.install(3, 7, 100, 103, 10, false);
+        assert_eq!(slot.install(2, 7, 200, 203, 20, false), 0);
+        assert!(matches!(slot.take(5, 30), Take::Taken(0)));
+        slot.install(3, 7, 100, 103, 40, false);
+        // window 8 replaces window 7's leftovers, which are handed back
+        assert_eq!(slot.install(4, 8, 200, 203, 150, false), 3);
+        assert!(matches!(slot.take(4, 160), Take::Taken(0)));
+    }
+
+    #[test]
+    fn a_pre_lease_is_usable_only_from_its_start() {
+        let slot = Slot::new("k".into(), 0);
+        slot.install(1, 7, 100, 103, 10, false);
+        *slot.next.lock().unwrap() = Some(NextLease {
+            permits: 5,
+            window: 8,
+            start: 106,
+            deadline: 200,
+            window_end: 203,
+        });
+        slot.has_next.store(true, Ordering::Release);
+        assert_eq!(slot.promote(105), None);
+        assert_eq!(slot.promote(106), Some(1));
+        assert!(matches!(slot.take(5, 106), Take::Taken(0)));
+        assert_eq!(slot.window_at(150, 100), 8);
+        assert_eq!(slot.window_at(210, 100), 9);
+    }
+}

@@ -1,0 +1,376 @@
+//! The sync task: the only place the hybrid limiter talks to the store.
+//!
+//! Woken when a slot runs low, it drains the refill queue, sizes each
+//! lease, and sends many keys' leases in one pipelined round trip; it also
+//! gives back unused permits, reports debt, expires and evicts slots. It
+//! never blocks the request path: slots are updated with atomics and the
+//! few locks are held only between awaits.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::sizing::SizingRule;
+use super::slot::{Credit, NextLease, Slot};
+use super::{HybridConfig, Shared};
+use crate::stats::Counters;
+use crate::store::{LeaseCall, LeaseReply};
+use crate::{Algorithm, Error};
+
+/// How often expiry, idle eviction and `max_keys` are enforced.
+pub(crate) const MAINTENANCE: Duration = Duration::from_millis(100);
+
+pub(crate) async fn run(shared: Arc<Shared>) {
+    let mut maintenance = tokio::time::interval(MAINTENANCE);
+    maintenance.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tokio::select! {
+            _ = shared.wake.notified() => {}
+            _ = maintenance.tick() => maintain(&shared),
+        }
+        if shared.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        round(&shared).await;
+    }
+}
+
+/// One lease in flight, with what is needed to apply its reply.
+struct Pending {
+    slot: Option<Arc<Slot>>,
+    call: LeaseCall,
+    /// Token bucket / GCRA: replace the current permits (fresh horizon).
+    renew: bool,
+}
+
+/// Sends everything queued: give-backs, then leases and debt reports in
+/// batches of `batch_size`, until the queues are empty.
+pub(crate) async fn round(shared: &Shared) {
+    let returns = std::mem::take(&mut *shared.returns.lock().unwrap_or_else(|p| p.into_inner()));
+    for chunk in returns.chunks(shared.config.load().batch_size) {
+        shared.counters.round_trips.fetch_add(1, Ordering::Relaxed);
+        match shared.store.give_back_batch(&shared.params, chunk).await {
+            Ok(results) => {
+                for (call, result) in chunk.iter().zip(results) {
+                    match result {
+                        Ok(back) => {
+                            Counters::add(&shared.counters.given_back, back);
+                            Counters::add(&shared.counters.stranded, call.returned.saturating_sub(back));
+                        }
+                        Err(_) => {
+                            Counters::add(&shared.counters.store_errors, 1);
+                            Counters::add(&shared.counters.stranded, call.returned);
+                        }
+                    }
+                }
+            }
+            Err(_) => {
+                Counters::add(&shared.counters.store_errors, 1);
+                let lost: u64 = chunk.iter().map(|c| c.returned).sum();
+                Counters::add(&shared.counters.stranded, lost);
+            }
+        }
+    }
+    loop {
+        let config = shared.config.load_full();
+        let now = shared.time.precise_us();
+        let mut pending: Vec<Pending> = Vec::new();
+        {
+            let mut reports = shared.reports.lock().unwrap_or_else(|p| p.into_inner());
+            while pending.len() < config.batch_size {
+                let Some((key, credit)) = reports.pop() else { break };
+                pending.push(Pending {
+                    slot: None,
+                    call: report_call(key, credit),
+                    renew: false,
+                });
+            }
+        }
+        let slots: Vec<Arc<Slot>> = {
+            let mut queue = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+            let room = config.batch_size.saturating_sub(pending.len()).min(queue.len());
+            queue.drain(..room).collect()
+        };
+        for slot in slots {
+            if slot.evicted.load(Ordering::Acquire) {
+                slot.refill_pending.store(false, Ordering::Release);
+                slot.refilled.notify_waiters();
+                continue;
+            }
+            pending.push(lease_call(shared, &config, slot, now));
+        }
+        if pending.is_empty() {
+            return;
+        }
+        let calls: Vec<LeaseCall> = pending.iter().map(|p| p.call.clone()).collect();
+        shared.counters.round_trips.fetch_add(1, Ordering::Relaxed);
+        let t0 = shared.time.precise_us();
+        let results = shared.store.lease_batch(&shared.params, &calls).await;
+        let t1 = shared.time.precise_us();
+        let rtt = t1.saturating_sub(t0);
+        let old = shared.rtt_us.load(Ordering::Relaxed);
+        shared
+            .rtt_us
+            .store(if old == 0 { rtt } else { (old * 7 + rtt) / 8 }, Ordering::Relaxed);
+        match results {
+            Ok(results) => {
+                for (p, result) in pending.into_iter().zip(results) {
+                    apply(shared, &config, p, result, t0, t1);
+                }
+            }
+            Err(e) => {
+                for p in pending {
+                    apply(shared, &config, p, Err(e.clone()), t0, t1);
+                }
+            }
+        }
+    }
+}
+
+fn report_call(key: String, credit: Credit) -> LeaseCall {
+    LeaseCall {
+        key,
+        want: 0,
+        share_cap: 1.0,
+        debt: credit.debt,
+        debt_window: credit.window,
+        next_window: false,
+        need: 1,
+    }
+}
+
+fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64) -> Pending {
+    let period = shared.params.period_us;
+    let permits = slot.permits.load(Ordering::Acquire);
+    let valid = now < slot.deadline.load(Ordering::Acquire);
+    let near_end = now >= slot.refill_at.load(Ordering::Relaxed);
+    let credit = std::mem::take(&mut *slot.credit.lock().unwrap_or_else(|p| p.into_inner()));
+    let need = slot.need.swap(0, Ordering::AcqRel);
+    let rule = SizingRule {
+        min_lease: config.min_lease,
+        max_lease: config.max_lease,
+        horizon_us: config.refill_horizon.as_micros() as u64,
+    };
+    let mut sizing = slot.sizing.lock().unwrap_or_else(|p| p.into_inner());
+    sizing.observe(permits, credit.debt, now);
+    let (next_window, renew, time_left) = match shared.params.algorithm {
+        Algorithm::FixedWindow => {
+            let end = slot.window_end.load(Ordering::Acquire);
+            let current_left = if end > now {
+                Some(end - now)
+            } else if end > 0 {
+                // The window after the one we knew: estimate its end.
+                Some(period - (now - end) % period)
+            } else {
+                None
+            };
+            // Permits of a window that ends within the margin and a round
+            // trip would be void on arrival: lease the next window instead.
+            let margin = config.clock_margin.as_micros() as u64
+                + shared.time.tick_us()
+                + shared.rtt_us.load(Ordering::Relaxed);
+            let too_late = current_left.is_some_and(|left| left <= margin);
+            let prelease = !config.prelease_lead.is_zero() && valid && near_end && permits > 0;
+            let next = (too_late || prelease) && !slot.has_next.load(Ordering::Acquire);
+            let time_left = if next { Some(period) } else { current_left };
+            (next, false, time_left)
+        }
+        Algorithm::TokenBucket | Algorithm::Gcra => (false, valid && near_end, None),
+    };
+    let want = sizing.want(rule, if next_window { 0 } else { permits }, now, need, time_left);
+    drop(sizing);
+    let call = LeaseCall {
+        key: slot.store_key.clone(),
+        want,
+        share_cap: config.share_cap,
+        debt: credit.debt,
+        debt_window: credit.window,
+        next_window,
+        need: need.max(want / 4).max(1),
+    };
+    Pending {
+        slot: Some(slot),
+        call,
+        renew,
+    }
+}
+
+fn apply(shared: &Shared, config: &HybridConfig, p: Pending, result: Result<LeaseReply, Error>, t0: u64, t1: u64) {
+    let counters = &shared.counters;
+    let Some(slot) = p.slot else {
+        // A debt report for an evicted slot.
+        match result {
+            Ok(r) => Counters::add(&counters.overshoot, r.uncovered),
+            Err(_) => {
+                Counters::add(&counters.store_errors, 1);
+                requeue_debt(shared, None, &p.call);
+            }
+        }
+        return;
+    };
+    match result {
+        Err(_) => {
+            Counters::add(&counters.store_errors, 1);
+            requeue_debt(shared, Some(&slot), &p.call);
+            slot.refill_failed.store(true, Ordering::Release);
+        }
+        Ok(r) => {
+            slot.refill_failed.store(false, Ordering::Release);
+            Counters::add(&counters.overshoot, r.uncovered);
+            slot.store_remaining.store(r.remaining, Ordering::Relaxed);
+            slot.reset_at.store(t0 + r.reset_after_us, Ordering::Relaxed);
+            let margin = config.clock_margin.as_micros() as u64 + shared.time.tick_us();
+            let lead = config.prelease_lead.as_micros() as u64;
+            let now = shared.time.precise_us();
+            if r.granted > 0 {
+                Counters::add(&counters.leases, 1);
+                Counters::add(&counters.permits_leased, r.granted);
+                let granted = r.granted as i64;
+                match shared.params.algorithm {
+                    Algorithm::FixedWindow => {
+                        // Redis evaluated somewhere in [t0, t1] locally: the
+                        // window ends no earlier than t0 + reset and starts
+                        // no later than t1 + start_after.
+                        let window_end = t0 + r.reset_after_us;
+                        let deadline = window_end.saturating_sub(margin);
+                        if r.start_after_us > 0 {
+                            let lease = NextLease {
+                                permits: granted,
+                                window: r.window,
+                                start: t1 + r.start_after_us + margin,
+                                deadline,
+                                window_end,
+                            };
+                            let mut next = slot.next.lock().unwrap_or_else(|p| p.into_inner());
+                            let merged = match *next {
+                                Some(n) if n.window == r.window => NextLease {
+                                    permits: n.permits + granted,
+                                    ..n
+                                },
+                                Some(n) => {
+                                    Counters::add(&counters.stranded, n.permits.max(0) as u64);
+                                    lease
+                                }
+                                None => lease,
+                            };
+                            *next = Some(merged);
+                            slot.has_next.store(true, Ordering::Release);
+                        } else {
+                            let replaced = slot.install(granted, r.window, deadline, window_end, now, false);
+                            Counters::add(&counters.stranded, replaced as u64);
+                            slot.refill_at.store(
+                                if lead == 0 { u64::MAX } else { window_end.saturating_sub(lead + margin) },
+                                Ordering::Relaxed,
+                            );
+                        }
+                    }
+                    Algorithm::TokenBucket | Algorithm::Gcra => {
+                        let deadline = (t0 + config.lease_ttl.as_micros() as u64).saturating_sub(margin);
+                        let replaced = slot.install(granted, 0, deadline, deadline, now, p.renew);
+                        if replaced > 0 {
+                            shared.give_back(&slot.store_key, replaced as u64, 0);
+                        }
+                        if p.renew || replaced > 0 || slot.deadline.load(Ordering::Acquire) == deadline {
+                            let renew_at = deadline.saturating_sub(lead.min(deadline.saturating_sub(t0) / 2));
+                            slot.refill_at.store(renew_at, Ordering::Relaxed);
+                        }
+                    }
+                }
+                slot.low_water.store((p.call.want / 2) as i64, Ordering::Relaxed);
+            } else if p.call.want > 0 {
+                if !p.call.next_window {
+                    slot.denied_until.store(t0 + r.retry_after_us, Ordering::Release);
+                }
+                // Nothing to be had: spend what is held, then ask again (the
+                // denied-until time keeps that from costing round trips).
+                slot.low_water.store(0, Ordering::Relaxed);
+                slot.refill_at.store(u64::MAX, Ordering::Relaxed);
+            }
+            let level = slot.permits.load(Ordering::Acquire);
+            slot.sizing
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .applied(level, now);
+        }
+    }
+    slot.refill_pending.store(false, Ordering::Release);
+    slot.refilled.notify_waiters();
+}
+
+/// Puts unreported debt back where it will be reported again: into the
+/// slot if it holds none of another window, else onto the report queue.
+fn requeue_debt(shared: &Shared, slot: Option<&Slot>, call: &LeaseCall) {
+    if call.debt == 0 {
+        return;
+    }
+    let failed = Credit {
+        debt: call.debt,
+        window: call.debt_window,
+    };
+    if let Some(slot) = slot {
+        let mut credit = slot.credit.lock().unwrap_or_else(|p| p.into_inner());
+        if credit.debt == 0 || credit.window == failed.window {
+            credit.debt += failed.debt;
+            credit.window = failed.window;
+            return;
+        }
+    }
+    shared
+        .reports
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((call.key.clone(), failed));
+}
+
+/// Expires leases, evicts idle slots and enforces `max_keys`. Network
+/// work it creates (give-backs, reports) goes out with the next round.
+pub(crate) fn maintain(shared: &Shared) {
+    let config = shared.config.load();
+    let now = shared.time.precise_us();
+    let idle_us = config.idle_ttl.as_micros() as u64;
+    let mut idle: Vec<(u64, Box<str>)> = Vec::new();
+    let mut all: Vec<(u64, Box<str>)> = Vec::new();
+    let over = shared.slots.len().saturating_sub(config.max_keys);
+    for entry in shared.slots.iter() {
+        let slot = entry.value();
+        let expired = slot.expire(now);
+        if expired > 0 {
+            match shared.params.algorithm {
+                Algorithm::FixedWindow => Counters::add(&shared.counters.stranded, expired as u64),
+                Algorithm::TokenBucket | Algorithm::Gcra => {
+                    shared.give_back(&slot.store_key, expired as u64, 0)
+                }
+            }
+        }
+        if slot.has_next.load(Ordering::Acquire) {
+            let mut next = slot.next.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = *next {
+                if now >= n.deadline {
+                    Counters::add(&shared.counters.stranded, n.permits.max(0) as u64);
+                    *next = None;
+                    slot.has_next.store(false, Ordering::Release);
+                }
+            }
+        }
+        let last = slot.last_used.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= idle_us && !slot.refill_pending.load(Ordering::Acquire) {
+            idle.push((last, entry.key().clone()));
+        } else if over > 0 {
+            all.push((last, entry.key().clone()));
+        }
+    }
+    let mut evict: Vec<Box<str>> = idle.into_iter().map(|(_, k)| k).collect();
+    let still_over = over.saturating_sub(evict.len());
+    if still_over > 0 {
+        // Least recently used first, down to 90 % of the cap.
+        let target = still_over + config.max_keys / 10;
+        all.sort_unstable_by_key(|(last, _)| *last);
+        evict.extend(all.into_iter().take(target).map(|(_, k)| k));
+    }
+    for key in evict {
+        if let Some((_, slot)) = shared.slots.remove(&key) {
+            shared.retire(&slot, now);
+            slot.refilled.notify_waiters();
+        }
+    }
+}

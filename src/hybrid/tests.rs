@@ -1,0 +1,310 @@
+//! The hybrid engine on a fake clock and the embedded store: leases,
+//! refills, rollover, debt, eviction and give-back, without sleeping.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::*;
+use crate::store::{LeaseCall, MemoryStore};
+use crate::{Algorithm, Clock, FakeClock, Quota, Source};
+
+/// A whole second, so fixed windows start at the origin.
+const ORIGIN: Duration = Duration::from_secs(1_700_000_000);
+
+struct Rig {
+    clock: FakeClock,
+    store: MemoryStore,
+    engine: HybridEngine,
+    counters: Arc<Counters>,
+    params: Params,
+    keys: KeyEncoder,
+}
+
+fn rig(quota: Quota, algorithm: Algorithm, config: HybridConfig) -> Rig {
+    let clock = FakeClock::new(ORIGIN);
+    let store = MemoryStore::with_clock(clock.clone());
+    let counters = Arc::new(Counters::default());
+    let params = Params::new(&quota, algorithm);
+    let keys = KeyEncoder::new("t");
+    let engine = HybridEngine::start(
+        config,
+        store.clone().into(),
+        keys.clone(),
+        params,
+        Some(Arc::new(clock.clone())),
+        counters.clone(),
+        algorithm.max_cost(&quota),
+    )
+    .unwrap();
+    Rig {
+        clock,
+        store,
+        engine,
+        counters,
+        params,
+        keys,
+    }
+}
+
+impl Rig {
+    async fn check(&self, key: &str, cost: u64) -> Decision {
+        self.engine.check(key, cost).await.expect("store answers")
+    }
+
+    /// Runs the sync task's work now, as its wake-up would.
+    async fn sync(&self) {
+        sync::round(&self.engine.shared).await;
+    }
+
+    fn maintain(&self) {
+        sync::maintain(&self.engine.shared);
+    }
+
+    fn round_trips(&self) -> u64 {
+        self.counters.round_trips.load(Ordering::Relaxed)
+    }
+
+    fn slot(&self, key: &str) -> Arc<Slot> {
+        self.engine.shared.slots.get(key).expect("tracked").clone()
+    }
+
+    /// What the store has counted in the current window.
+    fn store_count(&self, key: &str) -> i64 {
+        let now = self.clock.now().as_micros() as u64;
+        let window = (now / self.params.period_us) as i64;
+        self.store
+            .window_count(&self.keys.store_key(key, Algorithm::FixedWindow), window)
+            .unwrap_or(0)
+    }
+}
+
+fn strict() -> HybridConfig {
+    HybridConfig::strict().max_wait(Duration::from_millis(200))
+}
+
+#[tokio::test]
+async fn a_cold_key_waits_for_one_lease_then_decides_locally() {
+    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict().lease_bounds(10, 10));
+    let d = r.check("k", 1).await;
+    assert!(d.is_allowed());
+    assert_eq!(d.source(), Source::Lease);
+    assert_eq!(r.round_trips(), 1);
+    for _ in 0..4 {
+        assert_eq!(r.check("k", 1).await.source(), Source::Lease);
+    }
+    assert_eq!(r.round_trips(), 1, "permits were local");
+    assert_eq!(r.store_count("k"), 10);
+}
+
+#[tokio::test]
+async fn a_refill_is_requested_at_the_low_water_mark_before_the_slot_runs_dry() {
+    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict().lease_bounds(10, 10));
+    r.check("k", 1).await; // 9 left, low water 5
+    for _ in 0..4 {
+        r.check("k", 1).await;
+    }
+    let slot = r.slot("k");
+    assert!(!slot.refill_pending.load(Ordering::Acquire), "5 left: not yet");
+    r.check("k", 1).await; // 4 left < 5
+    assert!(slot.refill_pending.load(Ordering::Acquire));
+    r.sync().await;
+    assert_eq!(slot.permits.load(Ordering::Acquire), 14);
+    assert_eq!(r.store_count("k"), 20);
+}
+
+#[tokio::test]
+async fn no_permit_of_a_window_is_spent_after_it_ends() {
+    let config = strict().lease_bounds(50, 50).max_wait(Duration::ZERO);
+    let r = rig(Quota::per_second(1000), Algorithm::FixedWindow, config);
+    let first = r.check("k", 1).await; // cold: waits for nothing, denied
+    assert!(!first.is_allowed());
+    r.sync().await;
+    assert!(r.check("k", 1).await.is_allowed());
+    let slot = r.slot("k");
+    assert_eq!(slot.permits.load(Ordering::Acquire), 49);
+    // 3 ms margin: from 997 ms on, window 0's permits are void.
+    r.clock.set(ORIGIN + Duration::from_micros(996_999));
+    assert_eq!(r.check("k", 1).await.source(), Source::Lease);
+    r.clock.set(ORIGIN + Duration::from_millis(997));
+    let d = r.check("k", 1).await;
+    assert!(!d.is_allowed(), "48 permits held, but their window is about to end");
+    // The refill that denial asked for is a pre-lease of window 1.
+    r.sync().await;
+    assert!(slot.has_next.load(Ordering::Acquire));
+    assert_eq!(r.check("k", 1).await.is_allowed(), false);
+    r.clock.set(ORIGIN + Duration::from_millis(1_002));
+    assert!(!r.check("k", 1).await.is_allowed(), "not before start + margin");
+    r.clock.set(ORIGIN + Duration::from_millis(1_003));
+    let d = r.check("k", 1).await;
+    assert!(d.is_allowed());
+    assert_eq!(d.source(), Source::Lease);
+    assert_eq!(r.counters.stranded.load(Ordering::Relaxed), 48);
+}
+
+#[tokio::test]
+async fn hot_keys_lease_the_next_window_before_the_boundary() {
+    let config = strict().lease_bounds(100, 100).prelease_lead(Duration::from_millis(100));
+    let r = rig(Quota::per_second(1000), Algorithm::FixedWindow, config);
+    assert!(r.check("k", 1).await.is_allowed());
+    r.clock.set(ORIGIN + Duration::from_millis(950));
+    assert!(r.check("k", 1).await.is_allowed());
+    r.sync().await;
+    let slot = r.slot("k");
+    assert!(slot.has_next.load(Ordering::Acquire), "pre-leased");
+    let trips = r.round_trips();
+    r.clock.set(ORIGIN + Duration::from_millis(1_010));
+    assert!(r.check("k", 1).await.is_allowed());
+    assert_eq!(r.round_trips(), trips, "the boundary cost no round trip");
+}
+
+#[tokio::test]
+async fn optimistic_credit_is_bounded_reported_and_counted_as_overshoot() {
+    let quota = Quota::per_second(100);
+    let r = rig(quota, Algorithm::FixedWindow, HybridConfig::optimistic(5));
+    // Another process takes the whole window first.
+    let store_key = r.keys.store_key("k", Algorithm::FixedWindow);
+    r.store.acquire(&store_key, &r.params, 100).unwrap();
+    for _ in 0..5 {
+        assert_eq!(r.check("k", 1).await.source(), Source::Credit);
+    }
+    assert!(!r.check("k", 1).await.is_allowed(), "credit is capped at max_debt");
+    r.sync().await;
+    assert_eq!(r.counters.overshoot.load(Ordering::Relaxed), 5);
+    assert_eq!(r.store_count("k"), 105, "the store records the overshoot");
+    let trips = r.round_trips();
+    for _ in 0..100 {
+        let d = r.check("k", 1).await;
+        assert_eq!(d.source(), Source::DeniedCache);
+        assert!(d.retry_after().unwrap() <= Duration::from_secs(1));
+    }
+    assert_eq!(r.round_trips(), trips, "denials were local");
+}
+
+#[tokio::test]
+async fn covered_credit_is_not_overshoot() {
+    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, HybridConfig::optimistic(5));
+    for _ in 0..3 {
+        assert_eq!(r.check("k", 1).await.source(), Source::Credit);
+    }
+    r.sync().await;
+    assert_eq!(r.counters.overshoot.load(Ordering::Relaxed), 0);
+    assert!(r.store_count("k") >= 4, "debt recorded plus a lease");
+}
+
+#[tokio::test]
+async fn denied_keys_cost_no_round_trip_until_their_reset() {
+    let r = rig(Quota::per_second(10), Algorithm::FixedWindow, strict().lease_bounds(10, 10));
+    for _ in 0..10 {
+        assert!(r.check("k", 1).await.is_allowed());
+    }
+    let d = r.check("k", 1).await; // empty: refill, store has nothing
+    assert!(!d.is_allowed());
+    let trips = r.round_trips();
+    for _ in 0..1000 {
+        assert_eq!(r.check("k", 1).await.source(), Source::DeniedCache);
+    }
+    assert_eq!(r.round_trips(), trips);
+    r.clock.set(ORIGIN + Duration::from_millis(1_001));
+    assert!(r.check("k", 1).await.is_allowed());
+    assert_eq!(r.round_trips(), trips + 1);
+}
+
+#[tokio::test]
+async fn idle_keys_are_evicted_and_their_permits_given_back() {
+    let config = strict().lease_bounds(50, 50).idle_ttl(Duration::from_secs(5));
+    let r = rig(Quota::new(1000, Duration::from_secs(60)).unwrap(), Algorithm::FixedWindow, config);
+    for _ in 0..10 {
+        r.check("k", 1).await;
+    }
+    assert_eq!(r.store_count("k"), 50);
+    r.clock.advance(Duration::from_secs(6));
+    r.maintain();
+    assert_eq!(r.engine.local_keys(), 0);
+    r.sync().await;
+    assert_eq!(r.store_count("k"), 10, "40 unused permits went back");
+    assert_eq!(r.counters.given_back.load(Ordering::Relaxed), 40);
+}
+
+#[tokio::test]
+async fn the_map_is_bounded_by_max_keys() {
+    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict().max_keys(2));
+    assert_eq!(r.check("a", 1).await.source(), Source::Lease);
+    assert_eq!(r.check("b", 1).await.source(), Source::Lease);
+    let d = r.check("c", 1).await;
+    assert!(d.is_allowed());
+    assert_eq!(d.source(), Source::Store, "no room: decided by the store");
+    assert_eq!(r.engine.local_keys(), 2);
+    r.engine.reconfigure(strict().max_keys(1)).unwrap();
+    r.clock.advance(Duration::from_millis(10));
+    r.check("b", 0).await;
+    r.maintain();
+    assert_eq!(r.engine.local_keys(), 1);
+    assert!(r.engine.shared.slots.get("b").is_some(), "the least recently used went");
+}
+
+#[tokio::test]
+async fn shutdown_gives_every_unused_permit_back() {
+    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict().lease_bounds(40, 40));
+    for _ in 0..7 {
+        r.check("k", 1).await;
+    }
+    assert_eq!(r.store_count("k"), 40);
+    r.engine.shutdown().await;
+    assert_eq!(r.store_count("k"), 7);
+    let d = r.check("k", 1).await;
+    assert_eq!(d.source(), Source::Store, "after shutdown, the exact path");
+    assert_eq!(r.store_count("k"), 8);
+}
+
+#[tokio::test]
+async fn token_bucket_leases_expire_after_their_horizon_and_go_back() {
+    let config = strict().lease_bounds(20, 20).lease_ttl(Duration::from_secs(1)).prelease_lead(Duration::ZERO);
+    let r = rig(Quota::per_second(10).with_burst(50), Algorithm::TokenBucket, config);
+    assert!(r.check("k", 1).await.is_allowed());
+    assert_eq!(r.round_trips(), 1);
+    r.clock.set(ORIGIN + Duration::from_millis(996));
+    assert_eq!(r.check("k", 1).await.source(), Source::Lease);
+    assert_eq!(r.round_trips(), 1, "18 permits still valid");
+    // Past the horizon (minus the 3 ms margin) the 18 are void: a new lease
+    // replaces them and they go back to the bucket.
+    r.clock.set(ORIGIN + Duration::from_millis(997));
+    assert!(r.check("k", 1).await.is_allowed());
+    assert_eq!(r.round_trips(), 2);
+    r.sync().await;
+    assert_eq!(r.counters.given_back.load(Ordering::Relaxed), 18);
+    assert_eq!(r.counters.stranded.load(Ordering::Relaxed), 0);
+}
+
+#[tokio::test]
+async fn a_request_costing_more_than_a_lease_still_gets_one_large_enough() {
+    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict().lease_bounds(1, 5));
+    let d = r.check("k", 30).await;
+    assert!(d.is_allowed());
+    assert_eq!(r.store_count("k"), 30);
+    assert!(!r.check("k", 101).await.is_allowed());
+    assert_eq!(r.check("k", 101).await.retry_after(), None);
+}
+
+#[tokio::test]
+async fn the_lease_script_shape_is_what_the_engine_expects() {
+    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict());
+    let reply = r
+        .store
+        .lease(
+            &r.params,
+            &LeaseCall {
+                key: "x".into(),
+                want: 10,
+                share_cap: 1.0,
+                debt: 0,
+                debt_window: -1,
+                next_window: true,
+                need: 1,
+            },
+        )
+        .unwrap();
+    assert_eq!(reply.granted, 10);
+    assert_eq!(reply.start_after_us, 1_000_000);
+    assert_eq!(reply.window, (ORIGIN.as_micros() as u64 / 1_000_000) as i64 + 1);
+}

@@ -1,0 +1,303 @@
+//! The front door: [`Limiter`], its [`Builder`], and its counters.
+//!
+//! Owns the choice of engine (per-process, exact, hybrid), input validation
+//! and the application of the failure policy. Engines decide; this module
+//! makes sure every call ends in a [`Decision`].
+
+use std::fmt;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use crate::decision::Source;
+use crate::exact::ExactEngine;
+use crate::failure::FailureHandler;
+use crate::hybrid::{HybridConfig, HybridEngine};
+use crate::key::KeyEncoder;
+use crate::stats::{Counters, Stats};
+use crate::local::LocalEngine;
+use crate::store::{MemoryStore, Params, Store};
+use crate::{Algorithm, Clock, Decision, Error, ErrorKind, FailurePolicy, Quota, SystemClock};
+
+/// The longest namespace accepted.
+const MAX_NAMESPACE_LEN: usize = 256;
+
+/// A rate limiter. Cheap to clone; clones share one limit.
+#[derive(Clone)]
+pub struct Limiter {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    engine: Engine,
+    failure: FailureHandler,
+    quota: Quota,
+    algorithm: Algorithm,
+    counters: Arc<Counters>,
+}
+
+enum Engine {
+    Local(LocalEngine),
+    Exact(ExactEngine),
+    Hybrid(HybridEngine),
+}
+
+/// How decisions are made.
+#[derive(Debug, Clone, PartialEq)]
+enum Mode {
+    Exact,
+    Local,
+    Hybrid(HybridConfig),
+}
+
+impl fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mode = match self.inner.engine {
+            Engine::Local(_) => "local",
+            Engine::Exact(_) => "exact",
+            Engine::Hybrid(_) => "hybrid",
+        };
+        f.debug_struct("Limiter")
+            .field("quota", &self.inner.quota)
+            .field("algorithm", &self.inner.algorithm)
+            .field("mode", &mode)
+            .field("on_store_error", &self.inner.failure.policy())
+            .finish()
+    }
+}
+
+impl Limiter {
+    /// Starts building a limiter for `quota`.
+    pub fn builder(quota: Quota) -> Builder {
+        Builder {
+            quota,
+            store: None,
+            algorithm: Algorithm::default(),
+            mode: Mode::Exact,
+            namespace: "default".to_owned(),
+            policy: FailurePolicy::default(),
+            clock: None,
+        }
+    }
+
+    /// Decides whether a request of `cost` permits for `key` may proceed.
+    ///
+    /// Never fails: a store error becomes a decision by the failure policy.
+    /// `cost` 0 asks without consuming; a cost above the limit (burst for
+    /// token bucket and GCRA) is denied with no `retry_after`.
+    pub async fn check(&self, key: &str, cost: u64) -> Decision {
+        let inner = &*self.inner;
+        let decision = match &inner.engine {
+            Engine::Local(local) => local.check(key, cost),
+            Engine::Exact(exact) => {
+                inner.counters.round_trips.fetch_add(1, Ordering::Relaxed);
+                match exact.check(key, cost).await {
+                    Ok(decision) => decision,
+                    Err(_) => {
+                        inner.counters.store_errors.fetch_add(1, Ordering::Relaxed);
+                        inner.counters.policy_decisions.fetch_add(1, Ordering::Relaxed);
+                        inner.failure.decide(key, cost, None)
+                    }
+                }
+            }
+            Engine::Hybrid(hybrid) => match hybrid.check(key, cost).await {
+                Ok(decision) => decision,
+                Err(_) => {
+                    inner.counters.policy_decisions.fetch_add(1, Ordering::Relaxed);
+                    inner.failure.decide(key, cost, None)
+                }
+            },
+        };
+        let counter = if decision.is_allowed() {
+            &inner.counters.allowed
+        } else {
+            &inner.counters.denied
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        decision
+    }
+
+    /// Like [`check`](Limiter::check), but returns the store's error instead
+    /// of applying the failure policy. For tests and diagnostics.
+    ///
+    /// # Errors
+    /// The store's error, classified (see [`Error::kind`]).
+    pub async fn try_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
+        match &self.inner.engine {
+            Engine::Local(local) => Ok(local.check(key, cost)),
+            Engine::Exact(exact) => {
+                self.inner.counters.round_trips.fetch_add(1, Ordering::Relaxed);
+                exact.check(key, cost).await
+            }
+            Engine::Hybrid(hybrid) => hybrid.check(key, cost).await,
+        }
+    }
+
+    /// Stops background work and gives unused leased permits back to the
+    /// store (hybrid). Decisions after shutdown are still answered, by one
+    /// store call each.
+    pub async fn shutdown(&self) {
+        if let Engine::Hybrid(hybrid) = &self.inner.engine {
+            hybrid.shutdown().await;
+        }
+    }
+
+    /// Replaces a hybrid limiter's tunables while it runs; the consistency
+    /// mode, lease sizes and timeouts take effect with the next refill.
+    ///
+    /// # Errors
+    /// [`InvalidInput`](ErrorKind::InvalidInput) for an invalid
+    /// configuration, [`Unsupported`](ErrorKind::Unsupported) if this
+    /// limiter is not hybrid.
+    pub fn reconfigure(&self, config: HybridConfig) -> Result<(), Error> {
+        match &self.inner.engine {
+            Engine::Hybrid(hybrid) => hybrid.reconfigure(config),
+            _ => Err(Error::new(ErrorKind::Unsupported, "only a hybrid limiter has a HybridConfig")),
+        }
+    }
+
+    /// Keys this process tracks locally (hybrid); 0 for other modes.
+    pub fn local_keys(&self) -> usize {
+        match &self.inner.engine {
+            Engine::Hybrid(hybrid) => hybrid.local_keys(),
+            _ => 0,
+        }
+    }
+
+    /// The quota this limiter enforces.
+    pub fn quota(&self) -> Quota {
+        self.inner.quota
+    }
+
+    /// Counters since the limiter was built.
+    pub fn stats(&self) -> Stats {
+        self.inner.counters.snapshot()
+    }
+}
+
+/// Configures a [`Limiter`]; see [`Limiter::builder`].
+#[must_use]
+pub struct Builder {
+    quota: Quota,
+    store: Option<Store>,
+    algorithm: Algorithm,
+    mode: Mode,
+    namespace: String,
+    policy: FailurePolicy,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+impl Builder {
+    /// Where budgets are shared: a [`RedisStore`](crate::RedisStore) or a
+    /// [`MemoryStore`]. Default: a private embedded `MemoryStore`.
+    pub fn store(mut self, store: impl Into<Store>) -> Self {
+        self.store = Some(store.into());
+        self
+    }
+
+    /// How permits are counted (default: fixed window).
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+
+    /// One store call per decision (the default).
+    pub fn exact(mut self) -> Self {
+        self.mode = Mode::Exact;
+        self
+    }
+
+    /// Per-process counting only; the store is not used.
+    pub fn local(mut self) -> Self {
+        self.mode = Mode::Local;
+        self
+    }
+
+    /// Leased slices of each key's budget, decided locally; see
+    /// [`HybridConfig::strict`] and [`HybridConfig::optimistic`].
+    pub fn hybrid(mut self, config: HybridConfig) -> Self {
+        self.mode = Mode::Hybrid(config);
+        self
+    }
+
+    /// Prefix separating this limiter's keys from others' (default
+    /// `"default"`). Two limiters with the same namespace and algorithm
+    /// share budgets.
+    pub fn namespace(mut self, namespace: &str) -> Self {
+        self.namespace = namespace.to_owned();
+        self
+    }
+
+    /// What to decide when the store cannot answer (default: fail open).
+    pub fn on_store_error(mut self, policy: FailurePolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// The local clock (default: the system clock). It measures lease
+    /// lifetimes and drives per-process limiting; it never decides windows
+    /// against a shared store.
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Some(Arc::new(clock));
+        self
+    }
+
+    /// Validates the configuration and builds the limiter.
+    ///
+    /// # Errors
+    /// An [`InvalidInput`](ErrorKind::InvalidInput) error for an invalid
+    /// quota, fallback quota, hybrid configuration or namespace; an
+    /// [`Unsupported`](ErrorKind::Unsupported) error for a hybrid limiter
+    /// built outside a Tokio runtime.
+    pub fn build(self) -> Result<Limiter, Error> {
+        self.quota.validate()?;
+        if self.namespace.len() > MAX_NAMESPACE_LEN {
+            return Err(Error::invalid(format!(
+                "namespace is {} bytes; the maximum is {MAX_NAMESPACE_LEN}",
+                self.namespace.len()
+            )));
+        }
+        let injected = self.clock.clone();
+        let clock = self.clock.unwrap_or_else(|| Arc::new(SystemClock::new()));
+        let counters = Arc::new(Counters::default());
+        let params = Params::new(&self.quota, self.algorithm);
+        let keys = KeyEncoder::new(&self.namespace);
+        let engine = match self.mode {
+            Mode::Local => Engine::Local(LocalEngine::new(
+                self.quota,
+                self.algorithm,
+                clock.clone(),
+                Source::Local,
+            )),
+            Mode::Exact => {
+                let store = self
+                    .store
+                    .unwrap_or_else(|| MemoryStore::with_shared_clock(clock.clone()).into());
+                Engine::Exact(ExactEngine::new(store, keys, params))
+            }
+            Mode::Hybrid(config) => {
+                let store = self
+                    .store
+                    .unwrap_or_else(|| MemoryStore::with_shared_clock(clock.clone()).into());
+                Engine::Hybrid(HybridEngine::start(
+                    config,
+                    store,
+                    keys,
+                    params,
+                    injected,
+                    counters.clone(),
+                    self.algorithm.max_cost(&self.quota),
+                )?)
+            }
+        };
+        let failure = FailureHandler::new(self.policy, self.algorithm, self.quota.limit(), clock)?;
+        Ok(Limiter {
+            inner: Arc::new(Inner {
+                engine,
+                failure,
+                quota: self.quota,
+                algorithm: self.algorithm,
+                counters,
+            }),
+        })
+    }
+}

@@ -1,0 +1,53 @@
+//! The per-process limiter: one private [`MemoryStore`], no network.
+//!
+//! Used for `local()` mode and behind `FailurePolicy::LocalFallback`. Each
+//! process counts alone, so a fleet of N admits up to N times the quota;
+//! that is the point of the comparison, and the reason for the hybrid.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::decision::Source;
+use crate::store::{AcquireReply, MemoryStore, Params};
+use crate::{Algorithm, Clock, Decision, Quota};
+
+pub(crate) struct LocalEngine {
+    store: MemoryStore,
+    params: Params,
+    source: Source,
+}
+
+impl LocalEngine {
+    pub(crate) fn new(quota: Quota, algorithm: Algorithm, clock: Arc<dyn Clock>, source: Source) -> Self {
+        LocalEngine {
+            store: MemoryStore::with_shared_clock(clock),
+            params: Params::new(&quota, algorithm),
+            source,
+        }
+    }
+
+    pub(crate) fn check(&self, key: &str, cost: u64) -> Decision {
+        match self.store.acquire(key, &self.params, cost) {
+            Ok(reply) => decision_from(&reply, self.params.limit, self.source),
+            // A private store holds one layout per limiter, so this cannot
+            // happen; deny rather than panic if it ever does.
+            Err(_) => Decision::deny(self.params.limit, 0, Duration::ZERO, None, self.source),
+        }
+    }
+}
+
+/// Turns a store's check reply into a decision.
+pub(crate) fn decision_from(reply: &AcquireReply, limit: u64, source: Source) -> Decision {
+    let reset = Duration::from_micros(reply.reset_after_us);
+    if reply.allowed {
+        Decision::allow(limit, reply.remaining, reset, source)
+    } else {
+        Decision::deny(
+            limit,
+            reply.remaining,
+            reset,
+            reply.retry_after_us.map(Duration::from_micros),
+            source,
+        )
+    }
+}

@@ -1,0 +1,638 @@
+//! The embedded, in-process store.
+//!
+//! It mirrors the Lua scripts step for step (the differential tests hold it
+//! to that), on an injected clock, so the exact and hybrid limiters run
+//! without Redis in one process and their logic is tested without sleeping.
+//! Expired entries are forgotten lazily and swept now and then; nothing
+//! lives forever. It owns no policy and performs no I/O.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use dashmap::DashMap;
+
+use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
+use crate::clock::{micros, Clock, SystemClock};
+use crate::{Algorithm, Error, ErrorKind};
+
+/// Sweep expired entries at most once per this many operations.
+const SWEEP_EVERY: u64 = 4096;
+
+/// An in-process store with the same semantics as the Redis scripts.
+///
+/// Clones share one set of counters, like connections to one Redis server.
+#[derive(Clone)]
+pub struct MemoryStore {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    /// Store key → state; the same keys the Redis scripts would write.
+    entries: DashMap<String, Entry>,
+    /// The store's own clock: plays the part of Redis `TIME`.
+    clock: Arc<dyn Clock>,
+    /// Operations since creation, to pace sweeps.
+    ops: AtomicU64,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    state: State,
+    /// Store time (µs) after which the entry is as good as absent.
+    expires_us: u64,
+}
+
+#[derive(Debug, Clone)]
+enum State {
+    /// (window index, permits counted) for at most three windows.
+    Window(Vec<(i64, i64)>),
+    Bucket { tokens: f64, ts: u64 },
+    Gcra { tat: f64 },
+}
+
+impl fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("entries", &self.shared.entries.len())
+            .finish()
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore::new()
+    }
+}
+
+fn wrong_type(key: &str) -> Error {
+    Error::new(
+        ErrorKind::WrongType,
+        format!("WRONGTYPE: key {key} holds a value of another algorithm"),
+    )
+}
+
+fn ceil_ms_to_us(us: f64) -> u64 {
+    ((us / 1000.0).ceil().max(0.0) as u64) * 1000
+}
+
+impl MemoryStore {
+    /// A store on the system clock.
+    pub fn new() -> Self {
+        MemoryStore::with_clock(SystemClock::new())
+    }
+
+    /// A store on the given clock (a [`FakeClock`](crate::FakeClock) in tests).
+    pub fn with_clock(clock: impl Clock) -> Self {
+        MemoryStore::with_shared_clock(Arc::new(clock))
+    }
+
+    pub(crate) fn with_shared_clock(clock: Arc<dyn Clock>) -> Self {
+        MemoryStore {
+            shared: Arc::new(Shared {
+                entries: DashMap::new(),
+                clock,
+                ops: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Entries currently held, expired ones included until the next sweep.
+    pub fn len(&self) -> usize {
+        self.shared.entries.len()
+    }
+
+    /// Whether the store holds no entry.
+    pub fn is_empty(&self) -> bool {
+        self.shared.entries.is_empty()
+    }
+
+    fn now(&self) -> u64 {
+        let ops = self.shared.ops.fetch_add(1, Ordering::Relaxed);
+        let now = micros(&*self.shared.clock);
+        if ops % SWEEP_EVERY == SWEEP_EVERY - 1 {
+            self.shared.entries.retain(|_, e| e.expires_us > now);
+        }
+        now
+    }
+
+    /// Runs `f` on the live entry for `key` (None if absent or expired).
+    fn with_entry<R>(&self, key: &str, now: u64, f: impl FnOnce(&mut Option<Entry>) -> R) -> R {
+        // get_mut first: a known key costs no allocation.
+        let mut slot = match self.shared.entries.get_mut(key) {
+            Some(slot) => slot,
+            None => self.shared.entries.entry(key.to_owned()).or_insert(Entry {
+                state: State::Window(Vec::new()),
+                expires_us: 0,
+            }),
+        };
+        let mut live = (slot.expires_us > now).then(|| slot.clone());
+        let out = f(&mut live);
+        match live {
+            Some(entry) => *slot = entry,
+            None => slot.expires_us = 0,
+        }
+        drop(slot);
+        out
+    }
+
+    pub(crate) fn acquire(&self, key: &str, p: &Params, cost: u64) -> Result<AcquireReply, Error> {
+        let now = self.now();
+        self.with_entry(key, now, |entry| match p.algorithm {
+            Algorithm::FixedWindow => fixed_window(entry, p, now, cost as i64, key),
+            Algorithm::TokenBucket => token_bucket(entry, p, now, cost as f64, key),
+            Algorithm::Gcra => gcra(entry, p, now, cost as f64, key),
+        })
+    }
+
+    pub(crate) fn lease(&self, p: &Params, call: &LeaseCall) -> Result<LeaseReply, Error> {
+        let now = self.now();
+        self.with_entry(&call.key, now, |entry| match p.algorithm {
+            Algorithm::FixedWindow => lease_fixed_window(entry, p, now, call),
+            Algorithm::TokenBucket => lease_token_bucket(entry, p, now, call),
+            Algorithm::Gcra => lease_gcra(entry, p, now, call),
+        })
+    }
+
+    pub(crate) fn give_back(&self, p: &Params, call: &GiveBackCall) -> Result<u64, Error> {
+        let now = self.now();
+        self.with_entry(&call.key, now, |entry| give_back(entry, p, now, call))
+    }
+
+    /// Permits counted in the given fixed window for a store key (tests and
+    /// examples use it the way they would `HGET` a Redis key).
+    pub(crate) fn window_count(&self, key: &str, window: i64) -> Option<i64> {
+        let now = micros(&*self.shared.clock);
+        let entry = self.shared.entries.get(key)?;
+        if entry.expires_us <= now {
+            return None;
+        }
+        match &entry.state {
+            State::Window(w) => w.iter().find(|(i, _)| *i == window).map(|(_, c)| *c),
+            _ => None,
+        }
+    }
+}
+
+fn windows<'a>(entry: &'a mut Option<Entry>, key: &str) -> Result<Option<&'a mut Vec<(i64, i64)>>, Error> {
+    match entry {
+        None => Ok(None),
+        Some(Entry {
+            state: State::Window(w),
+            ..
+        }) => Ok(Some(w)),
+        Some(_) => Err(wrong_type(key)),
+    }
+}
+
+fn count_in(w: Option<&mut Vec<(i64, i64)>>, window: i64) -> i64 {
+    w.and_then(|w| w.iter().find(|(i, _)| *i == window).map(|(_, c)| *c))
+        .unwrap_or(0)
+}
+
+/// HINCRBY on a window field, creating the entry if needed; returns the new count.
+fn incr_window(entry: &mut Option<Entry>, window: i64, by: i64) -> i64 {
+    let e = entry.get_or_insert(Entry {
+        state: State::Window(Vec::new()),
+        expires_us: 0,
+    });
+    let State::Window(w) = &mut e.state else {
+        unreachable!("checked by windows()")
+    };
+    match w.iter_mut().find(|(i, _)| *i == window) {
+        Some((_, c)) => {
+            *c += by;
+            *c
+        }
+        None => {
+            w.push((window, by));
+            by
+        }
+    }
+}
+
+/// Drops windows older than the previous one and lengthens the TTL to `ttl_us`.
+fn trim_and_expire(entry: &mut Option<Entry>, current: i64, now: u64, ttl_us: u64) {
+    if let Some(e) = entry {
+        if let State::Window(w) = &mut e.state {
+            if w.len() > 2 {
+                w.retain(|(i, _)| *i >= current - 1);
+            }
+        }
+        e.expires_us = e.expires_us.max(now + ttl_us);
+    }
+}
+
+fn fixed_window(entry: &mut Option<Entry>, p: &Params, now: u64, cost: i64, key: &str) -> Result<AcquireReply, Error> {
+    let limit = p.limit as i64;
+    let period = p.period_us;
+    let w = (now / period) as i64;
+    let mut used = count_in(windows(entry, key)?, w);
+    let reset = (w as u64 + 1) * period - now;
+    let (allowed, retry) = if used + cost <= limit {
+        if cost > 0 {
+            used = incr_window(entry, w, cost);
+            trim_and_expire(entry, w, now, ceil_ms_to_us((reset + period) as f64));
+        }
+        (true, Some(0))
+    } else if cost > limit {
+        (false, None)
+    } else {
+        (false, Some(reset))
+    };
+    Ok(AcquireReply {
+        allowed,
+        remaining: (limit - used).max(0) as u64,
+        reset_after_us: reset,
+        retry_after_us: retry,
+        now_us: now,
+    })
+}
+
+/// Refilled tokens of a bucket entry (a missing entry is a full bucket).
+fn bucket_tokens(entry: &Option<Entry>, p: &Params, now: u64, key: &str) -> Result<f64, Error> {
+    let (mut tokens, ts) = match entry {
+        None => (p.burst as f64, now),
+        Some(Entry {
+            state: State::Bucket { tokens, ts },
+            ..
+        }) => (*tokens, *ts),
+        Some(_) => return Err(wrong_type(key)),
+    };
+    if now > ts {
+        tokens = (p.burst as f64).min(tokens + (now - ts) as f64 * p.limit as f64 / p.period_us as f64);
+    }
+    Ok(tokens)
+}
+
+fn bucket_reset(p: &Params, tokens: f64) -> f64 {
+    ((p.burst as f64 - tokens) * p.period_us as f64 / p.limit as f64).ceil()
+}
+
+fn store_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, tokens: f64) {
+    let reset = bucket_reset(p, tokens);
+    *entry = Some(Entry {
+        state: State::Bucket { tokens, ts: now },
+        expires_us: now + ceil_ms_to_us(reset) + 1000,
+    });
+}
+
+fn token_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, cost: f64, key: &str) -> Result<AcquireReply, Error> {
+    let mut tokens = bucket_tokens(entry, p, now, key)?;
+    let burst = p.burst as f64;
+    let (allowed, retry) = if cost <= tokens {
+        if cost > 0.0 {
+            tokens -= cost;
+        }
+        (true, Some(0))
+    } else if cost > burst {
+        (false, None)
+    } else {
+        let r = ((cost - tokens) * p.period_us as f64 / p.limit as f64).ceil();
+        (false, Some(r as u64))
+    };
+    if allowed && cost > 0.0 {
+        store_bucket(entry, p, now, tokens);
+    }
+    Ok(AcquireReply {
+        allowed,
+        remaining: tokens.floor().max(0.0) as u64,
+        reset_after_us: bucket_reset(p, tokens).max(0.0) as u64,
+        retry_after_us: retry,
+        now_us: now,
+    })
+}
+
+struct GcraShape {
+    interval: f64,
+    tolerance: f64,
+}
+
+impl GcraShape {
+    fn new(p: &Params) -> Self {
+        let interval = p.period_us as f64 / p.limit as f64;
+        GcraShape {
+            interval,
+            tolerance: p.burst as f64 * interval,
+        }
+    }
+
+    fn available(&self, tat: f64, now: f64) -> f64 {
+        ((self.tolerance - (tat - now)) / self.interval + 1e-9).floor()
+    }
+}
+
+fn gcra_tat(entry: &Option<Entry>, now: u64, key: &str) -> Result<f64, Error> {
+    let tat = match entry {
+        None => 0.0,
+        Some(Entry {
+            state: State::Gcra { tat },
+            ..
+        }) => *tat,
+        Some(_) => return Err(wrong_type(key)),
+    };
+    Ok(tat.max(now as f64))
+}
+
+fn store_gcra(entry: &mut Option<Entry>, now: u64, tat: f64) {
+    let stored = tat.ceil();
+    *entry = Some(Entry {
+        state: State::Gcra { tat: stored },
+        expires_us: now + ceil_ms_to_us(tat - now as f64) + 1000,
+    });
+}
+
+fn gcra(entry: &mut Option<Entry>, p: &Params, now: u64, cost: f64, key: &str) -> Result<AcquireReply, Error> {
+    let g = GcraShape::new(p);
+    let nowf = now as f64;
+    let mut tat = gcra_tat(entry, now, key)?;
+    let new_tat = tat + cost * g.interval;
+    let (allowed, retry) = if new_tat - nowf <= g.tolerance {
+        if cost > 0.0 {
+            tat = new_tat;
+            store_gcra(entry, now, tat);
+        }
+        (true, Some(0))
+    } else if cost > p.burst as f64 {
+        (false, None)
+    } else {
+        (false, Some((new_tat - nowf - g.tolerance).ceil() as u64))
+    };
+    Ok(AcquireReply {
+        allowed,
+        remaining: g.available(tat, nowf).max(0.0) as u64,
+        reset_after_us: (tat - nowf).ceil().max(0.0) as u64,
+        retry_after_us: retry,
+        now_us: now,
+    })
+}
+
+fn lease_fixed_window(entry: &mut Option<Entry>, p: &Params, now: u64, call: &LeaseCall) -> Result<LeaseReply, Error> {
+    let limit = p.limit as i64;
+    let period = p.period_us;
+    let w = (now / period) as i64;
+    windows(entry, &call.key)?;
+    let mut newest = w;
+    let mut uncovered = 0i64;
+    let debt = call.debt as i64;
+    let debt_window = if call.debt_window < 0 { w } else { call.debt_window };
+    if debt > 0 {
+        if debt_window >= w - 1 && debt_window <= w + 1 {
+            let before = count_in(windows(entry, &call.key)?, debt_window);
+            let after = incr_window(entry, debt_window, debt);
+            uncovered = (after - limit).max(0) - (before - limit).max(0);
+            newest = newest.max(debt_window);
+        } else {
+            uncovered = debt;
+        }
+    }
+    let tw = w + i64::from(call.next_window);
+    let mut used = count_in(windows(entry, &call.key)?, tw);
+    let available = (limit - used).max(0);
+    let cap = ((available as f64 * call.share_cap).floor() as i64).max(1);
+    let granted = (call.want as i64).min(available).min(cap);
+    if granted > 0 {
+        used = incr_window(entry, tw, granted);
+        newest = newest.max(tw);
+    }
+    if granted > 0 || debt > 0 {
+        let ttl = ((newest as u64 + 2) * period - now) as f64;
+        trim_and_expire(entry, w, now, ceil_ms_to_us(ttl));
+    }
+    let start_after = (tw as u64 * period).saturating_sub(now);
+    let reset = (tw as u64 + 1) * period - now;
+    Ok(LeaseReply {
+        granted: granted as u64,
+        remaining: (limit - used).max(0) as u64,
+        start_after_us: start_after,
+        reset_after_us: reset,
+        retry_after_us: if granted == 0 { reset } else { 0 },
+        now_us: now,
+        uncovered: uncovered as u64,
+        window: tw,
+    })
+}
+
+fn lease_token_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, call: &LeaseCall) -> Result<LeaseReply, Error> {
+    let mut tokens = bucket_tokens(entry, p, now, &call.key)?;
+    let burst = p.burst as f64;
+    let debt = call.debt as f64;
+    let need = call.need as f64;
+    let mut uncovered = 0.0;
+    if debt > 0.0 {
+        uncovered = (debt - tokens.max(0.0)).max(0.0);
+        tokens -= debt;
+    }
+    let available = tokens.floor().max(0.0);
+    let mut granted = 0.0;
+    if available >= need.min(burst) {
+        let cap = need.max((available * call.share_cap).floor());
+        granted = (call.want as f64).min(available).min(cap);
+    }
+    tokens -= granted;
+    let reset = bucket_reset(p, tokens);
+    if granted > 0.0 || debt > 0.0 {
+        store_bucket(entry, p, now, tokens);
+    }
+    let retry = if granted == 0.0 {
+        ((need.min(burst) - tokens) * p.period_us as f64 / p.limit as f64).ceil().max(1.0)
+    } else {
+        0.0
+    };
+    Ok(LeaseReply {
+        granted: granted as u64,
+        remaining: tokens.floor().max(0.0) as u64,
+        start_after_us: 0,
+        reset_after_us: reset.max(0.0) as u64,
+        retry_after_us: retry as u64,
+        now_us: now,
+        uncovered: uncovered.ceil() as u64,
+        window: 0,
+    })
+}
+
+fn lease_gcra(entry: &mut Option<Entry>, p: &Params, now: u64, call: &LeaseCall) -> Result<LeaseReply, Error> {
+    let g = GcraShape::new(p);
+    let nowf = now as f64;
+    let mut tat = gcra_tat(entry, now, &call.key)?;
+    let debt = call.debt as f64;
+    let need = (call.need as f64).min(p.burst as f64);
+    let mut uncovered = 0.0;
+    if debt > 0.0 {
+        uncovered = (debt - g.available(tat, nowf).max(0.0)).max(0.0);
+        tat += debt * g.interval;
+    }
+    let available = g.available(tat, nowf).max(0.0);
+    let mut granted = 0.0;
+    if available >= need {
+        let cap = (call.need as f64).max((available * call.share_cap).floor());
+        granted = (call.want as f64).min(available).min(cap);
+    }
+    tat += granted * g.interval;
+    if granted > 0.0 || debt > 0.0 {
+        store_gcra(entry, now, tat);
+    }
+    let retry = if granted == 0.0 {
+        (tat + need * g.interval - g.tolerance - nowf).ceil().max(1.0)
+    } else {
+        0.0
+    };
+    Ok(LeaseReply {
+        granted: granted as u64,
+        remaining: g.available(tat, nowf).max(0.0) as u64,
+        start_after_us: 0,
+        reset_after_us: (tat - nowf).ceil().max(0.0) as u64,
+        retry_after_us: retry as u64,
+        now_us: now,
+        uncovered: uncovered as u64,
+        window: 0,
+    })
+}
+
+fn give_back(entry: &mut Option<Entry>, p: &Params, now: u64, call: &GiveBackCall) -> Result<u64, Error> {
+    if entry.is_none() {
+        return Ok(0);
+    }
+    match p.algorithm {
+        Algorithm::FixedWindow => {
+            let w = windows(entry, &call.key)?;
+            if call.window < (now / p.period_us) as i64 {
+                return Ok(0);
+            }
+            let used = count_in(w, call.window);
+            let back = used.min(call.returned as i64);
+            if back > 0 {
+                incr_window(entry, call.window, -back);
+            }
+            Ok(back.max(0) as u64)
+        }
+        Algorithm::TokenBucket => {
+            let tokens = bucket_tokens(entry, p, now, &call.key)?;
+            let back = (call.returned as f64).min(p.burst as f64 - tokens).max(0.0);
+            if let Some(e) = entry {
+                e.state = State::Bucket {
+                    tokens: tokens + back,
+                    ts: now,
+                };
+            }
+            Ok(back.floor() as u64)
+        }
+        Algorithm::Gcra => {
+            let g = GcraShape::new(p);
+            let nowf = now as f64;
+            let tat = gcra_tat(entry, now, &call.key)?;
+            if tat <= nowf {
+                return Ok(0);
+            }
+            let back = (call.returned as f64).min(((tat - nowf) / g.interval).floor());
+            if back <= 0.0 {
+                return Ok(0);
+            }
+            store_gcra(entry, now, tat - back * g.interval);
+            Ok(back as u64)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{FakeClock, Quota};
+    use std::time::Duration;
+
+    fn store() -> (MemoryStore, FakeClock) {
+        let clock = FakeClock::new(Duration::from_secs(1_700_000_000));
+        (MemoryStore::with_clock(clock.clone()), clock)
+    }
+
+    #[test]
+    fn fixed_window_counts_and_resets_at_the_boundary() {
+        let (s, clock) = store();
+        let p = Params::new(&Quota::per_second(3), Algorithm::FixedWindow);
+        for i in 0..3 {
+            let r = s.acquire("k", &p, 1).unwrap();
+            assert!(r.allowed);
+            assert_eq!(r.remaining, 2 - i);
+        }
+        let r = s.acquire("k", &p, 1).unwrap();
+        assert!(!r.allowed);
+        assert_eq!(r.retry_after_us, Some(1_000_000));
+        clock.advance(Duration::from_secs(1));
+        assert!(s.acquire("k", &p, 1).unwrap().allowed);
+        assert_eq!(s.acquire("k", &p, 4).unwrap().retry_after_us, None);
+    }
+
+    #[test]
+    fn token_bucket_refills_continuously() {
+        let (s, clock) = store();
+        let p = Params::new(&Quota::per_second(10), Algorithm::TokenBucket);
+        assert!(s.acquire("k", &p, 10).unwrap().allowed);
+        let r = s.acquire("k", &p, 1).unwrap();
+        assert!(!r.allowed);
+        assert_eq!(r.retry_after_us, Some(100_000));
+        clock.advance(Duration::from_millis(100));
+        assert!(s.acquire("k", &p, 1).unwrap().allowed);
+    }
+
+    #[test]
+    fn gcra_admits_the_burst_then_one_per_interval() {
+        let (s, clock) = store();
+        let p = Params::new(&Quota::per_second(10).with_burst(5), Algorithm::Gcra);
+        for _ in 0..5 {
+            assert!(s.acquire("k", &p, 1).unwrap().allowed);
+        }
+        let r = s.acquire("k", &p, 1).unwrap();
+        assert!(!r.allowed);
+        assert_eq!(r.retry_after_us, Some(100_000));
+        clock.advance(Duration::from_millis(100));
+        assert!(s.acquire("k", &p, 1).unwrap().allowed);
+        assert!(!s.acquire("k", &p, 1).unwrap().allowed);
+    }
+
+    #[test]
+    fn entries_expire_and_are_swept() {
+        let (s, clock) = store();
+        let p = Params::new(&Quota::per_second(3), Algorithm::FixedWindow);
+        for i in 0..100 {
+            s.acquire(&format!("k{i}"), &p, 1).unwrap();
+        }
+        clock.advance(Duration::from_secs(5));
+        for _ in 0..SWEEP_EVERY {
+            s.acquire("other", &p, 0).unwrap();
+        }
+        assert!(s.len() <= 1, "{}", s.len());
+    }
+
+    #[test]
+    fn wrong_type_is_an_error_not_a_panic() {
+        let (s, _) = store();
+        let fw = Params::new(&Quota::per_second(3), Algorithm::FixedWindow);
+        let tb = Params::new(&Quota::per_second(3), Algorithm::TokenBucket);
+        s.acquire("k", &fw, 1).unwrap();
+        assert!(s.acquire("k", &tb, 1).unwrap_err().is_wrong_type());
+    }
+
+    #[test]
+    fn fixed_window_lease_honours_share_cap_and_records_debt() {
+        let (s, _) = store();
+        let p = Params::new(&Quota::per_second(100), Algorithm::FixedWindow);
+        let mut call = LeaseCall {
+            key: "k".into(),
+            want: 1000,
+            share_cap: 0.5,
+            debt: 0,
+            debt_window: 0,
+            next_window: false,
+            need: 1,
+        };
+        let r = s.lease(&p, &call).unwrap();
+        assert_eq!((r.granted, r.remaining), (50, 50));
+        let r = s.lease(&p, &call).unwrap();
+        assert_eq!((r.granted, r.remaining), (25, 25));
+        call.want = 0;
+        call.debt = 40;
+        call.debt_window = r.window;
+        let r = s.lease(&p, &call).unwrap();
+        assert_eq!((r.granted, r.uncovered, r.remaining), (0, 15, 0));
+    }
+}

@@ -1,0 +1,195 @@
+//! Stores: where budgets live and are counted atomically.
+//!
+//! [`RedisStore`] runs the Lua scripts in `lua/`; [`MemoryStore`] implements
+//! the same semantics in process (the embedded default, one process only).
+//! This module owns the request and reply shapes shared by both and the
+//! dispatch between them; it does not decide anything about policies,
+//! leases or failures.
+
+pub(crate) mod memory;
+pub(crate) mod redis;
+
+pub use self::memory::MemoryStore;
+pub use self::redis::{RedisOptions, RedisStore};
+
+use crate::{Algorithm, Error, Quota};
+
+/// A store a limiter can count in: a [`RedisStore`] or a [`MemoryStore`].
+///
+/// Built with `From`, so [`Builder::store`](crate::Builder::store) takes
+/// either directly.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Store {
+    /// A Redis server (single node or cluster).
+    Redis(RedisStore),
+    /// The in-process store.
+    Memory(MemoryStore),
+}
+
+impl From<RedisStore> for Store {
+    fn from(store: RedisStore) -> Self {
+        Store::Redis(store)
+    }
+}
+
+impl From<MemoryStore> for Store {
+    fn from(store: MemoryStore) -> Self {
+        Store::Memory(store)
+    }
+}
+
+/// The numbers a script needs from a quota, in store units (microseconds).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Params {
+    pub(crate) algorithm: Algorithm,
+    pub(crate) limit: u64,
+    pub(crate) period_us: u64,
+    pub(crate) burst: u64,
+}
+
+impl Params {
+    pub(crate) fn new(quota: &Quota, algorithm: Algorithm) -> Self {
+        Params {
+            algorithm,
+            limit: quota.limit(),
+            period_us: quota.period_us(),
+            burst: quota.burst(),
+        }
+    }
+}
+
+/// The reply of an exact check-and-count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AcquireReply {
+    pub(crate) allowed: bool,
+    pub(crate) remaining: u64,
+    pub(crate) reset_after_us: u64,
+    /// 0 when allowed, `None` when the cost can never be admitted.
+    pub(crate) retry_after_us: Option<u64>,
+    pub(crate) now_us: u64,
+}
+
+impl AcquireReply {
+    pub(crate) fn from_values(v: &[i64]) -> Result<Self, Error> {
+        if v.len() != 5 {
+            return Err(Error::new(
+                crate::ErrorKind::Store,
+                format!("check script returned {} values, expected 5", v.len()),
+            ));
+        }
+        Ok(AcquireReply {
+            allowed: v[0] == 1,
+            remaining: v[1].max(0) as u64,
+            reset_after_us: v[2].max(0) as u64,
+            retry_after_us: (v[3] >= 0).then_some(v[3] as u64),
+            now_us: v[4].max(0) as u64,
+        })
+    }
+}
+
+/// One lease: take up to `want` permits, and record `debt` permits admitted
+/// on credit.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LeaseCall {
+    pub(crate) key: String,
+    pub(crate) want: u64,
+    pub(crate) share_cap: f64,
+    pub(crate) debt: u64,
+    /// Fixed window: the window index the debt was admitted in.
+    pub(crate) debt_window: i64,
+    /// Fixed window: lease from the next window (pre-lease at rollover).
+    pub(crate) next_window: bool,
+    /// Token bucket, GCRA: the fewest permits worth a lease.
+    pub(crate) need: u64,
+}
+
+/// What a lease granted, and what the store knows about the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct LeaseReply {
+    pub(crate) granted: u64,
+    /// Permits still unleased in the store after this grant.
+    pub(crate) remaining: u64,
+    /// Fixed window: time until the target window starts (pre-lease).
+    pub(crate) start_after_us: u64,
+    /// Time until the window ends (fixed window) or the bucket is full.
+    pub(crate) reset_after_us: u64,
+    /// When nothing was granted: time until a lease can succeed.
+    pub(crate) retry_after_us: u64,
+    pub(crate) now_us: u64,
+    /// Debt permits the store could not cover: overshoot.
+    pub(crate) uncovered: u64,
+    /// Fixed window: the index of the window the grant belongs to.
+    pub(crate) window: i64,
+}
+
+impl LeaseReply {
+    pub(crate) fn from_values(v: &[i64]) -> Result<Self, Error> {
+        if v.len() != 8 {
+            return Err(Error::new(
+                crate::ErrorKind::Store,
+                format!("lease script returned {} values, expected 8", v.len()),
+            ));
+        }
+        let u = |i: usize| v[i].max(0) as u64;
+        Ok(LeaseReply {
+            granted: u(0),
+            remaining: u(1),
+            start_after_us: u(2),
+            reset_after_us: u(3),
+            retry_after_us: u(4),
+            now_us: u(5),
+            uncovered: u(6),
+            window: v[7],
+        })
+    }
+}
+
+/// Permits to give back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct GiveBackCall {
+    pub(crate) key: String,
+    pub(crate) returned: u64,
+    /// Fixed window: the window index the permits were leased from.
+    pub(crate) window: i64,
+}
+
+impl Store {
+    /// Checks and counts one request.
+    pub(crate) async fn acquire(
+        &self,
+        key: &str,
+        params: &Params,
+        cost: u64,
+    ) -> Result<AcquireReply, Error> {
+        match self {
+            Store::Redis(s) => s.acquire(key, params, cost).await,
+            Store::Memory(s) => s.acquire(key, params, cost),
+        }
+    }
+
+    /// Runs many leases in one round trip where the store allows it; one
+    /// result per call, in order.
+    pub(crate) async fn lease_batch(
+        &self,
+        params: &Params,
+        calls: &[LeaseCall],
+    ) -> Result<Vec<Result<LeaseReply, Error>>, Error> {
+        match self {
+            Store::Redis(s) => s.lease_batch(params, calls).await,
+            Store::Memory(s) => Ok(calls.iter().map(|c| s.lease(params, c)).collect()),
+        }
+    }
+
+    /// Gives permits back; returns how many the store took back.
+    pub(crate) async fn give_back_batch(
+        &self,
+        params: &Params,
+        calls: &[GiveBackCall],
+    ) -> Result<Vec<Result<u64, Error>>, Error> {
+        match self {
+            Store::Redis(s) => s.give_back_batch(params, calls).await,
+            Store::Memory(s) => Ok(calls.iter().map(|c| s.give_back(params, c)).collect()),
+        }
+    }
+}

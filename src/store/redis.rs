@@ -1,0 +1,319 @@
+//! The Redis store: typed wrappers around the scripts in `lua/`.
+//!
+//! Owns the connection (reconnecting, with connect and response timeouts),
+//! script loading and `NOSCRIPT` recovery, and pipelining of batched lease
+//! calls. Every call is bounded by the response timeout; nothing here waits
+//! longer. It makes no decisions and applies no failure policy: errors go
+//! back to the caller classified.
+
+use std::fmt;
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Script, Value};
+
+use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
+use crate::{Algorithm, Error, ErrorKind};
+
+struct Scripts {
+    fixed_window: Script,
+    token_bucket: Script,
+    gcra: Script,
+    lease_fixed_window: Script,
+    lease_token_bucket: Script,
+    lease_gcra: Script,
+    give_back: Script,
+}
+
+static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
+    fixed_window: Script::new(include_str!("../../lua/fixed_window.lua")),
+    token_bucket: Script::new(include_str!("../../lua/token_bucket.lua")),
+    gcra: Script::new(include_str!("../../lua/gcra.lua")),
+    lease_fixed_window: Script::new(include_str!("../../lua/lease_fixed_window.lua")),
+    lease_token_bucket: Script::new(include_str!("../../lua/lease_token_bucket.lua")),
+    lease_gcra: Script::new(include_str!("../../lua/lease_gcra.lua")),
+    give_back: Script::new(include_str!("../../lua/give_back.lua")),
+});
+
+impl Scripts {
+    fn exact(&self, algorithm: Algorithm) -> &Script {
+        match algorithm {
+            Algorithm::FixedWindow => &self.fixed_window,
+            Algorithm::TokenBucket => &self.token_bucket,
+            Algorithm::Gcra => &self.gcra,
+        }
+    }
+
+    fn lease(&self, algorithm: Algorithm) -> &Script {
+        match algorithm {
+            Algorithm::FixedWindow => &self.lease_fixed_window,
+            Algorithm::TokenBucket => &self.lease_token_bucket,
+            Algorithm::Gcra => &self.lease_gcra,
+        }
+    }
+}
+
+/// Connection settings for a [`RedisStore`].
+#[derive(Debug, Clone)]
+pub struct RedisOptions {
+    connect_timeout: Duration,
+    response_timeout: Duration,
+}
+
+impl Default for RedisOptions {
+    fn default() -> Self {
+        RedisOptions {
+            connect_timeout: Duration::from_millis(500),
+            response_timeout: Duration::from_millis(50),
+        }
+    }
+}
+
+impl RedisOptions {
+    /// How long establishing a connection may take (default 500 ms).
+    #[must_use]
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long one store call may take, reconnection included (default
+    /// 50 ms). A rate limiter that waits longer than its callers' budget is
+    /// worse than none.
+    #[must_use]
+    pub fn response_timeout(mut self, timeout: Duration) -> Self {
+        self.response_timeout = timeout;
+        self
+    }
+
+    /// The response timeout in force.
+    pub fn get_response_timeout(&self) -> Duration {
+        self.response_timeout
+    }
+}
+
+/// A Redis server holding the shared budgets.
+///
+/// Cheap to clone: clones share one reconnecting connection. Give each
+/// simulated server its own [`RedisStore::connect`] to model separate
+/// processes.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    /// Reconnects in the background after a failure; the call that hit the
+    /// broken connection still fails, and the failure policy handles it.
+    conn: ConnectionManager,
+    options: RedisOptions,
+    url: String,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("url", &self.inner.url)
+            .field("options", &self.inner.options)
+            .finish()
+    }
+}
+
+fn timeout_error(what: &str, after: Duration) -> Error {
+    Error::new(
+        ErrorKind::Timeout,
+        format!("{what} did not finish within {after:?}"),
+    )
+}
+
+fn parse_error(err: impl fmt::Display) -> Error {
+    Error::new(ErrorKind::Store, format!("unexpected reply: {err}"))
+}
+
+impl RedisStore {
+    /// Connects to a single Redis node with the default options.
+    ///
+    /// # Errors
+    /// A [`Connection`](crate::ErrorKind::Connection) or
+    /// [`Timeout`](crate::ErrorKind::Timeout) error if the server cannot be
+    /// reached within the connect timeout; an
+    /// [`InvalidInput`](crate::ErrorKind::InvalidInput) error for a bad URL.
+    pub async fn connect(url: &str) -> Result<RedisStore, Error> {
+        RedisStore::connect_with(url, RedisOptions::default()).await
+    }
+
+    /// Connects to a single Redis node.
+    ///
+    /// # Errors
+    /// As [`RedisStore::connect`].
+    pub async fn connect_with(url: &str, options: RedisOptions) -> Result<RedisStore, Error> {
+        let client = redis::Client::open(url)
+            .map_err(|e| Error::invalid(format!("bad Redis URL {url:?}: {e}")))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(options.connect_timeout))
+            .set_response_timeout(Some(options.response_timeout))
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(Duration::from_millis(500));
+        let conn = tokio::time::timeout(
+            options.connect_timeout,
+            client.get_connection_manager_with_config(config),
+        )
+        .await
+        .map_err(|_| timeout_error(&format!("connecting to {url}"), options.connect_timeout))?
+        .map_err(|e| {
+            let err = Error::from(e);
+            Error::new(
+                if err.is_timeout() { ErrorKind::Timeout } else { ErrorKind::Connection },
+                format!("cannot connect to {url}: {err}"),
+            )
+        })?;
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                conn,
+                options,
+                url: url.to_owned(),
+            }),
+        })
+    }
+
+    /// The options this store was connected with.
+    pub fn options(&self) -> &RedisOptions {
+        &self.inner.options
+    }
+
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        fut: impl std::future::Future<Output = Result<T, redis::RedisError>>,
+    ) -> Result<T, Error> {
+        let limit = self.inner.options.response_timeout;
+        match tokio::time::timeout(limit, fut).await {
+            Ok(result) => result.map_err(Error::from),
+            Err(_) => Err(timeout_error(what, limit)),
+        }
+    }
+
+    pub(crate) async fn acquire(&self, key: &str, p: &Params, cost: u64) -> Result<AcquireReply, Error> {
+        let script = SCRIPTS.exact(p.algorithm);
+        let mut invocation = script.key(key);
+        invocation.arg(p.limit).arg(p.period_us);
+        if p.algorithm != Algorithm::FixedWindow {
+            invocation.arg(p.burst);
+        }
+        invocation.arg(cost);
+        let mut conn = self.inner.conn.clone();
+        let values: Vec<i64> = self
+            .bounded("check script", invocation.invoke_async(&mut conn))
+            .await?;
+        AcquireReply::from_values(&values)
+    }
+
+    /// Sends one pipeline of EVALSHA commands; on `NOSCRIPT` (restart,
+    /// failover, `SCRIPT FLUSH`) loads the script and resends once.
+    async fn pipelined(&self, script: &Script, cmds: Vec<redis::Cmd>) -> Result<Vec<Value>, Error> {
+        let mut attempt = 0;
+        loop {
+            let mut pipe = redis::pipe();
+            pipe.ignore_errors();
+            for cmd in &cmds {
+                pipe.add_command(cmd.clone());
+            }
+            let mut conn = self.inner.conn.clone();
+            let values: Vec<Value> = self
+                .bounded("pipelined scripts", pipe.query_async(&mut conn))
+                .await?;
+            let noscript = values.iter().any(|v| {
+                matches!(v, Value::ServerError(e) if e.code() == "NOSCRIPT")
+            });
+            if !noscript || attempt > 0 {
+                return Ok(values);
+            }
+            attempt += 1;
+            let mut conn = self.inner.conn.clone();
+            self.bounded("SCRIPT LOAD", script.load_async(&mut conn)).await?;
+        }
+    }
+
+    fn evalsha(script: &Script, key: &str) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(script.get_hash()).arg(1).arg(key);
+        cmd
+    }
+
+    pub(crate) async fn lease_batch(
+        &self,
+        p: &Params,
+        calls: &[LeaseCall],
+    ) -> Result<Vec<Result<LeaseReply, Error>>, Error> {
+        let script = SCRIPTS.lease(p.algorithm);
+        let cmds = calls
+            .iter()
+            .map(|c| {
+                let mut cmd = Self::evalsha(script, &c.key);
+                cmd.arg(p.limit).arg(p.period_us);
+                match p.algorithm {
+                    Algorithm::FixedWindow => {
+                        cmd.arg(c.want)
+                            .arg(c.share_cap)
+                            .arg(c.debt)
+                            .arg(c.debt_window)
+                            .arg(u8::from(c.next_window));
+                    }
+                    Algorithm::TokenBucket | Algorithm::Gcra => {
+                        cmd.arg(p.burst)
+                            .arg(c.want)
+                            .arg(c.share_cap)
+                            .arg(c.debt)
+                            .arg(c.need.max(1));
+                    }
+                }
+                cmd
+            })
+            .collect();
+        let values = self.pipelined(script, cmds).await?;
+        Ok(values
+            .into_iter()
+            .map(|v| value_to_ints(v).and_then(|ints| LeaseReply::from_values(&ints)))
+            .collect())
+    }
+
+    pub(crate) async fn give_back_batch(
+        &self,
+        p: &Params,
+        calls: &[GiveBackCall],
+    ) -> Result<Vec<Result<u64, Error>>, Error> {
+        let script = &SCRIPTS.give_back;
+        let cmds = calls
+            .iter()
+            .map(|c| {
+                let mut cmd = Self::evalsha(script, &c.key);
+                cmd.arg(p.algorithm.key_suffix())
+                    .arg(p.limit)
+                    .arg(p.period_us)
+                    .arg(p.burst)
+                    .arg(c.returned)
+                    .arg(c.window);
+                cmd
+            })
+            .collect();
+        let values = self.pipelined(script, cmds).await?;
+        Ok(values
+            .into_iter()
+            .map(|v| match v {
+                Value::ServerError(e) => Err(Error::from(redis::RedisError::from(e))),
+                v => redis::from_redis_value::<i64>(v)
+                    .map(|n| n.max(0) as u64)
+                    .map_err(parse_error),
+            })
+            .collect())
+    }
+}
+
+fn value_to_ints(v: Value) -> Result<Vec<i64>, Error> {
+    match v {
+        Value::ServerError(e) => Err(Error::from(redis::RedisError::from(e))),
+        v => redis::from_redis_value::<Vec<i64>>(v).map_err(parse_error),
+    }
+}

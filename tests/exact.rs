@@ -1,0 +1,271 @@
+//! The exact limiters against real, private Redis servers.
+
+mod support;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use slicelimit::{Algorithm, FailurePolicy, FakeClock, Limiter, MemoryStore, Quota, Source};
+use support::{store, RedisServer};
+
+const ALGORITHMS: [Algorithm; 3] = [Algorithm::FixedWindow, Algorithm::TokenBucket, Algorithm::Gcra];
+
+/// 100 per day: refill during a test run is far below one permit, and a
+/// run crossing a window boundary is detected and retried.
+fn daily(limit: u64) -> Quota {
+    Quota::new(limit, Duration::from_secs(86_400)).unwrap()
+}
+
+async fn exact(server: &RedisServer, quota: Quota, algorithm: Algorithm, ns: &str) -> Limiter {
+    Limiter::builder(quota)
+        .store(store(server).await)
+        .algorithm(algorithm)
+        .namespace(ns)
+        .exact()
+        .on_store_error(FailurePolicy::FailClosed)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn race_8_limiters_64_tasks_admit_exactly_the_limit() {
+    let server = RedisServer::start();
+    for algorithm in ALGORITHMS {
+        let quota = daily(100).with_burst(100);
+        let mut limiters = Vec::new();
+        for _ in 0..8 {
+            limiters.push(exact(&server, quota, algorithm, "race").await);
+        }
+        for round in 0..20 {
+            let key = format!("{}-{round}", algorithm.as_str());
+            let admitted = Arc::new(AtomicU64::new(0));
+            let mut tasks = Vec::new();
+            for t in 0..64 {
+                let limiter = limiters[t % 8].clone();
+                let key = key.clone();
+                let admitted = admitted.clone();
+                tasks.push(tokio::spawn(async move {
+                    for _ in 0..3 {
+                        let d = limiter.try_check(&key, 1).await.expect("store answers");
+                        if d.is_allowed() {
+                            admitted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }));
+            }
+            for t in tasks {
+                t.await.unwrap();
+            }
+            assert_eq!(admitted.load(Ordering::Relaxed), 100, "{algorithm:?} round {round}");
+        }
+    }
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn every_key_written_has_a_ttl() {
+    let server = RedisServer::start();
+    for algorithm in ALGORITHMS {
+        for quota in [Quota::per_second(5), Quota::per_minute(100).with_burst(10), daily(3)] {
+            let limiter = exact(&server, quota, algorithm, "ttl").await;
+            for i in 0..20 {
+                limiter.try_check(&format!("k{}", i % 4), 1 + i % 3).await.unwrap();
+            }
+            limiter.try_check("", 1).await.unwrap();
+            limiter.try_check(&"big".repeat(10_000), 1).await.unwrap();
+        }
+    }
+    let keys = server.keys();
+    assert_eq!(keys.len(), 3 * 6, "{keys:?}");
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}
+
+#[tokio::test]
+async fn windows_follow_the_redis_clock_not_the_local_one() {
+    let server = RedisServer::start();
+    let quota = Quota::new(10, Duration::from_secs(60)).unwrap();
+    let make = |clock: FakeClock| {
+        let server_url = server.url();
+        async move {
+            Limiter::builder(quota)
+                .store(
+                    slicelimit::RedisStore::connect_with(&server_url, support::test_options())
+                        .await
+                        .unwrap(),
+                )
+                .clock(clock)
+                .build()
+                .unwrap()
+        }
+    };
+    let a = make(FakeClock::new(Duration::from_secs(1_000_000))).await;
+    let b = make(FakeClock::new(Duration::from_secs(1_000_030))).await;
+    // Stay clear of a window boundary (decided by Redis' clock).
+    let peek = a.try_check("k", 0).await.unwrap();
+    if peek.reset_after() < Duration::from_secs(5) {
+        tokio::time::sleep(peek.reset_after() + Duration::from_millis(100)).await;
+    }
+    let mut admitted = 0;
+    for i in 0..30 {
+        let limiter = if i % 2 == 0 { &a } else { &b };
+        if limiter.try_check("k", 1).await.unwrap().is_allowed() {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 10);
+    let ra = a.try_check("k", 0).await.unwrap().reset_after();
+    let rb = b.try_check("k", 0).await.unwrap().reset_after();
+    let gap = ra.abs_diff(rb);
+    assert!(gap < Duration::from_secs(1), "window ends disagree by {gap:?}");
+}
+
+#[tokio::test]
+async fn scripts_are_reloaded_after_script_flush() {
+    let server = RedisServer::start();
+    for algorithm in ALGORITHMS {
+        let limiter = exact(&server, daily(10), algorithm, "flush").await;
+        assert!(limiter.try_check("k", 1).await.unwrap().is_allowed());
+        let _: String = server.cmd(&["SCRIPT", "FLUSH"]);
+        let d = limiter.try_check("k", 1).await.expect("reloaded transparently");
+        assert!(d.is_allowed());
+        assert_eq!(d.remaining(), 8);
+    }
+}
+
+#[tokio::test]
+async fn a_key_of_the_wrong_type_is_a_classified_error_and_a_policy_decision() {
+    let server = RedisServer::start();
+    for algorithm in ALGORITHMS {
+        let ns = format!("wt-{}", algorithm.as_str());
+        let limiter = exact(&server, daily(10), algorithm, &ns).await;
+        limiter.try_check("victim", 1).await.unwrap();
+        let key = server
+            .keys()
+            .into_iter()
+            .find(|k| k.contains(&ns))
+            .expect("the limiter wrote a key");
+        let _: i64 = server.cmd(&["DEL", &key]);
+        if algorithm == Algorithm::Gcra {
+            let _: i64 = server.cmd(&["HSET", &key, "x", "1"]);
+        } else {
+            let _: String = server.cmd(&["SET", &key, "not a hash"]);
+        }
+        let err = limiter.try_check("victim", 1).await.unwrap_err();
+        assert!(err.is_wrong_type(), "{algorithm:?}: {err}");
+
+        let closed = limiter.check("victim", 1).await;
+        assert!(!closed.is_allowed());
+        assert_eq!(closed.source(), Source::FailClosed);
+        assert!(closed.retry_after().is_some());
+
+        let open = Limiter::builder(daily(10))
+            .store(store(&server).await)
+            .algorithm(algorithm)
+            .namespace(&ns)
+            .on_store_error(FailurePolicy::FailOpen)
+            .build()
+            .unwrap();
+        let d = open.check("victim", 1).await;
+        assert!(d.is_allowed());
+        assert_eq!(d.source(), Source::FailOpen);
+        assert_eq!(open.stats().store_errors, 1);
+    }
+}
+
+#[tokio::test]
+async fn odd_inputs_get_defined_decisions() {
+    let server = RedisServer::start();
+    for algorithm in ALGORITHMS {
+        let limiter = exact(&server, daily(10).with_burst(10), algorithm, "odd").await;
+        // cost 0 peeks without consuming
+        let d = limiter.try_check("k", 0).await.unwrap();
+        assert!(d.is_allowed());
+        assert_eq!(d.remaining(), 10);
+        assert_eq!(limiter.try_check("k", 0).await.unwrap().remaining(), 10);
+        // cost above the limit: denied, never admissible, nothing consumed
+        let d = limiter.try_check("k", 11).await.unwrap();
+        assert!(!d.is_allowed());
+        assert_eq!(d.retry_after(), None);
+        assert_eq!(limiter.try_check("k", 10).await.unwrap().remaining(), 0);
+        // cost at the limit but nothing left: denied with a finite wait
+        let d = limiter.try_check("k", 10).await.unwrap();
+        assert!(!d.is_allowed());
+        assert!(d.retry_after().is_some());
+        // the empty key is a key of its own
+        assert!(limiter.try_check("", 4).await.unwrap().is_allowed());
+        assert_eq!(limiter.try_check("", 0).await.unwrap().remaining(), 6);
+        // a 1 MB key works and is stored under a short hashed name
+        let huge = "k".repeat(1 << 20);
+        assert!(limiter.try_check(&huge, 1).await.unwrap().is_allowed());
+        assert_eq!(limiter.try_check(&huge, 0).await.unwrap().remaining(), 9);
+    }
+    assert!(server.keys().iter().all(|k| k.len() < 120));
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}
+
+#[test]
+fn invalid_quotas_are_rejected_at_build() {
+    for quota in [
+        Quota::per_second(0),
+        Quota::per_minute(5).with_burst(0),
+    ] {
+        let err = Limiter::builder(quota).build().unwrap_err();
+        assert!(err.is_invalid_input(), "{err}");
+    }
+    assert!(Quota::new(5, Duration::ZERO).is_err());
+    assert!(Quota::new(5, Duration::from_micros(10)).is_err());
+    let err = Limiter::builder(Quota::per_second(5))
+        .on_store_error(FailurePolicy::LocalFallback(Quota::per_second(0)))
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("LocalFallback"), "{err}");
+    let err = Limiter::builder(Quota::per_second(5))
+        .namespace(&"n".repeat(1000))
+        .build()
+        .unwrap_err();
+    assert!(err.is_invalid_input());
+}
+
+/// Random sequences of (key, cost) give the same decisions on the embedded
+/// store and on Redis. Both run within one window of a one-day quota, where
+/// refill is far below a permit, so their clocks cannot make them differ.
+#[tokio::test]
+async fn memory_store_and_redis_decide_alike() {
+    use proptest::prelude::*;
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+
+    let server = RedisServer::start();
+    let mut runner = TestRunner::deterministic();
+    let ops = prop::collection::vec((0usize..4, 0u64..7), 60..120);
+    for case in 0..12 {
+        let seq = ops.new_tree(&mut runner).unwrap().current();
+        for algorithm in ALGORITHMS {
+            let quota = daily(12).with_burst(9);
+            let ns = format!("diff{case}");
+            let redis = exact(&server, quota, algorithm, &ns).await;
+            let memory = Limiter::builder(quota)
+                .store(MemoryStore::new())
+                .algorithm(algorithm)
+                .namespace(&ns)
+                .build()
+                .unwrap();
+            for (i, (key, cost)) in seq.iter().enumerate() {
+                let key = format!("key{key}");
+                let r = redis.try_check(&key, *cost).await.unwrap();
+                let m = memory.try_check(&key, *cost).await.unwrap();
+                let step = format!("{algorithm:?} case {case} step {i} ({key}, {cost})");
+                assert_eq!(r.is_allowed(), m.is_allowed(), "{step}");
+                assert_eq!(r.remaining(), m.remaining(), "{step}");
+                assert_eq!(r.retry_after().is_some(), m.retry_after().is_some(), "{step}");
+                if algorithm != Algorithm::FixedWindow {
+                    // Both clocks run in real time; allow for the gap between calls.
+                    let gap = r.reset_after().abs_diff(m.reset_after());
+                    assert!(gap < Duration::from_secs(2), "{step}: {gap:?}");
+                }
+            }
+        }
+    }
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}
