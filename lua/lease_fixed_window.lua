@@ -11,8 +11,11 @@
 -- ARGV[6]  debt_window  the window index the debt was admitted in, or -1
 --                       when the process did not know it (charged to the
 --                       current window)
--- ARGV[7]  next         1: lease from the window after the current one
---                       (pre-lease before a boundary), 0: the current one
+-- ARGV[7]  min_window   lease from window max(current, min_window), but at
+--                       most the next one: a process that knows its window
+--                       is ending asks for the next (a pre-lease, granted
+--                       now, usable from that window's start), whichever
+--                       side of the boundary Redis is on; -1: the current
 --
 -- Returns  {granted, remaining (unleased in the target window after this
 --          grant), start_after_us (0, or until the target window starts),
@@ -36,7 +39,7 @@ local want = tonumber(ARGV[3])
 local share = tonumber(ARGV[4])
 local debt = tonumber(ARGV[5])
 local debt_window = tonumber(ARGV[6])
-local next_window = tonumber(ARGV[7])
+local min_window = tonumber(ARGV[7])
 
 local w = math.floor(now / period)
 if debt_window < 0 then debt_window = w end
@@ -54,7 +57,7 @@ if debt > 0 then
   end
 end
 
-local tw = w + next_window
+local tw = math.min(math.max(w, min_window), w + 1)
 local tf = string.format('%d', tw)
 local used = tonumber(redis.call('HGET', KEYS[1], tf) or '0')
 local available = math.max(0, limit - used)

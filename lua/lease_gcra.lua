@@ -9,11 +9,13 @@
 -- ARGV[4]  want       permits asked for (>= 0)
 -- ARGV[5]  share_cap  fraction (0, 1] of the available permits one lease may take
 -- ARGV[6]  debt       permits admitted on credit, not yet recorded (>= 0)
--- ARGV[7]  need       the fewest permits worth a lease (>= 1)
+-- ARGV[7]  need       the fewest permits the waiting request needs (>= 1)
+-- ARGV[8]  patience   when nothing is granted, retry_after says when this
+--                     many (>= need) will be available
 --
 -- Returns  {granted, remaining, 0, reset_after_us (until the TAT),
---          retry_after_us (when nothing was granted: until `need` permits
---          are available; else 0), now_us, uncovered, 0}
+--          retry_after_us (when nothing was granted: until `patience`
+--          permits are available; else 0), now_us, uncovered, 0}
 --
 -- Leasing n permits advances the TAT by n emission intervals, exactly as n
 -- admissions would; debt advances it too, past the tolerance if need be.
@@ -27,6 +29,7 @@ local want = tonumber(ARGV[4])
 local share = tonumber(ARGV[5])
 local debt = tonumber(ARGV[6])
 local need = tonumber(ARGV[7])
+local patience = math.min(math.max(need, tonumber(ARGV[8])), burst)
 
 local interval = period / limit
 local tolerance = burst * interval
@@ -56,6 +59,6 @@ if granted > 0 or debt > 0 then
 end
 local retry = 0
 if granted == 0 then
-  retry = math.max(1, math.ceil(tat + math.min(need, burst) * interval - tolerance - now))
+  retry = math.max(1, math.ceil(tat + patience * interval - tolerance - now))
 end
 return {granted, math.max(0, available_at(tat)), 0, math.ceil(tat - now), retry, now, uncovered, 0}

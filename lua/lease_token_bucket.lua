@@ -9,11 +9,14 @@
 -- ARGV[4]  want       tokens asked for (>= 0)
 -- ARGV[5]  share_cap  fraction (0, 1] of the tokens present one lease may take
 -- ARGV[6]  debt       tokens admitted on credit, not yet taken (>= 0)
--- ARGV[7]  need       the fewest tokens worth a lease (>= 1): below it
---                     nothing is granted and retry_after says when it will be
+-- ARGV[7]  need       the fewest tokens the waiting request needs (>= 1):
+--                     below it nothing is granted
+-- ARGV[8]  patience   when nothing is granted, retry_after says when this
+--                     many (>= need) will be present, so a saturated key is
+--                     asked again for a worthwhile lease, not for every token
 --
 -- Returns  {granted, remaining (whole tokens left), 0, reset_after_us (until
---          full), retry_after_us (when nothing was granted: until `need`
+--          full), retry_after_us (when nothing was granted: until `patience`
 --          tokens are present; else 0), now_us, uncovered (debt beyond the
 --          tokens present), 0}
 --
@@ -29,6 +32,7 @@ local want = tonumber(ARGV[4])
 local share = tonumber(ARGV[5])
 local debt = tonumber(ARGV[6])
 local need = tonumber(ARGV[7])
+local patience = math.min(math.max(need, tonumber(ARGV[8])), burst)
 
 local state = redis.call('HMGET', KEYS[1], 'tk', 'ts')
 local tokens = tonumber(state[1])
@@ -62,6 +66,6 @@ if granted > 0 or debt > 0 then
 end
 local retry = 0
 if granted == 0 then
-  retry = math.max(1, math.ceil((math.min(need, burst) - tokens) * period / limit))
+  retry = math.max(1, math.ceil((patience - tokens) * period / limit))
 end
 return {granted, math.max(0, math.floor(tokens)), 0, reset, retry, now, math.ceil(uncovered), 0}

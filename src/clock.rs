@@ -128,6 +128,15 @@ impl TimeSource {
         }
     }
 
+    /// Within this many µs of a deadline, the hot path reads the precise
+    /// clock: a starved ticker thread may lag by more than its tick.
+    pub(crate) fn guard_us(&self) -> u64 {
+        match self {
+            TimeSource::Coarse(_) => COARSE_GUARD.as_micros() as u64,
+            TimeSource::Precise(_) => 0,
+        }
+    }
+
     /// How far behind the hot path's reading may be, beyond scheduling.
     pub(crate) fn tick_us(&self) -> u64 {
         match self {
@@ -138,6 +147,9 @@ impl TimeSource {
 }
 
 const TICK: Duration = Duration::from_millis(1);
+
+/// See [`TimeSource::guard_us`].
+const COARSE_GUARD: Duration = Duration::from_millis(50);
 
 struct TickerState {
     now: AtomicU64,

@@ -153,7 +153,7 @@ impl HybridEngine {
         let slot = match s.slots.get(key) {
             Some(entry) => {
                 let slot = entry.value();
-                if let Take::Taken(left) = slot.take(cost, now) {
+                if let Take::Taken(left) = slot.take(cost, now, s.time.guard_us(), || s.time.precise_us()) {
                     slot.touch(now);
                     if slot.wants_refill(left, now) {
                         s.request_refill(slot);
@@ -175,7 +175,9 @@ impl HybridEngine {
         let config = s.config.load_full();
         let give_up_at = tokio::time::Instant::now() + config.max_wait;
         loop {
-            let now = s.time.now_us();
+            // The slow path reads the precise clock: it decides credit
+            // windows and pre-lease starts, where a lagging clock would err.
+            let now = s.time.precise_us();
             if slot.evicted.load(Ordering::Acquire) {
                 slot = match s.insert(key, now) {
                     Some(slot) => slot,
@@ -186,7 +188,7 @@ impl HybridEngine {
             if let Some(replaced) = slot.promote(now) {
                 Counters::add(&s.counters.stranded, replaced as u64);
             }
-            if let Take::Taken(left) = slot.take(cost, now) {
+            if let Take::Taken(left) = slot.take(cost, now, 0, || now) {
                 if slot.wants_refill(left, now) {
                     s.request_refill(&slot);
                 }
@@ -327,7 +329,12 @@ impl Shared {
     /// for the key stays within `max_debt` and belongs to one window.
     fn try_credit(&self, slot: &Slot, cost: u64, now: u64, max_debt: u64) -> bool {
         let window = match self.params.algorithm {
-            Algorithm::FixedWindow => slot.window_at(now, self.params.period_us),
+            // Near a boundary the debt could land in either window: no
+            // credit there, so each window's overshoot stays attributable.
+            Algorithm::FixedWindow => match slot.window_at(now, self.params.period_us) {
+                Some(window) => window,
+                None => return false,
+            },
             Algorithm::TokenBucket | Algorithm::Gcra => 0,
         };
         let mut credit = slot.credit.lock().unwrap_or_else(|p| p.into_inner());

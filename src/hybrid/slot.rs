@@ -24,7 +24,7 @@ pub(crate) struct NextLease {
     pub(crate) start: u64,
     /// Local µs at which they become void.
     pub(crate) deadline: u64,
-    /// Local µs estimate of the window's end, without margin.
+    /// Local µs by which the window has surely ended.
     pub(crate) window_end: u64,
 }
 
@@ -45,7 +45,8 @@ pub(crate) struct Slot {
     pub(crate) deadline: AtomicU64,
     /// Fixed window: the window index the permits belong to.
     pub(crate) window: AtomicI64,
-    /// Fixed window: local estimate of the end of `window`, without margin.
+    /// Fixed window: local µs by which `window` has surely ended (its
+    /// latest possible end plus the margin).
     pub(crate) window_end: AtomicU64,
     /// Below this many permits, a refill is requested.
     pub(crate) low_water: AtomicI64,
@@ -115,9 +116,14 @@ impl Slot {
     }
 
     /// Spends `cost` local permits if they are valid at `now`.
+    ///
+    /// `now` may come from a coarse clock that lags when its thread is
+    /// starved; within `guard_us` of the deadline, `precise` is read instead,
+    /// so a lagging clock can never spend a permit past its deadline.
     #[inline]
-    pub(crate) fn take(&self, cost: u64, now: u64) -> Take {
-        if now >= self.deadline.load(Ordering::Acquire) {
+    pub(crate) fn take(&self, cost: u64, now: u64, guard_us: u64, precise: impl FnOnce() -> u64) -> Take {
+        let deadline = self.deadline.load(Ordering::Acquire);
+        if now >= deadline || (now + guard_us >= deadline && precise() >= deadline) {
             return Take::Empty;
         }
         let cost = cost as i64;
@@ -200,18 +206,33 @@ impl Slot {
         Some(self.install(lease.permits, lease.window, lease.deadline, lease.window_end, now, true))
     }
 
-    /// Local estimate of the fixed window in force at `now`, from the last
-    /// lease's window and end; `UNKNOWN_WINDOW` before the first lease.
-    pub(crate) fn window_at(&self, now: u64, period_us: u64) -> i64 {
+    /// Local estimate of the fixed window in force at `now`: `Some(index)`
+    /// when certain, `UNKNOWN_WINDOW` before the first lease, `None` close
+    /// to a boundary, where the store may be on either side of it. The
+    /// current window surely lasts until `deadline` (its earliest possible
+    /// end, minus the margin) and surely ended at `window_end` (its latest
+    /// possible end, plus the margin); later boundaries repeat every period.
+    pub(crate) fn window_at(&self, now: u64, period_us: u64) -> Option<i64> {
         let window = self.window.load(Ordering::Acquire);
         if window == UNKNOWN_WINDOW {
-            return UNKNOWN_WINDOW;
+            return Some(UNKNOWN_WINDOW);
         }
-        let end = self.window_end.load(Ordering::Acquire);
-        if now < end {
-            window
+        let early = self.deadline.load(Ordering::Acquire);
+        let late = self.window_end.load(Ordering::Acquire);
+        if early == 0 {
+            return None;
+        }
+        if now < early {
+            return Some(window);
+        }
+        let period = period_us.max(1);
+        let width = late.saturating_sub(early);
+        let since = now - early;
+        let k = since / period;
+        if since - k * period < width {
+            None
         } else {
-            window + 1 + ((now - end) / period_us.max(1)) as i64
+            Some(window + 1 + k as i64)
         }
     }
 }
@@ -223,11 +244,11 @@ mod tests {
     #[test]
     fn permits_are_spent_only_before_the_deadline() {
         let slot = Slot::new("k".into(), 0);
-        assert!(matches!(slot.take(1, 10), Take::Empty));
+        assert!(matches!(slot.take(1, 10, 0, || 0), Take::Empty));
         slot.install(3, 7, 100, 103, 10, false);
-        assert!(matches!(slot.take(2, 50), Take::Taken(1)));
-        assert!(matches!(slot.take(2, 50), Take::Empty));
-        assert!(matches!(slot.take(1, 100), Take::Empty), "deadline passed");
+        assert!(matches!(slot.take(2, 50, 0, || 0), Take::Taken(1)));
+        assert!(matches!(slot.take(2, 50, 0, || 0), Take::Empty));
+        assert!(matches!(slot.take(1, 100, 0, || 0), Take::Empty), "deadline passed");
         assert_eq!(slot.expire(100), 1);
     }
 
@@ -236,11 +257,11 @@ mod tests {
         let slot = Slot::new("k".into(), 0);
         slot.install(3, 7, 100, 103, 10, false);
         assert_eq!(slot.install(2, 7, 200, 203, 20, false), 0);
-        assert!(matches!(slot.take(5, 30), Take::Taken(0)));
+        assert!(matches!(slot.take(5, 30, 0, || 0), Take::Taken(0)));
         slot.install(3, 7, 100, 103, 40, false);
         // window 8 replaces window 7's leftovers, which are handed back
         assert_eq!(slot.install(4, 8, 200, 203, 150, false), 3);
-        assert!(matches!(slot.take(4, 160), Take::Taken(0)));
+        assert!(matches!(slot.take(4, 160, 0, || 0), Take::Taken(0)));
     }
 
     #[test]
@@ -257,8 +278,13 @@ mod tests {
         slot.has_next.store(true, Ordering::Release);
         assert_eq!(slot.promote(105), None);
         assert_eq!(slot.promote(106), Some(1));
-        assert!(matches!(slot.take(5, 106), Take::Taken(0)));
-        assert_eq!(slot.window_at(150, 100), 8);
-        assert_eq!(slot.window_at(210, 100), 9);
+        assert!(matches!(slot.take(5, 106, 0, || 0), Take::Taken(0)));
+        assert_eq!(slot.window_at(150, 100), Some(8));
+        assert_eq!(slot.window_at(200, 100), None, "between deadline and sure end");
+        assert_eq!(slot.window_at(202, 100), None);
+        assert_eq!(slot.window_at(203, 100), Some(9));
+        assert_eq!(slot.window_at(299, 100), Some(9));
+        assert_eq!(slot.window_at(301, 100), None);
+        assert_eq!(slot.window_at(303, 100), Some(10));
     }
 }

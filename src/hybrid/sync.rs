@@ -134,8 +134,9 @@ fn report_call(key: String, credit: Credit) -> LeaseCall {
         share_cap: 1.0,
         debt: credit.debt,
         debt_window: credit.window,
-        next_window: false,
+        min_window: -1,
         need: 1,
+        patience: 1,
     }
 }
 
@@ -153,31 +154,38 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
     };
     let mut sizing = slot.sizing.lock().unwrap_or_else(|p| p.into_inner());
     sizing.observe(permits, credit.debt, now);
-    let (next_window, renew, time_left) = match shared.params.algorithm {
+    let (min_window, renew, time_left) = match shared.params.algorithm {
         Algorithm::FixedWindow => {
-            let end = slot.window_end.load(Ordering::Acquire);
-            let current_left = if end > now {
-                Some(end - now)
-            } else if end > 0 {
-                // The window after the one we knew: estimate its end.
-                Some(period - (now - end) % period)
+            let window = slot.window.load(Ordering::Acquire);
+            let deadline = slot.deadline.load(Ordering::Acquire);
+            // Permits that would arrive void (their window ends within a
+            // round trip and the margin) are not worth asking for.
+            let rtt = shared.rtt_us.load(Ordering::Relaxed) + shared.time.tick_us();
+            let ending = now + rtt >= deadline;
+            let prelease = !config.prelease_lead.is_zero() && near_end && permits > 0;
+            if window == super::slot::UNKNOWN_WINDOW {
+                (-1, false, None)
+            } else if valid && !ending && !prelease {
+                (window, false, Some(deadline - now))
+            } else if valid {
+                // Ask for the next window ahead of the boundary.
+                if slot.has_next.load(Ordering::Acquire) {
+                    (window, false, Some(deadline.saturating_sub(now)))
+                } else {
+                    (window + 1, false, Some(period))
+                }
             } else {
-                None
-            };
-            // Permits of a window that ends within the margin and a round
-            // trip would be void on arrival: lease the next window instead.
-            let margin = config.clock_margin.as_micros() as u64
-                + shared.time.tick_us()
-                + shared.rtt_us.load(Ordering::Relaxed);
-            let too_late = current_left.is_some_and(|left| left <= margin);
-            let prelease = !config.prelease_lead.is_zero() && valid && near_end && permits > 0;
-            let next = (too_late || prelease) && !slot.has_next.load(Ordering::Acquire);
-            let time_left = if next { Some(period) } else { current_left };
-            (next, false, time_left)
+                // The window we knew is over, or about to be: ask for the
+                // first one that can still be current by the time the
+                // reply arrives.
+                let since = now.saturating_sub(deadline);
+                (window + 1 + (since / period) as i64, false, Some(period))
+            }
         }
-        Algorithm::TokenBucket | Algorithm::Gcra => (false, valid && near_end, None),
+        Algorithm::TokenBucket | Algorithm::Gcra => (-1, valid && near_end, None),
     };
-    let want = sizing.want(rule, if next_window { 0 } else { permits }, now, need, time_left);
+    let ahead = min_window > slot.window.load(Ordering::Acquire) && valid;
+    let want = sizing.want(rule, if ahead { 0 } else { permits }, now, need, time_left);
     drop(sizing);
     let call = LeaseCall {
         key: slot.store_key.clone(),
@@ -185,8 +193,9 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         share_cap: config.share_cap,
         debt: credit.debt,
         debt_window: credit.window,
-        next_window,
-        need: need.max(want / 4).max(1),
+        min_window,
+        need: need.max(1),
+        patience: need.max(want / 4).max(1),
     };
     Pending {
         slot: Some(slot),
@@ -231,8 +240,8 @@ fn apply(shared: &Shared, config: &HybridConfig, p: Pending, result: Result<Leas
                         // Redis evaluated somewhere in [t0, t1] locally: the
                         // window ends no earlier than t0 + reset and starts
                         // no later than t1 + start_after.
-                        let window_end = t0 + r.reset_after_us;
-                        let deadline = window_end.saturating_sub(margin);
+                        let deadline = (t0 + r.reset_after_us).saturating_sub(margin);
+                        let window_end = t1 + r.reset_after_us + margin;
                         if r.start_after_us > 0 {
                             let lease = NextLease {
                                 permits: granted,
@@ -259,7 +268,7 @@ fn apply(shared: &Shared, config: &HybridConfig, p: Pending, result: Result<Leas
                             let replaced = slot.install(granted, r.window, deadline, window_end, now, false);
                             Counters::add(&counters.stranded, replaced as u64);
                             slot.refill_at.store(
-                                if lead == 0 { u64::MAX } else { window_end.saturating_sub(lead + margin) },
+                                if lead == 0 { u64::MAX } else { deadline.saturating_sub(lead) },
                                 Ordering::Relaxed,
                             );
                         }
@@ -278,8 +287,10 @@ fn apply(shared: &Shared, config: &HybridConfig, p: Pending, result: Result<Leas
                 }
                 slot.low_water.store((p.call.want / 2) as i64, Ordering::Relaxed);
             } else if p.call.want > 0 {
-                if !p.call.next_window {
-                    slot.denied_until.store(t0 + r.retry_after_us, Ordering::Release);
+                if r.start_after_us == 0 {
+                    // Redis answered before t1: from t1 + retry_after on,
+                    // the store surely has something again.
+                    slot.denied_until.store(t1 + r.retry_after_us + margin, Ordering::Release);
                 }
                 // Nothing to be had: spend what is held, then ask again (the
                 // denied-until time keeps that from costing round trips).

@@ -386,7 +386,7 @@ fn lease_fixed_window(entry: &mut Option<Entry>, p: &Params, now: u64, call: &Le
             uncovered = debt;
         }
     }
-    let tw = w + i64::from(call.next_window);
+    let tw = w.max(call.min_window).min(w + 1);
     let mut used = count_in(windows(entry, &call.key)?, tw);
     let available = (limit - used).max(0);
     let cap = ((available as f64 * call.share_cap).floor() as i64).max(1);
@@ -434,8 +434,9 @@ fn lease_token_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, call: &Le
     if granted > 0.0 || debt > 0.0 {
         store_bucket(entry, p, now, tokens);
     }
+    let patience = need.max(call.patience as f64).min(burst);
     let retry = if granted == 0.0 {
-        ((need.min(burst) - tokens) * p.period_us as f64 / p.limit as f64).ceil().max(1.0)
+        ((patience - tokens) * p.period_us as f64 / p.limit as f64).ceil().max(1.0)
     } else {
         0.0
     };
@@ -472,8 +473,9 @@ fn lease_gcra(entry: &mut Option<Entry>, p: &Params, now: u64, call: &LeaseCall)
     if granted > 0.0 || debt > 0.0 {
         store_gcra(entry, now, tat);
     }
+    let patience = need.max(call.patience as f64).min(p.burst as f64);
     let retry = if granted == 0.0 {
-        (tat + need * g.interval - g.tolerance - nowf).ceil().max(1.0)
+        (tat + patience * g.interval - g.tolerance - nowf).ceil().max(1.0)
     } else {
         0.0
     };
@@ -622,8 +624,9 @@ mod tests {
             share_cap: 0.5,
             debt: 0,
             debt_window: 0,
-            next_window: false,
+            min_window: -1,
             need: 1,
+            patience: 1,
         };
         let r = s.lease(&p, &call).unwrap();
         assert_eq!((r.granted, r.remaining), (50, 50));

@@ -98,10 +98,13 @@ pub(crate) struct LeaseCall {
     pub(crate) debt: u64,
     /// Fixed window: the window index the debt was admitted in.
     pub(crate) debt_window: i64,
-    /// Fixed window: lease from the next window (pre-lease at rollover).
-    pub(crate) next_window: bool,
-    /// Token bucket, GCRA: the fewest permits worth a lease.
+    /// Fixed window: lease from window max(current, min_window), at most
+    /// the next one; -1 for the current window.
+    pub(crate) min_window: i64,
+    /// Token bucket, GCRA: the fewest permits the waiting request needs.
     pub(crate) need: u64,
+    /// Token bucket, GCRA: when nothing is granted, wait for this many.
+    pub(crate) patience: u64,
 }
 
 /// What a lease granted, and what the store knows about the key.

@@ -259,14 +259,15 @@ impl RedisStore {
                             .arg(c.share_cap)
                             .arg(c.debt)
                             .arg(c.debt_window)
-                            .arg(u8::from(c.next_window));
+                            .arg(c.min_window);
                     }
                     Algorithm::TokenBucket | Algorithm::Gcra => {
                         cmd.arg(p.burst)
                             .arg(c.want)
                             .arg(c.share_cap)
                             .arg(c.debt)
-                            .arg(c.need.max(1));
+                            .arg(c.need.max(1))
+                            .arg(c.patience);
                     }
                 }
                 cmd

@@ -232,3 +232,5 @@ pub async fn store(server: &RedisServer) -> slicelimit::RedisStore {
         .await
         .expect("connect to the test server")
 }
+
+pub mod load;

@@ -1,0 +1,164 @@
+//! A Zipf-skewed open-loop load for fleets of limiters, and per-window
+//! tallies attributed by the wall clock (which Redis' `TIME` also reads on
+//! this machine).
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use slicelimit::Limiter;
+
+/// The shape of a load.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadSpec {
+    pub keys: usize,
+    pub limit: u64,
+    pub period: Duration,
+    /// Total demand per period = factor × limit × keys, split by Zipf(1).
+    pub demand_factor: f64,
+    pub duration: Duration,
+    /// Requests are issued in bursts every `tick`.
+    pub tick: Duration,
+}
+
+/// (key index, window index) → (requests that arrived, requests admitted).
+#[derive(Debug, Default, Clone)]
+pub struct Tally {
+    pub cells: HashMap<(usize, i64), (u64, u64)>,
+}
+
+impl Tally {
+    pub fn merge(&mut self, other: &Tally) {
+        for (k, (d, a)) in &other.cells {
+            let cell = self.cells.entry(*k).or_default();
+            cell.0 += d;
+            cell.1 += a;
+        }
+    }
+
+    /// Windows that were entirely inside the run (the first and last are
+    /// partial).
+    pub fn full_windows(&self) -> Vec<i64> {
+        let mut windows: Vec<i64> = self.cells.keys().map(|(_, w)| *w).collect();
+        windows.sort_unstable();
+        windows.dedup();
+        if windows.len() <= 2 {
+            return Vec::new();
+        }
+        windows[1..windows.len() - 1].to_vec()
+    }
+
+    /// The largest admitted count of any key in any window.
+    pub fn worst(&self) -> ((usize, i64), u64) {
+        self.cells
+            .iter()
+            .map(|(k, (_, a))| (*k, *a))
+            .max_by_key(|(_, a)| *a)
+            .unwrap_or(((0, 0), 0))
+    }
+
+    /// Σ admitted ÷ Σ limit over full (key, window) cells whose demand
+    /// exceeded the limit; and how many such cells there were.
+    pub fn utilization(&self, limit: u64) -> (f64, usize) {
+        let full = self.full_windows();
+        let (mut admitted, mut cells) = (0u64, 0usize);
+        for ((_, w), (d, a)) in &self.cells {
+            if full.contains(w) && *d > limit {
+                admitted += (*a).min(limit);
+                cells += 1;
+            }
+        }
+        if cells == 0 {
+            return (0.0, 0);
+        }
+        (admitted as f64 / (cells as u64 * limit) as f64, cells)
+    }
+
+    pub fn to_lines(&self) -> String {
+        let mut out = String::new();
+        for ((k, w), (d, a)) in &self.cells {
+            out.push_str(&format!("cell {k} {w} {d} {a}\n"));
+        }
+        out
+    }
+
+    pub fn parse_line(&mut self, line: &str) {
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        if parts.len() == 5 && parts[0] == "cell" {
+            let k: usize = parts[1].parse().unwrap();
+            let w: i64 = parts[2].parse().unwrap();
+            let d: u64 = parts[3].parse().unwrap();
+            let a: u64 = parts[4].parse().unwrap();
+            let cell = self.cells.entry((k, w)).or_default();
+            cell.0 += d;
+            cell.1 += a;
+        }
+    }
+}
+
+pub fn wall_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_micros() as u64
+}
+
+pub fn key_name(index: usize) -> String {
+    format!("user-{index}")
+}
+
+/// Cumulative Zipf(1) weights over `n` keys.
+fn zipf_cdf(n: usize) -> Vec<f64> {
+    let weights: Vec<f64> = (1..=n).map(|r| 1.0 / r as f64).collect();
+    let total: f64 = weights.iter().sum();
+    let mut acc = 0.0;
+    weights
+        .iter()
+        .map(|w| {
+            acc += w / total;
+            acc
+        })
+        .collect()
+}
+
+/// Demand per period for the key of rank `index` (0-based).
+pub fn key_demand(spec: &LoadSpec, index: usize) -> f64 {
+    let total: f64 = (1..=spec.keys).map(|r| 1.0 / r as f64).sum();
+    spec.demand_factor * spec.limit as f64 * spec.keys as f64 / (index + 1) as f64 / total
+}
+
+/// Drives one limiter with `share` of the total demand until `stop_at_us`
+/// (wall clock), issuing requests in bursts every tick.
+pub async fn drive(limiter: Limiter, spec: LoadSpec, share: f64, seed: u64, stop_at_us: u64) -> Tally {
+    let cdf = zipf_cdf(spec.keys);
+    let names: Vec<String> = (0..spec.keys).map(key_name).collect();
+    let per_period = spec.demand_factor * spec.limit as f64 * spec.keys as f64 * share;
+    let per_tick = per_period * spec.tick.as_secs_f64() / spec.period.as_secs_f64();
+    let period_us = spec.period.as_micros() as u64;
+    let mut rng = seed | 1;
+    let mut carry = 0.0;
+    let mut tally = Tally::default();
+    let mut ticker = tokio::time::interval(spec.tick);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    while wall_us() < stop_at_us {
+        ticker.tick().await;
+        carry += per_tick;
+        let n = carry.floor() as usize;
+        carry -= n as f64;
+        for _ in 0..n {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            let u = (rng >> 11) as f64 / (1u64 << 53) as f64;
+            let key = cdf.iter().position(|c| u <= *c).unwrap_or(spec.keys - 1);
+            let arrived = (wall_us() / period_us) as i64;
+            let decision = limiter.check(&names[key], 1).await;
+            tally.cells.entry((key, arrived)).or_default().0 += 1;
+            if decision.is_allowed() {
+                let admitted = (wall_us() / period_us) as i64;
+                tally.cells.entry((key, admitted)).or_default().1 += 1;
+            }
+        }
+    }
+    tally
+}
