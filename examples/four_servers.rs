@@ -106,18 +106,44 @@ async fn main() {
     let redis_url = std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty());
     match &redis_url {
         Some(url) => println!("store: Redis at {url}"),
-        None => println!("store: embedded MemoryStore (set REDIS_URL=redis://host:port to use Redis)"),
+        None => {
+            println!("store: embedded MemoryStore (set REDIS_URL=redis://host:port to use Redis)")
+        }
     }
     println!(
         "{SERVERS} servers behind a round-robin balancer, one key allowed {LIMIT} requests per minute, {REQUESTS} requests sent\n"
     );
     let url = redis_url.as_deref();
     let rows = vec![
-        run("per-process local", Mode::Local, Algorithm::FixedWindow, url).await,
-        run("exact fixed window", Mode::Exact, Algorithm::FixedWindow, url).await,
-        run("exact token bucket", Mode::Exact, Algorithm::TokenBucket, url).await,
+        run(
+            "per-process local",
+            Mode::Local,
+            Algorithm::FixedWindow,
+            url,
+        )
+        .await,
+        run(
+            "exact fixed window",
+            Mode::Exact,
+            Algorithm::FixedWindow,
+            url,
+        )
+        .await,
+        run(
+            "exact token bucket",
+            Mode::Exact,
+            Algorithm::TokenBucket,
+            url,
+        )
+        .await,
         run("exact GCRA", Mode::Exact, Algorithm::Gcra, url).await,
-        run("hybrid strict", Mode::Hybrid(HybridConfig::strict()), Algorithm::FixedWindow, url).await,
+        run(
+            "hybrid strict",
+            Mode::Hybrid(HybridConfig::strict()),
+            Algorithm::FixedWindow,
+            url,
+        )
+        .await,
         run(
             "hybrid optimistic (debt 5)",
             Mode::Hybrid(HybridConfig::optimistic(5)),

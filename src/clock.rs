@@ -163,7 +163,8 @@ pub(crate) struct Ticker {
     state: Arc<TickerState>,
 }
 
-static TICKER: std::sync::Mutex<std::sync::Weak<Ticker>> = std::sync::Mutex::new(std::sync::Weak::new());
+static TICKER: std::sync::Mutex<std::sync::Weak<Ticker>> =
+    std::sync::Mutex::new(std::sync::Weak::new());
 
 impl Ticker {
     /// The shared ticker, started if none runs; `None` if no thread can

@@ -18,7 +18,11 @@ pub(crate) struct ExactEngine {
 
 impl ExactEngine {
     pub(crate) fn new(store: Store, keys: KeyEncoder, params: Params) -> Self {
-        ExactEngine { store, keys, params }
+        ExactEngine {
+            store,
+            keys,
+            params,
+        }
     }
 
     pub(crate) async fn check(&self, key: &str, cost: u64) -> Result<Decision, Error> {

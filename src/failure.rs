@@ -11,11 +11,12 @@ use crate::local::LocalEngine;
 use crate::{Algorithm, Clock, Decision, Error, Quota};
 
 /// What to decide while the store is unavailable.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum FailurePolicy {
     /// Admit every request. The usual choice for general traffic: the
-    /// limiter must not become the outage.
+    /// limiter must not become the outage. The default.
+    #[default]
     FailOpen,
     /// Deny every request. For routes where over-admission is worse than
     /// unavailability (logins, payments, expensive jobs).
@@ -24,12 +25,6 @@ pub enum FailurePolicy {
     /// `limit / expected_instances`, so the fleet together stays near the
     /// real limit.
     LocalFallback(Quota),
-}
-
-impl Default for FailurePolicy {
-    fn default() -> Self {
-        FailurePolicy::FailOpen
-    }
 }
 
 /// How long a fail-closed denial tells the caller to wait, when nothing
@@ -53,9 +48,9 @@ impl FailureHandler {
     ) -> Result<Self, Error> {
         let fallback = match policy {
             FailurePolicy::LocalFallback(quota) => {
-                quota.validate().map_err(|e| {
-                    Error::invalid(format!("LocalFallback quota: {e}"))
-                })?;
+                quota
+                    .validate()
+                    .map_err(|e| Error::invalid(format!("LocalFallback quota: {e}")))?;
                 Some(LocalEngine::new(quota, algorithm, clock, Source::Fallback))
             }
             _ => None,

@@ -13,8 +13,8 @@ use crate::exact::ExactEngine;
 use crate::failure::FailureHandler;
 use crate::hybrid::{HybridConfig, HybridEngine};
 use crate::key::KeyEncoder;
-use crate::stats::{Counters, Stats};
 use crate::local::LocalEngine;
+use crate::stats::{Counters, Stats};
 use crate::store::{MemoryStore, Params, Store};
 use crate::{Algorithm, Clock, Decision, Error, ErrorKind, FailurePolicy, Quota, SystemClock};
 
@@ -94,7 +94,10 @@ impl Limiter {
                     Ok(decision) => decision,
                     Err(_) => {
                         inner.counters.store_errors.fetch_add(1, Ordering::Relaxed);
-                        inner.counters.policy_decisions.fetch_add(1, Ordering::Relaxed);
+                        inner
+                            .counters
+                            .policy_decisions
+                            .fetch_add(1, Ordering::Relaxed);
                         inner.failure.decide(key, cost, None)
                     }
                 }
@@ -102,7 +105,10 @@ impl Limiter {
             Engine::Hybrid(hybrid) => match hybrid.check(key, cost).await {
                 Ok(decision) => decision,
                 Err(_) => {
-                    inner.counters.policy_decisions.fetch_add(1, Ordering::Relaxed);
+                    inner
+                        .counters
+                        .policy_decisions
+                        .fetch_add(1, Ordering::Relaxed);
                     inner.failure.decide(key, cost, None)
                 }
             },
@@ -125,7 +131,10 @@ impl Limiter {
         match &self.inner.engine {
             Engine::Local(local) => Ok(local.check(key, cost)),
             Engine::Exact(exact) => {
-                self.inner.counters.round_trips.fetch_add(1, Ordering::Relaxed);
+                self.inner
+                    .counters
+                    .round_trips
+                    .fetch_add(1, Ordering::Relaxed);
                 exact.check(key, cost).await
             }
             Engine::Hybrid(hybrid) => hybrid.check(key, cost).await,
@@ -151,7 +160,10 @@ impl Limiter {
     pub fn reconfigure(&self, config: HybridConfig) -> Result<(), Error> {
         match &self.inner.engine {
             Engine::Hybrid(hybrid) => hybrid.reconfigure(config),
-            _ => Err(Error::new(ErrorKind::Unsupported, "only a hybrid limiter has a HybridConfig")),
+            _ => Err(Error::new(
+                ErrorKind::Unsupported,
+                "only a hybrid limiter has a HybridConfig",
+            )),
         }
     }
 

@@ -18,7 +18,12 @@ pub(crate) struct LocalEngine {
 }
 
 impl LocalEngine {
-    pub(crate) fn new(quota: Quota, algorithm: Algorithm, clock: Arc<dyn Clock>, source: Source) -> Self {
+    pub(crate) fn new(
+        quota: Quota,
+        algorithm: Algorithm,
+        clock: Arc<dyn Clock>,
+        source: Source,
+    ) -> Self {
         LocalEngine {
             store: MemoryStore::with_shared_clock(clock),
             params: Params::new(&quota, algorithm),

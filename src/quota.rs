@@ -201,7 +201,13 @@ mod tests {
     fn burst_defaults_to_limit() {
         assert_eq!(Quota::per_second(7).burst(), 7);
         assert_eq!(Quota::per_second(7).with_burst(3).burst(), 3);
-        assert_eq!(Algorithm::FixedWindow.max_cost(&Quota::per_second(7).with_burst(3)), 7);
-        assert_eq!(Algorithm::Gcra.max_cost(&Quota::per_second(7).with_burst(3)), 3);
+        assert_eq!(
+            Algorithm::FixedWindow.max_cost(&Quota::per_second(7).with_burst(3)),
+            7
+        );
+        assert_eq!(
+            Algorithm::Gcra.max_cost(&Quota::per_second(7).with_burst(3)),
+            3
+        );
     }
 }

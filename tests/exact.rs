@@ -9,7 +9,11 @@ use std::time::Duration;
 use slicelimit::{Algorithm, FailurePolicy, FakeClock, Limiter, MemoryStore, Quota, Source};
 use support::{store, RedisServer};
 
-const ALGORITHMS: [Algorithm; 3] = [Algorithm::FixedWindow, Algorithm::TokenBucket, Algorithm::Gcra];
+const ALGORITHMS: [Algorithm; 3] = [
+    Algorithm::FixedWindow,
+    Algorithm::TokenBucket,
+    Algorithm::Gcra,
+];
 
 /// 100 per day: refill during a test run is far below one permit, and a
 /// run crossing a window boundary is detected and retried.
@@ -57,7 +61,11 @@ async fn race_8_limiters_64_tasks_admit_exactly_the_limit() {
             for t in tasks {
                 t.await.unwrap();
             }
-            assert_eq!(admitted.load(Ordering::Relaxed), 100, "{algorithm:?} round {round}");
+            assert_eq!(
+                admitted.load(Ordering::Relaxed),
+                100,
+                "{algorithm:?} round {round}"
+            );
         }
     }
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
@@ -67,10 +75,17 @@ async fn race_8_limiters_64_tasks_admit_exactly_the_limit() {
 async fn every_key_written_has_a_ttl() {
     let server = RedisServer::start();
     for algorithm in ALGORITHMS {
-        for quota in [Quota::per_second(5), Quota::per_minute(100).with_burst(10), daily(3)] {
+        for quota in [
+            Quota::per_second(5),
+            Quota::per_minute(100).with_burst(10),
+            daily(3),
+        ] {
             let limiter = exact(&server, quota, algorithm, "ttl").await;
             for i in 0..20 {
-                limiter.try_check(&format!("k{}", i % 4), 1 + i % 3).await.unwrap();
+                limiter
+                    .try_check(&format!("k{}", i % 4), 1 + i % 3)
+                    .await
+                    .unwrap();
             }
             limiter.try_check("", 1).await.unwrap();
             limiter.try_check(&"big".repeat(10_000), 1).await.unwrap();
@@ -117,7 +132,10 @@ async fn windows_follow_the_redis_clock_not_the_local_one() {
     let ra = a.try_check("k", 0).await.unwrap().reset_after();
     let rb = b.try_check("k", 0).await.unwrap().reset_after();
     let gap = ra.abs_diff(rb);
-    assert!(gap < Duration::from_secs(1), "window ends disagree by {gap:?}");
+    assert!(
+        gap < Duration::from_secs(1),
+        "window ends disagree by {gap:?}"
+    );
 }
 
 #[tokio::test]
@@ -127,7 +145,10 @@ async fn scripts_are_reloaded_after_script_flush() {
         let limiter = exact(&server, daily(10), algorithm, "flush").await;
         assert!(limiter.try_check("k", 1).await.unwrap().is_allowed());
         let _: String = server.cmd(&["SCRIPT", "FLUSH"]);
-        let d = limiter.try_check("k", 1).await.expect("reloaded transparently");
+        let d = limiter
+            .try_check("k", 1)
+            .await
+            .expect("reloaded transparently");
         assert!(d.is_allowed());
         assert_eq!(d.remaining(), 8);
     }
@@ -206,10 +227,7 @@ async fn odd_inputs_get_defined_decisions() {
 
 #[test]
 fn invalid_quotas_are_rejected_at_build() {
-    for quota in [
-        Quota::per_second(0),
-        Quota::per_minute(5).with_burst(0),
-    ] {
+    for quota in [Quota::per_second(0), Quota::per_minute(5).with_burst(0)] {
         let err = Limiter::builder(quota).build().unwrap_err();
         assert!(err.is_invalid_input(), "{err}");
     }
@@ -258,7 +276,11 @@ async fn memory_store_and_redis_decide_alike() {
                 let step = format!("{algorithm:?} case {case} step {i} ({key}, {cost})");
                 assert_eq!(r.is_allowed(), m.is_allowed(), "{step}");
                 assert_eq!(r.remaining(), m.remaining(), "{step}");
-                assert_eq!(r.retry_after().is_some(), m.retry_after().is_some(), "{step}");
+                assert_eq!(
+                    r.retry_after().is_some(),
+                    m.retry_after().is_some(),
+                    "{step}"
+                );
                 if algorithm != Algorithm::FixedWindow {
                     // Both clocks run in real time; allow for the gap between calls.
                     let gap = r.reset_after().abs_diff(m.reset_after());

@@ -31,7 +31,12 @@ fn test_config(config: HybridConfig) -> HybridConfig {
     config.clock_margin(Duration::from_millis(20))
 }
 
-async fn fleet(server: &RedisServer, spec: LoadSpec, config: HybridConfig, ns: &str) -> Vec<Limiter> {
+async fn fleet(
+    server: &RedisServer,
+    spec: LoadSpec,
+    config: HybridConfig,
+    ns: &str,
+) -> Vec<Limiter> {
     let mut limiters = Vec::new();
     for _ in 0..FLEET {
         limiters.push(
@@ -80,18 +85,31 @@ async fn strict_fleet_never_exceeds_the_limit_and_uses_nearly_all_of_it() {
         "key {key} admitted {worst} > {} in window {window}",
         spec.limit
     );
-    assert!(tally.full_windows().len() >= 5, "{:?}", tally.full_windows());
+    assert!(
+        tally.full_windows().len() >= 5,
+        "{:?}",
+        tally.full_windows()
+    );
     let (utilization, cells) = tally.utilization(spec.limit);
     assert!(cells >= 5 * 20, "{cells} saturated (key, window) cells");
-    assert!(utilization >= 0.95, "utilization {utilization:.3} over {cells} cells");
-    println!("strict: worst {worst}/{}, utilization {utilization:.4} over {cells} cells", spec.limit);
+    assert!(
+        utilization >= 0.95,
+        "utilization {utilization:.3} over {cells} cells"
+    );
+    println!(
+        "strict: worst {worst}/{}, utilization {utilization:.4} over {cells} cells",
+        spec.limit
+    );
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
 }
 
 /// Reads every key's per-window counts as the run goes, keeping the largest
 /// value seen per (key, window): windows are dropped from the hash two
 /// windows later, after their last possible write.
-fn watch_counts(server: &RedisServer, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<HashMap<(String, i64), i64>> {
+fn watch_counts(
+    server: &RedisServer,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<HashMap<(String, i64), i64>> {
     let mut conn = server.conn();
     std::thread::spawn(move || {
         let mut seen: HashMap<(String, i64), i64> = HashMap::new();
@@ -99,8 +117,10 @@ fn watch_counts(server: &RedisServer, stop: Arc<AtomicBool>) -> std::thread::Joi
             let done = stop.load(Ordering::Acquire);
             let keys: Vec<String> = redis::cmd("KEYS").arg("sl:*").query(&mut conn).unwrap();
             for key in keys {
-                let fields: HashMap<String, i64> =
-                    redis::cmd("HGETALL").arg(&key).query(&mut conn).unwrap_or_default();
+                let fields: HashMap<String, i64> = redis::cmd("HGETALL")
+                    .arg(&key)
+                    .query(&mut conn)
+                    .unwrap_or_default();
                 for (field, count) in fields {
                     if let Ok(window) = field.parse::<i64>() {
                         let cell = seen.entry((key.clone(), window)).or_insert(0);
@@ -121,7 +141,13 @@ async fn optimistic_fleet_overshoot_is_bounded_and_fully_counted() {
     let server = RedisServer::start();
     let spec = spec();
     let max_debt = 5;
-    let limiters = fleet(&server, spec, HybridConfig::optimistic(max_debt), "optimistic").await;
+    let limiters = fleet(
+        &server,
+        spec,
+        HybridConfig::optimistic(max_debt),
+        "optimistic",
+    )
+    .await;
     let stop = Arc::new(AtomicBool::new(false));
     let watcher = watch_counts(&server, stop.clone());
     let tally = run_fleet(&limiters, spec).await;
@@ -133,10 +159,10 @@ async fn optimistic_fleet_overshoot_is_bounded_and_fully_counted() {
 
     let bound = spec.limit + FLEET as u64 * max_debt;
     let ((key, window), worst) = tally.worst();
-    let store_key = counts
-        .keys()
-        .map(|(k, _)| k.clone())
-        .find(|k| k.contains(&format!("%3a{}{}", key_name(key), "}")) || k.contains(&format!(":{}}}", key_name(key))));
+    let store_key = counts.keys().map(|(k, _)| k.clone()).find(|k| {
+        k.contains(&format!("%3a{}{}", key_name(key), "}"))
+            || k.contains(&format!(":{}}}", key_name(key)))
+    });
     assert!(
         worst <= bound,
         "key {key} admitted {worst} > {bound} in window {window}; Redis counted {:?}; per window {:?}",
@@ -144,8 +170,14 @@ async fn optimistic_fleet_overshoot_is_bounded_and_fully_counted() {
         tally.cells.iter().filter(|((k, _), _)| *k == key).collect::<Vec<_>>()
     );
     let counted: u64 = limiters.iter().map(|l| l.stats().overshoot).sum();
-    let recorded: i64 = counts.values().map(|c| (c - spec.limit as i64).max(0)).sum();
-    assert_eq!(counted, recorded as u64, "limiters' overshoot vs Redis' excess");
+    let recorded: i64 = counts
+        .values()
+        .map(|c| (c - spec.limit as i64).max(0))
+        .sum();
+    assert_eq!(
+        counted, recorded as u64,
+        "limiters' overshoot vs Redis' excess"
+    );
     let credit: u64 = limiters.iter().map(|l| l.stats().credit_admitted).sum();
     let (utilization, cells) = tally.utilization(spec.limit);
     println!(
@@ -182,14 +214,21 @@ async fn a_hot_key_costs_at_most_ten_round_trips_per_thousand_decisions() {
     let per_thousand = trips as f64 * 1000.0 / decisions as f64;
     println!("{trips} round trips for {decisions} decisions: {per_thousand:.2} per 1000");
     assert_eq!(decisions, 40_000);
-    assert!(per_thousand <= 10.0, "{per_thousand:.2} round trips per 1000 decisions");
+    assert!(
+        per_thousand <= 10.0,
+        "{per_thousand:.2} round trips per 1000 decisions"
+    );
     limiter.shutdown().await;
 }
 
 #[tokio::test]
 async fn an_exhausted_key_is_denied_without_round_trips_until_its_reset() {
     let server = RedisServer::start();
-    for algorithm in [Algorithm::FixedWindow, Algorithm::TokenBucket, Algorithm::Gcra] {
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+    ] {
         let limiter = Limiter::builder(Quota::new(20, Duration::from_secs(3600)).unwrap())
             .store(store(&server).await)
             .algorithm(algorithm)
@@ -213,7 +252,11 @@ async fn an_exhausted_key_is_denied_without_round_trips_until_its_reset() {
             assert!(d.retry_after().unwrap() > Duration::ZERO);
         }
         assert_eq!(limiter.stats().round_trips, before, "{algorithm:?}");
-        assert_eq!(server.command_calls("evalsha"), commands, "Redis saw nothing");
+        assert_eq!(
+            server.command_calls("evalsha"),
+            commands,
+            "Redis saw nothing"
+        );
         limiter.shutdown().await;
     }
 }
@@ -221,7 +264,11 @@ async fn an_exhausted_key_is_denied_without_round_trips_until_its_reset() {
 #[tokio::test]
 async fn after_shutdown_redis_holds_exactly_what_was_admitted() {
     let server = RedisServer::start();
-    for algorithm in [Algorithm::FixedWindow, Algorithm::TokenBucket, Algorithm::Gcra] {
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+    ] {
         let quota = Quota::new(1_000, Duration::from_secs(3600)).unwrap();
         let ns = format!("shutdown-{}", algorithm.as_str());
         let limiters: Vec<Limiter> = {
@@ -258,7 +305,11 @@ async fn after_shutdown_redis_holds_exactly_what_was_admitted() {
             .build()
             .unwrap();
         let remaining = exact.try_check("k", 0).await.unwrap().remaining();
-        assert_eq!(remaining, 1_000 - admitted, "{algorithm:?}: nothing stranded");
+        assert_eq!(
+            remaining,
+            1_000 - admitted,
+            "{algorithm:?}: nothing stranded"
+        );
     }
 }
 
@@ -296,7 +347,10 @@ async fn local_clocks_30_s_apart_agree_on_windows() {
     assert!(per_window.len() >= 2);
     assert!(per_window.values().all(|n| *n <= 50), "{per_window:?}");
     let full: Vec<u64> = per_window.values().copied().filter(|n| *n == 50).collect();
-    assert!(!full.is_empty(), "some window used its whole budget: {per_window:?}");
+    assert!(
+        !full.is_empty(),
+        "some window used its whole budget: {per_window:?}"
+    );
 }
 
 /// A monotonic clock shifted by a fixed offset: a process whose local time

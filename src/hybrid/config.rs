@@ -62,12 +62,12 @@ impl HybridConfig {
     }
 
     /// Admit up to `max_debt` permits per key per process on credit while a
-    /// refill is in flight. Overshoot is at most `processes × max_debt` per
-    /// window, and counted.
+    /// refill is in flight; past that, wait for the refill as in strict
+    /// mode. Overshoot is at most `processes × max_debt` per window, and
+    /// counted.
     pub fn optimistic(max_debt: u64) -> Self {
         HybridConfig {
             consistency: Consistency::Optimistic { max_debt },
-            max_wait: Duration::ZERO,
             ..HybridConfig::strict()
         }
     }
@@ -77,9 +77,9 @@ impl HybridConfig {
         self.consistency
     }
 
-    /// How long a request may wait for a refill before it is denied (strict)
-    /// or decided by credit / policy (optimistic). Default 50 ms in strict
-    /// mode, 0 in optimistic mode.
+    /// How long a request that finds no local permit (and, in optimistic
+    /// mode, no credit left) may wait for a refill before it is denied.
+    /// Default 50 ms; zero never waits.
     #[must_use]
     pub fn max_wait(mut self, wait: Duration) -> Self {
         self.max_wait = wait;
@@ -168,13 +168,6 @@ impl HybridConfig {
         self
     }
 
-    pub(crate) fn max_debt(&self) -> u64 {
-        match self.consistency {
-            Consistency::Strict => 0,
-            Consistency::Optimistic { max_debt } => max_debt,
-        }
-    }
-
     pub(crate) fn validate(&self) -> Result<(), Error> {
         if !(self.share_cap > 0.0 && self.share_cap <= 1.0) {
             return Err(Error::invalid(format!(
@@ -200,7 +193,9 @@ impl HybridConfig {
             ));
         }
         if self.max_wait > Duration::from_secs(60) {
-            return Err(Error::invalid("max_wait above 60 s is not a rate limit but a queue"));
+            return Err(Error::invalid(
+                "max_wait above 60 s is not a rate limit but a queue",
+            ));
         }
         if let Consistency::Optimistic { max_debt } = self.consistency {
             if max_debt > crate::quota::MAX_LIMIT {
@@ -223,11 +218,20 @@ mod tests {
 
     #[test]
     fn nonsense_is_rejected() {
-        assert!(HybridConfig::strict().share_cap(f64::NAN).validate().is_err());
+        assert!(HybridConfig::strict()
+            .share_cap(f64::NAN)
+            .validate()
+            .is_err());
         assert!(HybridConfig::strict().share_cap(0.0).validate().is_err());
         assert!(HybridConfig::strict().share_cap(1.5).validate().is_err());
-        assert!(HybridConfig::strict().lease_bounds(0, 5).validate().is_err());
-        assert!(HybridConfig::strict().lease_bounds(6, 5).validate().is_err());
+        assert!(HybridConfig::strict()
+            .lease_bounds(0, 5)
+            .validate()
+            .is_err());
+        assert!(HybridConfig::strict()
+            .lease_bounds(6, 5)
+            .validate()
+            .is_err());
         assert!(HybridConfig::strict().max_keys(0).validate().is_err());
         assert!(HybridConfig::optimistic(u64::MAX).validate().is_err());
         assert!(HybridConfig::optimistic(5).validate().is_ok());

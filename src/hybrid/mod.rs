@@ -144,7 +144,13 @@ impl HybridEngine {
     pub(crate) async fn check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
         let s = &*self.shared;
         if cost > s.max_cost {
-            return Ok(Decision::deny(s.params.limit, 0, Duration::ZERO, None, Source::Lease));
+            return Ok(Decision::deny(
+                s.params.limit,
+                0,
+                Duration::ZERO,
+                None,
+                Source::Lease,
+            ));
         }
         if s.closed.load(Ordering::Acquire) {
             return s.exact_check(key, cost).await;
@@ -153,7 +159,9 @@ impl HybridEngine {
         let slot = match s.slots.get(key) {
             Some(entry) => {
                 let slot = entry.value();
-                if let Take::Taken(left) = slot.take(cost, now, s.time.guard_us(), || s.time.precise_us()) {
+                if let Take::Taken(left) =
+                    slot.take(cost, now, s.time.guard_us(), || s.time.precise_us())
+                {
                     slot.touch(now);
                     if slot.wants_refill(left, now) {
                         s.request_refill(slot);
@@ -198,7 +206,13 @@ impl HybridEngine {
             if now < denied_until {
                 let wait = Duration::from_micros(denied_until - now);
                 let reset = s.reset_after(&slot, now).max(wait);
-                return Ok(Decision::deny(s.params.limit, 0, reset, Some(wait), Source::DeniedCache));
+                return Ok(Decision::deny(
+                    s.params.limit,
+                    0,
+                    reset,
+                    Some(wait),
+                    Source::DeniedCache,
+                ));
             }
             if cost == 0 {
                 return Ok(s.lease_decision(&slot, 0, now));
@@ -380,7 +394,9 @@ impl Shared {
     }
 
     fn give_back(&self, store_key: &str, permits: u64, window: i64) {
-        if permits == 0 || (window == UNKNOWN_WINDOW && self.params.algorithm == Algorithm::FixedWindow) {
+        if permits == 0
+            || (window == UNKNOWN_WINDOW && self.params.algorithm == Algorithm::FixedWindow)
+        {
             return;
         }
         self.returns

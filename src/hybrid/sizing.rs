@@ -48,9 +48,20 @@ impl Sizing {
     /// The size of the next lease. `time_left_us` caps it at what the
     /// observed rate can use before the lease ends (fixed window), so few
     /// permits strand at the boundary. `need` is the largest pending cost.
-    pub(crate) fn want(&mut self, rule: SizingRule, permits_now: i64, now: u64, need: u64, time_left_us: Option<u64>) -> u64 {
+    pub(crate) fn want(
+        &mut self,
+        rule: SizingRule,
+        permits_now: i64,
+        now: u64,
+        need: u64,
+        time_left_us: Option<u64>,
+    ) -> u64 {
         let by_rate = (self.rate * rule.horizon_us as f64).ceil();
-        let mut want = if by_rate.is_finite() { by_rate as u64 } else { rule.max_lease };
+        let mut want = if by_rate.is_finite() {
+            by_rate as u64
+        } else {
+            rule.max_lease
+        };
         // The last lease ran dry within half a horizon: demand outruns the
         // average, so double.
         let quick = self.at != 0
@@ -76,6 +87,7 @@ impl Sizing {
         self.at = now;
     }
 
+    #[cfg(test)]
     pub(crate) fn rate_per_us(&self) -> f64 {
         self.rate
     }
@@ -124,7 +136,10 @@ mod tests {
             s.applied(want as i64, now);
         }
         let ideal = 10_000.0 * 0.25;
-        assert!((want as f64) > ideal * 0.6 && (want as f64) < ideal * 2.5, "{want}");
+        assert!(
+            (want as f64) > ideal * 0.6 && (want as f64) < ideal * 2.5,
+            "{want}"
+        );
     }
 
     #[test]

@@ -121,7 +121,13 @@ impl Slot {
     /// starved; within `guard_us` of the deadline, `precise` is read instead,
     /// so a lagging clock can never spend a permit past its deadline.
     #[inline]
-    pub(crate) fn take(&self, cost: u64, now: u64, guard_us: u64, precise: impl FnOnce() -> u64) -> Take {
+    pub(crate) fn take(
+        &self,
+        cost: u64,
+        now: u64,
+        guard_us: u64,
+        precise: impl FnOnce() -> u64,
+    ) -> Take {
         let deadline = self.deadline.load(Ordering::Acquire);
         if now >= deadline || (now + guard_us >= deadline && precise() >= deadline) {
             return Take::Empty;
@@ -156,7 +162,8 @@ impl Slot {
     /// Whether the permits just spent leave the slot wanting a refill.
     #[inline]
     pub(crate) fn wants_refill(&self, left: i64, now: u64) -> bool {
-        left < self.low_water.load(Ordering::Relaxed) || now >= self.refill_at.load(Ordering::Relaxed)
+        left < self.low_water.load(Ordering::Relaxed)
+            || now >= self.refill_at.load(Ordering::Relaxed)
     }
 
     /// Installs a lease. If the current permits are still valid and belong
@@ -165,7 +172,15 @@ impl Slot {
     /// Otherwise the grant replaces them; the replaced permits are returned
     /// (expired leftovers, for the caller to give back or count as
     /// stranded).
-    pub(crate) fn install(&self, granted: i64, window: i64, deadline: u64, window_end: u64, now: u64, renew: bool) -> i64 {
+    pub(crate) fn install(
+        &self,
+        granted: i64,
+        window: i64,
+        deadline: u64,
+        window_end: u64,
+        now: u64,
+        renew: bool,
+    ) -> i64 {
         let current_deadline = self.deadline.load(Ordering::Acquire);
         if !renew && now < current_deadline && self.window.load(Ordering::Acquire) == window {
             self.permits.fetch_add(granted, Ordering::AcqRel);
@@ -203,7 +218,14 @@ impl Slot {
         *next = None;
         self.has_next.store(false, Ordering::Release);
         drop(next);
-        Some(self.install(lease.permits, lease.window, lease.deadline, lease.window_end, now, true))
+        Some(self.install(
+            lease.permits,
+            lease.window,
+            lease.deadline,
+            lease.window_end,
+            now,
+            true,
+        ))
     }
 
     /// Local estimate of the fixed window in force at `now`: `Some(index)`
@@ -248,7 +270,10 @@ mod tests {
         slot.install(3, 7, 100, 103, 10, false);
         assert!(matches!(slot.take(2, 50, 0, || 0), Take::Taken(1)));
         assert!(matches!(slot.take(2, 50, 0, || 0), Take::Empty));
-        assert!(matches!(slot.take(1, 100, 0, || 0), Take::Empty), "deadline passed");
+        assert!(
+            matches!(slot.take(1, 100, 0, || 0), Take::Empty),
+            "deadline passed"
+        );
         assert_eq!(slot.expire(100), 1);
     }
 
@@ -280,7 +305,11 @@ mod tests {
         assert_eq!(slot.promote(106), Some(1));
         assert!(matches!(slot.take(5, 106, 0, || 0), Take::Taken(0)));
         assert_eq!(slot.window_at(150, 100), Some(8));
-        assert_eq!(slot.window_at(200, 100), None, "between deadline and sure end");
+        assert_eq!(
+            slot.window_at(200, 100),
+            None,
+            "between deadline and sure end"
+        );
         assert_eq!(slot.window_at(202, 100), None);
         assert_eq!(slot.window_at(203, 100), Some(9));
         assert_eq!(slot.window_at(299, 100), Some(9));

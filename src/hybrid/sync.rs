@@ -55,7 +55,10 @@ pub(crate) async fn round(shared: &Shared) {
                     match result {
                         Ok(back) => {
                             Counters::add(&shared.counters.given_back, back);
-                            Counters::add(&shared.counters.stranded, call.returned.saturating_sub(back));
+                            Counters::add(
+                                &shared.counters.stranded,
+                                call.returned.saturating_sub(back),
+                            );
                         }
                         Err(_) => {
                             Counters::add(&shared.counters.store_errors, 1);
@@ -78,7 +81,9 @@ pub(crate) async fn round(shared: &Shared) {
         {
             let mut reports = shared.reports.lock().unwrap_or_else(|p| p.into_inner());
             while pending.len() < config.batch_size {
-                let Some((key, credit)) = reports.pop() else { break };
+                let Some((key, credit)) = reports.pop() else {
+                    break;
+                };
                 pending.push(Pending {
                     slot: None,
                     call: report_call(key, credit),
@@ -88,7 +93,10 @@ pub(crate) async fn round(shared: &Shared) {
         }
         let slots: Vec<Arc<Slot>> = {
             let mut queue = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
-            let room = config.batch_size.saturating_sub(pending.len()).min(queue.len());
+            let room = config
+                .batch_size
+                .saturating_sub(pending.len())
+                .min(queue.len());
             queue.drain(..room).collect()
         };
         for slot in slots {
@@ -109,9 +117,10 @@ pub(crate) async fn round(shared: &Shared) {
         let t1 = shared.time.precise_us();
         let rtt = t1.saturating_sub(t0);
         let old = shared.rtt_us.load(Ordering::Relaxed);
-        shared
-            .rtt_us
-            .store(if old == 0 { rtt } else { (old * 7 + rtt) / 8 }, Ordering::Relaxed);
+        shared.rtt_us.store(
+            if old == 0 { rtt } else { (old * 7 + rtt) / 8 },
+            Ordering::Relaxed,
+        );
         match results {
             Ok(results) => {
                 for (p, result) in pending.into_iter().zip(results) {
@@ -204,7 +213,14 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
     }
 }
 
-fn apply(shared: &Shared, config: &HybridConfig, p: Pending, result: Result<LeaseReply, Error>, t0: u64, t1: u64) {
+fn apply(
+    shared: &Shared,
+    config: &HybridConfig,
+    p: Pending,
+    result: Result<LeaseReply, Error>,
+    t0: u64,
+    t1: u64,
+) {
     let counters = &shared.counters;
     let Some(slot) = p.slot else {
         // A debt report for an evicted slot.
@@ -227,7 +243,8 @@ fn apply(shared: &Shared, config: &HybridConfig, p: Pending, result: Result<Leas
             slot.refill_failed.store(false, Ordering::Release);
             Counters::add(&counters.overshoot, r.uncovered);
             slot.store_remaining.store(r.remaining, Ordering::Relaxed);
-            slot.reset_at.store(t0 + r.reset_after_us, Ordering::Relaxed);
+            slot.reset_at
+                .store(t0 + r.reset_after_us, Ordering::Relaxed);
             let margin = config.clock_margin.as_micros() as u64 + shared.time.tick_us();
             let lead = config.prelease_lead.as_micros() as u64;
             let now = shared.time.precise_us();
@@ -265,32 +282,44 @@ fn apply(shared: &Shared, config: &HybridConfig, p: Pending, result: Result<Leas
                             *next = Some(merged);
                             slot.has_next.store(true, Ordering::Release);
                         } else {
-                            let replaced = slot.install(granted, r.window, deadline, window_end, now, false);
+                            let replaced =
+                                slot.install(granted, r.window, deadline, window_end, now, false);
                             Counters::add(&counters.stranded, replaced as u64);
                             slot.refill_at.store(
-                                if lead == 0 { u64::MAX } else { deadline.saturating_sub(lead) },
+                                if lead == 0 {
+                                    u64::MAX
+                                } else {
+                                    deadline.saturating_sub(lead)
+                                },
                                 Ordering::Relaxed,
                             );
                         }
                     }
                     Algorithm::TokenBucket | Algorithm::Gcra => {
-                        let deadline = (t0 + config.lease_ttl.as_micros() as u64).saturating_sub(margin);
+                        let deadline =
+                            (t0 + config.lease_ttl.as_micros() as u64).saturating_sub(margin);
                         let replaced = slot.install(granted, 0, deadline, deadline, now, p.renew);
                         if replaced > 0 {
                             shared.give_back(&slot.store_key, replaced as u64, 0);
                         }
-                        if p.renew || replaced > 0 || slot.deadline.load(Ordering::Acquire) == deadline {
-                            let renew_at = deadline.saturating_sub(lead.min(deadline.saturating_sub(t0) / 2));
+                        if p.renew
+                            || replaced > 0
+                            || slot.deadline.load(Ordering::Acquire) == deadline
+                        {
+                            let renew_at =
+                                deadline.saturating_sub(lead.min(deadline.saturating_sub(t0) / 2));
                             slot.refill_at.store(renew_at, Ordering::Relaxed);
                         }
                     }
                 }
-                slot.low_water.store((p.call.want / 2) as i64, Ordering::Relaxed);
+                slot.low_water
+                    .store((p.call.want / 2) as i64, Ordering::Relaxed);
             } else if p.call.want > 0 {
                 if r.start_after_us == 0 {
                     // Redis answered before t1: from t1 + retry_after on,
                     // the store surely has something again.
-                    slot.denied_until.store(t1 + r.retry_after_us + margin, Ordering::Release);
+                    slot.denied_until
+                        .store(t1 + r.retry_after_us + margin, Ordering::Release);
                 }
                 // Nothing to be had: spend what is held, then ask again (the
                 // denied-until time keeps that from costing round trips).

@@ -85,7 +85,11 @@ fn strict() -> HybridConfig {
 
 #[tokio::test]
 async fn a_cold_key_waits_for_one_lease_then_decides_locally() {
-    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict().lease_bounds(10, 10));
+    let r = rig(
+        Quota::per_second(100),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(10, 10),
+    );
     let d = r.check("k", 1).await;
     assert!(d.is_allowed());
     assert_eq!(d.source(), Source::Lease);
@@ -99,13 +103,20 @@ async fn a_cold_key_waits_for_one_lease_then_decides_locally() {
 
 #[tokio::test]
 async fn a_refill_is_requested_at_the_low_water_mark_before_the_slot_runs_dry() {
-    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict().lease_bounds(10, 10));
+    let r = rig(
+        Quota::per_second(100),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(10, 10),
+    );
     r.check("k", 1).await; // 9 left, low water 5
     for _ in 0..4 {
         r.check("k", 1).await;
     }
     let slot = r.slot("k");
-    assert!(!slot.refill_pending.load(Ordering::Acquire), "5 left: not yet");
+    assert!(
+        !slot.refill_pending.load(Ordering::Acquire),
+        "5 left: not yet"
+    );
     r.check("k", 1).await; // 4 left < 5
     assert!(slot.refill_pending.load(Ordering::Acquire));
     r.sync().await;
@@ -128,13 +139,19 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
     assert_eq!(r.check("k", 1).await.source(), Source::Lease);
     r.clock.set(ORIGIN + Duration::from_millis(997));
     let d = r.check("k", 1).await;
-    assert!(!d.is_allowed(), "48 permits held, but their window is about to end");
+    assert!(
+        !d.is_allowed(),
+        "48 permits held, but their window is about to end"
+    );
     // The refill that denial asked for is a pre-lease of window 1.
     r.sync().await;
     assert!(slot.has_next.load(Ordering::Acquire));
-    assert_eq!(r.check("k", 1).await.is_allowed(), false);
+    assert!(!r.check("k", 1).await.is_allowed());
     r.clock.set(ORIGIN + Duration::from_millis(1_002));
-    assert!(!r.check("k", 1).await.is_allowed(), "not before start + margin");
+    assert!(
+        !r.check("k", 1).await.is_allowed(),
+        "not before start + margin"
+    );
     r.clock.set(ORIGIN + Duration::from_millis(1_003));
     let d = r.check("k", 1).await;
     assert!(d.is_allowed());
@@ -144,7 +161,9 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
 
 #[tokio::test]
 async fn hot_keys_lease_the_next_window_before_the_boundary() {
-    let config = strict().lease_bounds(100, 100).prelease_lead(Duration::from_millis(100));
+    let config = strict()
+        .lease_bounds(100, 100)
+        .prelease_lead(Duration::from_millis(100));
     let r = rig(Quota::per_second(1000), Algorithm::FixedWindow, config);
     assert!(r.check("k", 1).await.is_allowed());
     r.clock.set(ORIGIN + Duration::from_millis(950));
@@ -168,7 +187,10 @@ async fn optimistic_credit_is_bounded_reported_and_counted_as_overshoot() {
     for _ in 0..5 {
         assert_eq!(r.check("k", 1).await.source(), Source::Credit);
     }
-    assert!(!r.check("k", 1).await.is_allowed(), "credit is capped at max_debt");
+    assert!(
+        !r.check("k", 1).await.is_allowed(),
+        "credit is capped at max_debt"
+    );
     r.sync().await;
     assert_eq!(r.counters.overshoot.load(Ordering::Relaxed), 5);
     assert_eq!(r.store_count("k"), 105, "the store records the overshoot");
@@ -183,7 +205,11 @@ async fn optimistic_credit_is_bounded_reported_and_counted_as_overshoot() {
 
 #[tokio::test]
 async fn covered_credit_is_not_overshoot() {
-    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, HybridConfig::optimistic(5));
+    let r = rig(
+        Quota::per_second(100),
+        Algorithm::FixedWindow,
+        HybridConfig::optimistic(5),
+    );
     for _ in 0..3 {
         assert_eq!(r.check("k", 1).await.source(), Source::Credit);
     }
@@ -194,7 +220,11 @@ async fn covered_credit_is_not_overshoot() {
 
 #[tokio::test]
 async fn denied_keys_cost_no_round_trip_until_their_reset() {
-    let r = rig(Quota::per_second(10), Algorithm::FixedWindow, strict().lease_bounds(10, 10));
+    let r = rig(
+        Quota::per_second(10),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(10, 10),
+    );
     for _ in 0..10 {
         assert!(r.check("k", 1).await.is_allowed());
     }
@@ -215,8 +245,14 @@ async fn denied_keys_cost_no_round_trip_until_their_reset() {
 
 #[tokio::test]
 async fn idle_keys_are_evicted_and_their_permits_given_back() {
-    let config = strict().lease_bounds(50, 50).idle_ttl(Duration::from_secs(5));
-    let r = rig(Quota::new(1000, Duration::from_secs(60)).unwrap(), Algorithm::FixedWindow, config);
+    let config = strict()
+        .lease_bounds(50, 50)
+        .idle_ttl(Duration::from_secs(5));
+    let r = rig(
+        Quota::new(1000, Duration::from_secs(60)).unwrap(),
+        Algorithm::FixedWindow,
+        config,
+    );
     for _ in 0..10 {
         r.check("k", 1).await;
     }
@@ -231,7 +267,11 @@ async fn idle_keys_are_evicted_and_their_permits_given_back() {
 
 #[tokio::test]
 async fn the_map_is_bounded_by_max_keys() {
-    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict().max_keys(2));
+    let r = rig(
+        Quota::per_second(100),
+        Algorithm::FixedWindow,
+        strict().max_keys(2),
+    );
     assert_eq!(r.check("a", 1).await.source(), Source::Lease);
     assert_eq!(r.check("b", 1).await.source(), Source::Lease);
     let d = r.check("c", 1).await;
@@ -243,12 +283,19 @@ async fn the_map_is_bounded_by_max_keys() {
     r.check("b", 0).await;
     r.maintain();
     assert_eq!(r.engine.local_keys(), 1);
-    assert!(r.engine.shared.slots.get("b").is_some(), "the least recently used went");
+    assert!(
+        r.engine.shared.slots.get("b").is_some(),
+        "the least recently used went"
+    );
 }
 
 #[tokio::test]
 async fn shutdown_gives_every_unused_permit_back() {
-    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict().lease_bounds(40, 40));
+    let r = rig(
+        Quota::per_second(100),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(40, 40),
+    );
     for _ in 0..7 {
         r.check("k", 1).await;
     }
@@ -262,8 +309,15 @@ async fn shutdown_gives_every_unused_permit_back() {
 
 #[tokio::test]
 async fn token_bucket_leases_expire_after_their_horizon_and_go_back() {
-    let config = strict().lease_bounds(20, 20).lease_ttl(Duration::from_secs(1)).prelease_lead(Duration::ZERO);
-    let r = rig(Quota::per_second(10).with_burst(50), Algorithm::TokenBucket, config);
+    let config = strict()
+        .lease_bounds(20, 20)
+        .lease_ttl(Duration::from_secs(1))
+        .prelease_lead(Duration::ZERO);
+    let r = rig(
+        Quota::per_second(10).with_burst(50),
+        Algorithm::TokenBucket,
+        config,
+    );
     assert!(r.check("k", 1).await.is_allowed());
     assert_eq!(r.round_trips(), 1);
     r.clock.set(ORIGIN + Duration::from_millis(996));
@@ -281,7 +335,11 @@ async fn token_bucket_leases_expire_after_their_horizon_and_go_back() {
 
 #[tokio::test]
 async fn a_request_costing_more_than_a_lease_still_gets_one_large_enough() {
-    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict().lease_bounds(1, 5));
+    let r = rig(
+        Quota::per_second(100),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(1, 5),
+    );
     let d = r.check("k", 30).await;
     assert!(d.is_allowed());
     assert_eq!(r.store_count("k"), 30);
@@ -310,5 +368,8 @@ async fn the_lease_script_shape_is_what_the_engine_expects() {
         .unwrap();
     assert_eq!(reply.granted, 10);
     assert_eq!(reply.start_after_us, 1_000_000);
-    assert_eq!(reply.window, (ORIGIN.as_micros() as u64 / 1_000_000) as i64 + 1);
+    assert_eq!(
+        reply.window,
+        (ORIGIN.as_micros() as u64 / 1_000_000) as i64 + 1
+    );
 }

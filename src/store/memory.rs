@@ -47,8 +47,13 @@ struct Entry {
 enum State {
     /// (window index, permits counted) for at most three windows.
     Window(Vec<(i64, i64)>),
-    Bucket { tokens: f64, ts: u64 },
-    Gcra { tat: f64 },
+    Bucket {
+        tokens: f64,
+        ts: u64,
+    },
+    Gcra {
+        tat: f64,
+    },
 }
 
 impl fmt::Debug for MemoryStore {
@@ -161,6 +166,7 @@ impl MemoryStore {
 
     /// Permits counted in the given fixed window for a store key (tests and
     /// examples use it the way they would `HGET` a Redis key).
+    #[cfg(test)]
     pub(crate) fn window_count(&self, key: &str, window: i64) -> Option<i64> {
         let now = micros(&*self.shared.clock);
         let entry = self.shared.entries.get(key)?;
@@ -174,7 +180,10 @@ impl MemoryStore {
     }
 }
 
-fn windows<'a>(entry: &'a mut Option<Entry>, key: &str) -> Result<Option<&'a mut Vec<(i64, i64)>>, Error> {
+fn windows<'a>(
+    entry: &'a mut Option<Entry>,
+    key: &str,
+) -> Result<Option<&'a mut Vec<(i64, i64)>>, Error> {
     match entry {
         None => Ok(None),
         Some(Entry {
@@ -223,7 +232,13 @@ fn trim_and_expire(entry: &mut Option<Entry>, current: i64, now: u64, ttl_us: u6
     }
 }
 
-fn fixed_window(entry: &mut Option<Entry>, p: &Params, now: u64, cost: i64, key: &str) -> Result<AcquireReply, Error> {
+fn fixed_window(
+    entry: &mut Option<Entry>,
+    p: &Params,
+    now: u64,
+    cost: i64,
+    key: &str,
+) -> Result<AcquireReply, Error> {
     let limit = p.limit as i64;
     let period = p.period_us;
     let w = (now / period) as i64;
@@ -260,7 +275,8 @@ fn bucket_tokens(entry: &Option<Entry>, p: &Params, now: u64, key: &str) -> Resu
         Some(_) => return Err(wrong_type(key)),
     };
     if now > ts {
-        tokens = (p.burst as f64).min(tokens + (now - ts) as f64 * p.limit as f64 / p.period_us as f64);
+        tokens =
+            (p.burst as f64).min(tokens + (now - ts) as f64 * p.limit as f64 / p.period_us as f64);
     }
     Ok(tokens)
 }
@@ -277,7 +293,13 @@ fn store_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, tokens: f64) {
     });
 }
 
-fn token_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, cost: f64, key: &str) -> Result<AcquireReply, Error> {
+fn token_bucket(
+    entry: &mut Option<Entry>,
+    p: &Params,
+    now: u64,
+    cost: f64,
+    key: &str,
+) -> Result<AcquireReply, Error> {
     let mut tokens = bucket_tokens(entry, p, now, key)?;
     let burst = p.burst as f64;
     let (allowed, retry) = if cost <= tokens {
@@ -342,7 +364,13 @@ fn store_gcra(entry: &mut Option<Entry>, now: u64, tat: f64) {
     });
 }
 
-fn gcra(entry: &mut Option<Entry>, p: &Params, now: u64, cost: f64, key: &str) -> Result<AcquireReply, Error> {
+fn gcra(
+    entry: &mut Option<Entry>,
+    p: &Params,
+    now: u64,
+    cost: f64,
+    key: &str,
+) -> Result<AcquireReply, Error> {
     let g = GcraShape::new(p);
     let nowf = now as f64;
     let mut tat = gcra_tat(entry, now, key)?;
@@ -367,7 +395,12 @@ fn gcra(entry: &mut Option<Entry>, p: &Params, now: u64, cost: f64, key: &str) -
     })
 }
 
-fn lease_fixed_window(entry: &mut Option<Entry>, p: &Params, now: u64, call: &LeaseCall) -> Result<LeaseReply, Error> {
+fn lease_fixed_window(
+    entry: &mut Option<Entry>,
+    p: &Params,
+    now: u64,
+    call: &LeaseCall,
+) -> Result<LeaseReply, Error> {
     let limit = p.limit as i64;
     let period = p.period_us;
     let w = (now / period) as i64;
@@ -375,7 +408,11 @@ fn lease_fixed_window(entry: &mut Option<Entry>, p: &Params, now: u64, call: &Le
     let mut newest = w;
     let mut uncovered = 0i64;
     let debt = call.debt as i64;
-    let debt_window = if call.debt_window < 0 { w } else { call.debt_window };
+    let debt_window = if call.debt_window < 0 {
+        w
+    } else {
+        call.debt_window
+    };
     if debt > 0 {
         if debt_window >= w - 1 && debt_window <= w + 1 {
             let before = count_in(windows(entry, &call.key)?, debt_window);
@@ -413,7 +450,12 @@ fn lease_fixed_window(entry: &mut Option<Entry>, p: &Params, now: u64, call: &Le
     })
 }
 
-fn lease_token_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, call: &LeaseCall) -> Result<LeaseReply, Error> {
+fn lease_token_bucket(
+    entry: &mut Option<Entry>,
+    p: &Params,
+    now: u64,
+    call: &LeaseCall,
+) -> Result<LeaseReply, Error> {
     let mut tokens = bucket_tokens(entry, p, now, &call.key)?;
     let burst = p.burst as f64;
     let debt = call.debt as f64;
@@ -436,7 +478,9 @@ fn lease_token_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, call: &Le
     }
     let patience = need.max(call.patience as f64).min(burst);
     let retry = if granted == 0.0 {
-        ((patience - tokens) * p.period_us as f64 / p.limit as f64).ceil().max(1.0)
+        ((patience - tokens) * p.period_us as f64 / p.limit as f64)
+            .ceil()
+            .max(1.0)
     } else {
         0.0
     };
@@ -452,7 +496,12 @@ fn lease_token_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, call: &Le
     })
 }
 
-fn lease_gcra(entry: &mut Option<Entry>, p: &Params, now: u64, call: &LeaseCall) -> Result<LeaseReply, Error> {
+fn lease_gcra(
+    entry: &mut Option<Entry>,
+    p: &Params,
+    now: u64,
+    call: &LeaseCall,
+) -> Result<LeaseReply, Error> {
     let g = GcraShape::new(p);
     let nowf = now as f64;
     let mut tat = gcra_tat(entry, now, &call.key)?;
@@ -475,7 +524,9 @@ fn lease_gcra(entry: &mut Option<Entry>, p: &Params, now: u64, call: &LeaseCall)
     }
     let patience = need.max(call.patience as f64).min(p.burst as f64);
     let retry = if granted == 0.0 {
-        (tat + patience * g.interval - g.tolerance - nowf).ceil().max(1.0)
+        (tat + patience * g.interval - g.tolerance - nowf)
+            .ceil()
+            .max(1.0)
     } else {
         0.0
     };
@@ -491,7 +542,12 @@ fn lease_gcra(entry: &mut Option<Entry>, p: &Params, now: u64, call: &LeaseCall)
     })
 }
 
-fn give_back(entry: &mut Option<Entry>, p: &Params, now: u64, call: &GiveBackCall) -> Result<u64, Error> {
+fn give_back(
+    entry: &mut Option<Entry>,
+    p: &Params,
+    now: u64,
+    call: &GiveBackCall,
+) -> Result<u64, Error> {
     if entry.is_none() {
         return Ok(0);
     }

@@ -165,7 +165,11 @@ impl RedisStore {
         .map_err(|e| {
             let err = Error::from(e);
             Error::new(
-                if err.is_timeout() { ErrorKind::Timeout } else { ErrorKind::Connection },
+                if err.is_timeout() {
+                    ErrorKind::Timeout
+                } else {
+                    ErrorKind::Connection
+                },
                 format!("cannot connect to {url}: {err}"),
             )
         })?;
@@ -195,7 +199,12 @@ impl RedisStore {
         }
     }
 
-    pub(crate) async fn acquire(&self, key: &str, p: &Params, cost: u64) -> Result<AcquireReply, Error> {
+    pub(crate) async fn acquire(
+        &self,
+        key: &str,
+        p: &Params,
+        cost: u64,
+    ) -> Result<AcquireReply, Error> {
         let script = SCRIPTS.exact(p.algorithm);
         let mut invocation = script.key(key);
         invocation.arg(p.limit).arg(p.period_us);
@@ -224,15 +233,16 @@ impl RedisStore {
             let values: Vec<Value> = self
                 .bounded("pipelined scripts", pipe.query_async(&mut conn))
                 .await?;
-            let noscript = values.iter().any(|v| {
-                matches!(v, Value::ServerError(e) if e.code() == "NOSCRIPT")
-            });
+            let noscript = values
+                .iter()
+                .any(|v| matches!(v, Value::ServerError(e) if e.code() == "NOSCRIPT"));
             if !noscript || attempt > 0 {
                 return Ok(values);
             }
             attempt += 1;
             let mut conn = self.inner.conn.clone();
-            self.bounded("SCRIPT LOAD", script.load_async(&mut conn)).await?;
+            self.bounded("SCRIPT LOAD", script.load_async(&mut conn))
+                .await?;
         }
     }
 

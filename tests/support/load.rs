@@ -129,7 +129,13 @@ pub fn key_demand(spec: &LoadSpec, index: usize) -> f64 {
 
 /// Drives one limiter with `share` of the total demand until `stop_at_us`
 /// (wall clock), issuing requests in bursts every tick.
-pub async fn drive(limiter: Limiter, spec: LoadSpec, share: f64, seed: u64, stop_at_us: u64) -> Tally {
+pub async fn drive(
+    limiter: Limiter,
+    spec: LoadSpec,
+    share: f64,
+    seed: u64,
+    stop_at_us: u64,
+) -> Tally {
     let cdf = zipf_cdf(spec.keys);
     let names: Vec<String> = (0..spec.keys).map(key_name).collect();
     let per_period = spec.demand_factor * spec.limit as f64 * spec.keys as f64 * share;

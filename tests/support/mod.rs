@@ -13,7 +13,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// How to get the binary, printed when it cannot be started.
-pub const INSTALL_HINT: &str = "redis-server (>= 7) is required for the integration tests and was not \
+pub const INSTALL_HINT: &str =
+    "redis-server (>= 7) is required for the integration tests and was not \
      found on PATH. Install it (Debian/Ubuntu: `sudo apt-get install -y redis-server`; \
      macOS: `brew install redis`) or point SLICELIMIT_REDIS_SERVER at the binary.";
 
@@ -102,7 +103,9 @@ impl RedisServer {
     }
 
     fn ping(&self) -> bool {
-        let Ok(client) = redis::Client::open(self.url()) else { return false };
+        let Ok(client) = redis::Client::open(self.url()) else {
+            return false;
+        };
         let Ok(mut conn) = client.get_connection_with_timeout(Duration::from_millis(200)) else {
             return false;
         };
@@ -194,7 +197,13 @@ impl RedisServer {
         let keys = self.keys();
         let mut conn = self.conn();
         keys.into_iter()
-            .filter(|k| redis::cmd("PTTL").arg(k).query::<i64>(&mut conn).unwrap_or(0) == -1)
+            .filter(|k| {
+                redis::cmd("PTTL")
+                    .arg(k)
+                    .query::<i64>(&mut conn)
+                    .unwrap_or(0)
+                    == -1
+            })
             .collect()
     }
 
