@@ -85,7 +85,7 @@ pub use decision::{Decision, Source};
 pub use error::{Error, ErrorKind};
 pub use failure::FailurePolicy;
 pub use hybrid::{Consistency, HybridConfig};
-pub use limiter::{Builder, Limiter};
+pub use limiter::{Builder, Check, Limiter};
 pub use quota::{Algorithm, Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};
 pub use stats::Stats;
 pub use store::{MemoryStore, RedisOptions, RedisStore, Store};

@@ -5,8 +5,11 @@
 //! makes sure every call ends in a [`Decision`].
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use crate::decision::Source;
 use crate::exact::ExactEngine;
@@ -49,6 +52,54 @@ enum Mode {
     Hybrid(HybridConfig),
 }
 
+impl Inner {
+    #[inline]
+    fn count(&self, decision: &Decision) {
+        let counter = if decision.is_allowed() {
+            &self.counters.allowed
+        } else {
+            &self.counters.denied
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The future returned by [`Limiter::check`]: already resolved when the
+/// decision was local, else the store call in flight.
+#[must_use = "a Check does nothing unless awaited"]
+pub struct Check<'a> {
+    state: CheckState<'a>,
+}
+
+enum CheckState<'a> {
+    Ready(Option<Decision>),
+    Pending(Pin<Box<dyn Future<Output = Decision> + Send + 'a>>),
+}
+
+impl Future for Check<'_> {
+    type Output = Decision;
+
+    #[inline]
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Decision> {
+        match &mut self.state {
+            CheckState::Ready(decision) => match decision.take() {
+                Some(decision) => Poll::Ready(decision),
+                None => panic!("Check polled after completion"),
+            },
+            CheckState::Pending(future) => future.as_mut().poll(cx),
+        }
+    }
+}
+
+impl fmt::Debug for Check<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.state {
+            CheckState::Ready(d) => f.debug_tuple("Check::Ready").field(d).finish(),
+            CheckState::Pending(_) => f.write_str("Check::Pending"),
+        }
+    }
+}
+
 impl fmt::Debug for Limiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mode = match self.inner.engine {
@@ -84,7 +135,31 @@ impl Limiter {
     /// Never fails: a store error becomes a decision by the failure policy.
     /// `cost` 0 asks without consuming; a cost above the limit (burst for
     /// token bucket and GCRA) is denied with no `retry_after`.
-    pub async fn check(&self, key: &str, cost: u64) -> Decision {
+    ///
+    /// A hybrid key holding local permits (and every `local()` decision) is
+    /// decided right here, before the returned future is first polled; only
+    /// a decision that needs the store builds a (boxed) future.
+    pub fn check<'a>(&'a self, key: &'a str, cost: u64) -> Check<'a> {
+        let inner = &*self.inner;
+        let ready = match &inner.engine {
+            Engine::Local(local) => Some(local.check(key, cost)),
+            Engine::Hybrid(hybrid) => hybrid.try_fast(key, cost),
+            Engine::Exact(_) => None,
+        };
+        match ready {
+            Some(decision) => {
+                inner.count(&decision);
+                Check {
+                    state: CheckState::Ready(Some(decision)),
+                }
+            }
+            None => Check {
+                state: CheckState::Pending(Box::pin(self.check_slow(key, cost))),
+            },
+        }
+    }
+
+    async fn check_slow(&self, key: &str, cost: u64) -> Decision {
         let inner = &*self.inner;
         let decision = match &inner.engine {
             Engine::Local(local) => local.check(key, cost),
@@ -113,12 +188,7 @@ impl Limiter {
                 }
             },
         };
-        let counter = if decision.is_allowed() {
-            &inner.counters.allowed
-        } else {
-            &inner.counters.denied
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
+        inner.count(&decision);
         decision
     }
 

@@ -38,7 +38,9 @@ use crate::{Algorithm, Decision, Error, ErrorKind};
 /// State shared by the request path and the sync task.
 pub(crate) struct Shared {
     /// User key → local state. Entries are only removed by the sync task.
-    slots: DashMap<Box<str>, Arc<Slot>>,
+    /// aHash: several times faster than SipHash on short keys, and keyed
+    /// with random seeds, so user-chosen keys cannot force collisions.
+    slots: DashMap<Box<str>, Arc<Slot>, ahash::RandomState>,
     /// Replaceable at run time without locks.
     config: ArcSwap<HybridConfig>,
     store: Store,
@@ -101,7 +103,7 @@ impl HybridEngine {
         })?;
         let time = TimeSource::new(clock, config.coarse_clock);
         let shared = Arc::new(Shared {
-            slots: DashMap::new(),
+            slots: DashMap::with_hasher(ahash::RandomState::new()),
             config: ArcSwap::from_pointee(config),
             exact: ExactEngine::new(store.clone(), keys.clone(), params),
             store,
@@ -137,6 +139,34 @@ impl HybridEngine {
     /// Keys tracked locally.
     pub(crate) fn local_keys(&self) -> usize {
         self.shared.slots.len()
+    }
+
+    /// The request path's common case, without a future: a known key with
+    /// valid local permits. `None` means "take the slow path".
+    #[inline]
+    pub(crate) fn try_fast(&self, key: &str, cost: u64) -> Option<Decision> {
+        let s = &*self.shared;
+        if cost > s.max_cost || s.closed.load(Ordering::Relaxed) {
+            return None;
+        }
+        let now = s.time.now_us();
+        let entry = s.slots.get(key)?;
+        let slot = entry.value();
+        match slot.take(cost, now, s.time.guard_us(), || s.time.precise_us()) {
+            Take::Taken(left) => {
+                slot.touch(now);
+                if slot.wants_refill(left, now) {
+                    s.request_refill(slot);
+                }
+                Some(s.lease_decision(slot, left, now))
+            }
+            Take::Empty => {
+                // Known exhausted: answer from the denied-until time. The
+                // coarse clock may lag, which only lengthens the denial.
+                let until = slot.denied_until.load(Ordering::Acquire);
+                (now < until && cost > 0).then(|| s.cached_denial(slot, until, now))
+            }
+        }
     }
 
     /// `Err` means "the store could not decide": the caller applies the
@@ -204,15 +234,7 @@ impl HybridEngine {
             }
             let denied_until = slot.denied_until.load(Ordering::Acquire);
             if now < denied_until {
-                let wait = Duration::from_micros(denied_until - now);
-                let reset = s.reset_after(&slot, now).max(wait);
-                return Ok(Decision::deny(
-                    s.params.limit,
-                    0,
-                    reset,
-                    Some(wait),
-                    Source::DeniedCache,
-                ));
+                return Ok(s.cached_denial(&slot, denied_until, now));
             }
             if cost == 0 {
                 return Ok(s.lease_decision(&slot, 0, now));
@@ -327,6 +349,12 @@ impl Shared {
 
     fn reset_after(&self, slot: &Slot, now: u64) -> Duration {
         Duration::from_micros(slot.reset_at.load(Ordering::Relaxed).saturating_sub(now))
+    }
+
+    fn cached_denial(&self, slot: &Slot, until: u64, now: u64) -> Decision {
+        let wait = Duration::from_micros(until - now);
+        let reset = self.reset_after(slot, now).max(wait);
+        Decision::deny(self.params.limit, 0, reset, Some(wait), Source::DeniedCache)
     }
 
     fn lease_decision(&self, slot: &Slot, left: i64, now: u64) -> Decision {

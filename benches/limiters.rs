@@ -1,0 +1,200 @@
+//! Nanoseconds per decision: the hybrid hot path, the denied-until path,
+//! per-process limiting, governor's keyed limiter, and the exact limiter on
+//! a private Redis — one and two threads each.
+//!
+//! `cargo bench --bench limiters` (needs `redis-server` on PATH for the
+//! exact group). Two-thread figures are wall time per decision across both
+//! threads, i.e. the inverse of aggregate throughput.
+
+#[path = "../tests/support/mod.rs"]
+mod support;
+
+use std::hint::black_box;
+use std::num::NonZeroU32;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use slicelimit::{Algorithm, HybridConfig, Limiter, MemoryStore, Quota, RedisStore};
+
+const MANY_KEYS: usize = 10_000;
+
+fn keys(n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("user-{i:05}")).collect()
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Runs `per_thread` decisions on each of `threads` threads, each with its
+/// own current-thread runtime; returns the wall time.
+fn on_threads(limiter: &Limiter, keys: &Arc<Vec<String>>, threads: usize, total: u64) -> Duration {
+    let per_thread = total / threads as u64;
+    let barrier = Arc::new(std::sync::Barrier::new(threads + 1));
+    let handles: Vec<_> = (0..threads)
+        .map(|t| {
+            let limiter = limiter.clone();
+            let keys = keys.clone();
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                barrier.wait();
+                rt.block_on(async {
+                    let mut i = t * 7919;
+                    for _ in 0..per_thread {
+                        i = (i + 1) % keys.len();
+                        black_box(limiter.check(&keys[i], 1).await);
+                    }
+                });
+            })
+        })
+        .collect();
+    barrier.wait();
+    let started = Instant::now();
+    for h in handles {
+        h.join().unwrap();
+    }
+    started.elapsed()
+}
+
+fn bench_limiter(c: &mut Criterion, group: &str, limiter: &Limiter, key_counts: &[usize]) {
+    let rt = runtime();
+    let mut g = c.benchmark_group(group);
+    for &n in key_counts {
+        let ks = Arc::new(keys(n));
+        // Warm every key (first lease, first window).
+        rt.block_on(async {
+            for k in ks.iter() {
+                limiter.check(k, 1).await;
+            }
+        });
+        g.bench_function(format!("{n}_keys/1_thread"), |b| {
+            let mut i = 0usize;
+            b.to_async(&rt).iter(|| {
+                i = (i + 1) % ks.len();
+                limiter.check(&ks[i], 1)
+            })
+        });
+        g.bench_function(format!("{n}_keys/2_threads"), |b| {
+            b.iter_custom(|iters| on_threads(limiter, &ks, 2, iters.max(2)))
+        });
+    }
+    g.finish();
+}
+
+fn hybrid(c: &mut Criterion) {
+    let rt = runtime();
+    let limiter = rt.block_on(async {
+        Limiter::builder(Quota::new(1_000_000_000_000, Duration::from_secs(3600)).unwrap())
+            .store(MemoryStore::new())
+            .hybrid(HybridConfig::strict().lease_bounds(1_000_000, 100_000_000))
+            .build()
+            .unwrap()
+    });
+    bench_limiter(c, "hybrid_hot_path", &limiter, &[1, MANY_KEYS]);
+    // Keep the runtime (and the sync task) alive until the group is done.
+    drop(rt);
+}
+
+fn denied(c: &mut Criterion) {
+    let rt = runtime();
+    let limiter = rt.block_on(async {
+        Limiter::builder(Quota::new(1, Duration::from_secs(3600)).unwrap())
+            .store(MemoryStore::new())
+            .hybrid(HybridConfig::strict())
+            .build()
+            .unwrap()
+    });
+    bench_limiter(c, "hybrid_denied_until", &limiter, &[1]);
+    drop(rt);
+}
+
+fn local(c: &mut Criterion) {
+    let limiter =
+        Limiter::builder(Quota::new(1_000_000_000_000, Duration::from_secs(3600)).unwrap())
+            .local()
+            .build()
+            .unwrap();
+    bench_limiter(c, "local", &limiter, &[1, MANY_KEYS]);
+}
+
+fn governor_keyed(c: &mut Criterion) {
+    use governor::{Quota as GQuota, RateLimiter};
+    let limiter = Arc::new(RateLimiter::keyed(GQuota::per_second(NonZeroU32::MAX)));
+    let mut g = c.benchmark_group("governor_keyed");
+    for n in [1, MANY_KEYS] {
+        let ks = Arc::new(keys(n));
+        for k in ks.iter() {
+            let _ = limiter.check_key(k);
+        }
+        g.bench_function(format!("{n}_keys/1_thread"), |b| {
+            let mut i = 0usize;
+            b.iter(|| {
+                i = (i + 1) % ks.len();
+                black_box(limiter.check_key(&ks[i]).is_ok())
+            })
+        });
+        g.bench_function(format!("{n}_keys/2_threads"), |b| {
+            b.iter_custom(|iters| {
+                let per = iters.max(2) / 2;
+                let started = Instant::now();
+                std::thread::scope(|s| {
+                    for t in 0..2 {
+                        let limiter = limiter.clone();
+                        let ks = ks.clone();
+                        s.spawn(move || {
+                            let mut i = t * 7919;
+                            for _ in 0..per {
+                                i = (i + 1) % ks.len();
+                                black_box(limiter.check_key(&ks[i]).is_ok());
+                            }
+                        });
+                    }
+                });
+                started.elapsed()
+            })
+        });
+    }
+    g.finish();
+}
+
+fn exact(c: &mut Criterion) {
+    let server = support::RedisServer::start();
+    let rt = runtime();
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+    ] {
+        let limiter = rt.block_on(async {
+            Limiter::builder(Quota::new(1_000_000_000_000, Duration::from_secs(3600)).unwrap())
+                .store(
+                    RedisStore::connect_with(&server.url(), support::test_options())
+                        .await
+                        .unwrap(),
+                )
+                .algorithm(algorithm)
+                .exact()
+                .build()
+                .unwrap()
+        });
+        let mut g = c.benchmark_group(format!("exact_{}", algorithm.as_str()));
+        g.sample_size(20);
+        let ks = Arc::new(keys(1));
+        g.bench_function("1_keys/1_thread", |b| {
+            b.to_async(&rt).iter(|| limiter.check(&ks[0], 1))
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, hybrid, denied, local, governor_keyed, exact);
+criterion_main!(benches);
