@@ -119,6 +119,12 @@ impl From<redis::RedisError> for Error {
             || err.is_unrecoverable_error()
         {
             ErrorKind::Connection
+        } else if matches!(
+            err.code(),
+            Some("LOADING" | "MASTERDOWN" | "CLUSTERDOWN" | "TRYAGAIN" | "READONLY" | "BUSY")
+        ) {
+            // Up but unable to serve: a restart loading, a failover.
+            ErrorKind::Connection
         } else if err.code() == Some("WRONGTYPE") || err.to_string().contains("WRONGTYPE") {
             ErrorKind::WrongType
         } else {

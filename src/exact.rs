@@ -7,7 +7,7 @@
 use crate::decision::Source;
 use crate::key::KeyEncoder;
 use crate::local::decision_from;
-use crate::store::{Params, Store};
+use crate::store::{LeaseCall, Params, Store};
 use crate::{Decision, Error};
 
 pub(crate) struct ExactEngine {
@@ -29,5 +29,20 @@ impl ExactEngine {
         let store_key = self.keys.store_key(key, self.params.algorithm);
         let reply = self.store.acquire(&store_key, &self.params, cost).await?;
         Ok(decision_from(&reply, self.params.limit, Source::Store))
+    }
+
+    /// Records permits admitted elsewhere (the fallback, during an outage)
+    /// as consumption of each key's current window or bucket. Returns the
+    /// permits the store could not cover.
+    pub(crate) async fn report(&self, items: &[(String, u64)]) -> Result<u64, Error> {
+        let calls: Vec<LeaseCall> = items
+            .iter()
+            .map(|(key, n)| LeaseCall::report(self.keys.store_key(key, self.params.algorithm), *n))
+            .collect();
+        let mut uncovered = 0;
+        for reply in self.store.lease_batch(&self.params, &calls).await? {
+            uncovered += reply?.uncovered;
+        }
+        Ok(uncovered)
     }
 }

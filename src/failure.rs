@@ -1,14 +1,19 @@
 //! What a limiter does when its store cannot answer.
 //!
 //! The policy turns "could not decide" into a [`Decision`]; this module owns
-//! that mapping and the per-process fallback limiter. It never talks to the
-//! store itself.
+//! that mapping, the per-process fallback limiter, the record of what the
+//! fallback admitted (reported to the store when it returns) and the
+//! circuit breaker. It never talks to the store itself.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::clock::micros;
 use crate::decision::Source;
 use crate::local::LocalEngine;
-use crate::{Algorithm, Clock, Decision, Error, Quota};
+use crate::{Algorithm, Clock, Decision, Error, ErrorKind, Quota};
 
 /// What to decide while the store is unavailable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -36,7 +41,50 @@ pub(crate) struct FailureHandler {
     policy: FailurePolicy,
     /// The per-process limiter behind `LocalFallback`.
     fallback: Option<LocalEngine>,
+    /// What the fallback admitted, to be reported when the store returns.
+    pub(crate) reconciler: Arc<Reconciler>,
     limit: u64,
+}
+
+/// Permits admitted by the fallback while the store was away, per user key.
+/// Reported to the store as debt when it answers again, so the fleet does
+/// not get a second full budget right after an outage.
+#[derive(Debug, Default)]
+pub(crate) struct Reconciler {
+    pending: Mutex<HashMap<String, u64>>,
+    has_pending: AtomicBool,
+}
+
+impl Reconciler {
+    fn record(&self, key: &str, cost: u64) {
+        if cost == 0 {
+            return;
+        }
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        *pending.entry(key.to_owned()).or_insert(0) += cost;
+        self.has_pending.store(true, Ordering::Release);
+    }
+
+    pub(crate) fn has_pending(&self) -> bool {
+        self.has_pending.load(Ordering::Acquire)
+    }
+
+    /// Takes everything pending.
+    pub(crate) fn drain(&self) -> Vec<(String, u64)> {
+        if !self.has_pending() {
+            return Vec::new();
+        }
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        self.has_pending.store(false, Ordering::Release);
+        pending.drain().collect()
+    }
+
+    /// Puts back what could not be reported.
+    pub(crate) fn restore(&self, items: impl IntoIterator<Item = (String, u64)>) {
+        for (key, n) in items {
+            self.record(&key, n);
+        }
+    }
 }
 
 impl FailureHandler {
@@ -58,6 +106,7 @@ impl FailureHandler {
         Ok(FailureHandler {
             policy,
             fallback,
+            reconciler: Arc::new(Reconciler::default()),
             limit,
         })
     }
@@ -70,7 +119,13 @@ impl FailureHandler {
     /// `retry_hint` is when the store will next be tried, if known.
     pub(crate) fn decide(&self, key: &str, cost: u64, retry_hint: Option<Duration>) -> Decision {
         match (&self.policy, &self.fallback) {
-            (FailurePolicy::LocalFallback(_), Some(local)) => local.check(key, cost),
+            (FailurePolicy::LocalFallback(_), Some(local)) => {
+                let decision = local.check(key, cost);
+                if decision.is_allowed() {
+                    self.reconciler.record(key, cost);
+                }
+                decision
+            }
             (FailurePolicy::FailClosed, _) => Decision::deny(
                 self.limit,
                 0,
@@ -85,5 +140,268 @@ impl FailureHandler {
                 Source::FailOpen,
             ),
         }
+    }
+}
+
+/// The state of a store's circuit breaker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum CircuitState {
+    /// Calls go to the store.
+    Closed,
+    /// Calls fail at once without reaching the store, until the back-off
+    /// ends.
+    Open,
+    /// One probe call is in flight; the others fail at once.
+    HalfOpen,
+}
+
+impl CircuitState {
+    /// A short, stable name, usable as a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CircuitState::Closed => "closed",
+            CircuitState::Open => "open",
+            CircuitState::HalfOpen => "half_open",
+        }
+    }
+}
+
+/// When the breaker opens and for how long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CircuitConfig {
+    /// Consecutive failures (timeouts, connection errors) that open it.
+    pub failures: u32,
+    /// The first back-off; it doubles on each failed probe.
+    pub base_backoff: Duration,
+    /// The longest back-off.
+    pub max_backoff: Duration,
+}
+
+impl Default for CircuitConfig {
+    fn default() -> Self {
+        CircuitConfig {
+            failures: 5,
+            base_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(1),
+        }
+    }
+}
+
+/// A circuit breaker: after `failures` consecutive failures it opens for a
+/// capped exponential back-off with jitter, then lets one probe through.
+///
+/// Owns no I/O; the store asks [`admit`](CircuitBreaker::admit) before a
+/// call and reports the outcome with [`record`](CircuitBreaker::record).
+pub(crate) struct CircuitBreaker {
+    config: CircuitConfig,
+    clock: Arc<dyn Clock>,
+    state: Mutex<Breaker>,
+    /// Mirrors `state.state != Closed` for a lock-free check.
+    tripped: AtomicBool,
+    /// Times the breaker opened.
+    trips: AtomicU64,
+    /// Calls refused while open.
+    refused: AtomicU64,
+}
+
+#[derive(Debug)]
+struct Breaker {
+    state: CircuitState,
+    consecutive: u32,
+    open_until_us: u64,
+    backoff_us: u64,
+    rng: u64,
+}
+
+/// Permission to call the store; `probe` if it is the half-open probe.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Admission {
+    probe: bool,
+}
+
+impl CircuitBreaker {
+    pub(crate) fn new(config: CircuitConfig, clock: Arc<dyn Clock>) -> Self {
+        let seed = micros(&*clock) ^ (&config as *const _ as u64).rotate_left(17) | 1;
+        CircuitBreaker {
+            config,
+            clock,
+            state: Mutex::new(Breaker {
+                state: CircuitState::Closed,
+                consecutive: 0,
+                open_until_us: 0,
+                backoff_us: config.base_backoff.as_micros() as u64,
+                rng: seed,
+            }),
+            tripped: AtomicBool::new(false),
+            trips: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn state(&self) -> CircuitState {
+        self.lock().state
+    }
+
+    pub(crate) fn trips(&self) -> u64 {
+        self.trips.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn refused(&self) -> u64 {
+        self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Time until the next probe, while open.
+    pub(crate) fn retry_hint(&self) -> Option<Duration> {
+        if !self.tripped.load(Ordering::Acquire) {
+            return None;
+        }
+        let b = self.lock();
+        let now = micros(&*self.clock);
+        (b.state != CircuitState::Closed)
+            .then(|| Duration::from_micros(b.open_until_us.saturating_sub(now).max(1_000)))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Breaker> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// May a call go to the store now?
+    ///
+    /// # Errors
+    /// A [`CircuitOpen`](crate::ErrorKind::CircuitOpen) error while open,
+    /// or while another call is the half-open probe.
+    pub(crate) fn admit(&self) -> Result<Admission, Error> {
+        if !self.tripped.load(Ordering::Acquire) {
+            return Ok(Admission { probe: false });
+        }
+        let mut b = self.lock();
+        let now = micros(&*self.clock);
+        match b.state {
+            CircuitState::Closed => Ok(Admission { probe: false }),
+            CircuitState::Open if now >= b.open_until_us => {
+                b.state = CircuitState::HalfOpen;
+                Ok(Admission { probe: true })
+            }
+            _ => {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                Err(Error::new(
+                    ErrorKind::CircuitOpen,
+                    format!(
+                        "circuit open: the store is not asked for another {:?}",
+                        Duration::from_micros(b.open_until_us.saturating_sub(now))
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// Reports a call's outcome. Only unavailability counts as failure: a
+    /// store that answers with an error is up.
+    pub(crate) fn record(&self, admission: Admission, failed: bool) {
+        if !failed && !admission.probe && !self.tripped.load(Ordering::Acquire) {
+            let mut b = self.lock();
+            b.consecutive = 0;
+            return;
+        }
+        let mut b = self.lock();
+        let now = micros(&*self.clock);
+        if !failed {
+            b.state = CircuitState::Closed;
+            b.consecutive = 0;
+            b.backoff_us = self.config.base_backoff.as_micros() as u64;
+            self.tripped.store(false, Ordering::Release);
+            return;
+        }
+        b.consecutive = b.consecutive.saturating_add(1);
+        let trip = admission.probe
+            || (b.state == CircuitState::Closed && b.consecutive >= self.config.failures);
+        if !trip {
+            return;
+        }
+        if admission.probe {
+            let max = self.config.max_backoff.as_micros() as u64;
+            b.backoff_us = (b.backoff_us.saturating_mul(2)).min(max).max(1);
+        }
+        // Jitter: between half and all of the back-off, so a fleet's
+        // probes do not arrive together.
+        b.rng ^= b.rng << 13;
+        b.rng ^= b.rng >> 7;
+        b.rng ^= b.rng << 17;
+        let half = b.backoff_us / 2;
+        let wait = half + b.rng % (b.backoff_us - half + 1);
+        b.open_until_us = now + wait;
+        b.state = CircuitState::Open;
+        self.tripped.store(true, Ordering::Release);
+        self.trips.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::FakeClock;
+
+    fn breaker() -> (CircuitBreaker, FakeClock) {
+        let clock = FakeClock::new(Duration::from_secs(100));
+        let config = CircuitConfig {
+            failures: 3,
+            base_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_millis(400),
+        };
+        (CircuitBreaker::new(config, Arc::new(clock.clone())), clock)
+    }
+
+    #[test]
+    fn opens_after_consecutive_failures_and_probes_once_after_the_back_off() {
+        let (b, clock) = breaker();
+        for _ in 0..2 {
+            let a = b.admit().unwrap();
+            b.record(a, true);
+        }
+        let a = b.admit().unwrap();
+        b.record(a, false); // a success resets the count
+        for _ in 0..3 {
+            let a = b.admit().unwrap();
+            b.record(a, true);
+        }
+        assert_eq!(b.state(), CircuitState::Open);
+        assert!(b.admit().unwrap_err().is_circuit_open());
+        let hint = b.retry_hint().unwrap();
+        assert!(
+            hint >= Duration::from_millis(50) && hint <= Duration::from_millis(100),
+            "{hint:?}"
+        );
+        clock.advance(Duration::from_millis(101));
+        let probe = b.admit().expect("one probe");
+        assert!(b.admit().is_err(), "only one probe at a time");
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        b.record(probe, false);
+        assert_eq!(b.state(), CircuitState::Closed);
+        assert!(b.admit().is_ok());
+        assert_eq!(b.trips(), 1);
+    }
+
+    #[test]
+    fn failed_probes_double_the_back_off_up_to_the_cap() {
+        let (b, clock) = breaker();
+        for _ in 0..3 {
+            let a = b.admit().unwrap();
+            b.record(a, true);
+        }
+        let mut waits = Vec::new();
+        for _ in 0..5 {
+            let hint = b.retry_hint().unwrap();
+            waits.push(hint);
+            clock.advance(hint + Duration::from_millis(1));
+            let probe = b.admit().unwrap();
+            b.record(probe, true);
+        }
+        assert!(waits[2] > Duration::from_millis(100), "{waits:?}");
+        assert!(
+            waits.iter().all(|w| *w <= Duration::from_millis(400)),
+            "{waits:?}"
+        );
+        assert_eq!(b.trips(), 6);
     }
 }

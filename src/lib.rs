@@ -83,7 +83,7 @@ mod store;
 pub use clock::{Clock, FakeClock, SystemClock};
 pub use decision::{Decision, Source};
 pub use error::{Error, ErrorKind};
-pub use failure::FailurePolicy;
+pub use failure::{CircuitConfig, CircuitState, FailurePolicy};
 pub use hybrid::{Consistency, HybridConfig};
 pub use limiter::{Builder, Check, Limiter};
 pub use quota::{Algorithm, Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};

@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use crate::decision::Source;
 use crate::exact::ExactEngine;
 use crate::failure::FailureHandler;
-use crate::hybrid::{HybridConfig, HybridEngine};
+use crate::hybrid::{HybridConfig, HybridEngine, Wiring};
 use crate::key::KeyEncoder;
 use crate::local::LocalEngine;
 use crate::stats::{Counters, Stats};
@@ -36,6 +36,8 @@ struct Inner {
     quota: Quota,
     algorithm: Algorithm,
     counters: Arc<Counters>,
+    /// The shared store, for the failure policy's retry hint.
+    store: Option<Store>,
 }
 
 enum Engine {
@@ -53,6 +55,37 @@ enum Mode {
 }
 
 impl Inner {
+    fn policy_decision(&self, key: &str, cost: u64) -> Decision {
+        self.counters
+            .policy_decisions
+            .fetch_add(1, Ordering::Relaxed);
+        let hint = self.store.as_ref().and_then(Store::retry_hint);
+        self.failure.decide(key, cost, hint)
+    }
+
+    /// After an outage, reports what the fallback admitted meanwhile;
+    /// `false` if the store still cannot take it.
+    async fn reconcile(&self, exact: &ExactEngine) -> bool {
+        let items = self.failure.reconciler.drain();
+        if items.is_empty() {
+            return true;
+        }
+        self.counters.round_trips.fetch_add(1, Ordering::Relaxed);
+        match exact.report(&items).await {
+            Ok(uncovered) => {
+                let total: u64 = items.iter().map(|(_, n)| n).sum();
+                Counters::add(&self.counters.reconciled, total);
+                Counters::add(&self.counters.overshoot, uncovered);
+                true
+            }
+            Err(_) => {
+                self.counters.store_errors.fetch_add(1, Ordering::Relaxed);
+                self.failure.reconciler.restore(items);
+                false
+            }
+        }
+    }
+
     #[inline]
     fn count(&self, decision: &Decision) {
         let counter = if decision.is_allowed() {
@@ -164,28 +197,25 @@ impl Limiter {
         let decision = match &inner.engine {
             Engine::Local(local) => local.check(key, cost),
             Engine::Exact(exact) => {
+                // After an outage, what the fallback admitted is reported
+                // before anything new is decided.
+                if inner.failure.reconciler.has_pending() && !inner.reconcile(exact).await {
+                    let decision = inner.policy_decision(key, cost);
+                    inner.count(&decision);
+                    return decision;
+                }
                 inner.counters.round_trips.fetch_add(1, Ordering::Relaxed);
                 match exact.check(key, cost).await {
                     Ok(decision) => decision,
                     Err(_) => {
                         inner.counters.store_errors.fetch_add(1, Ordering::Relaxed);
-                        inner
-                            .counters
-                            .policy_decisions
-                            .fetch_add(1, Ordering::Relaxed);
-                        inner.failure.decide(key, cost, None)
+                        inner.policy_decision(key, cost)
                     }
                 }
             }
             Engine::Hybrid(hybrid) => match hybrid.check(key, cost).await {
                 Ok(decision) => decision,
-                Err(_) => {
-                    inner
-                        .counters
-                        .policy_decisions
-                        .fetch_add(1, Ordering::Relaxed);
-                    inner.failure.decide(key, cost, None)
-                }
+                Err(_) => inner.policy_decision(key, cost),
             },
         };
         inner.count(&decision);
@@ -343,35 +373,40 @@ impl Builder {
         let counters = Arc::new(Counters::default());
         let params = Params::new(&self.quota, self.algorithm);
         let keys = KeyEncoder::new(&self.namespace);
-        let engine = match self.mode {
-            Mode::Local => Engine::Local(LocalEngine::new(
+        let failure = FailureHandler::new(
+            self.policy,
+            self.algorithm,
+            self.quota.limit(),
+            clock.clone(),
+        )?;
+        let store: Option<Store> = match self.mode {
+            Mode::Local => None,
+            _ => Some(
+                self.store
+                    .unwrap_or_else(|| MemoryStore::with_shared_clock(clock.clone()).into()),
+            ),
+        };
+        let engine = match (self.mode, store.clone()) {
+            (Mode::Hybrid(config), Some(store)) => Engine::Hybrid(HybridEngine::start(
+                config,
+                Wiring {
+                    store,
+                    keys,
+                    params,
+                    clock: injected,
+                    counters: counters.clone(),
+                    max_cost: self.algorithm.max_cost(&self.quota),
+                    reconciler: failure.reconciler.clone(),
+                },
+            )?),
+            (Mode::Exact, Some(store)) => Engine::Exact(ExactEngine::new(store, keys, params)),
+            _ => Engine::Local(LocalEngine::new(
                 self.quota,
                 self.algorithm,
                 clock.clone(),
                 Source::Local,
             )),
-            Mode::Exact => {
-                let store = self
-                    .store
-                    .unwrap_or_else(|| MemoryStore::with_shared_clock(clock.clone()).into());
-                Engine::Exact(ExactEngine::new(store, keys, params))
-            }
-            Mode::Hybrid(config) => {
-                let store = self
-                    .store
-                    .unwrap_or_else(|| MemoryStore::with_shared_clock(clock.clone()).into());
-                Engine::Hybrid(HybridEngine::start(
-                    config,
-                    store,
-                    keys,
-                    params,
-                    injected,
-                    counters.clone(),
-                    self.algorithm.max_cost(&self.quota),
-                )?)
-            }
         };
-        let failure = FailureHandler::new(self.policy, self.algorithm, self.quota.limit(), clock)?;
         Ok(Limiter {
             inner: Arc::new(Inner {
                 engine,
@@ -379,6 +414,7 @@ impl Builder {
                 quota: self.quota,
                 algorithm: self.algorithm,
                 counters,
+                store,
             }),
         })
     }

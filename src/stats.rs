@@ -19,6 +19,7 @@ pub(crate) struct Counters {
     pub(crate) permits_leased: AtomicU64,
     pub(crate) stranded: AtomicU64,
     pub(crate) given_back: AtomicU64,
+    pub(crate) reconciled: AtomicU64,
 }
 
 impl Counters {
@@ -42,6 +43,7 @@ impl Counters {
             permits_leased: get(&self.permits_leased),
             stranded: get(&self.stranded),
             given_back: get(&self.given_back),
+            reconciled: get(&self.reconciled),
         }
     }
 }
@@ -73,4 +75,7 @@ pub struct Stats {
     pub stranded: u64,
     /// Leased permits given back to the store unused.
     pub given_back: u64,
+    /// Permits the local fallback admitted during an outage, reported to
+    /// the store once it answered again.
+    pub reconciled: u64,
 }

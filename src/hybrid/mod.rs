@@ -30,6 +30,7 @@ use self::slot::{Credit, Slot, Take, UNKNOWN_WINDOW};
 use crate::clock::TimeSource;
 use crate::decision::Source;
 use crate::exact::ExactEngine;
+use crate::failure::Reconciler;
 use crate::key::KeyEncoder;
 use crate::stats::Counters;
 use crate::store::{GiveBackCall, Params, Store};
@@ -66,6 +67,8 @@ pub(crate) struct Shared {
     max_cost: u64,
     /// Smoothed store round trip, µs.
     rtt_us: AtomicU64,
+    /// What the failure policy's fallback admitted, to report on recovery.
+    reconciler: Arc<Reconciler>,
 }
 
 /// Stops the sync task when the last limiter clone is dropped.
@@ -78,6 +81,19 @@ impl Drop for StopGuard {
     }
 }
 
+/// What a hybrid engine is built from, besides its configuration.
+pub(crate) struct Wiring {
+    pub(crate) store: Store,
+    pub(crate) keys: KeyEncoder,
+    pub(crate) params: Params,
+    /// An injected clock; `None` for the system's (coarse) clock.
+    pub(crate) clock: Option<Arc<dyn crate::Clock>>,
+    pub(crate) counters: Arc<Counters>,
+    /// The largest cost that can ever be admitted.
+    pub(crate) max_cost: u64,
+    pub(crate) reconciler: Arc<Reconciler>,
+}
+
 pub(crate) struct HybridEngine {
     shared: Arc<Shared>,
     task: Mutex<Option<JoinHandle<()>>>,
@@ -85,15 +101,7 @@ pub(crate) struct HybridEngine {
 }
 
 impl HybridEngine {
-    pub(crate) fn start(
-        config: HybridConfig,
-        store: Store,
-        keys: KeyEncoder,
-        params: Params,
-        clock: Option<Arc<dyn crate::Clock>>,
-        counters: Arc<Counters>,
-        max_cost: u64,
-    ) -> Result<Self, Error> {
+    pub(crate) fn start(config: HybridConfig, wiring: Wiring) -> Result<Self, Error> {
         config.validate()?;
         let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
             Error::new(
@@ -101,6 +109,15 @@ impl HybridEngine {
                 "the hybrid mode runs a background task: build the limiter inside a Tokio runtime",
             )
         })?;
+        let Wiring {
+            store,
+            keys,
+            params,
+            clock,
+            counters,
+            max_cost,
+            reconciler,
+        } = wiring;
         let time = TimeSource::new(clock, config.coarse_clock);
         let shared = Arc::new(Shared {
             slots: DashMap::with_hasher(ahash::RandomState::new()),
@@ -119,6 +136,7 @@ impl HybridEngine {
             closed: AtomicBool::new(false),
             max_cost,
             rtt_us: AtomicU64::new(0),
+            reconciler,
         });
         let task = runtime.spawn(sync::run(shared.clone()));
         Ok(HybridEngine {

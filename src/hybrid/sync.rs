@@ -41,6 +41,9 @@ struct Pending {
     call: LeaseCall,
     /// Token bucket / GCRA: replace the current permits (fresh horizon).
     renew: bool,
+    /// A report of what the failure policy's fallback admitted (user key,
+    /// permits), to be restored there if it fails.
+    fallback: Option<(String, u64)>,
 }
 
 /// Sends everything queued: give-backs, then leases and debt reports in
@@ -77,7 +80,19 @@ pub(crate) async fn round(shared: &Shared) {
     loop {
         let config = shared.config.load_full();
         let now = shared.time.precise_us();
-        let mut pending: Vec<Pending> = Vec::new();
+        // What the local fallback admitted during an outage goes first in
+        // the pipeline, so Redis counts it before granting anything new.
+        let mut pending: Vec<Pending> = shared
+            .reconciler
+            .drain()
+            .into_iter()
+            .map(|(key, debt)| Pending {
+                slot: None,
+                call: LeaseCall::report(shared.keys.store_key(&key, shared.params.algorithm), debt),
+                renew: false,
+                fallback: Some((key, debt)),
+            })
+            .collect();
         {
             let mut reports = shared.reports.lock().unwrap_or_else(|p| p.into_inner());
             while pending.len() < config.batch_size {
@@ -88,6 +103,7 @@ pub(crate) async fn round(shared: &Shared) {
                     slot: None,
                     call: report_call(key, credit),
                     renew: false,
+                    fallback: None,
                 });
             }
         }
@@ -138,14 +154,8 @@ pub(crate) async fn round(shared: &Shared) {
 
 fn report_call(key: String, credit: Credit) -> LeaseCall {
     LeaseCall {
-        key,
-        want: 0,
-        share_cap: 1.0,
-        debt: credit.debt,
         debt_window: credit.window,
-        min_window: -1,
-        need: 1,
-        patience: 1,
+        ..LeaseCall::report(key, credit.debt)
     }
 }
 
@@ -210,6 +220,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         slot: Some(slot),
         call,
         renew,
+        fallback: None,
     }
 }
 
@@ -223,10 +234,19 @@ fn apply(
 ) {
     let counters = &shared.counters;
     let Some(slot) = p.slot else {
-        // A debt report for an evicted slot.
-        match result {
-            Ok(r) => Counters::add(&counters.overshoot, r.uncovered),
-            Err(_) => {
+        // A debt report: an evicted slot's, or the fallback's.
+        match (result, p.fallback) {
+            (Ok(r), fallback) => {
+                Counters::add(&counters.overshoot, r.uncovered);
+                if let Some((_, debt)) = fallback {
+                    Counters::add(&counters.reconciled, debt);
+                }
+            }
+            (Err(_), Some(item)) => {
+                Counters::add(&counters.store_errors, 1);
+                shared.reconciler.restore([item]);
+            }
+            (Err(_), None) => {
                 Counters::add(&counters.store_errors, 1);
                 requeue_debt(shared, None, &p.call);
             }

@@ -29,12 +29,15 @@ fn rig(quota: Quota, algorithm: Algorithm, config: HybridConfig) -> Rig {
     let keys = KeyEncoder::new("t");
     let engine = HybridEngine::start(
         config,
-        store.clone().into(),
-        keys.clone(),
-        params,
-        Some(Arc::new(clock.clone())),
-        counters.clone(),
-        algorithm.max_cost(&quota),
+        Wiring {
+            store: store.clone().into(),
+            keys: keys.clone(),
+            params,
+            clock: Some(Arc::new(clock.clone())),
+            counters: counters.clone(),
+            max_cost: algorithm.max_cost(&quota),
+            reconciler: Arc::new(crate::failure::Reconciler::default()),
+        },
     )
     .unwrap();
     Rig {

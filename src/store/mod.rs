@@ -107,6 +107,23 @@ pub(crate) struct LeaseCall {
     pub(crate) patience: u64,
 }
 
+impl LeaseCall {
+    /// Grants nothing; only records `debt` permits (against the store's
+    /// current window when `window` is unknown).
+    pub(crate) fn report(key: String, debt: u64) -> Self {
+        LeaseCall {
+            key,
+            want: 0,
+            share_cap: 1.0,
+            debt,
+            debt_window: -1,
+            min_window: -1,
+            need: 1,
+            patience: 1,
+        }
+    }
+}
+
 /// What a lease granted, and what the store knows about the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct LeaseReply {
@@ -158,6 +175,14 @@ pub(crate) struct GiveBackCall {
 }
 
 impl Store {
+    /// While the store refuses calls (circuit open), when it will next try.
+    pub(crate) fn retry_hint(&self) -> Option<std::time::Duration> {
+        match self {
+            Store::Redis(s) => s.retry_hint(),
+            Store::Memory(_) => None,
+        }
+    }
+
     /// Checks and counts one request.
     pub(crate) async fn acquire(
         &self,

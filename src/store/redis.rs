@@ -7,6 +7,7 @@
 //! back to the caller classified.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -14,7 +15,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Script, Value};
 
 use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
-use crate::{Algorithm, Error, ErrorKind};
+use crate::failure::{CircuitBreaker, CircuitConfig, CircuitState};
+use crate::{Algorithm, Error, ErrorKind, SystemClock};
 
 struct Scripts {
     fixed_window: Script,
@@ -59,13 +61,15 @@ impl Scripts {
 pub struct RedisOptions {
     connect_timeout: Duration,
     response_timeout: Duration,
+    circuit: CircuitConfig,
 }
 
 impl Default for RedisOptions {
     fn default() -> Self {
         RedisOptions {
             connect_timeout: Duration::from_millis(500),
-            response_timeout: Duration::from_millis(50),
+            response_timeout: Duration::from_millis(25),
+            circuit: CircuitConfig::default(),
         }
     }
 }
@@ -79,11 +83,20 @@ impl RedisOptions {
     }
 
     /// How long one store call may take, reconnection included (default
-    /// 50 ms). A rate limiter that waits longer than its callers' budget is
-    /// worse than none.
+    /// 25 ms, half the hybrid limiter's default `max_wait`, so a failed
+    /// refill is known before a waiting request gives up). A rate limiter
+    /// that waits longer than its callers' budget is worse than none.
     #[must_use]
     pub fn response_timeout(mut self, timeout: Duration) -> Self {
         self.response_timeout = timeout;
+        self
+    }
+
+    /// When the circuit breaker opens and for how long (default: after 5
+    /// consecutive failures, 100 ms doubling to at most 1 s, with jitter).
+    #[must_use]
+    pub fn circuit_breaker(mut self, config: CircuitConfig) -> Self {
+        self.circuit = config;
         self
     }
 
@@ -109,6 +122,10 @@ struct Inner {
     conn: ConnectionManager,
     options: RedisOptions,
     url: String,
+    /// Stops calls to a store that keeps failing.
+    breaker: CircuitBreaker,
+    /// Calls sent to Redis (pipelines count once).
+    calls: AtomicU64,
 }
 
 impl fmt::Debug for RedisStore {
@@ -148,14 +165,8 @@ impl RedisStore {
     /// # Errors
     /// As [`RedisStore::connect`].
     pub async fn connect_with(url: &str, options: RedisOptions) -> Result<RedisStore, Error> {
-        let client = redis::Client::open(url)
-            .map_err(|e| Error::invalid(format!("bad Redis URL {url:?}: {e}")))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(options.connect_timeout))
-            .set_response_timeout(Some(options.response_timeout))
-            .set_number_of_retries(1)
-            .set_min_delay(Duration::from_millis(10))
-            .set_max_delay(Duration::from_millis(500));
+        let client = Self::client(url)?;
+        let config = Self::manager_config(&options);
         let conn = tokio::time::timeout(
             options.connect_timeout,
             client.get_connection_manager_with_config(config),
@@ -173,13 +184,72 @@ impl RedisStore {
                 format!("cannot connect to {url}: {err}"),
             )
         })?;
-        Ok(RedisStore {
+        Ok(Self::from_parts(conn, options, url))
+    }
+
+    /// Builds a store without connecting: the first call connects. A
+    /// limiter built on it starts even while Redis is unreachable and
+    /// applies its failure policy until Redis answers.
+    ///
+    /// # Errors
+    /// An [`InvalidInput`](crate::ErrorKind::InvalidInput) error for a bad URL.
+    pub fn connect_lazy(url: &str, options: RedisOptions) -> Result<RedisStore, Error> {
+        let client = Self::client(url)?;
+        let conn = client
+            .get_connection_manager_lazy(Self::manager_config(&options))
+            .map_err(|e| Error::invalid(format!("bad Redis configuration for {url}: {e}")))?;
+        Ok(Self::from_parts(conn, options, url))
+    }
+
+    fn client(url: &str) -> Result<redis::Client, Error> {
+        redis::Client::open(url).map_err(|e| Error::invalid(format!("bad Redis URL {url:?}: {e}")))
+    }
+
+    fn manager_config(options: &RedisOptions) -> ConnectionManagerConfig {
+        ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(options.connect_timeout))
+            .set_response_timeout(Some(options.response_timeout))
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(Duration::from_millis(500))
+    }
+
+    fn from_parts(conn: ConnectionManager, options: RedisOptions, url: &str) -> RedisStore {
+        let breaker = CircuitBreaker::new(options.circuit, Arc::new(SystemClock::new()));
+        RedisStore {
             inner: Arc::new(Inner {
                 conn,
                 options,
                 url: url.to_owned(),
+                breaker,
+                calls: AtomicU64::new(0),
             }),
-        })
+        }
+    }
+
+    /// The circuit breaker's state.
+    pub fn circuit_state(&self) -> CircuitState {
+        self.inner.breaker.state()
+    }
+
+    /// Times the circuit breaker has opened.
+    pub fn circuit_trips(&self) -> u64 {
+        self.inner.breaker.trips()
+    }
+
+    /// Calls refused by the open circuit breaker (never sent).
+    pub fn calls_refused(&self) -> u64 {
+        self.inner.breaker.refused()
+    }
+
+    /// Calls sent to Redis; a pipeline counts once.
+    pub fn calls_sent(&self) -> u64 {
+        self.inner.calls.load(Ordering::Relaxed)
+    }
+
+    /// While the breaker is open, the time until it next lets a call through.
+    pub(crate) fn retry_hint(&self) -> Option<Duration> {
+        self.inner.breaker.retry_hint()
     }
 
     /// The options this store was connected with.
@@ -192,11 +262,16 @@ impl RedisStore {
         what: &str,
         fut: impl std::future::Future<Output = Result<T, redis::RedisError>>,
     ) -> Result<T, Error> {
+        let admission = self.inner.breaker.admit()?;
+        self.inner.calls.fetch_add(1, Ordering::Relaxed);
         let limit = self.inner.options.response_timeout;
-        match tokio::time::timeout(limit, fut).await {
+        let result = match tokio::time::timeout(limit, fut).await {
             Ok(result) => result.map_err(Error::from),
             Err(_) => Err(timeout_error(what, limit)),
-        }
+        };
+        let unavailable = matches!(&result, Err(e) if e.is_timeout() || e.is_connection());
+        self.inner.breaker.record(admission, unavailable);
+        result
     }
 
     pub(crate) async fn acquire(

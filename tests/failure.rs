@@ -1,0 +1,554 @@
+//! Fault injection on private Redis servers: kill, freeze, pause, restart,
+//! flush and corrupt them under load, and check that every decision follows
+//! the failure policy within the configured time bound.
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use slicelimit::{
+    CircuitConfig, CircuitState, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions,
+    RedisStore, Source,
+};
+use support::RedisServer;
+
+/// The production defaults: 25 ms response timeout, 50 ms `max_wait`.
+fn options() -> RedisOptions {
+    RedisOptions::default().connect_timeout(Duration::from_millis(500))
+}
+
+/// What a loaded 2-core CI machine may add to a bound.
+const MARGIN: Duration = Duration::from_millis(250);
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    Exact,
+    Hybrid,
+}
+
+async fn limiter(
+    server: &RedisServer,
+    mode: Mode,
+    policy: FailurePolicy,
+    quota: Quota,
+    ns: &str,
+) -> (Limiter, RedisStore) {
+    let store = RedisStore::connect_with(&server.url(), options())
+        .await
+        .unwrap();
+    let builder = Limiter::builder(quota)
+        .store(store.clone())
+        .namespace(ns)
+        .on_store_error(policy);
+    let builder = match mode {
+        Mode::Exact => builder.exact(),
+        Mode::Hybrid => builder.hybrid(HybridConfig::strict()),
+    };
+    (builder.build().unwrap(), store)
+}
+
+fn bound(mode: Mode) -> Duration {
+    match mode {
+        Mode::Exact => options().get_response_timeout(),
+        Mode::Hybrid => Duration::from_millis(50),
+    }
+}
+
+struct Observed {
+    /// (seconds since start, source, allowed, latency)
+    decisions: Vec<(f64, Source, bool, Duration)>,
+}
+
+/// 6 tasks hammer 50 keys until `stop`; every decision is recorded.
+async fn hammer(limiter: &Limiter, start: Instant, stop: Arc<AtomicBool>) -> Observed {
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for t in 0..6u64 {
+        let limiter = limiter.clone();
+        let stop = stop.clone();
+        let log = log.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut i = t;
+            while !stop.load(Ordering::Acquire) {
+                i = (i * 31 + 7) % 50;
+                let key = format!("k{i}");
+                let began = Instant::now();
+                let d = limiter.check(&key, 1).await;
+                let took = began.elapsed();
+                log.lock().unwrap().push((
+                    start.elapsed().as_secs_f64(),
+                    d.source(),
+                    d.is_allowed(),
+                    took,
+                ));
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("no panic in a checking task");
+    }
+    let decisions = std::mem::take(&mut *log.lock().unwrap());
+    Observed { decisions }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_under_load_every_decision_follows_the_policy_within_the_bound() {
+    let policies = [
+        FailurePolicy::FailOpen,
+        FailurePolicy::FailClosed,
+        FailurePolicy::LocalFallback(Quota::per_minute(50)),
+    ];
+    let mut report = Vec::new();
+    for mode in [Mode::Exact, Mode::Hybrid] {
+        for policy in policies {
+            let mut server = RedisServer::start();
+            let (limiter, _) =
+                limiter(&server, mode, policy, Quota::per_minute(1_000_000), "kill").await;
+            let stop = Arc::new(AtomicBool::new(false));
+            let start = Instant::now();
+            let run = tokio::spawn({
+                let limiter = limiter.clone();
+                let stop = stop.clone();
+                async move { hammer(&limiter, start, stop).await }
+            });
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            server.kill();
+            let killed_at = start.elapsed().as_secs_f64();
+            tokio::time::sleep(Duration::from_millis(1_500)).await;
+            stop.store(true, Ordering::Release);
+            let observed = run.await.unwrap();
+            let during: Vec<_> = observed
+                .decisions
+                .iter()
+                .filter(|d| d.0 > killed_at)
+                .collect();
+            assert!(
+                during.len() > 100,
+                "{mode:?} {policy:?}: {} decisions",
+                during.len()
+            );
+            for (at, source, allowed, _) in &during {
+                let d = (*source, *allowed);
+                assert!(
+                    match d.0 {
+                        Source::Store => false,
+                        Source::FailOpen => policy == FailurePolicy::FailOpen && d.1,
+                        Source::FailClosed => policy == FailurePolicy::FailClosed && !d.1,
+                        Source::Fallback => matches!(policy, FailurePolicy::LocalFallback(_)),
+                        Source::Lease | Source::DeniedCache => mode == Mode::Hybrid,
+                        _ => false,
+                    },
+                    "{mode:?} {policy:?}: at {at:.3}s a {source:?} decision (allowed {allowed})"
+                );
+            }
+            let by_policy = during
+                .iter()
+                .filter(|d| {
+                    matches!(
+                        d.1,
+                        Source::FailOpen | Source::FailClosed | Source::Fallback
+                    )
+                })
+                .count();
+            assert!(
+                by_policy > during.len() / 2,
+                "{mode:?} {policy:?}: the policy decided {by_policy}"
+            );
+            let slowest = during.iter().map(|d| d.3).max().unwrap();
+            report.push(format!(
+                "{mode:?} {policy:?}: slowest check during the outage {slowest:?}"
+            ));
+            assert!(
+                slowest <= bound(mode) + MARGIN,
+                "{mode:?} {policy:?}: a check took {slowest:?}"
+            );
+        }
+    }
+    println!("{}", report.join("\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_decisions_come_from_redis_again_within_two_seconds() {
+    for mode in [Mode::Exact, Mode::Hybrid] {
+        let mut server = RedisServer::start();
+        let (limiter, _) = limiter(
+            &server,
+            mode,
+            FailurePolicy::FailOpen,
+            Quota::per_minute(1_000_000),
+            "restart",
+        )
+        .await;
+        assert!(limiter.check("warm", 1).await.is_allowed());
+        server.kill();
+        let outage = Instant::now();
+        while outage.elapsed() < Duration::from_secs(2) {
+            limiter.check("during", 1).await;
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        server.restart();
+        let restarted = Instant::now();
+        let mut i = 0u64;
+        let back_after = loop {
+            // A fresh key each time: a hybrid decision from Redis is one
+            // whose slot got a lease after the restart.
+            let d = limiter.check(&format!("after-{i}"), 1).await;
+            i += 1;
+            if matches!(d.source(), Source::Store | Source::Lease) {
+                break restarted.elapsed();
+            }
+            assert!(
+                restarted.elapsed() < Duration::from_secs(10),
+                "{mode:?}: never came back"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
+        println!("{mode:?}: back on Redis {back_after:?} after the restart");
+        assert!(
+            back_after <= Duration::from_secs(2),
+            "{mode:?}: {back_after:?}"
+        );
+        assert_eq!(server.immortal_keys(), Vec::<String>::new());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_pause_exact_times_out_within_the_bound_while_leased_keys_stay_local() {
+    let server = RedisServer::start();
+    let (exact, _) = limiter(
+        &server,
+        Mode::Exact,
+        FailurePolicy::FailOpen,
+        Quota::per_minute(1_000_000),
+        "pause",
+    )
+    .await;
+    let hybrid = Limiter::builder(Quota::per_minute(1_000_000))
+        .store(
+            RedisStore::connect_with(&server.url(), options())
+                .await
+                .unwrap(),
+        )
+        .namespace("pause-h")
+        .on_store_error(FailurePolicy::FailClosed)
+        .hybrid(HybridConfig::strict().lease_bounds(10_000, 10_000))
+        .build()
+        .unwrap();
+    // The hybrid key holds a lease of 10 000 before the pause.
+    for _ in 0..100 {
+        hybrid.check("leased", 1).await;
+    }
+    let _: String = server.cmd(&["CLIENT", "PAUSE", "2000", "ALL"]);
+    let paused = Instant::now();
+    let mut exact_slowest = Duration::ZERO;
+    let mut hybrid_slowest = Duration::ZERO;
+    let mut local = 0;
+    while paused.elapsed() < Duration::from_millis(1_500) {
+        let began = Instant::now();
+        let d = exact.check("k", 1).await;
+        exact_slowest = exact_slowest.max(began.elapsed());
+        assert_eq!(d.source(), Source::FailOpen);
+        // Well within the lease (an open circuit makes the loop fast).
+        for _ in 0..(if local < 5_000 { 10 } else { 0 }) {
+            let began = Instant::now();
+            let d = hybrid.check("leased", 1).await;
+            hybrid_slowest = hybrid_slowest.max(began.elapsed());
+            assert!(
+                d.is_allowed(),
+                "{d:?} after {local} local decisions; {:?}",
+                hybrid.stats()
+            );
+            assert_eq!(d.source(), Source::Lease);
+            local += 1;
+        }
+    }
+    println!("CLIENT PAUSE: exact slowest {exact_slowest:?}, hybrid slowest {hybrid_slowest:?} over {local} local decisions");
+    assert!(
+        exact_slowest <= bound(Mode::Exact) + MARGIN,
+        "{exact_slowest:?}"
+    );
+    assert!(
+        hybrid_slowest < Duration::from_millis(20),
+        "leased decisions waited: {hybrid_slowest:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_open_circuit_sends_nothing_and_probes_once_per_back_off() {
+    let server = RedisServer::start();
+    let circuit = CircuitConfig {
+        failures: 3,
+        base_backoff: Duration::from_millis(300),
+        max_backoff: Duration::from_millis(600),
+    };
+    let store = RedisStore::connect_with(
+        &server.url(),
+        options()
+            .circuit_breaker(circuit)
+            .response_timeout(Duration::from_millis(20)),
+    )
+    .await
+    .unwrap();
+    let limiter = Limiter::builder(Quota::per_minute(1_000))
+        .store(store.clone())
+        .namespace("circuit")
+        .on_store_error(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    assert_eq!(limiter.check("k", 1).await.source(), Source::Store);
+    let evalsha_before = server.command_calls("evalsha");
+    let sent_before = store.calls_sent();
+    server.freeze();
+    for _ in 0..3 {
+        let d = limiter.check("k", 1).await;
+        assert_eq!(d.source(), Source::FailClosed);
+    }
+    assert_eq!(store.circuit_state(), CircuitState::Open);
+    let opened = store.calls_sent();
+    assert_eq!(opened - sent_before, 3);
+    // While open: nothing is sent, and denials say when the probe comes.
+    let began = Instant::now();
+    while began.elapsed() < Duration::from_millis(120) {
+        let d = limiter.check("k", 1).await;
+        assert_eq!(d.source(), Source::FailClosed);
+        let retry = d.retry_after().unwrap();
+        assert!(retry <= Duration::from_millis(300), "{retry:?}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    assert_eq!(
+        store.calls_sent(),
+        opened,
+        "the open circuit sent a command"
+    );
+    assert!(store.calls_refused() > 10);
+    // After the back-off (at most 300 ms), one probe, which fails (frozen)
+    // and reopens the circuit for a longer back-off.
+    tokio::time::sleep(Duration::from_millis(320)).await;
+    for _ in 0..20 {
+        limiter.check("k", 1).await;
+    }
+    assert_eq!(store.calls_sent(), opened + 1, "exactly one probe");
+    assert_eq!(store.circuit_trips(), 2);
+    server.thaw();
+    // The frozen server ran what was sent to it once it woke: nothing else.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let executed = server.command_calls("evalsha") - evalsha_before;
+    assert_eq!(
+        executed,
+        store.calls_sent() - sent_before,
+        "INFO commandstats agrees"
+    );
+    // Recovery: the next probe succeeds and closes the circuit.
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while limiter.check("k", 1).await.source() != Source::Store {
+        assert!(Instant::now() < deadline, "the circuit never closed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(store.circuit_state(), CircuitState::Closed);
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Outage {
+    /// SIGKILL, then a restart: Redis comes back empty.
+    Restart,
+    /// SIGSTOP, then SIGCONT: Redis comes back with its data.
+    Freeze,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fallback_admissions_are_reconciled_so_no_second_budget_is_granted() {
+    let limit = 100u64;
+    let fleet = 4u64;
+    let fallback_limit = limit / fleet;
+    for outage in [Outage::Restart, Outage::Freeze] {
+        for mode in [Mode::Exact, Mode::Hybrid] {
+            let mut server = RedisServer::start();
+            let quota = Quota::new(limit, Duration::from_secs(3600)).unwrap();
+            let policy = FailurePolicy::LocalFallback(
+                Quota::new(fallback_limit, Duration::from_secs(3600)).unwrap(),
+            );
+            let mut limiters = Vec::new();
+            for _ in 0..fleet {
+                limiters.push(limiter(&server, mode, policy, quota, "reconcile").await.0);
+            }
+            let (mut before, mut in_fallback, mut after) = (0u64, 0u64, 0u64);
+            for i in 0..40 {
+                before += u64::from(limiters[i % 4].check("key", 1).await.is_allowed());
+            }
+            match outage {
+                Outage::Restart => server.kill(),
+                Outage::Freeze => server.freeze(),
+            }
+            for i in 0..200 {
+                let d = limiters[i % 4].check("key", 1).await;
+                match (d.source(), d.is_allowed()) {
+                    (Source::Fallback, true) => in_fallback += 1,
+                    (_, true) => before += 1, // a hybrid lease still held
+                    _ => {}
+                }
+            }
+            match outage {
+                Outage::Restart => server.restart(),
+                Outage::Freeze => server.thaw(),
+            }
+            let back = Instant::now();
+            while back.elapsed() < Duration::from_secs(3) {
+                for l in &limiters {
+                    let d = l.check("key", 1).await;
+                    match (d.source(), d.is_allowed()) {
+                        (Source::Fallback, true) => in_fallback += 1,
+                        (_, true) => after += 1,
+                        _ => {}
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            for l in &limiters {
+                l.shutdown().await;
+            }
+            let reconciled: u64 = limiters.iter().map(|l| l.stats().reconciled).sum();
+            let probe = Limiter::builder(quota)
+                .store(
+                    RedisStore::connect_with(&server.url(), options())
+                        .await
+                        .unwrap(),
+                )
+                .namespace("reconcile")
+                .build()
+                .unwrap();
+            let in_redis = limit - probe.try_check("key", 0).await.unwrap().remaining();
+            let total = before + in_fallback + after;
+            println!(
+                "{outage:?} {mode:?}: before {before}, fallback {in_fallback} (reconciled {reconciled}), after recovery {after}, total {total}, Redis counts {in_redis}"
+            );
+            assert_eq!(in_fallback, limit, "each of 4 fallbacks admitted limit/4");
+            assert_eq!(
+                reconciled, in_fallback,
+                "every fallback admission was reported"
+            );
+            assert_eq!(
+                in_redis, limit,
+                "Redis' window includes the fallback admissions"
+            );
+            // Each process reports what its fallback admitted before it
+            // leases anew, so the window never hands out a second full budget.
+            assert!(
+                after < limit,
+                "{outage:?} {mode:?}: a second budget: {after} after recovery; {:#?}",
+                limiters.iter().map(|l| l.stats()).collect::<Vec<_>>()
+            );
+            // The documented bounds per window.
+            let bound = match outage {
+                Outage::Freeze => limit + fleet * fallback_limit,
+                Outage::Restart => 2 * limit + fleet * fallback_limit,
+            };
+            assert!(total <= bound, "{outage:?} {mode:?}: {total} > {bound}");
+            assert_eq!(server.immortal_keys(), Vec::<String>::new());
+        }
+    }
+}
+
+#[tokio::test]
+async fn script_flush_and_wrong_type_mid_run_are_handled_and_counted() {
+    let server = RedisServer::start();
+    for mode in [Mode::Exact, Mode::Hybrid] {
+        let ns = format!("flush-{mode:?}");
+        let (limiter, _) = limiter(
+            &server,
+            mode,
+            FailurePolicy::FailClosed,
+            Quota::per_minute(100_000),
+            &ns,
+        )
+        .await;
+        for i in 0..300 {
+            if i == 100 {
+                let _: String = server.cmd(&["SCRIPT", "FLUSH"]);
+            }
+            let d = limiter.check(&format!("k{}", i % 10), 1).await;
+            assert!(d.is_allowed(), "{mode:?} {i}: {d:?}");
+            assert!(
+                matches!(d.source(), Source::Store | Source::Lease),
+                "{mode:?}"
+            );
+        }
+        // Someone writes a string where the limiter keeps a hash.
+        let victim = server.keys().into_iter().find(|k| k.contains(&ns)).unwrap();
+        let tag = victim
+            .split('{')
+            .nth(1)
+            .unwrap()
+            .split('}')
+            .next()
+            .unwrap()
+            .to_owned();
+        let _: i64 = server.cmd(&["DEL", &victim]);
+        let _: String = server.cmd(&["SET", &victim, "oops"]);
+        let user_key = tag.rsplit(':').next().unwrap().to_owned();
+        let errors_before = limiter.stats().store_errors;
+        let mut denied = 0;
+        for _ in 0..2_000 {
+            let d = limiter.check(&user_key, 1).await;
+            if d.source() == Source::FailClosed {
+                denied += 1;
+            }
+        }
+        assert!(
+            denied > 0,
+            "{mode:?}: the corrupted key was decided by the policy"
+        );
+        assert!(
+            limiter.stats().store_errors > errors_before,
+            "{mode:?}: counted"
+        );
+        let other = limiter.check("k-fine", 1).await;
+        assert!(other.is_allowed(), "{mode:?}: other keys unaffected");
+    }
+}
+
+#[tokio::test]
+async fn connecting_to_nothing_fails_fast_and_a_lazy_store_applies_the_policy() {
+    // A port nobody listens on: refused at once.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let began = Instant::now();
+    let err = RedisStore::connect_with(&format!("redis://127.0.0.1:{port}"), options())
+        .await
+        .unwrap_err();
+    assert!(err.is_connection() || err.is_timeout(), "{err}");
+    assert!(began.elapsed() < Duration::from_millis(500) + MARGIN);
+    // A listener that never answers: the connect timeout ends it.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://127.0.0.1:{}", silent.local_addr().unwrap().port());
+    let began = Instant::now();
+    let err = RedisStore::connect_with(&url, options().connect_timeout(Duration::from_millis(200)))
+        .await
+        .unwrap_err();
+    assert!(err.is_timeout() || err.is_connection(), "{err}");
+    assert!(
+        began.elapsed() < Duration::from_millis(200) + MARGIN,
+        "{:?}",
+        began.elapsed()
+    );
+    // Lazy: builds now, decides by policy until Redis answers.
+    let store = RedisStore::connect_lazy(&url, options()).unwrap();
+    let limiter = Limiter::builder(Quota::per_second(10))
+        .store(store)
+        .on_store_error(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    let began = Instant::now();
+    let d = limiter.check("k", 1).await;
+    assert_eq!(d.source(), Source::FailClosed);
+    assert!(
+        began.elapsed() < Duration::from_millis(500) + MARGIN,
+        "{:?}",
+        began.elapsed()
+    );
+}
