@@ -72,10 +72,13 @@ mod decision;
 mod error;
 mod exact;
 mod failure;
+#[cfg(feature = "tower")]
+pub mod http;
 mod hybrid;
 mod key;
 mod limiter;
 mod local;
+pub mod metrics;
 mod quota;
 mod stats;
 mod store;

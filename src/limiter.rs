@@ -7,7 +7,6 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -56,11 +55,13 @@ enum Mode {
 
 impl Inner {
     fn policy_decision(&self, key: &str, cost: u64) -> Decision {
-        self.counters
-            .policy_decisions
-            .fetch_add(1, Ordering::Relaxed);
+        self.counters.policy_decisions.add(1);
         let hint = self.store.as_ref().and_then(Store::retry_hint);
-        self.failure.decide(key, cost, hint)
+        let decision = self.failure.decide(key, cost, hint);
+        if decision.source() == Source::Fallback && decision.is_allowed() {
+            self.counters.fallback_admitted.add(cost);
+        }
+        decision
     }
 
     /// After an outage, reports what the fallback admitted meanwhile;
@@ -70,16 +71,16 @@ impl Inner {
         if items.is_empty() {
             return true;
         }
-        self.counters.round_trips.fetch_add(1, Ordering::Relaxed);
+        self.counters.round_trips.add(1);
         match exact.report(&items).await {
             Ok(uncovered) => {
                 let total: u64 = items.iter().map(|(_, n)| n).sum();
-                Counters::add(&self.counters.reconciled, total);
-                Counters::add(&self.counters.overshoot, uncovered);
+                self.counters.reconciled.add(total);
+                self.counters.overshoot.add(uncovered);
                 true
             }
-            Err(_) => {
-                self.counters.store_errors.fetch_add(1, Ordering::Relaxed);
+            Err(e) => {
+                self.counters.store_error(e.kind());
                 self.failure.reconciler.restore(items);
                 false
             }
@@ -88,12 +89,8 @@ impl Inner {
 
     #[inline]
     fn count(&self, decision: &Decision) {
-        let counter = if decision.is_allowed() {
-            &self.counters.allowed
-        } else {
-            &self.counters.denied
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .decision(decision.is_allowed(), decision.source());
     }
 }
 
@@ -160,6 +157,7 @@ impl Limiter {
             namespace: "default".to_owned(),
             policy: FailurePolicy::default(),
             clock: None,
+            name: None,
         }
     }
 
@@ -173,23 +171,30 @@ impl Limiter {
     /// decided right here, before the returned future is first polled; only
     /// a decision that needs the store builds a (boxed) future.
     pub fn check<'a>(&'a self, key: &'a str, cost: u64) -> Check<'a> {
-        let inner = &*self.inner;
-        let ready = match &inner.engine {
-            Engine::Local(local) => Some(local.check(key, cost)),
-            Engine::Hybrid(hybrid) => hybrid.try_fast(key, cost),
-            Engine::Exact(_) => None,
-        };
-        match ready {
-            Some(decision) => {
-                inner.count(&decision);
-                Check {
-                    state: CheckState::Ready(Some(decision)),
-                }
-            }
+        match self.check_now(key, cost) {
+            Some(decision) => Check {
+                state: CheckState::Ready(Some(decision)),
+            },
             None => Check {
                 state: CheckState::Pending(Box::pin(self.check_slow(key, cost))),
             },
         }
+    }
+
+    /// The decision, if it can be made without waiting: a hybrid key with
+    /// local permits (or known exhausted), or any `local()` decision.
+    /// `None` means [`check`](Limiter::check) would need the store; nothing
+    /// was counted or consumed then.
+    #[inline]
+    pub fn check_now(&self, key: &str, cost: u64) -> Option<Decision> {
+        let inner = &*self.inner;
+        let decision = match &inner.engine {
+            Engine::Local(local) => Some(local.check(key, cost)),
+            Engine::Hybrid(hybrid) => hybrid.try_fast(key, cost),
+            Engine::Exact(_) => None,
+        }?;
+        inner.count(&decision);
+        Some(decision)
     }
 
     async fn check_slow(&self, key: &str, cost: u64) -> Decision {
@@ -204,11 +209,18 @@ impl Limiter {
                     inner.count(&decision);
                     return decision;
                 }
-                inner.counters.round_trips.fetch_add(1, Ordering::Relaxed);
-                match exact.check(key, cost).await {
+                let began = std::time::Instant::now();
+                let result = exact.check(key, cost).await;
+                inner
+                    .counters
+                    .round_trip(began.elapsed().as_micros() as u64);
+                if let Some(store) = &inner.store {
+                    inner.counters.circuit(store.circuit_state());
+                }
+                match result {
                     Ok(decision) => decision,
-                    Err(_) => {
-                        inner.counters.store_errors.fetch_add(1, Ordering::Relaxed);
+                    Err(e) => {
+                        inner.counters.store_error(e.kind());
                         inner.policy_decision(key, cost)
                     }
                 }
@@ -231,10 +243,7 @@ impl Limiter {
         match &self.inner.engine {
             Engine::Local(local) => Ok(local.check(key, cost)),
             Engine::Exact(exact) => {
-                self.inner
-                    .counters
-                    .round_trips
-                    .fetch_add(1, Ordering::Relaxed);
+                self.inner.counters.round_trips.add(1);
                 exact.check(key, cost).await
             }
             Engine::Hybrid(hybrid) => hybrid.check(key, cost).await,
@@ -296,9 +305,17 @@ pub struct Builder {
     namespace: String,
     policy: FailurePolicy,
     clock: Option<Arc<dyn Clock>>,
+    name: Option<String>,
 }
 
 impl Builder {
+    /// The `limiter` label of this limiter's metrics (default: the
+    /// namespace). Give each limiter of a process its own.
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = Some(name.to_owned());
+        self
+    }
+
     /// Where budgets are shared: a [`RedisStore`](crate::RedisStore) or a
     /// [`MemoryStore`]. Default: a private embedded `MemoryStore`.
     pub fn store(mut self, store: impl Into<Store>) -> Self {
@@ -370,7 +387,9 @@ impl Builder {
         }
         let injected = self.clock.clone();
         let clock = self.clock.unwrap_or_else(|| Arc::new(SystemClock::new()));
-        let counters = Arc::new(Counters::default());
+        let counters = Arc::new(Counters::new(
+            self.name.as_deref().unwrap_or(&self.namespace),
+        ));
         let params = Params::new(&self.quota, self.algorithm);
         let keys = KeyEncoder::new(&self.namespace);
         let failure = FailureHandler::new(

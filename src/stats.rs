@@ -1,49 +1,141 @@
-//! Counters a limiter keeps about itself, readable without a metrics
-//! recorder ([`Limiter::stats`](crate::Limiter::stats)).
+//! Counters a limiter keeps about itself: readable without a recorder
+//! ([`Limiter::stats`](crate::Limiter::stats)) and mirrored to the
+//! `metrics` facade ([`crate::metrics`]).
 //!
 //! Plain relaxed atomics: they are statistics, not synchronisation.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Live counters; one per limiter, shared by its engine and sync task.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub(crate) allowed: AtomicU64,
-    pub(crate) denied: AtomicU64,
-    pub(crate) round_trips: AtomicU64,
-    pub(crate) store_errors: AtomicU64,
-    pub(crate) policy_decisions: AtomicU64,
-    pub(crate) credit_admitted: AtomicU64,
-    pub(crate) overshoot: AtomicU64,
-    pub(crate) leases: AtomicU64,
-    pub(crate) permits_leased: AtomicU64,
-    pub(crate) stranded: AtomicU64,
-    pub(crate) given_back: AtomicU64,
-    pub(crate) reconciled: AtomicU64,
+use metrics::Counter;
+
+use crate::decision::Source;
+use crate::failure::CircuitState;
+use crate::metrics::{self as names, Meters};
+use crate::ErrorKind;
+
+/// One total: a local atomic and its metric.
+pub(crate) struct Tally {
+    value: AtomicU64,
+    meter: Counter,
 }
 
-impl Counters {
-    pub(crate) fn add(counter: &AtomicU64, n: u64) {
-        if n > 0 {
-            counter.fetch_add(n, Ordering::Relaxed);
+impl Tally {
+    fn new(limiter: &str, metric: &'static str) -> Self {
+        Tally {
+            value: AtomicU64::new(0),
+            meter: Meters::counter(limiter, metric),
         }
     }
 
+    /// A total with no metric of its own.
+    fn unmetered() -> Self {
+        Tally {
+            value: AtomicU64::new(0),
+            meter: Counter::noop(),
+        }
+    }
+
+    #[inline]
+    pub(crate) fn add(&self, n: u64) {
+        if n > 0 {
+            self.value.fetch_add(n, Ordering::Relaxed);
+            self.meter.increment(n);
+        }
+    }
+
+    pub(crate) fn get(&self) -> u64 {
+        self.value.load(Ordering::Relaxed)
+    }
+}
+
+/// Live counters; one per limiter, shared by its engine and sync task.
+pub(crate) struct Counters {
+    pub(crate) allowed: Tally,
+    pub(crate) denied: Tally,
+    pub(crate) round_trips: Tally,
+    store_errors: Tally,
+    pub(crate) policy_decisions: Tally,
+    pub(crate) credit_admitted: Tally,
+    pub(crate) overshoot: Tally,
+    pub(crate) leases_requested: Tally,
+    pub(crate) leases: Tally,
+    pub(crate) permits_leased: Tally,
+    pub(crate) stranded: Tally,
+    pub(crate) given_back: Tally,
+    pub(crate) reconciled: Tally,
+    pub(crate) fallback_admitted: Tally,
+    pub(crate) meters: Meters,
+}
+
+impl Counters {
+    pub(crate) fn new(limiter: &str) -> Self {
+        Counters {
+            allowed: Tally::unmetered(),
+            denied: Tally::unmetered(),
+            round_trips: Tally::new(limiter, names::ROUND_TRIPS),
+            store_errors: Tally::unmetered(),
+            policy_decisions: Tally::unmetered(),
+            credit_admitted: Tally::new(limiter, names::CREDIT),
+            overshoot: Tally::new(limiter, names::OVERSHOOT),
+            leases_requested: Tally::new(limiter, names::LEASES_REQUESTED),
+            leases: Tally::new(limiter, names::LEASES_GRANTED),
+            permits_leased: Tally::unmetered(),
+            stranded: Tally::new(limiter, names::STRANDED),
+            given_back: Tally::new(limiter, names::GIVEN_BACK),
+            reconciled: Tally::new(limiter, names::RECONCILED),
+            fallback_admitted: Tally::new(limiter, names::FALLBACK_ADMISSIONS),
+            meters: Meters::new(limiter),
+        }
+    }
+
+    /// Counts a decision (the decisions metric is labelled by outcome and
+    /// source, so it carries allowed/denied/policy counts itself).
+    #[inline]
+    pub(crate) fn decision(&self, allowed: bool, source: Source) {
+        if allowed {
+            self.allowed.add(1);
+        } else {
+            self.denied.add(1);
+        }
+        self.meters.decision(allowed, source);
+    }
+
+    pub(crate) fn store_error(&self, kind: ErrorKind) {
+        self.store_errors.add(1);
+        self.meters.error(kind);
+    }
+
+    /// A store round trip that took `micros`.
+    pub(crate) fn round_trip(&self, micros: u64) {
+        self.round_trips.add(1);
+        self.meters.store_latency.record(micros as f64 / 1e6);
+    }
+
+    pub(crate) fn lease_granted(&self, permits: u64) {
+        self.leases.add(1);
+        self.permits_leased.add(permits);
+        self.meters.lease_size.record(permits as f64);
+    }
+
+    pub(crate) fn circuit(&self, state: CircuitState) {
+        self.meters.circuit(state);
+    }
+
     pub(crate) fn snapshot(&self) -> Stats {
-        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         Stats {
-            allowed: get(&self.allowed),
-            denied: get(&self.denied),
-            round_trips: get(&self.round_trips),
-            store_errors: get(&self.store_errors),
-            policy_decisions: get(&self.policy_decisions),
-            credit_admitted: get(&self.credit_admitted),
-            overshoot: get(&self.overshoot),
-            leases: get(&self.leases),
-            permits_leased: get(&self.permits_leased),
-            stranded: get(&self.stranded),
-            given_back: get(&self.given_back),
-            reconciled: get(&self.reconciled),
+            allowed: self.allowed.get(),
+            denied: self.denied.get(),
+            round_trips: self.round_trips.get(),
+            store_errors: self.store_errors.get(),
+            policy_decisions: self.policy_decisions.get(),
+            credit_admitted: self.credit_admitted.get(),
+            overshoot: self.overshoot.get(),
+            leases: self.leases.get(),
+            permits_leased: self.permits_leased.get(),
+            stranded: self.stranded.get(),
+            given_back: self.given_back.get(),
+            reconciled: self.reconciled.get(),
+            fallback_admitted: self.fallback_admitted.get(),
         }
     }
 }
@@ -64,8 +156,8 @@ pub struct Stats {
     pub policy_decisions: u64,
     /// Permits admitted on credit (optimistic hybrid).
     pub credit_admitted: u64,
-    /// Permits admitted on credit that the store could not cover: admitted
-    /// beyond the limit.
+    /// Permits admitted that the store could not cover: admitted beyond
+    /// the limit.
     pub overshoot: u64,
     /// Lease calls that granted at least one permit.
     pub leases: u64,
@@ -78,4 +170,6 @@ pub struct Stats {
     /// Permits the local fallback admitted during an outage, reported to
     /// the store once it answered again.
     pub reconciled: u64,
+    /// Permits the local fallback admitted while the store was unavailable.
+    pub fallback_admitted: u64,
 }

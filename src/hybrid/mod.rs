@@ -242,7 +242,7 @@ impl HybridEngine {
             }
             slot.touch(now);
             if let Some(replaced) = slot.promote(now) {
-                Counters::add(&s.counters.stranded, replaced as u64);
+                s.counters.stranded.add(replaced as u64);
             }
             if let Take::Taken(left) = slot.take(cost, now, 0, || now) {
                 if slot.wants_refill(left, now) {
@@ -340,7 +340,7 @@ impl Shared {
     }
 
     async fn exact_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
-        Counters::add(&self.counters.round_trips, 1);
+        self.counters.round_trips.add(1);
         self.exact.check(key, cost).await
     }
 
@@ -407,7 +407,7 @@ impl Shared {
         credit.debt += cost;
         credit.window = window;
         drop(credit);
-        Counters::add(&self.counters.credit_admitted, cost);
+        self.counters.credit_admitted.add(cost);
         true
     }
 
@@ -422,7 +422,7 @@ impl Shared {
             if valid {
                 self.give_back(&slot.store_key, permits, window);
             } else {
-                Counters::add(&self.counters.stranded, permits);
+                self.counters.stranded.add(permits);
             }
         }
         if slot.has_next.swap(false, Ordering::AcqRel) {

@@ -13,7 +13,6 @@ use std::time::Duration;
 use super::sizing::SizingRule;
 use super::slot::{Credit, NextLease, Slot};
 use super::{HybridConfig, Shared};
-use crate::stats::Counters;
 use crate::store::{LeaseCall, LeaseReply};
 use crate::{Algorithm, Error};
 
@@ -51,29 +50,33 @@ struct Pending {
 pub(crate) async fn round(shared: &Shared) {
     let returns = std::mem::take(&mut *shared.returns.lock().unwrap_or_else(|p| p.into_inner()));
     for chunk in returns.chunks(shared.config.load().batch_size) {
-        shared.counters.round_trips.fetch_add(1, Ordering::Relaxed);
-        match shared.store.give_back_batch(&shared.params, chunk).await {
+        let began = shared.time.precise_us();
+        let result = shared.store.give_back_batch(&shared.params, chunk).await;
+        shared
+            .counters
+            .round_trip(shared.time.precise_us().saturating_sub(began));
+        match result {
             Ok(results) => {
                 for (call, result) in chunk.iter().zip(results) {
                     match result {
                         Ok(back) => {
-                            Counters::add(&shared.counters.given_back, back);
-                            Counters::add(
-                                &shared.counters.stranded,
-                                call.returned.saturating_sub(back),
-                            );
+                            shared.counters.given_back.add(back);
+                            shared
+                                .counters
+                                .stranded
+                                .add(call.returned.saturating_sub(back));
                         }
-                        Err(_) => {
-                            Counters::add(&shared.counters.store_errors, 1);
-                            Counters::add(&shared.counters.stranded, call.returned);
+                        Err(e) => {
+                            shared.counters.store_error(e.kind());
+                            shared.counters.stranded.add(call.returned);
                         }
                     }
                 }
             }
-            Err(_) => {
-                Counters::add(&shared.counters.store_errors, 1);
+            Err(e) => {
+                shared.counters.store_error(e.kind());
                 let lost: u64 = chunk.iter().map(|c| c.returned).sum();
-                Counters::add(&shared.counters.stranded, lost);
+                shared.counters.stranded.add(lost);
             }
         }
     }
@@ -127,10 +130,13 @@ pub(crate) async fn round(shared: &Shared) {
             return;
         }
         let calls: Vec<LeaseCall> = pending.iter().map(|p| p.call.clone()).collect();
-        shared.counters.round_trips.fetch_add(1, Ordering::Relaxed);
+        let requested = calls.iter().filter(|c| c.want > 0).count() as u64;
+        shared.counters.leases_requested.add(requested);
         let t0 = shared.time.precise_us();
         let results = shared.store.lease_batch(&shared.params, &calls).await;
         let t1 = shared.time.precise_us();
+        shared.counters.round_trip(t1.saturating_sub(t0));
+        shared.counters.circuit(shared.store.circuit_state());
         let rtt = t1.saturating_sub(t0);
         let old = shared.rtt_us.load(Ordering::Relaxed);
         shared.rtt_us.store(
@@ -237,31 +243,31 @@ fn apply(
         // A debt report: an evicted slot's, or the fallback's.
         match (result, p.fallback) {
             (Ok(r), fallback) => {
-                Counters::add(&counters.overshoot, r.uncovered);
+                counters.overshoot.add(r.uncovered);
                 if let Some((_, debt)) = fallback {
-                    Counters::add(&counters.reconciled, debt);
+                    counters.reconciled.add(debt);
                 }
             }
-            (Err(_), Some(item)) => {
-                Counters::add(&counters.store_errors, 1);
+            (Err(e), Some(item)) => {
+                counters.store_error(e.kind());
                 shared.reconciler.restore([item]);
             }
-            (Err(_), None) => {
-                Counters::add(&counters.store_errors, 1);
+            (Err(e), None) => {
+                counters.store_error(e.kind());
                 requeue_debt(shared, None, &p.call);
             }
         }
         return;
     };
     match result {
-        Err(_) => {
-            Counters::add(&counters.store_errors, 1);
+        Err(e) => {
+            counters.store_error(e.kind());
             requeue_debt(shared, Some(&slot), &p.call);
             slot.refill_failed.store(true, Ordering::Release);
         }
         Ok(r) => {
             slot.refill_failed.store(false, Ordering::Release);
-            Counters::add(&counters.overshoot, r.uncovered);
+            counters.overshoot.add(r.uncovered);
             slot.store_remaining.store(r.remaining, Ordering::Relaxed);
             slot.reset_at
                 .store(t0 + r.reset_after_us, Ordering::Relaxed);
@@ -269,8 +275,7 @@ fn apply(
             let lead = config.prelease_lead.as_micros() as u64;
             let now = shared.time.precise_us();
             if r.granted > 0 {
-                Counters::add(&counters.leases, 1);
-                Counters::add(&counters.permits_leased, r.granted);
+                counters.lease_granted(r.granted);
                 let granted = r.granted as i64;
                 match shared.params.algorithm {
                     Algorithm::FixedWindow => {
@@ -294,7 +299,7 @@ fn apply(
                                     ..n
                                 },
                                 Some(n) => {
-                                    Counters::add(&counters.stranded, n.permits.max(0) as u64);
+                                    counters.stranded.add(n.permits.max(0) as u64);
                                     lease
                                 }
                                 None => lease,
@@ -304,7 +309,7 @@ fn apply(
                         } else {
                             let replaced =
                                 slot.install(granted, r.window, deadline, window_end, now, false);
-                            Counters::add(&counters.stranded, replaced as u64);
+                            counters.stranded.add(replaced as u64);
                             slot.refill_at.store(
                                 if lead == 0 {
                                     u64::MAX
@@ -396,7 +401,7 @@ pub(crate) fn maintain(shared: &Shared) {
         let expired = slot.expire(now);
         if expired > 0 {
             match shared.params.algorithm {
-                Algorithm::FixedWindow => Counters::add(&shared.counters.stranded, expired as u64),
+                Algorithm::FixedWindow => shared.counters.stranded.add(expired as u64),
                 Algorithm::TokenBucket | Algorithm::Gcra => {
                     shared.give_back(&slot.store_key, expired as u64, 0)
                 }
@@ -406,7 +411,7 @@ pub(crate) fn maintain(shared: &Shared) {
             let mut next = slot.next.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(n) = *next {
                 if now >= n.deadline {
-                    Counters::add(&shared.counters.stranded, n.permits.max(0) as u64);
+                    shared.counters.stranded.add(n.permits.max(0) as u64);
                     *next = None;
                     slot.has_next.store(false, Ordering::Release);
                 }
@@ -419,6 +424,11 @@ pub(crate) fn maintain(shared: &Shared) {
             all.push((last, entry.key().clone()));
         }
     }
+    shared
+        .counters
+        .meters
+        .local_keys
+        .set(shared.slots.len() as f64);
     let mut evict: Vec<Box<str>> = idle.into_iter().map(|(_, k)| k).collect();
     let still_over = over.saturating_sub(evict.len());
     if still_over > 0 {

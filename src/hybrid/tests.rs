@@ -24,7 +24,7 @@ struct Rig {
 fn rig(quota: Quota, algorithm: Algorithm, config: HybridConfig) -> Rig {
     let clock = FakeClock::new(ORIGIN);
     let store = MemoryStore::with_clock(clock.clone());
-    let counters = Arc::new(Counters::default());
+    let counters = Arc::new(Counters::new("test"));
     let params = Params::new(&quota, algorithm);
     let keys = KeyEncoder::new("t");
     let engine = HybridEngine::start(
@@ -65,7 +65,7 @@ impl Rig {
     }
 
     fn round_trips(&self) -> u64 {
-        self.counters.round_trips.load(Ordering::Relaxed)
+        self.counters.round_trips.get()
     }
 
     fn slot(&self, key: &str) -> Arc<Slot> {
@@ -159,7 +159,7 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
     let d = r.check("k", 1).await;
     assert!(d.is_allowed());
     assert_eq!(d.source(), Source::Lease);
-    assert_eq!(r.counters.stranded.load(Ordering::Relaxed), 48);
+    assert_eq!(r.counters.stranded.get(), 48);
 }
 
 #[tokio::test]
@@ -195,7 +195,7 @@ async fn optimistic_credit_is_bounded_reported_and_counted_as_overshoot() {
         "credit is capped at max_debt"
     );
     r.sync().await;
-    assert_eq!(r.counters.overshoot.load(Ordering::Relaxed), 5);
+    assert_eq!(r.counters.overshoot.get(), 5);
     assert_eq!(r.store_count("k"), 105, "the store records the overshoot");
     let trips = r.round_trips();
     for _ in 0..100 {
@@ -217,7 +217,7 @@ async fn covered_credit_is_not_overshoot() {
         assert_eq!(r.check("k", 1).await.source(), Source::Credit);
     }
     r.sync().await;
-    assert_eq!(r.counters.overshoot.load(Ordering::Relaxed), 0);
+    assert_eq!(r.counters.overshoot.get(), 0);
     assert!(r.store_count("k") >= 4, "debt recorded plus a lease");
 }
 
@@ -265,7 +265,7 @@ async fn idle_keys_are_evicted_and_their_permits_given_back() {
     assert_eq!(r.engine.local_keys(), 0);
     r.sync().await;
     assert_eq!(r.store_count("k"), 10, "40 unused permits went back");
-    assert_eq!(r.counters.given_back.load(Ordering::Relaxed), 40);
+    assert_eq!(r.counters.given_back.get(), 40);
 }
 
 #[tokio::test]
@@ -332,8 +332,8 @@ async fn token_bucket_leases_expire_after_their_horizon_and_go_back() {
     assert!(r.check("k", 1).await.is_allowed());
     assert_eq!(r.round_trips(), 2);
     r.sync().await;
-    assert_eq!(r.counters.given_back.load(Ordering::Relaxed), 18);
-    assert_eq!(r.counters.stranded.load(Ordering::Relaxed), 0);
+    assert_eq!(r.counters.given_back.get(), 18);
+    assert_eq!(r.counters.stranded.get(), 0);
 }
 
 #[tokio::test]

@@ -183,6 +183,14 @@ impl Store {
         }
     }
 
+    /// The circuit breaker's state (an embedded store never trips).
+    pub(crate) fn circuit_state(&self) -> crate::CircuitState {
+        match self {
+            Store::Redis(s) => s.circuit_state(),
+            Store::Memory(_) => crate::CircuitState::Closed,
+        }
+    }
+
     /// Checks and counts one request.
     pub(crate) async fn acquire(
         &self,

@@ -1,0 +1,244 @@
+//! Metric names, recording, and the one-call Prometheus exporter.
+//!
+//! Everything goes through the `metrics` facade, so any recorder works.
+//! Labels are the limiter's name, the decision's outcome and source, and
+//! an error's kind — never a user key, so cardinality stays fixed. Handles
+//! are registered once per limiter when it is built: install a recorder
+//! (for instance with [`install_prometheus`]) before building limiters.
+
+use std::net::SocketAddr;
+
+use metrics::{
+    describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
+};
+
+use crate::decision::Source;
+use crate::failure::CircuitState;
+use crate::{Error, ErrorKind};
+
+/// Decisions, labelled `limiter`, `outcome` (`allowed` / `denied`) and `source`.
+pub const DECISIONS: &str = "slicelimit_decisions_total";
+/// Permits admitted beyond what the store granted (optimistic credit the
+/// store could not cover, fallback admissions it could not absorb).
+pub const OVERSHOOT: &str = "slicelimit_overshoot_permits_total";
+/// Leased permits that expired unused and could not be given back.
+pub const STRANDED: &str = "slicelimit_stranded_permits_total";
+/// Leased permits given back unused.
+pub const GIVEN_BACK: &str = "slicelimit_given_back_permits_total";
+/// Lease calls sent (wanting at least one permit).
+pub const LEASES_REQUESTED: &str = "slicelimit_leases_requested_total";
+/// Lease calls that granted at least one permit.
+pub const LEASES_GRANTED: &str = "slicelimit_leases_granted_total";
+/// Permits granted per lease.
+pub const LEASE_SIZE: &str = "slicelimit_lease_size_permits";
+/// Round trips to the store (a pipelined batch counts once).
+pub const ROUND_TRIPS: &str = "slicelimit_store_round_trips_total";
+/// Store round-trip latency.
+pub const STORE_LATENCY: &str = "slicelimit_store_latency_seconds";
+/// Store errors, labelled `kind`.
+pub const STORE_ERRORS: &str = "slicelimit_store_errors_total";
+/// The store's circuit breaker: 0 closed, 1 half open, 2 open.
+pub const CIRCUIT_STATE: &str = "slicelimit_circuit_state";
+/// Keys tracked in the local map.
+pub const LOCAL_KEYS: &str = "slicelimit_local_keys";
+/// Permits admitted by the local fallback while the store was unavailable.
+pub const FALLBACK_ADMISSIONS: &str = "slicelimit_fallback_admissions_total";
+/// Permits admitted on credit (optimistic mode).
+pub const CREDIT: &str = "slicelimit_credit_permits_total";
+/// Fallback admissions reported to the store after an outage.
+pub const RECONCILED: &str = "slicelimit_reconciled_permits_total";
+/// Requests the HTTP layer let through in shadow mode although denied.
+pub const SHADOW_DENIALS: &str = "slicelimit_http_shadow_denials_total";
+
+/// Registers a description and unit for every metric above with the
+/// installed recorder. [`install_prometheus`] calls it for you.
+pub fn describe() {
+    describe_counter!(
+        DECISIONS,
+        Unit::Count,
+        "Rate-limit decisions by outcome and source."
+    );
+    describe_counter!(
+        OVERSHOOT,
+        Unit::Count,
+        "Permits admitted beyond what the store granted (uncovered credit or fallback admissions)."
+    );
+    describe_counter!(
+        STRANDED,
+        Unit::Count,
+        "Leased permits that expired unused and could not be given back."
+    );
+    describe_counter!(
+        GIVEN_BACK,
+        Unit::Count,
+        "Leased permits given back to the store unused."
+    );
+    describe_counter!(
+        LEASES_REQUESTED,
+        Unit::Count,
+        "Lease calls sent to the store."
+    );
+    describe_counter!(
+        LEASES_GRANTED,
+        Unit::Count,
+        "Lease calls that granted at least one permit."
+    );
+    describe_histogram!(LEASE_SIZE, Unit::Count, "Permits granted per lease.");
+    describe_counter!(
+        ROUND_TRIPS,
+        Unit::Count,
+        "Round trips to the store; a pipelined batch counts once."
+    );
+    describe_histogram!(STORE_LATENCY, Unit::Seconds, "Store round-trip latency.");
+    describe_counter!(STORE_ERRORS, Unit::Count, "Store errors by kind.");
+    describe_gauge!(
+        CIRCUIT_STATE,
+        "Circuit breaker state: 0 closed, 1 half open, 2 open."
+    );
+    describe_gauge!(LOCAL_KEYS, Unit::Count, "Keys tracked in the local map.");
+    describe_counter!(
+        FALLBACK_ADMISSIONS,
+        Unit::Count,
+        "Permits admitted by the local fallback while the store was unavailable."
+    );
+    describe_counter!(
+        CREDIT,
+        Unit::Count,
+        "Permits admitted on credit while a refill was in flight."
+    );
+    describe_counter!(
+        RECONCILED,
+        Unit::Count,
+        "Fallback admissions reported to the store after an outage."
+    );
+    describe_counter!(
+        SHADOW_DENIALS,
+        Unit::Count,
+        "Denied requests let through by the HTTP layer in shadow mode."
+    );
+}
+
+/// Installs a Prometheus recorder as the global `metrics` recorder, serves
+/// its exposition on `addr` (any path) from the current Tokio runtime, and
+/// describes every slicelimit metric. Call it once per process, before
+/// building limiters. The returned handle renders the same text on demand.
+///
+/// # Errors
+/// [`InvalidInput`](ErrorKind::InvalidInput) if called outside a Tokio
+/// runtime, if the address cannot be bound, or if a global recorder is
+/// already installed.
+pub fn install_prometheus(
+    addr: SocketAddr,
+) -> Result<metrics_exporter_prometheus::PrometheusHandle, Error> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+
+    let runtime = tokio::runtime::Handle::try_current()
+        .map_err(|_| Error::invalid("install_prometheus must be called inside a Tokio runtime"))?;
+    let bad = |e: &dyn std::fmt::Display| {
+        Error::new(ErrorKind::InvalidInput, format!("Prometheus exporter: {e}"))
+    };
+    let latency = [
+        0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+        1.0,
+    ];
+    let sizes = [
+        1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 2_500.0, 10_000.0, 100_000.0,
+    ];
+    let (recorder, exporter) = {
+        let _guard = runtime.enter();
+        PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .set_buckets_for_metric(Matcher::Full(STORE_LATENCY.to_owned()), &latency)
+            .map_err(|e| bad(&e))?
+            .set_buckets_for_metric(Matcher::Full(LEASE_SIZE.to_owned()), &sizes)
+            .map_err(|e| bad(&e))?
+            .build()
+            .map_err(|e| bad(&e))?
+    };
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder).map_err(|e| bad(&e))?;
+    runtime.spawn(exporter);
+    describe();
+    Ok(handle)
+}
+
+const SOURCES: [Source; 8] = [
+    Source::Store,
+    Source::Lease,
+    Source::Credit,
+    Source::DeniedCache,
+    Source::Local,
+    Source::FailOpen,
+    Source::FailClosed,
+    Source::Fallback,
+];
+
+const KINDS: [ErrorKind; 7] = [
+    ErrorKind::InvalidInput,
+    ErrorKind::Timeout,
+    ErrorKind::Connection,
+    ErrorKind::WrongType,
+    ErrorKind::Store,
+    ErrorKind::CircuitOpen,
+    ErrorKind::Unsupported,
+];
+
+fn source_index(source: Source) -> usize {
+    SOURCES.iter().position(|s| *s == source).unwrap_or(0)
+}
+
+/// One limiter's metric handles, registered once.
+pub(crate) struct Meters {
+    /// [0 allowed, 1 denied][source]
+    decisions: [[Counter; SOURCES.len()]; 2],
+    errors: [Counter; KINDS.len()],
+    pub(crate) lease_size: Histogram,
+    pub(crate) store_latency: Histogram,
+    circuit: Gauge,
+    pub(crate) local_keys: Gauge,
+}
+
+impl Meters {
+    pub(crate) fn new(limiter: &str) -> Self {
+        let name = limiter.to_owned();
+        let decision = |allowed: bool, source: Source| {
+            metrics::counter!(
+                DECISIONS,
+                "limiter" => name.clone(),
+                "outcome" => if allowed { "allowed" } else { "denied" },
+                "source" => source.as_str()
+            )
+        };
+        Meters {
+            decisions: [SOURCES.map(|s| decision(true, s)), SOURCES.map(|s| decision(false, s))],
+            errors: KINDS.map(|k| metrics::counter!(STORE_ERRORS, "limiter" => name.clone(), "kind" => k.as_str())),
+            lease_size: metrics::histogram!(LEASE_SIZE, "limiter" => name.clone()),
+            store_latency: metrics::histogram!(STORE_LATENCY, "limiter" => name.clone()),
+            circuit: metrics::gauge!(CIRCUIT_STATE, "limiter" => name.clone()),
+            local_keys: metrics::gauge!(LOCAL_KEYS, "limiter" => name),
+        }
+    }
+
+    /// A counter handle for one of the per-limiter totals.
+    pub(crate) fn counter(limiter: &str, metric: &'static str) -> Counter {
+        metrics::counter!(metric, "limiter" => limiter.to_owned())
+    }
+
+    #[inline]
+    pub(crate) fn decision(&self, allowed: bool, source: Source) {
+        self.decisions[usize::from(!allowed)][source_index(source)].increment(1);
+    }
+
+    pub(crate) fn error(&self, kind: ErrorKind) {
+        let i = KINDS.iter().position(|k| *k == kind).unwrap_or(0);
+        self.errors[i].increment(1);
+    }
+
+    pub(crate) fn circuit(&self, state: CircuitState) {
+        self.circuit.set(match state {
+            CircuitState::Closed => 0.0,
+            CircuitState::HalfOpen => 1.0,
+            CircuitState::Open => 2.0,
+        });
+    }
+}

@@ -1,0 +1,131 @@
+//! Metrics through a local recorder: overshoot and decision counts in an
+//! optimistic scenario, with fixed label sets.
+
+use std::time::Duration;
+
+use metrics::{SharedString, Unit};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use metrics_util::CompositeKey;
+use slicelimit::{FakeClock, HybridConfig, Limiter, MemoryStore, Quota, Source};
+
+type Snapshot = Vec<(CompositeKey, Option<Unit>, Option<SharedString>, DebugValue)>;
+
+fn counter(snapshot: &Snapshot, name: &str, labels: &[(&str, &str)]) -> u64 {
+    snapshot
+        .iter()
+        .filter(|(key, _, _, _)| {
+            let key = key.key();
+            key.name() == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
+        })
+        .map(|(_, _, _, value)| match value {
+            DebugValue::Counter(n) => *n,
+            other => panic!("{name} is not a counter: {other:?}"),
+        })
+        .sum()
+}
+
+#[tokio::test]
+async fn optimistic_overshoot_and_decisions_are_counted() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let clock = FakeClock::new(Duration::from_secs(1_700_000_000));
+    let store = MemoryStore::with_clock(clock.clone());
+    let quota = Quota::per_second(100);
+    let (limiter, rival) = metrics::with_local_recorder(&recorder, || {
+        let limiter = Limiter::builder(quota)
+            .store(store.clone())
+            .clock(clock.clone())
+            .namespace("coupons")
+            .name("opt")
+            .hybrid(HybridConfig::optimistic(5).max_wait(Duration::from_millis(200)))
+            .build()
+            .unwrap();
+        let rival = Limiter::builder(quota)
+            .store(store.clone())
+            .namespace("coupons")
+            .name("rival")
+            .build()
+            .unwrap();
+        (limiter, rival)
+    });
+    // Another process spends the whole window first.
+    assert!(rival.check("k", 100).await.is_allowed());
+    let mut credit = 0;
+    for _ in 0..5 {
+        let d = limiter.check("k", 1).await;
+        assert!(d.is_allowed());
+        if d.source() == Source::Credit {
+            credit += 1;
+        }
+    }
+    assert_eq!(credit, 5);
+    // The sync task reports the debt: all of it beyond the limit.
+    let mut waited = 0;
+    while limiter.stats().overshoot < 5 && waited < 200 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        waited += 1;
+    }
+    for _ in 0..10 {
+        assert!(!limiter.check("k", 1).await.is_allowed());
+    }
+    let opt = [("limiter", "opt")];
+    // One snapshot: reading a debugging recorder's counters resets them.
+    let snapshot = snapshotter.snapshot().into_vec();
+    assert_eq!(
+        counter(&snapshot, "slicelimit_overshoot_permits_total", &opt),
+        5
+    );
+    assert_eq!(
+        counter(&snapshot, "slicelimit_credit_permits_total", &opt),
+        5
+    );
+    assert_eq!(
+        counter(
+            &snapshot,
+            "slicelimit_decisions_total",
+            &[
+                ("limiter", "opt"),
+                ("outcome", "allowed"),
+                ("source", "credit")
+            ]
+        ),
+        5
+    );
+    assert_eq!(
+        counter(
+            &snapshot,
+            "slicelimit_decisions_total",
+            &[("limiter", "opt"), ("outcome", "denied")]
+        ),
+        10
+    );
+    assert_eq!(
+        counter(
+            &snapshot,
+            "slicelimit_decisions_total",
+            &[
+                ("limiter", "rival"),
+                ("outcome", "allowed"),
+                ("source", "store")
+            ]
+        ),
+        1
+    );
+    assert!(counter(&snapshot, "slicelimit_store_round_trips_total", &opt) >= 1);
+    // Labels stay fixed: no user key anywhere.
+    for (key, _, _, _) in &snapshot {
+        for label in key.key().labels() {
+            assert!(
+                ["limiter", "outcome", "source", "kind"].contains(&label.key()),
+                "unexpected label {}",
+                label.key()
+            );
+            assert_ne!(label.value(), "k", "a user key became a label");
+        }
+    }
+    let stats = limiter.stats();
+    assert_eq!((stats.overshoot, stats.credit_admitted), (5, 5));
+}
