@@ -92,3 +92,8 @@ pub use limiter::{Builder, Check, Limiter};
 pub use quota::{Algorithm, Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};
 pub use stats::Stats;
 pub use store::{MemoryStore, RedisOptions, RedisStore, Store};
+
+/// The README's code blocks, compiled as doctests so they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
