@@ -397,6 +397,9 @@ impl Shared {
             },
             Algorithm::TokenBucket | Algorithm::Gcra => 0,
         };
+        if window != UNKNOWN_WINDOW && window <= slot.credit_closed.load(Ordering::Acquire) {
+            return false;
+        }
         let mut credit = slot.credit.lock().unwrap_or_else(|p| p.into_inner());
         if credit.debt > 0 && credit.window != window {
             return false;

@@ -77,6 +77,10 @@ pub(crate) struct Slot {
     pub(crate) next: Mutex<Option<NextLease>>,
     /// Optimistic mode: credit admitted, not yet reported.
     pub(crate) credit: Mutex<Credit>,
+    /// Fixed window: no credit in this window or earlier. Set once the
+    /// store reports debt it could not cover, so each process overshoots a
+    /// window by at most `max_debt`, whatever else the reply granted.
+    pub(crate) credit_closed: AtomicI64,
     /// Sync task only.
     pub(crate) sizing: Mutex<Sizing>,
 }
@@ -111,6 +115,7 @@ impl Slot {
             has_next: AtomicBool::new(false),
             next: Mutex::new(None),
             credit: Mutex::new(Credit::default()),
+            credit_closed: AtomicI64::new(i64::MIN),
             sizing: Mutex::new(Sizing::default()),
         }
     }

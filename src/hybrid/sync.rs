@@ -268,6 +268,13 @@ fn apply(
         Ok(r) => {
             slot.refill_failed.store(false, Ordering::Release);
             counters.overshoot.add(r.uncovered);
+            if r.uncovered > 0 && shared.params.algorithm == Algorithm::FixedWindow {
+                // The window the debt went to (the store's current one when
+                // the process did not know it) is closed to credit.
+                let current = r.window - i64::from(r.start_after_us > 0);
+                slot.credit_closed
+                    .fetch_max(p.call.debt_window.max(current), Ordering::AcqRel);
+            }
             slot.store_remaining.store(r.remaining, Ordering::Relaxed);
             slot.reset_at
                 .store(t0 + r.reset_after_us, Ordering::Relaxed);

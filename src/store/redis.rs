@@ -1,18 +1,21 @@
 //! The Redis store: typed wrappers around the scripts in `lua/`.
 //!
-//! Owns the connection (reconnecting, with connect and response timeouts),
-//! script loading and `NOSCRIPT` recovery, and pipelining of batched lease
-//! calls. Every call is bounded by the response timeout; nothing here waits
-//! longer. It makes no decisions and applies no failure policy: errors go
-//! back to the caller classified.
+//! Owns the connection (single node: reconnecting; cluster: slot-aware,
+//! following `MOVED` / `ASK`), script loading and `NOSCRIPT` recovery, and
+//! pipelining of batched lease calls (on a cluster, one pipeline per hash
+//! slot, sent concurrently). Every call is bounded by the response timeout;
+//! nothing here waits longer. It makes no decisions and applies no failure
+//! policy: errors go back to the caller classified.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Script, Value};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::Slot;
+use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
 use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use crate::failure::{CircuitBreaker, CircuitConfig, CircuitState};
@@ -116,10 +119,46 @@ pub struct RedisStore {
     inner: Arc<Inner>,
 }
 
-struct Inner {
+/// A single node or a cluster; both are cheap to clone and shareable.
+#[derive(Clone)]
+enum Conn {
     /// Reconnects in the background after a failure; the call that hit the
     /// broken connection still fails, and the failure policy handles it.
-    conn: ConnectionManager,
+    Single(ConnectionManager),
+    /// Routes each call by its key's slot and follows redirections.
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Conn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Conn::Single(c) => c.req_packed_command(cmd),
+            Conn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Conn::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Conn::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Conn::Single(c) => c.get_db(),
+            Conn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+struct Inner {
+    conn: Conn,
     options: RedisOptions,
     url: String,
     /// Stops calls to a store that keeps failing.
@@ -184,7 +223,59 @@ impl RedisStore {
                 format!("cannot connect to {url}: {err}"),
             )
         })?;
-        Ok(Self::from_parts(conn, options, url))
+        Ok(Self::from_parts(Conn::Single(conn), options, url))
+    }
+
+    /// Connects to a Redis Cluster through any of its nodes, with the
+    /// default options.
+    ///
+    /// # Errors
+    /// As [`RedisStore::connect`].
+    pub async fn connect_cluster(urls: &[&str]) -> Result<RedisStore, Error> {
+        RedisStore::connect_cluster_with(urls, RedisOptions::default()).await
+    }
+
+    /// Connects to a Redis Cluster through any of its nodes. Each script
+    /// call goes to the primary of its key's hash slot.
+    ///
+    /// # Errors
+    /// As [`RedisStore::connect`].
+    pub async fn connect_cluster_with(
+        urls: &[&str],
+        options: RedisOptions,
+    ) -> Result<RedisStore, Error> {
+        let client = redis::cluster::ClusterClientBuilder::new(urls.iter().copied())
+            .connection_timeout(options.connect_timeout)
+            .response_timeout(options.response_timeout)
+            .retries(2)
+            .min_retry_wait(5)
+            .max_retry_wait(50)
+            .build()
+            .map_err(|e| Error::invalid(format!("bad Redis Cluster URLs {urls:?}: {e}")))?;
+        let conn = tokio::time::timeout(options.connect_timeout, client.get_async_connection())
+            .await
+            .map_err(|_| {
+                timeout_error(
+                    &format!("connecting to the cluster at {urls:?}"),
+                    options.connect_timeout,
+                )
+            })?
+            .map_err(|e| {
+                Error::new(
+                    ErrorKind::Connection,
+                    format!("cannot connect to the cluster at {urls:?}: {e}"),
+                )
+            })?;
+        Ok(Self::from_parts(
+            Conn::Cluster(conn),
+            options,
+            &urls.join(","),
+        ))
+    }
+
+    /// Whether this store is a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.inner.conn, Conn::Cluster(_))
     }
 
     /// Builds a store without connecting: the first call connects. A
@@ -198,7 +289,7 @@ impl RedisStore {
         let conn = client
             .get_connection_manager_lazy(Self::manager_config(&options))
             .map_err(|e| Error::invalid(format!("bad Redis configuration for {url}: {e}")))?;
-        Ok(Self::from_parts(conn, options, url))
+        Ok(Self::from_parts(Conn::Single(conn), options, url))
     }
 
     fn client(url: &str) -> Result<redis::Client, Error> {
@@ -214,7 +305,7 @@ impl RedisStore {
             .set_max_delay(Duration::from_millis(500))
     }
 
-    fn from_parts(conn: ConnectionManager, options: RedisOptions, url: &str) -> RedisStore {
+    fn from_parts(conn: Conn, options: RedisOptions, url: &str) -> RedisStore {
         let breaker = CircuitBreaker::new(options.circuit, Arc::new(SystemClock::new()));
         RedisStore {
             inner: Arc::new(Inner {
@@ -294,9 +385,70 @@ impl RedisStore {
         AcquireReply::from_values(&values)
     }
 
-    /// Sends one pipeline of EVALSHA commands; on `NOSCRIPT` (restart,
-    /// failover, `SCRIPT FLUSH`) loads the script and resends once.
-    async fn pipelined(&self, script: &Script, cmds: Vec<redis::Cmd>) -> Result<Vec<Value>, Error> {
+    /// Sends EVALSHA commands (with their keys) as pipelines: one on a
+    /// single node, one per hash slot (concurrently) on a cluster, since a
+    /// pipeline cannot cross slots. Replies come back in call order.
+    async fn pipelined(
+        &self,
+        script: &Script,
+        cmds: Vec<(String, Cmd)>,
+    ) -> Result<Vec<Result<Value, Error>>, Error> {
+        if !self.is_cluster() {
+            let cmds: Vec<Cmd> = cmds.into_iter().map(|(_, c)| c).collect();
+            return Ok(self
+                .pipeline_once(script, cmds)
+                .await?
+                .into_iter()
+                .map(Ok)
+                .collect());
+        }
+        let mut groups: Vec<(Slot, Vec<usize>, Vec<Cmd>)> = Vec::new();
+        for (i, (key, cmd)) in cmds.into_iter().enumerate() {
+            let slot = Slot::for_key(key.as_bytes());
+            match groups.iter_mut().find(|(s, _, _)| *s == slot) {
+                Some((_, idx, group)) => {
+                    idx.push(i);
+                    group.push(cmd);
+                }
+                None => groups.push((slot, vec![i], vec![cmd])),
+            }
+        }
+        let total: usize = groups.iter().map(|(_, idx, _)| idx.len()).sum();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (_, idx, group) in groups {
+            let store = self.clone();
+            let script = script.clone();
+            tasks.spawn(async move { (idx, store.pipeline_once(&script, group).await) });
+        }
+        let mut out: Vec<Result<Value, Error>> = (0..total).map(|_| Ok(Value::Nil)).collect();
+        let mut first_error = None;
+        while let Some(joined) = tasks.join_next().await {
+            let (idx, result) =
+                joined.map_err(|e| Error::new(ErrorKind::Store, format!("pipeline task: {e}")))?;
+            match result {
+                Ok(values) => {
+                    for (i, v) in idx.into_iter().zip(values) {
+                        out[i] = Ok(v);
+                    }
+                }
+                Err(e) => {
+                    // Other slots may have answered: fail only these calls.
+                    for i in idx {
+                        out[i] = Err(e.clone());
+                    }
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        match first_error {
+            Some(e) if out.iter().all(Result::is_err) => Err(e),
+            _ => Ok(out),
+        }
+    }
+
+    /// One pipeline; on `NOSCRIPT` (restart, failover, `SCRIPT FLUSH`)
+    /// loads the script (on every node of a cluster) and resends once.
+    async fn pipeline_once(&self, script: &Script, cmds: Vec<Cmd>) -> Result<Vec<Value>, Error> {
         let mut attempt = 0;
         loop {
             let mut pipe = redis::pipe();
@@ -321,10 +473,10 @@ impl RedisStore {
         }
     }
 
-    fn evalsha(script: &Script, key: &str) -> redis::Cmd {
+    fn evalsha(script: &Script, key: &str) -> (String, Cmd) {
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(script.get_hash()).arg(1).arg(key);
-        cmd
+        (key.to_owned(), cmd)
     }
 
     pub(crate) async fn lease_batch(
@@ -336,7 +488,7 @@ impl RedisStore {
         let cmds = calls
             .iter()
             .map(|c| {
-                let mut cmd = Self::evalsha(script, &c.key);
+                let (key, mut cmd) = Self::evalsha(script, &c.key);
                 cmd.arg(p.limit).arg(p.period_us);
                 match p.algorithm {
                     Algorithm::FixedWindow => {
@@ -355,13 +507,16 @@ impl RedisStore {
                             .arg(c.patience);
                     }
                 }
-                cmd
+                (key, cmd)
             })
             .collect();
         let values = self.pipelined(script, cmds).await?;
         Ok(values
             .into_iter()
-            .map(|v| value_to_ints(v).and_then(|ints| LeaseReply::from_values(&ints)))
+            .map(|v| {
+                v.and_then(value_to_ints)
+                    .and_then(|ints| LeaseReply::from_values(&ints))
+            })
             .collect())
     }
 
@@ -374,20 +529,20 @@ impl RedisStore {
         let cmds = calls
             .iter()
             .map(|c| {
-                let mut cmd = Self::evalsha(script, &c.key);
+                let (key, mut cmd) = Self::evalsha(script, &c.key);
                 cmd.arg(p.algorithm.key_suffix())
                     .arg(p.limit)
                     .arg(p.period_us)
                     .arg(p.burst)
                     .arg(c.returned)
                     .arg(c.window);
-                cmd
+                (key, cmd)
             })
             .collect();
         let values = self.pipelined(script, cmds).await?;
         Ok(values
             .into_iter()
-            .map(|v| match v {
+            .map(|v| match v? {
                 Value::ServerError(e) => Err(Error::from(redis::RedisError::from(e))),
                 v => redis::from_redis_value::<i64>(v)
                     .map(|n| n.max(0) as u64)

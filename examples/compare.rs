@@ -1,0 +1,723 @@
+//! Side-by-side comparison: per-process, exact (each algorithm) and hybrid
+//! (strict, optimistic) limiters on the same load against one Redis.
+//!
+//! ```text
+//! cargo run --release --example compare -- --json out.json --plot out.svg
+//! cargo run --release --example compare -- --ramp      # where exact saturates Redis
+//! ```
+//!
+//! N simulated servers (each a `Limiter` with its own store connection,
+//! driven by its own tasks) receive M keys' requests with Zipf demand at a
+//! multiple of the limit, open loop, for a duration per mode. Redis is a
+//! private `redis-server` started here unless `REDIS_URL` (or `--cluster`)
+//! names one; with no `redis-server` on PATH the embedded store is used,
+//! and the output says so.
+//!
+//! Flags: `--servers N` (4), `--tasks N` per server (4), `--keys N` (100),
+//! `--limit N` per key per period (100), `--period-ms N` (1000),
+//! `--demand X` × the limit (3.0), `--duration-s N` (4), `--json PATH`,
+//! `--plot PATH`, `--ramp`, `--cluster URL,URL,…`.
+
+#[path = "../tests/support/mod.rs"]
+#[allow(dead_code)]
+mod support;
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use slicelimit::{
+    Algorithm, HybridConfig, Limiter, MemoryStore, Quota, RedisOptions, RedisStore, Store,
+};
+use support::load::{key_name, wall_us};
+
+#[derive(Clone, Debug)]
+struct Args {
+    servers: usize,
+    tasks: usize,
+    keys: usize,
+    limit: u64,
+    period: Duration,
+    demand: f64,
+    duration: Duration,
+    json: Option<String>,
+    plot: Option<String>,
+    ramp: bool,
+    cluster: Option<Vec<String>>,
+}
+
+fn parse_args() -> Args {
+    let mut a = Args {
+        servers: 4,
+        tasks: 4,
+        keys: 100,
+        limit: 100,
+        period: Duration::from_millis(1000),
+        demand: 3.0,
+        duration: Duration::from_secs(4),
+        json: None,
+        plot: None,
+        ramp: false,
+        cluster: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "--ramp" {
+            a.ramp = true;
+            continue;
+        }
+        let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        let n = || {
+            v.parse::<u64>()
+                .unwrap_or_else(|_| panic!("{flag}: not a number: {v}"))
+        };
+        match flag.as_str() {
+            "--servers" => a.servers = n() as usize,
+            "--tasks" => a.tasks = n() as usize,
+            "--keys" => a.keys = n() as usize,
+            "--limit" => a.limit = n(),
+            "--period-ms" => a.period = Duration::from_millis(n()),
+            "--demand" => a.demand = v.parse().expect("--demand: a number"),
+            "--duration-s" => a.duration = Duration::from_secs(n()),
+            "--json" => a.json = Some(v),
+            "--plot" => a.plot = Some(v),
+            "--cluster" => a.cluster = Some(v.split(',').map(str::to_owned).collect()),
+            other => panic!("unknown flag {other}"),
+        }
+    }
+    a
+}
+
+/// Where the shared budgets live for this run.
+enum Backend {
+    Redis {
+        urls: Vec<String>,
+        cluster: bool,
+        _server: Option<support::RedisServer>,
+    },
+    Embedded(MemoryStore),
+}
+
+impl Backend {
+    fn describe(&self) -> String {
+        match self {
+            Backend::Redis { urls, cluster: true, .. } => format!("Redis Cluster ({} nodes)", urls.len()),
+            Backend::Redis { urls, .. } => format!("Redis at {}", urls[0]),
+            Backend::Embedded(_) => "the embedded MemoryStore (no redis-server on PATH and no REDIS_URL): round trips are in-process calls, not network".into(),
+        }
+    }
+
+    async fn store(&self) -> Store {
+        let options = RedisOptions::default()
+            .response_timeout(Duration::from_millis(500))
+            .connect_timeout(Duration::from_secs(2));
+        match self {
+            Backend::Redis {
+                urls,
+                cluster: true,
+                ..
+            } => {
+                let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+                RedisStore::connect_cluster_with(&urls, options)
+                    .await
+                    .expect("cluster")
+                    .into()
+            }
+            Backend::Redis { urls, .. } => RedisStore::connect_with(&urls[0], options)
+                .await
+                .expect("redis")
+                .into(),
+            Backend::Embedded(store) => store.clone().into(),
+        }
+    }
+
+    /// CPU seconds Redis has used (user + sys, summed over nodes).
+    fn cpu_seconds(&self) -> f64 {
+        let Backend::Redis { urls, .. } = self else {
+            return 0.0;
+        };
+        urls.iter()
+            .map(|url| {
+                let mut conn = redis::Client::open(url.as_str())
+                    .and_then(|c| c.get_connection())
+                    .expect("an INFO connection");
+                let info: String = redis::cmd("INFO")
+                    .arg("cpu")
+                    .query(&mut conn)
+                    .unwrap_or_default();
+                info.lines()
+                    .filter(|l| l.starts_with("used_cpu_sys:") || l.starts_with("used_cpu_user:"))
+                    .filter_map(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok())
+                    .sum::<f64>()
+            })
+            .sum()
+    }
+}
+
+fn redis_server_available() -> bool {
+    Command::new("redis-server")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Mode {
+    Local,
+    Exact(Algorithm),
+    HybridStrict,
+    HybridOptimistic,
+}
+
+impl Mode {
+    fn name(self) -> String {
+        match self {
+            Mode::Local => "local".into(),
+            Mode::Exact(a) => format!("exact-{}", a.as_str()),
+            Mode::HybridStrict => "hybrid-strict".into(),
+            Mode::HybridOptimistic => "hybrid-optimistic".into(),
+        }
+    }
+}
+
+const MAX_DEBT: u64 = 5;
+
+struct Outcome {
+    name: String,
+    decisions: u64,
+    seconds: f64,
+    latency: Histogram<u64>,
+    round_trips: u64,
+    /// (key, window) → admitted
+    admitted: HashMap<(usize, i64), u64>,
+    /// (key, window) → arrived
+    demand: HashMap<(usize, i64), u64>,
+    redis_cpu: f64,
+}
+
+impl Outcome {
+    fn full_windows(&self) -> Vec<i64> {
+        let mut w: Vec<i64> = self.demand.keys().map(|(_, w)| *w).collect();
+        w.sort_unstable();
+        w.dedup();
+        if w.len() <= 2 {
+            Vec::new()
+        } else {
+            w[1..w.len() - 1].to_vec()
+        }
+    }
+
+    fn utilization(&self, limit: u64) -> f64 {
+        let full = self.full_windows();
+        let (mut used, mut cells) = (0u64, 0u64);
+        for (cell, d) in &self.demand {
+            if full.contains(&cell.1) && *d > limit {
+                used += self.admitted.get(cell).copied().unwrap_or(0).min(limit);
+                cells += 1;
+            }
+        }
+        if cells == 0 {
+            0.0
+        } else {
+            used as f64 / (cells * limit) as f64
+        }
+    }
+
+    fn worst_overshoot(&self, limit: u64) -> u64 {
+        self.admitted
+            .values()
+            .map(|a| a.saturating_sub(limit))
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn per_second(&self) -> f64 {
+        self.decisions as f64 / self.seconds
+    }
+
+    fn round_trips_per_1000(&self) -> f64 {
+        self.round_trips as f64 * 1000.0 / self.decisions.max(1) as f64
+    }
+}
+
+async fn build(backend: &Backend, args: &Args, mode: Mode, ns: &str) -> Vec<Limiter> {
+    let quota = Quota::new(args.limit, args.period).expect("quota");
+    let mut limiters = Vec::new();
+    for _ in 0..args.servers {
+        let b = Limiter::builder(quota)
+            .namespace(ns)
+            .store(backend.store().await);
+        let b = match mode {
+            Mode::Local => b.local(),
+            Mode::Exact(a) => b.algorithm(a).exact(),
+            Mode::HybridStrict => b.hybrid(HybridConfig::strict()),
+            Mode::HybridOptimistic => b.hybrid(HybridConfig::optimistic(MAX_DEBT)),
+        };
+        limiters.push(b.build().expect("limiter"));
+    }
+    limiters
+}
+
+/// Cumulative Zipf(1) weights.
+fn zipf(n: usize) -> Vec<f64> {
+    let total: f64 = (1..=n).map(|r| 1.0 / r as f64).sum();
+    let mut acc = 0.0;
+    (1..=n)
+        .map(|r| {
+            acc += 1.0 / r as f64 / total;
+            acc
+        })
+        .collect()
+}
+
+async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
+    let ns = format!("compare-{}-{}", mode.name(), std::process::id());
+    let limiters = build(backend, args, mode, &ns).await;
+    let period_us = args.period.as_micros() as u64;
+    let per_period = args.demand * args.limit as f64 * args.keys as f64;
+    let workers = args.servers * args.tasks;
+    let tick = Duration::from_millis(5);
+    let per_tick = per_period * tick.as_secs_f64() / args.period.as_secs_f64() / workers as f64;
+    let cdf = Arc::new(zipf(args.keys));
+    let names: Arc<Vec<String>> = Arc::new((0..args.keys).map(key_name).collect());
+    let cpu_before = backend.cpu_seconds();
+    let started = Instant::now();
+    let stop_at = wall_us() + args.duration.as_micros() as u64;
+    let shared = Arc::new(Mutex::new((
+        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap(),
+        HashMap::<(usize, i64), u64>::new(),
+        HashMap::<(usize, i64), u64>::new(),
+        0u64,
+    )));
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let limiter = limiters[w % args.servers].clone();
+        let (cdf, names, shared) = (cdf.clone(), names.clone(), shared.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
+            let mut admitted: HashMap<(usize, i64), u64> = HashMap::new();
+            let mut demand: HashMap<(usize, i64), u64> = HashMap::new();
+            let mut rng =
+                0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
+            let mut carry = 0.0;
+            let mut count = 0u64;
+            let mut ticker = tokio::time::interval(tick);
+            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            while wall_us() < stop_at {
+                ticker.tick().await;
+                carry += per_tick;
+                let n = carry.floor() as usize;
+                carry -= n as f64;
+                for _ in 0..n {
+                    rng ^= rng << 13;
+                    rng ^= rng >> 7;
+                    rng ^= rng << 17;
+                    let u = (rng >> 11) as f64 / (1u64 << 53) as f64;
+                    let key = cdf.iter().position(|c| u <= *c).unwrap_or(cdf.len() - 1);
+                    *demand
+                        .entry((key, (wall_us() / period_us) as i64))
+                        .or_default() += 1;
+                    let began = Instant::now();
+                    let d = limiter.check(&names[key], 1).await;
+                    let _ = hist.record(began.elapsed().as_nanos().max(1) as u64);
+                    count += 1;
+                    if d.is_allowed() {
+                        *admitted
+                            .entry((key, (wall_us() / period_us) as i64))
+                            .or_default() += 1;
+                    }
+                }
+            }
+            let mut s = shared.lock().unwrap();
+            s.0.add(&hist).unwrap();
+            for (k, v) in admitted {
+                *s.1.entry(k).or_default() += v;
+            }
+            for (k, v) in demand {
+                *s.2.entry(k).or_default() += v;
+            }
+            s.3 += count;
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let round_trips = limiters.iter().map(|l| l.stats().round_trips).sum();
+    for l in &limiters {
+        l.shutdown().await;
+    }
+    let redis_cpu = backend.cpu_seconds() - cpu_before;
+    let (latency, admitted, demand, decisions) =
+        Arc::try_unwrap(shared).ok().unwrap().into_inner().unwrap();
+    Outcome {
+        name: mode.name(),
+        decisions,
+        seconds,
+        latency,
+        round_trips,
+        admitted,
+        demand,
+        redis_cpu,
+    }
+}
+
+/// Closed-loop ramp: more and more concurrent callers until p99 passes
+/// 1 ms; returns rows (concurrency, decisions/s, p99 ns, Redis CPU share).
+async fn ramp(backend: &Backend, args: &Args, mode: Mode) -> Vec<(usize, f64, u64, f64)> {
+    let mut rows = Vec::new();
+    for concurrency in [1usize, 2, 4, 8, 16, 32, 64, 128] {
+        let limiters = build(
+            backend,
+            &Args {
+                servers: args.servers,
+                ..args.clone()
+            },
+            mode,
+            &format!("ramp-{}-{concurrency}", mode.name()),
+        )
+        .await;
+        let stop = Instant::now() + Duration::from_millis(1500);
+        let cpu_before = backend.cpu_seconds();
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for c in 0..concurrency {
+            let limiter = limiters[c % limiters.len()].clone();
+            // A quota no load reaches: this measures cost, not denials.
+            tasks.push(tokio::spawn(async move {
+                let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
+                let mut i = c * 7919;
+                while Instant::now() < stop {
+                    i = i.wrapping_add(1);
+                    let key = format!("ramp-{}", i % 1000);
+                    let began = Instant::now();
+                    limiter.check(&key, 1).await;
+                    let _ = hist.record(began.elapsed().as_nanos().max(1) as u64);
+                }
+                hist
+            }));
+        }
+        let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
+        for t in tasks {
+            hist.add(t.await.unwrap()).unwrap();
+        }
+        let secs = started.elapsed().as_secs_f64();
+        let cpu = (backend.cpu_seconds() - cpu_before) / secs;
+        for l in &limiters {
+            l.shutdown().await;
+        }
+        let p99 = hist.value_at_quantile(0.99);
+        rows.push((concurrency, hist.len() as f64 / secs, p99, cpu));
+        if p99 > 1_000_000 {
+            break;
+        }
+    }
+    rows
+}
+
+fn ns(v: u64) -> String {
+    if v >= 1_000_000 {
+        format!("{:.2} ms", v as f64 / 1e6)
+    } else if v >= 1_000 {
+        format!("{:.1} µs", v as f64 / 1e3)
+    } else {
+        format!("{v} ns")
+    }
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown CPU".into());
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    format!("{cpu}, {cores} cores, {}", std::env::consts::OS)
+}
+
+fn json_escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+fn write_json(path: &str, backend: &str, args: &Args, outcomes: &[Outcome]) {
+    let mut out = String::new();
+    let _ = write!(
+        out,
+        "{{\n  \"machine\": \"{}\",\n  \"store\": \"{}\",\n  \"load\": {{\"servers\": {}, \"keys\": {}, \"limit\": {}, \"period_ms\": {}, \"demand_factor\": {}, \"duration_s\": {}}},\n  \"modes\": [\n",
+        json_escape(&machine()),
+        json_escape(backend),
+        args.servers,
+        args.keys,
+        args.limit,
+        args.period.as_millis(),
+        args.demand,
+        args.duration.as_secs()
+    );
+    for (i, o) in outcomes.iter().enumerate() {
+        let _ = write!(
+            out,
+            "    {{\"name\": \"{}\", \"decisions_per_s\": {:.1}, \"p50_ns\": {}, \"p99_ns\": {}, \"p999_ns\": {}, \"round_trips_per_1000\": {:.3}, \"utilization\": {:.4}, \"worst_overshoot\": {}, \"redis_cpu_s\": {:.3}}}{}\n",
+            o.name,
+            o.per_second(),
+            o.latency.value_at_quantile(0.5),
+            o.latency.value_at_quantile(0.99),
+            o.latency.value_at_quantile(0.999),
+            o.round_trips_per_1000(),
+            o.utilization(args.limit),
+            o.worst_overshoot(args.limit),
+            o.redis_cpu,
+            if i + 1 < outcomes.len() { "," } else { "" }
+        );
+    }
+    out.push_str("  ]\n}\n");
+    std::fs::write(path, out).expect("write the JSON");
+}
+
+fn plot(path: &str, args: &Args, outcomes: &[Outcome]) {
+    use plotters::prelude::*;
+    let root = SVGBackend::new(path, (1000, 420)).into_drawing_area();
+    root.fill(&WHITE).unwrap();
+    let (left, right) = root.split_horizontally(520);
+    let colors = [BLACK, RED, BLUE, MAGENTA, GREEN, CYAN];
+
+    // Latency CDF, log-scaled x.
+    let max_ns = outcomes
+        .iter()
+        .map(|o| o.latency.max())
+        .max()
+        .unwrap_or(1)
+        .max(10) as f64;
+    let mut chart = ChartBuilder::on(&left)
+        .caption("decision latency CDF", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(44)
+        .build_cartesian_2d((10f64..max_ns * 1.2).log_scale(), 0f64..1f64)
+        .unwrap();
+    chart
+        .configure_mesh()
+        .x_desc("ns per decision (log)")
+        .y_desc("fraction")
+        .x_labels(6)
+        .x_label_formatter(&|v| ns(*v as u64))
+        .draw()
+        .unwrap();
+    for (o, color) in outcomes.iter().zip(colors) {
+        let points: Vec<(f64, f64)> = (0..=200)
+            .map(|i| {
+                let q = i as f64 / 200.0;
+                (o.latency.value_at_quantile(q).max(10) as f64, q)
+            })
+            .collect();
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .unwrap()
+            .label(o.name.clone())
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 16, y)], color.stroke_width(2))
+            });
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .unwrap();
+
+    // Admitted per window for the hottest key, against the limit.
+    let windows: Vec<i64> = outcomes.iter().flat_map(|o| o.full_windows()).collect();
+    let max_admitted = outcomes
+        .iter()
+        .flat_map(|o| {
+            o.admitted
+                .iter()
+                .filter(|((k, _), _)| *k == 0)
+                .map(|(_, a)| *a)
+        })
+        .max()
+        .unwrap_or(args.limit)
+        .max(args.limit) as f64;
+    let n_windows = windows.len().max(1) / outcomes.len().max(1);
+    let mut chart = ChartBuilder::on(&right)
+        .caption("hottest key: admitted per window", ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(44)
+        .build_cartesian_2d(
+            0f64..(n_windows.max(1) as f64 - 0.5).max(1.0),
+            0f64..max_admitted * 1.15,
+        )
+        .unwrap();
+    chart
+        .configure_mesh()
+        .x_desc("full window #")
+        .y_desc("admitted")
+        .draw()
+        .unwrap();
+    chart
+        .draw_series(LineSeries::new(
+            vec![
+                (0.0, args.limit as f64),
+                (n_windows as f64, args.limit as f64),
+            ],
+            BLACK.mix(0.4).stroke_width(1),
+        ))
+        .unwrap()
+        .label("limit")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLACK.mix(0.4)));
+    for (o, color) in outcomes.iter().zip(colors) {
+        let points: Vec<(f64, f64)> = o
+            .full_windows()
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                (
+                    i as f64,
+                    o.admitted.get(&(0, *w)).copied().unwrap_or(0) as f64,
+                )
+            })
+            .collect();
+        chart
+            .draw_series(LineSeries::new(points, color.stroke_width(2)))
+            .unwrap();
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .draw()
+        .unwrap();
+    root.present().expect("write the SVG");
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args = parse_args();
+    let backend = if let Some(urls) = &args.cluster {
+        Backend::Redis {
+            urls: urls.clone(),
+            cluster: true,
+            _server: None,
+        }
+    } else if let Some(url) = std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty()) {
+        Backend::Redis {
+            urls: vec![url],
+            cluster: false,
+            _server: None,
+        }
+    } else if redis_server_available() {
+        let server = support::RedisServer::start();
+        Backend::Redis {
+            urls: vec![server.url()],
+            cluster: false,
+            _server: Some(server),
+        }
+    } else {
+        Backend::Embedded(MemoryStore::new())
+    };
+    let store = backend.describe();
+    println!("machine: {}\nstore: {store}", machine());
+    println!(
+        "load: {} servers × {} tasks, {} keys, {} per key per {:?}, Zipf demand at {}× the limit, {:?} per mode\n",
+        args.servers, args.tasks, args.keys, args.limit, args.period, args.demand, args.duration
+    );
+    let modes = [
+        Mode::Local,
+        Mode::Exact(Algorithm::FixedWindow),
+        Mode::Exact(Algorithm::TokenBucket),
+        Mode::Exact(Algorithm::Gcra),
+        Mode::HybridStrict,
+        Mode::HybridOptimistic,
+    ];
+    let mut outcomes = Vec::new();
+    println!(
+        "{:<20} {:>12} {:>10} {:>10} {:>10} {:>12} {:>11} {:>10} {:>10}",
+        "mode",
+        "decisions/s",
+        "p50",
+        "p99",
+        "p99.9",
+        "RT per 1000",
+        "utilization",
+        "worst over",
+        "Redis CPU"
+    );
+    for mode in modes {
+        let o = run_mode(&backend, &args, mode).await;
+        println!(
+            "{:<20} {:>12.0} {:>10} {:>10} {:>10} {:>12.2} {:>10.1}% {:>10} {:>9.2}s",
+            o.name,
+            o.per_second(),
+            ns(o.latency.value_at_quantile(0.5)),
+            ns(o.latency.value_at_quantile(0.99)),
+            ns(o.latency.value_at_quantile(0.999)),
+            o.round_trips_per_1000(),
+            o.utilization(args.limit) * 100.0,
+            o.worst_overshoot(args.limit),
+            o.redis_cpu
+        );
+        outcomes.push(o);
+    }
+    let by = |name: &str| outcomes.iter().find(|o| o.name == name).expect("mode ran");
+    let exact = by("exact-fixed-window");
+    let hybrid = by("hybrid-strict");
+    let per_core = |o: &Outcome| o.decisions as f64 / o.redis_cpu.max(1e-9);
+    println!(
+        "\nexact ÷ hybrid p50 latency: {:.0}×; round trips per 1000 decisions: hybrid {:.2} vs exact {:.0}",
+        exact.latency.value_at_quantile(0.5) as f64 / hybrid.latency.value_at_quantile(0.5).max(1) as f64,
+        hybrid.round_trips_per_1000(),
+        exact.round_trips_per_1000()
+    );
+    if matches!(backend, Backend::Redis { .. }) {
+        println!(
+            "decisions per Redis CPU-second: exact {:.0}, hybrid {:.0} ({:.0}× more per Redis core)",
+            per_core(exact),
+            per_core(hybrid),
+            per_core(hybrid) / per_core(exact)
+        );
+        println!(
+            "bounds: strict worst overshoot {} (bound 0); optimistic worst {} (bound {} × {MAX_DEBT} = {})",
+            hybrid.worst_overshoot(args.limit),
+            by("hybrid-optimistic").worst_overshoot(args.limit),
+            args.servers,
+            args.servers as u64 * MAX_DEBT
+        );
+    }
+    if args.ramp && matches!(backend, Backend::Redis { .. }) {
+        for mode in [Mode::Exact(Algorithm::FixedWindow), Mode::HybridStrict] {
+            println!(
+                "\nRedis-load ramp, {} (closed loop, a quota no load reaches):",
+                mode.name()
+            );
+            println!(
+                "{:>12} {:>14} {:>10} {:>18} {:>22}",
+                "callers", "decisions/s", "p99", "Redis CPU (cores)", "decisions per core-s"
+            );
+            for (c, rate, p99, cpu) in ramp(&backend, &args, mode).await {
+                println!(
+                    "{c:>12} {rate:>14.0} {:>10} {cpu:>18.2} {:>22.0}",
+                    ns(p99),
+                    rate / cpu.max(1e-9)
+                );
+            }
+        }
+    }
+    if let Some(path) = &args.json {
+        write_json(path, &store, &args, &outcomes);
+        println!("\nwrote {path}");
+    }
+    if let Some(path) = &args.plot {
+        plot(path, &args, &outcomes);
+        println!("wrote {path}");
+    }
+}
