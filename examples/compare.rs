@@ -13,9 +13,9 @@
 //! names one; with no `redis-server` on PATH the embedded store is used,
 //! and the output says so.
 //!
-//! Flags: `--servers N` (4), `--tasks N` per server (4), `--keys N` (100),
-//! `--limit N` per key per period (100), `--period-ms N` (1000),
-//! `--demand X` × the limit (3.0), `--duration-s N` (4), `--json PATH`,
+//! Flags: `--servers N` (4), `--tasks N` per server (4), `--keys N` (20),
+//! `--limit N` per key per period (1000), `--period-ms N` (1000),
+//! `--demand X` × the limit (2.0), `--duration-s N` (4), `--json PATH`,
 //! `--plot PATH`, `--ramp`, `--cluster URL,URL,…`.
 
 #[path = "../tests/support/mod.rs"]
@@ -53,10 +53,10 @@ fn parse_args() -> Args {
     let mut a = Args {
         servers: 4,
         tasks: 4,
-        keys: 100,
-        limit: 100,
+        keys: 20,
+        limit: 1000,
         period: Duration::from_millis(1000),
-        demand: 3.0,
+        demand: 2.0,
         duration: Duration::from_secs(4),
         json: None,
         plot: None,
@@ -132,6 +132,34 @@ impl Backend {
                 .into(),
             Backend::Embedded(store) => store.clone().into(),
         }
+    }
+
+    /// EVALSHA calls and the µs Redis spent in them (summed over nodes).
+    fn script_stats(&self) -> (u64, u64) {
+        let Backend::Redis { urls, .. } = self else {
+            return (0, 0);
+        };
+        let mut total = (0, 0);
+        for url in urls {
+            let Ok(mut conn) = redis::Client::open(url.as_str()).and_then(|c| c.get_connection())
+            else {
+                continue;
+            };
+            let info: String = redis::cmd("INFO")
+                .arg("commandstats")
+                .query(&mut conn)
+                .unwrap_or_default();
+            if let Some(line) = info.lines().find(|l| l.starts_with("cmdstat_evalsha:")) {
+                for part in line.trim_start_matches("cmdstat_evalsha:").split(',') {
+                    match part.split_once('=') {
+                        Some(("calls", v)) => total.0 += v.parse::<u64>().unwrap_or(0),
+                        Some(("usec", v)) => total.1 += v.parse::<u64>().unwrap_or(0),
+                        _ => {}
+                    }
+                }
+            }
+        }
+        total
     }
 
     /// CPU seconds Redis has used (user + sys, summed over nodes).
@@ -226,10 +254,21 @@ impl Outcome {
         }
     }
 
+    /// The most any key was admitted beyond the limit in one window, as
+    /// this harness sees it (decisions stamped by the wall clock on return,
+    /// so a decision at a window's very end may count in the next one).
+    /// For token bucket and GCRA a window is not the algorithm's unit: a
+    /// full bucket (burst) plus a period's refill may pass in one window,
+    /// so only what exceeds `burst + limit` counts there.
     fn worst_overshoot(&self, limit: u64) -> u64 {
+        let allowed = if self.name.contains("bucket") || self.name.contains("gcra") {
+            2 * limit
+        } else {
+            limit
+        };
         self.admitted
             .values()
-            .map(|a| a.saturating_sub(limit))
+            .map(|a| a.saturating_sub(allowed))
             .max()
             .unwrap_or(0)
     }
@@ -284,6 +323,7 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
     let cdf = Arc::new(zipf(args.keys));
     let names: Arc<Vec<String>> = Arc::new((0..args.keys).map(key_name).collect());
     let cpu_before = backend.cpu_seconds();
+    let scripts_before = backend.script_stats();
     let started = Instant::now();
     let stop_at = wall_us() + args.duration.as_micros() as u64;
     let shared = Arc::new(Mutex::new((
@@ -347,12 +387,37 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
     }
     let seconds = started.elapsed().as_secs_f64();
     let round_trips = limiters.iter().map(|l| l.stats().round_trips).sum();
+    let limiters_stats: Vec<_> = limiters.iter().map(|l| l.stats()).collect();
+    let policy: u64 = limiters.iter().map(|l| l.stats().policy_decisions).sum();
+    if policy > 0 {
+        println!(
+            "  ({}: {policy} decisions by the failure policy: the store did not answer in time)",
+            mode.name()
+        );
+    }
     for l in &limiters {
         l.shutdown().await;
     }
     let redis_cpu = backend.cpu_seconds() - cpu_before;
     let (latency, admitted, demand, decisions) =
         Arc::try_unwrap(shared).ok().unwrap().into_inner().unwrap();
+    if std::env::var("COMPARE_DEBUG").is_ok() {
+        let after = backend.script_stats();
+        let calls = after.0 - scripts_before.0;
+        println!(
+            "  {}: {calls} scripts, {:.1} µs each in Redis; {:?}",
+            mode.name(),
+            (after.1 - scripts_before.1) as f64 / calls.max(1) as f64,
+            limiters_stats
+        );
+        let mut cells: Vec<_> = admitted.iter().collect();
+        cells.sort_by_key(|(_, a)| std::cmp::Reverse(**a));
+        println!(
+            "  {} top cells: {:?}",
+            mode.name(),
+            &cells[..cells.len().min(5)]
+        );
+    }
     Outcome {
         name: mode.name(),
         decisions,

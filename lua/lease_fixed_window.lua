@@ -16,6 +16,7 @@
 --                       is ending asks for the next (a pre-lease, granted
 --                       now, usable from that window's start), whichever
 --                       side of the boundary Redis is on; -1: the current
+-- ARGV[8]  tail         remainders up to this size are granted whole
 --
 -- Returns  {granted, remaining (unleased in the target window after this
 --          grant), start_after_us (0, or until the target window starts),
@@ -24,9 +25,10 @@
 --          now_us, uncovered (debt permits beyond the limit), window (index
 --          of the target window)}
 --
--- grant = min(want, available, max(1, floor(share_cap * available))), so
--- leases shrink as the window fills and few permits strand in other
--- processes. Debt is always recorded, even past the limit: the count then
+-- grant = min(want, available, max(1, floor(share_cap * available),
+-- min(available, tail))), so leases shrink as the window fills and few
+-- permits strand in other processes, while the last `tail` permits go in
+-- one lease rather than in a trickle of ever smaller ones. Debt is always recorded, even past the limit: the count then
 -- shows the true overshoot, and `uncovered` is this report's share of it.
 -- Debt for a window older than the previous one can no longer be checked and
 -- is returned as wholly uncovered. Time comes from Redis TIME only.
@@ -40,6 +42,7 @@ local share = tonumber(ARGV[4])
 local debt = tonumber(ARGV[5])
 local debt_window = tonumber(ARGV[6])
 local min_window = tonumber(ARGV[7])
+local tail = tonumber(ARGV[8] or '1')
 
 local w = math.floor(now / period)
 if debt_window < 0 then debt_window = w end
@@ -61,7 +64,7 @@ local tw = math.min(math.max(w, min_window), w + 1)
 local tf = string.format('%d', tw)
 local used = tonumber(redis.call('HGET', KEYS[1], tf) or '0')
 local available = math.max(0, limit - used)
-local cap = math.max(1, math.floor(available * share))
+local cap = math.max(1, math.floor(available * share), math.min(available, tail))
 local granted = math.min(want, available, cap)
 if granted > 0 then
   used = redis.call('HINCRBY', KEYS[1], tf, granted)

@@ -38,6 +38,7 @@ pub struct HybridConfig {
     pub(crate) prelease_lead: Duration,
     pub(crate) clock_margin: Duration,
     pub(crate) coarse_clock: bool,
+    pub(crate) coalesce: Duration,
 }
 
 impl HybridConfig {
@@ -49,7 +50,7 @@ impl HybridConfig {
             max_wait: Duration::from_millis(50),
             min_lease: 1,
             max_lease: 10_000,
-            refill_horizon: Duration::from_millis(250),
+            refill_horizon: Duration::from_secs(1),
             share_cap: 0.5,
             lease_ttl: Duration::from_secs(1),
             idle_ttl: Duration::from_secs(30),
@@ -58,6 +59,7 @@ impl HybridConfig {
             prelease_lead: Duration::from_millis(100),
             clock_margin: Duration::from_millis(3),
             coarse_clock: true,
+            coalesce: Duration::from_millis(2),
         }
     }
 
@@ -168,6 +170,15 @@ impl HybridConfig {
         self
     }
 
+    /// How long a refill nobody waits for yet (the slot fell below its
+    /// low-water mark) may wait for other keys' refills to share its round
+    /// trip (default 2 ms; a waiting request always goes at once).
+    #[must_use]
+    pub fn coalesce(mut self, delay: Duration) -> Self {
+        self.coalesce = delay;
+        self
+    }
+
     pub(crate) fn validate(&self) -> Result<(), Error> {
         if !(self.share_cap > 0.0 && self.share_cap <= 1.0) {
             return Err(Error::invalid(format!(
@@ -190,6 +201,11 @@ impl HybridConfig {
         if self.refill_horizon.is_zero() || self.lease_ttl.is_zero() || self.idle_ttl.is_zero() {
             return Err(Error::invalid(
                 "refill_horizon, lease_ttl and idle_ttl must be positive",
+            ));
+        }
+        if self.coalesce > self.refill_horizon / 4 {
+            return Err(Error::invalid(
+                "coalesce must be at most a quarter of refill_horizon, or slots run dry waiting",
             ));
         }
         if self.max_wait > Duration::from_secs(60) {

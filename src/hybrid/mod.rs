@@ -57,6 +57,8 @@ pub(crate) struct Shared {
     reports: Mutex<Vec<(String, Credit)>>,
     /// Wakes the sync task.
     wake: Notify,
+    /// A queued refill has a request waiting on it: no coalescing delay.
+    urgent: AtomicBool,
     /// Tells the sync task to exit.
     stopping: AtomicBool,
     /// After shutdown: decide by the exact path, lease nothing.
@@ -132,6 +134,7 @@ impl HybridEngine {
             returns: Mutex::new(Vec::new()),
             reports: Mutex::new(Vec::new()),
             wake: Notify::new(),
+            urgent: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             closed: AtomicBool::new(false),
             max_cost,
@@ -174,7 +177,7 @@ impl HybridEngine {
             Take::Taken(left) => {
                 slot.touch(now);
                 if slot.wants_refill(left, now) {
-                    s.request_refill(slot);
+                    s.request_refill(slot, false);
                 }
                 Some(s.lease_decision(slot, left, now))
             }
@@ -212,7 +215,7 @@ impl HybridEngine {
                 {
                     slot.touch(now);
                     if slot.wants_refill(left, now) {
-                        s.request_refill(slot);
+                        s.request_refill(slot, false);
                     }
                     return Ok(s.lease_decision(slot, left, now));
                 }
@@ -246,7 +249,7 @@ impl HybridEngine {
             }
             if let Take::Taken(left) = slot.take(cost, now, 0, || now) {
                 if slot.wants_refill(left, now) {
-                    s.request_refill(&slot);
+                    s.request_refill(&slot, false);
                 }
                 return Ok(s.lease_decision(&slot, left, now));
             }
@@ -263,7 +266,7 @@ impl HybridEngine {
             notified.as_mut().enable();
             let next_start = s.pending_start(&slot);
             if next_start.is_none() {
-                s.request_refill(&slot);
+                s.request_refill(&slot, true);
             }
             if slot.refill_failed.load(Ordering::Acquire) {
                 return Err(Error::new(
@@ -344,12 +347,20 @@ impl Shared {
         self.exact.check(key, cost).await
     }
 
-    fn request_refill(&self, slot: &Arc<Slot>) {
+    /// Queues a refill for the slot (at most one per slot at a time).
+    /// `urgent`: a request is waiting for it, so the sync task sends at
+    /// once; otherwise it may wait `coalesce` for more keys to batch.
+    fn request_refill(&self, slot: &Arc<Slot>, urgent: bool) {
+        if urgent {
+            self.urgent.store(true, Ordering::Release);
+        }
         if !slot.refill_pending.swap(true, Ordering::AcqRel) {
             self.queue
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .push(slot.clone());
+            self.wake.notify_one();
+        } else if urgent {
             self.wake.notify_one();
         }
     }
@@ -404,7 +415,7 @@ impl Shared {
         if credit.debt > 0 && credit.window != window {
             return false;
         }
-        if credit.debt + cost > max_debt {
+        if credit.debt + credit.in_flight + cost > max_debt {
             return false;
         }
         credit.debt += cost;
@@ -433,7 +444,15 @@ impl Shared {
                 self.give_back(&slot.store_key, next.permits.max(0) as u64, next.window);
             }
         }
-        let credit = std::mem::take(&mut *slot.credit.lock().unwrap_or_else(|p| p.into_inner()));
+        let credit = {
+            let mut guard = slot.credit.lock().unwrap_or_else(|p| p.into_inner());
+            let debt = std::mem::take(&mut guard.debt);
+            Credit {
+                debt,
+                window: guard.window,
+                in_flight: 0,
+            }
+        };
         if credit.debt > 0 {
             self.reports
                 .lock()

@@ -33,6 +33,10 @@ pub(crate) struct NextLease {
 pub(crate) struct Credit {
     pub(crate) debt: u64,
     pub(crate) window: i64,
+    /// Debt sent in a lease call whose reply has not arrived: it still
+    /// counts against `max_debt`, or credit could be taken twice in one
+    /// window before the store says it is exhausted.
+    pub(crate) in_flight: u64,
 }
 
 pub(crate) struct Slot {

@@ -23,9 +23,26 @@ pub(crate) async fn run(shared: Arc<Shared>) {
     let mut maintenance = tokio::time::interval(MAINTENANCE);
     maintenance.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
-        tokio::select! {
-            _ = shared.wake.notified() => {}
-            _ = maintenance.tick() => maintain(&shared),
+        let woken = tokio::select! {
+            _ = shared.wake.notified() => true,
+            _ = maintenance.tick() => {
+                maintain(&shared);
+                false
+            }
+        };
+        if woken && !shared.urgent.load(Ordering::Acquire) {
+            // Nobody waits yet: let refills of other keys join this batch.
+            let until = tokio::time::Instant::now() + shared.config.load().coalesce;
+            loop {
+                tokio::select! {
+                    _ = tokio::time::sleep_until(until) => break,
+                    _ = shared.wake.notified() => {
+                        if shared.urgent.load(Ordering::Acquire) || shared.stopping.load(Ordering::Acquire) {
+                            break;
+                        }
+                    }
+                }
+            }
         }
         if shared.stopping.load(Ordering::Acquire) {
             return;
@@ -48,6 +65,7 @@ struct Pending {
 /// Sends everything queued: give-backs, then leases and debt reports in
 /// batches of `batch_size`, until the queues are empty.
 pub(crate) async fn round(shared: &Shared) {
+    shared.urgent.store(false, Ordering::Release);
     let returns = std::mem::take(&mut *shared.returns.lock().unwrap_or_else(|p| p.into_inner()));
     for chunk in returns.chunks(shared.config.load().batch_size) {
         let began = shared.time.precise_us();
@@ -170,7 +188,17 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
     let permits = slot.permits.load(Ordering::Acquire);
     let valid = now < slot.deadline.load(Ordering::Acquire);
     let near_end = now >= slot.refill_at.load(Ordering::Relaxed);
-    let credit = std::mem::take(&mut *slot.credit.lock().unwrap_or_else(|p| p.into_inner()));
+    let credit = {
+        let mut guard = slot.credit.lock().unwrap_or_else(|p| p.into_inner());
+        let taken = Credit {
+            debt: guard.debt,
+            window: guard.window,
+            in_flight: 0,
+        };
+        guard.in_flight += guard.debt;
+        guard.debt = 0;
+        taken
+    };
     let need = slot.need.swap(0, Ordering::AcqRel);
     let rule = SizingRule {
         min_lease: config.min_lease,
@@ -219,7 +247,11 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         debt: credit.debt,
         debt_window: credit.window,
         min_window,
-        need: need.max(1),
+        need: match shared.params.algorithm {
+            // The last ~1.5 % of a window goes in one lease.
+            Algorithm::FixedWindow => need.max(shared.params.limit / 64).max(1),
+            Algorithm::TokenBucket | Algorithm::Gcra => need.max(1),
+        },
         patience: need.max(want / 4).max(1),
     };
     Pending {
@@ -259,6 +291,10 @@ fn apply(
         }
         return;
     };
+    if p.call.debt > 0 {
+        let mut credit = slot.credit.lock().unwrap_or_else(|p| p.into_inner());
+        credit.in_flight = credit.in_flight.saturating_sub(p.call.debt);
+    }
     match result {
         Err(e) => {
             counters.store_error(e.kind());
@@ -378,6 +414,7 @@ fn requeue_debt(shared: &Shared, slot: Option<&Slot>, call: &LeaseCall) {
     let failed = Credit {
         debt: call.debt,
         window: call.debt_window,
+        in_flight: 0,
     };
     if let Some(slot) = slot {
         let mut credit = slot.credit.lock().unwrap_or_else(|p| p.into_inner());

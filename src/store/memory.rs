@@ -426,7 +426,9 @@ fn lease_fixed_window(
     let tw = w.max(call.min_window).min(w + 1);
     let mut used = count_in(windows(entry, &call.key)?, tw);
     let available = (limit - used).max(0);
-    let cap = ((available as f64 * call.share_cap).floor() as i64).max(1);
+    let cap = ((available as f64 * call.share_cap).floor() as i64)
+        .max(1)
+        .max(available.min(call.need.max(1) as i64));
     let granted = (call.want as i64).min(available).min(cap);
     if granted > 0 {
         used = incr_window(entry, tw, granted);

@@ -102,6 +102,7 @@ pub(crate) struct LeaseCall {
     /// the next one; -1 for the current window.
     pub(crate) min_window: i64,
     /// Token bucket, GCRA: the fewest permits the waiting request needs.
+    /// Fixed window: remainders up to this size are granted whole.
     pub(crate) need: u64,
     /// Token bucket, GCRA: when nothing is granted, wait for this many.
     pub(crate) patience: u64,

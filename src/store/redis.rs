@@ -496,7 +496,8 @@ impl RedisStore {
                             .arg(c.share_cap)
                             .arg(c.debt)
                             .arg(c.debt_window)
-                            .arg(c.min_window);
+                            .arg(c.min_window)
+                            .arg(c.need.max(1));
                     }
                     Algorithm::TokenBucket | Algorithm::Gcra => {
                         cmd.arg(p.burst)
