@@ -16,10 +16,10 @@
 //! Flags: `--servers N` (4), `--tasks N` per server (4), `--keys N` (20),
 //! `--limit N` per key per period (1000), `--period-ms N` (1000),
 //! `--demand X` × the limit (2.0), `--duration-s N` (4), `--json PATH`,
-//! `--plot PATH`, `--ramp`, `--cluster URL,URL,…`.
+//! `--plot PATH`, `--ramp`, `--cluster URL,URL,…`. `COMPARE_DEBUG=1` also
+//! prints per-mode script counts, limiter counters and the busiest windows.
 
 #[path = "../tests/support/mod.rs"]
-#[allow(dead_code)]
 mod support;
 
 use std::collections::HashMap;
@@ -527,9 +527,9 @@ fn write_json(path: &str, backend: &str, args: &Args, outcomes: &[Outcome]) {
         args.duration.as_secs()
     );
     for (i, o) in outcomes.iter().enumerate() {
-        let _ = write!(
+        let _ = writeln!(
             out,
-            "    {{\"name\": \"{}\", \"decisions_per_s\": {:.1}, \"p50_ns\": {}, \"p99_ns\": {}, \"p999_ns\": {}, \"round_trips_per_1000\": {:.3}, \"utilization\": {:.4}, \"worst_overshoot\": {}, \"redis_cpu_s\": {:.3}}}{}\n",
+            "    {{\"name\": \"{}\", \"decisions_per_s\": {:.1}, \"p50_ns\": {}, \"p99_ns\": {}, \"p999_ns\": {}, \"round_trips_per_1000\": {:.3}, \"utilization\": {:.4}, \"worst_overshoot\": {}, \"redis_cpu_s\": {:.3}}}{}",
             o.name,
             o.per_second(),
             o.latency.value_at_quantile(0.5),
