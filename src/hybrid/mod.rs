@@ -41,7 +41,7 @@ pub(crate) struct Shared {
     /// User key → local state. Entries are only removed by the sync task.
     /// aHash: several times faster than SipHash on short keys, and keyed
     /// with random seeds, so user-chosen keys cannot force collisions.
-    slots: DashMap<Box<str>, Arc<Slot>, ahash::RandomState>,
+    slots: DashMap<Arc<str>, Arc<Slot>, ahash::RandomState>,
     /// Replaceable at run time without locks.
     config: ArcSwap<HybridConfig>,
     store: Store,
@@ -314,7 +314,7 @@ impl HybridEngine {
             let _ = task.await;
         }
         let now = s.time.precise_us();
-        let keys: Vec<Box<str>> = s.slots.iter().map(|e| e.key().clone()).collect();
+        let keys: Vec<Arc<str>> = s.slots.iter().map(|e| e.key().clone()).collect();
         for key in keys {
             if let Some((_, slot)) = s.slots.remove(&key) {
                 s.retire(&slot, now);
@@ -333,11 +333,11 @@ impl Shared {
         if self.slots.len() >= max_keys {
             return None;
         }
-        let store_key = self.keys.store_key(key, self.params.algorithm);
+        let key: Arc<str> = Arc::from(key);
         Some(
             self.slots
-                .entry(key.into())
-                .or_insert_with(|| Arc::new(Slot::new(store_key, now)))
+                .entry(key.clone())
+                .or_insert_with(|| Arc::new(Slot::new(key, now)))
                 .clone(),
         )
     }
@@ -373,6 +373,7 @@ impl Shared {
         slot.next
             .lock()
             .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
             .map(|n| n.start)
     }
 
@@ -434,14 +435,18 @@ impl Shared {
         let window = slot.window.load(Ordering::Acquire);
         if permits > 0 {
             if valid {
-                self.give_back(&slot.store_key, permits, window);
+                self.give_back(&self.store_key(slot), permits, window);
             } else {
                 self.counters.stranded.add(permits);
             }
         }
         if slot.has_next.swap(false, Ordering::AcqRel) {
             if let Some(next) = slot.next.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                self.give_back(&slot.store_key, next.permits.max(0) as u64, next.window);
+                self.give_back(
+                    &self.store_key(slot),
+                    next.permits.max(0) as u64,
+                    next.window,
+                );
             }
         }
         let credit = {
@@ -457,8 +462,14 @@ impl Shared {
             self.reports
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .push((slot.store_key.clone(), credit));
+                .push((self.store_key(slot), credit));
         }
+    }
+
+    /// The slot's store key, encoded when the sync task needs it rather
+    /// than kept in every slot.
+    fn store_key(&self, slot: &Slot) -> String {
+        self.keys.store_key(&slot.key, self.params.algorithm)
     }
 
     fn give_back(&self, store_key: &str, permits: u64, window: i64) {

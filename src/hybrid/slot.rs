@@ -5,7 +5,7 @@
 //! held across an await. A slot never talks to the store.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
@@ -40,8 +40,8 @@ pub(crate) struct Credit {
 }
 
 pub(crate) struct Slot {
-    /// The store key, encoded once.
-    pub(crate) store_key: String,
+    /// The user key, shared with the map's key (no second copy).
+    pub(crate) key: Arc<str>,
     /// Permits held locally, all granted by the store.
     pub(crate) permits: AtomicI64,
     /// Local µs at which the permits become void (window end or lease
@@ -78,7 +78,8 @@ pub(crate) struct Slot {
     pub(crate) refilled: Notify,
     /// Whether `next` holds a lease (checked without the lock).
     pub(crate) has_next: AtomicBool,
-    pub(crate) next: Mutex<Option<NextLease>>,
+    /// Boxed: most slots never hold one, and a box is one word.
+    pub(crate) next: Mutex<Option<Box<NextLease>>>,
     /// Optimistic mode: credit admitted, not yet reported.
     pub(crate) credit: Mutex<Credit>,
     /// Fixed window: no credit in this window or earlier. Set once the
@@ -98,9 +99,9 @@ pub(crate) enum Take {
 }
 
 impl Slot {
-    pub(crate) fn new(store_key: String, now: u64) -> Self {
+    pub(crate) fn new(key: Arc<str>, now: u64) -> Self {
         Slot {
-            store_key,
+            key,
             permits: AtomicI64::new(0),
             deadline: AtomicU64::new(0),
             window: AtomicI64::new(UNKNOWN_WINDOW),
@@ -220,7 +221,7 @@ impl Slot {
             return None;
         }
         let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
-        let lease = (*next)?;
+        let lease = **next.as_ref()?;
         if now < lease.start {
             return None;
         }
@@ -302,13 +303,13 @@ mod tests {
     fn a_pre_lease_is_usable_only_from_its_start() {
         let slot = Slot::new("k".into(), 0);
         slot.install(1, 7, 100, 103, 10, false);
-        *slot.next.lock().unwrap() = Some(NextLease {
+        *slot.next.lock().unwrap() = Some(Box::new(NextLease {
             permits: 5,
             window: 8,
             start: 106,
             deadline: 200,
             window_end: 203,
-        });
+        }));
         slot.has_next.store(true, Ordering::Release);
         assert_eq!(slot.promote(105), None);
         assert_eq!(slot.promote(106), Some(1));

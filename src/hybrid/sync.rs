@@ -241,7 +241,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
     let want = sizing.want(rule, if ahead { 0 } else { permits }, now, need, time_left);
     drop(sizing);
     let call = LeaseCall {
-        key: slot.store_key.clone(),
+        key: shared.store_key(&slot),
         want,
         share_cap: config.share_cap,
         debt: credit.debt,
@@ -336,7 +336,7 @@ fn apply(
                                 window_end,
                             };
                             let mut next = slot.next.lock().unwrap_or_else(|p| p.into_inner());
-                            let merged = match *next {
+                            let merged = match next.as_deref().copied() {
                                 Some(n) if n.window == r.window => NextLease {
                                     permits: n.permits + granted,
                                     ..n
@@ -347,7 +347,7 @@ fn apply(
                                 }
                                 None => lease,
                             };
-                            *next = Some(merged);
+                            *next = Some(Box::new(merged));
                             slot.has_next.store(true, Ordering::Release);
                         } else {
                             let replaced =
@@ -368,7 +368,7 @@ fn apply(
                             (t0 + config.lease_ttl.as_micros() as u64).saturating_sub(margin);
                         let replaced = slot.install(granted, 0, deadline, deadline, now, p.renew);
                         if replaced > 0 {
-                            shared.give_back(&slot.store_key, replaced as u64, 0);
+                            shared.give_back(&shared.store_key(&slot), replaced as u64, 0);
                         }
                         if p.renew
                             || replaced > 0
@@ -437,8 +437,8 @@ pub(crate) fn maintain(shared: &Shared) {
     let config = shared.config.load();
     let now = shared.time.precise_us();
     let idle_us = config.idle_ttl.as_micros() as u64;
-    let mut idle: Vec<(u64, Box<str>)> = Vec::new();
-    let mut all: Vec<(u64, Box<str>)> = Vec::new();
+    let mut idle: Vec<(u64, Arc<str>)> = Vec::new();
+    let mut all: Vec<(u64, Arc<str>)> = Vec::new();
     let over = shared.slots.len().saturating_sub(config.max_keys);
     for entry in shared.slots.iter() {
         let slot = entry.value();
@@ -447,13 +447,13 @@ pub(crate) fn maintain(shared: &Shared) {
             match shared.params.algorithm {
                 Algorithm::FixedWindow => shared.counters.stranded.add(expired as u64),
                 Algorithm::TokenBucket | Algorithm::Gcra => {
-                    shared.give_back(&slot.store_key, expired as u64, 0)
+                    shared.give_back(&shared.store_key(slot), expired as u64, 0)
                 }
             }
         }
         if slot.has_next.load(Ordering::Acquire) {
             let mut next = slot.next.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(n) = *next {
+            if let Some(n) = next.as_deref().copied() {
                 if now >= n.deadline {
                     shared.counters.stranded.add(n.permits.max(0) as u64);
                     *next = None;
@@ -473,7 +473,7 @@ pub(crate) fn maintain(shared: &Shared) {
         .meters
         .local_keys
         .set(shared.slots.len() as f64);
-    let mut evict: Vec<Box<str>> = idle.into_iter().map(|(_, k)| k).collect();
+    let mut evict: Vec<Arc<str>> = idle.into_iter().map(|(_, k)| k).collect();
     let still_over = over.saturating_sub(evict.len());
     if still_over > 0 {
         // Least recently used first, down to 90 % of the cap.

@@ -201,7 +201,12 @@ impl Store {
     ) -> Result<AcquireReply, Error> {
         match self {
             Store::Redis(s) => s.acquire(key, params, cost).await,
-            Store::Memory(s) => s.acquire(key, params, cost),
+            Store::Memory(s) => {
+                s.half_trip().await;
+                let reply = s.acquire(key, params, cost);
+                s.half_trip().await;
+                reply
+            }
         }
     }
 
@@ -214,7 +219,12 @@ impl Store {
     ) -> Result<Vec<Result<LeaseReply, Error>>, Error> {
         match self {
             Store::Redis(s) => s.lease_batch(params, calls).await,
-            Store::Memory(s) => Ok(calls.iter().map(|c| s.lease(params, c)).collect()),
+            Store::Memory(s) => {
+                s.half_trip().await;
+                let replies = calls.iter().map(|c| s.lease(params, c)).collect();
+                s.half_trip().await;
+                Ok(replies)
+            }
         }
     }
 
@@ -226,7 +236,12 @@ impl Store {
     ) -> Result<Vec<Result<u64, Error>>, Error> {
         match self {
             Store::Redis(s) => s.give_back_batch(params, calls).await,
-            Store::Memory(s) => Ok(calls.iter().map(|c| s.give_back(params, c)).collect()),
+            Store::Memory(s) => {
+                s.half_trip().await;
+                let replies = calls.iter().map(|c| s.give_back(params, c)).collect();
+                s.half_trip().await;
+                Ok(replies)
+            }
         }
     }
 }
