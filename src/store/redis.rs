@@ -8,7 +8,9 @@
 //! policy: errors go back to the caller classified.
 
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use arc_swap::ArcSwap;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
@@ -158,7 +160,11 @@ impl ConnectionLike for Conn {
 }
 
 struct Inner {
-    conn: Conn,
+    /// Swapped whole when a cluster connection is rebuilt.
+    conn: ArcSwap<Conn>,
+    /// Cluster only: how to build a fresh connection after a failover,
+    /// when the old one keeps timing out.
+    rebuild: Option<Rebuild>,
     options: RedisOptions,
     url: String,
     /// Stops calls to a store that keeps failing.
@@ -166,6 +172,21 @@ struct Inner {
     /// Calls sent to Redis (pipelines count once).
     calls: AtomicU64,
 }
+
+/// Rebuilding a cluster connection from scratch: after a primary dies, the
+/// client's own topology refresh can stall behind the dead node; a fresh
+/// connection asks a live node for the slot map.
+struct Rebuild {
+    client: redis::cluster::ClusterClient,
+    /// A rebuild is under way.
+    running: AtomicBool,
+    /// When the last one started (µs since the store was built), so
+    /// failures rebuild at most every `REBUILD_EVERY`.
+    last_us: AtomicU64,
+    born: std::time::Instant,
+}
+
+const REBUILD_EVERY: Duration = Duration::from_millis(500);
 
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -244,9 +265,12 @@ impl RedisStore {
         urls: &[&str],
         options: RedisOptions,
     ) -> Result<RedisStore, Error> {
+        // The client's own timeouts also bound its topology refreshes after
+        // a failover, which must be allowed to finish in the background;
+        // each call is still bounded by `response_timeout` here.
         let client = redis::cluster::ClusterClientBuilder::new(urls.iter().copied())
             .connection_timeout(options.connect_timeout)
-            .response_timeout(options.response_timeout)
+            .response_timeout(options.connect_timeout.max(options.response_timeout))
             .retries(2)
             .min_retry_wait(5)
             .max_retry_wait(50)
@@ -266,16 +290,55 @@ impl RedisStore {
                     format!("cannot connect to the cluster at {urls:?}: {e}"),
                 )
             })?;
-        Ok(Self::from_parts(
-            Conn::Cluster(conn),
-            options,
-            &urls.join(","),
-        ))
+        let mut store = Self::from_parts(Conn::Cluster(conn), options, &urls.join(","));
+        if let Some(inner) = Arc::get_mut(&mut store.inner) {
+            inner.rebuild = Some(Rebuild {
+                client,
+                running: AtomicBool::new(false),
+                last_us: AtomicU64::new(0),
+                born: std::time::Instant::now(),
+            });
+        }
+        Ok(store)
+    }
+
+    /// After an unavailability error on a cluster, replaces the connection
+    /// in the background (at most every 500 ms).
+    fn maybe_rebuild(&self) {
+        let Some(rebuild) = &self.inner.rebuild else {
+            return;
+        };
+        let now = rebuild.born.elapsed().as_micros() as u64;
+        let last = rebuild.last_us.load(Ordering::Relaxed);
+        if last != 0 && now.saturating_sub(last) < REBUILD_EVERY.as_micros() as u64 {
+            return;
+        }
+        if rebuild.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        rebuild.last_us.store(now.max(1), Ordering::Relaxed);
+        let store = self.clone();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            rebuild.running.store(false, Ordering::Release);
+            return;
+        };
+        runtime.spawn(async move {
+            let Some(rebuild) = &store.inner.rebuild else {
+                return;
+            };
+            let limit = store.inner.options.connect_timeout;
+            if let Ok(Ok(conn)) =
+                tokio::time::timeout(limit, rebuild.client.get_async_connection()).await
+            {
+                store.inner.conn.store(Arc::new(Conn::Cluster(conn)));
+            }
+            rebuild.running.store(false, Ordering::Release);
+        });
     }
 
     /// Whether this store is a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
-        matches!(self.inner.conn, Conn::Cluster(_))
+        matches!(**self.inner.conn.load(), Conn::Cluster(_))
     }
 
     /// Builds a store without connecting: the first call connects. A
@@ -309,7 +372,8 @@ impl RedisStore {
         let breaker = CircuitBreaker::new(options.circuit, Arc::new(SystemClock::new()));
         RedisStore {
             inner: Arc::new(Inner {
-                conn,
+                conn: ArcSwap::from_pointee(conn),
+                rebuild: None,
                 options,
                 url: url.to_owned(),
                 breaker,
@@ -362,6 +426,9 @@ impl RedisStore {
         };
         let unavailable = matches!(&result, Err(e) if e.is_timeout() || e.is_connection());
         self.inner.breaker.record(admission, unavailable);
+        if unavailable || matches!(&result, Err(e) if e.to_string().contains("Moved")) {
+            self.maybe_rebuild();
+        }
         result
     }
 
@@ -378,7 +445,7 @@ impl RedisStore {
             invocation.arg(p.burst);
         }
         invocation.arg(cost);
-        let mut conn = self.inner.conn.clone();
+        let mut conn = (**self.inner.conn.load()).clone();
         let values: Vec<i64> = self
             .bounded("check script", invocation.invoke_async(&mut conn))
             .await?;
@@ -456,7 +523,7 @@ impl RedisStore {
             for cmd in &cmds {
                 pipe.add_command(cmd.clone());
             }
-            let mut conn = self.inner.conn.clone();
+            let mut conn = (**self.inner.conn.load()).clone();
             let values: Vec<Value> = self
                 .bounded("pipelined scripts", pipe.query_async(&mut conn))
                 .await?;
@@ -467,7 +534,7 @@ impl RedisStore {
                 return Ok(values);
             }
             attempt += 1;
-            let mut conn = self.inner.conn.clone();
+            let mut conn = (**self.inner.conn.load()).clone();
             self.bounded("SCRIPT LOAD", script.load_async(&mut conn))
                 .await?;
         }

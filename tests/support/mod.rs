@@ -170,6 +170,24 @@ impl RedisServer {
             .expect("connect to the test server")
     }
 
+    /// Whether the process is running (not killed).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Runs one command; `None` if the server does not answer.
+    pub fn try_cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> Option<T> {
+        let client = redis::Client::open(self.url()).ok()?;
+        let mut conn = client
+            .get_connection_with_timeout(Duration::from_millis(500))
+            .ok()?;
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        cmd.query(&mut conn).ok()
+    }
+
     /// Runs one command and returns its reply.
     pub fn cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> T {
         let mut cmd = redis::cmd(args[0]);
@@ -242,4 +260,5 @@ pub async fn store(server: &RedisServer) -> slicelimit::RedisStore {
         .expect("connect to the test server")
 }
 
+pub mod cluster;
 pub mod load;

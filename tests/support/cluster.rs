@@ -1,0 +1,131 @@
+//! A private Redis Cluster: three primaries and three replicas on free
+//! ports, created with `redis-cli --cluster create`, torn down on drop.
+#![allow(dead_code, unreachable_pub)]
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use super::RedisServer;
+
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts six nodes and forms a cluster with one replica per primary;
+    /// returns once every node reports the cluster up and every replica is
+    /// in sync (a replica that never synced refuses to fail over).
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..6)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--cluster-replica-validity-factor",
+                    "0",
+                ])
+            })
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .unwrap_or_else(|e| panic!("{} (redis-cli: {e})", super::INSTALL_HINT));
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let cluster = RedisCluster { nodes };
+        cluster.wait_until_healthy(Duration::from_secs(30));
+        cluster
+    }
+
+    pub fn urls(&self) -> Vec<String> {
+        self.live().map(|n| n.url()).collect()
+    }
+
+    fn live(&self) -> impl Iterator<Item = &RedisServer> {
+        self.nodes.iter().filter(|n| n.is_running())
+    }
+
+    /// Waits for `cluster_state:ok` on every live node and for every live
+    /// replica's link to its primary.
+    pub fn wait_until_healthy(&self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let healthy = self.live().all(|n| {
+                let info: String = n.try_cmd(&["CLUSTER", "INFO"]).unwrap_or_default();
+                let replication: String = n.try_cmd(&["INFO", "replication"]).unwrap_or_default();
+                info.contains("cluster_state:ok")
+                    && (!replication.contains("role:slave")
+                        || replication.contains("master_link_status:up"))
+            });
+            if healthy {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the cluster did not become healthy"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The node currently serving `slot` as primary.
+    pub fn primary_for(&self, key: &str) -> usize {
+        let node = self.live().next().expect("a live node");
+        let slot: i64 = node.cmd(&["CLUSTER", "KEYSLOT", key]);
+        let nodes: String = node.cmd(&["CLUSTER", "NODES"]);
+        for line in nodes.lines() {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            if fields.len() < 9 || !fields[2].contains("master") || fields[2].contains("fail") {
+                continue;
+            }
+            let port: u16 = fields[1]
+                .split(['@', ':'])
+                .nth(1)
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(0);
+            for range in &fields[8..] {
+                let (lo, hi) = match range.split_once('-') {
+                    Some((lo, hi)) => (lo.parse().unwrap_or(-1), hi.parse().unwrap_or(-1)),
+                    None => {
+                        let s = range.parse().unwrap_or(-1);
+                        (s, s)
+                    }
+                };
+                if (lo..=hi).contains(&slot) {
+                    return self
+                        .nodes
+                        .iter()
+                        .position(|n| n.port() == port)
+                        .expect("a known node");
+                }
+            }
+        }
+        panic!("no primary serves slot {slot}")
+    }
+
+    /// Keys without a TTL on any live primary.
+    pub fn immortal_keys(&self) -> Vec<String> {
+        self.live()
+            .filter(|n| {
+                let role: String = n.try_cmd(&["INFO", "replication"]).unwrap_or_default();
+                role.contains("role:master")
+            })
+            .flat_map(|n| n.immortal_keys())
+            .collect()
+    }
+}
