@@ -494,12 +494,7 @@ fn lease_token_bucket(
         uncovered = (debt - tokens.max(0.0)).max(0.0);
         tokens -= debt;
     }
-    let available = tokens.floor().max(0.0);
-    let mut granted = 0.0;
-    if available >= need.min(burst) {
-        let cap = need.max((available * call.share_cap).floor());
-        granted = (call.want as f64).min(available).min(cap);
-    }
+    let granted = bucket_grant(tokens.floor().max(0.0), call, burst);
     tokens -= granted;
     let reset = bucket_reset(p, tokens);
     if granted > 0.0 || debt > 0.0 {
@@ -525,6 +520,18 @@ fn lease_token_bucket(
     })
 }
 
+/// The grant rule of the token-bucket and GCRA lease scripts: nothing
+/// below the waiting request's need, else `min(want, available, max(need,
+/// share_cap × available))`.
+fn bucket_grant(available: f64, call: &LeaseCall, burst: f64) -> f64 {
+    let need = call.need as f64;
+    if available < need.min(burst) {
+        return 0.0;
+    }
+    let cap = need.max((available * call.share_cap).floor());
+    (call.want as f64).min(available).min(cap)
+}
+
 fn lease_gcra(
     entry: &mut Option<Entry>,
     p: &Params,
@@ -541,12 +548,7 @@ fn lease_gcra(
         uncovered = (debt - g.available(tat, nowf).max(0.0)).max(0.0);
         tat += debt * g.interval;
     }
-    let available = g.available(tat, nowf).max(0.0);
-    let mut granted = 0.0;
-    if available >= need {
-        let cap = (call.need as f64).max((available * call.share_cap).floor());
-        granted = (call.want as f64).min(available).min(cap);
-    }
+    let granted = bucket_grant(g.available(tat, nowf).max(0.0), call, p.burst as f64);
     tat += granted * g.interval;
     if granted > 0.0 || debt > 0.0 {
         store_gcra(entry, now, tat);
