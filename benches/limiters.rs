@@ -192,6 +192,9 @@ fn exact(c: &mut Criterion) {
         g.bench_function("1_keys/1_thread", |b| {
             b.to_async(&rt).iter(|| limiter.check(&ks[0], 1))
         });
+        g.bench_function("1_keys/2_threads", |b| {
+            b.iter_custom(|iters| on_threads(&limiter, &ks, 2, iters.max(2)))
+        });
         g.finish();
     }
 }
