@@ -214,8 +214,11 @@ impl HybridConfig {
             ));
         }
         if let Consistency::Optimistic { max_debt } = self.consistency {
-            if max_debt > crate::quota::MAX_LIMIT {
-                return Err(Error::invalid("max_debt is absurdly large"));
+            if max_debt > u64::from(u32::MAX) {
+                return Err(Error::invalid(format!(
+                    "max_debt {max_debt} is absurdly large (at most {})",
+                    u32::MAX
+                )));
             }
         }
         Ok(())

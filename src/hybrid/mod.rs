@@ -57,6 +57,10 @@ pub(crate) struct Shared {
     reports: Mutex<Vec<(String, Credit)>>,
     /// Wakes the sync task.
     wake: Notify,
+    /// Woken when a refill has been applied; striped by slot rather than
+    /// one per slot, which keeps slots small (a waiter woken for another
+    /// slot of its stripe just checks again).
+    refill_waiters: Box<[Notify]>,
     /// A queued refill has a request waiting on it: no coalescing delay.
     urgent: AtomicBool,
     /// Tells the sync task to exit.
@@ -134,6 +138,7 @@ impl HybridEngine {
             returns: Mutex::new(Vec::new()),
             reports: Mutex::new(Vec::new()),
             wake: Notify::new(),
+            refill_waiters: (0..REFILL_STRIPES).map(|_| Notify::new()).collect(),
             urgent: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             closed: AtomicBool::new(false),
@@ -260,8 +265,9 @@ impl HybridEngine {
             if cost == 0 {
                 return Ok(s.lease_decision(&slot, 0, now));
             }
-            slot.need.fetch_max(cost, Ordering::AcqRel);
-            let notified = slot.refilled.notified();
+            slot.need
+                .fetch_max(cost.min(u64::from(u32::MAX)) as u32, Ordering::AcqRel);
+            let notified = s.refilled(&slot).notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             let next_start = s.pending_start(&slot);
@@ -324,7 +330,16 @@ impl HybridEngine {
     }
 }
 
+/// Stripes of refill notifications.
+const REFILL_STRIPES: usize = 64;
+
 impl Shared {
+    /// The notification a waiter on `slot` listens to.
+    fn refilled(&self, slot: &Slot) -> &Notify {
+        let address = slot as *const Slot as usize;
+        &self.refill_waiters[(address / 64) % REFILL_STRIPES]
+    }
+
     fn insert(&self, key: &str, now: u64) -> Option<Arc<Slot>> {
         if let Some(slot) = self.slots.get(key) {
             return Some(slot.clone());
@@ -409,19 +424,21 @@ impl Shared {
             },
             Algorithm::TokenBucket | Algorithm::Gcra => 0,
         };
-        if window != UNKNOWN_WINDOW && window <= slot.credit_closed.load(Ordering::Acquire) {
+        let mut books = slot.books();
+        if window != UNKNOWN_WINDOW && window <= books.credit_closed {
             return false;
         }
-        let mut credit = slot.credit.lock().unwrap_or_else(|p| p.into_inner());
+        let credit = &mut books.credit;
         if credit.debt > 0 && credit.window != window {
             return false;
         }
-        if credit.debt + credit.in_flight + cost > max_debt {
+        if u64::from(credit.debt) + u64::from(credit.in_flight) + cost > max_debt {
             return false;
         }
-        credit.debt += cost;
+        // cost <= max_debt <= u32::MAX here.
+        credit.debt += cost as u32;
         credit.window = window;
-        drop(credit);
+        drop(books);
         self.counters.credit_admitted.add(cost);
         true
     }
@@ -450,11 +467,11 @@ impl Shared {
             }
         }
         let credit = {
-            let mut guard = slot.credit.lock().unwrap_or_else(|p| p.into_inner());
-            let debt = std::mem::take(&mut guard.debt);
+            let mut guard = slot.books();
+            let debt = std::mem::take(&mut guard.credit.debt);
             Credit {
                 debt,
-                window: guard.window,
+                window: guard.credit.window,
                 in_flight: 0,
             }
         };

@@ -13,13 +13,14 @@ pub(crate) const TAU_US: f64 = 1_000_000.0;
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Sizing {
     /// Local permits right after the last refill was applied.
-    level: i64,
+    /// Saturating: sizing needs the order of magnitude, not the last permit.
+    level: u32,
     /// When the last refill was applied (local µs); 0 = never.
     at: u64,
     /// Permits consumed per µs, smoothed.
     rate: f64,
-    /// The last lease asked for.
-    last_want: u64,
+    /// The last lease asked for (saturating: it only seeds doubling).
+    last_want: u32,
 }
 
 /// Bounds and horizon for one decision about a lease's size.
@@ -37,7 +38,7 @@ impl Sizing {
         if self.at == 0 || now <= self.at {
             return self.rate;
         }
-        let consumed = (self.level - permits_now.max(0)).max(0) as f64 + debt as f64;
+        let consumed = (i64::from(self.level) - permits_now.max(0)).max(0) as f64 + debt as f64;
         let dt = (now - self.at) as f64;
         let instant = consumed / dt;
         let alpha = 1.0 - (-dt / TAU_US).exp();
@@ -65,10 +66,10 @@ impl Sizing {
         // The last lease ran dry within half a horizon: demand outruns the
         // average, so double.
         let quick = self.at != 0
-            && permits_now <= self.level / 2
+            && permits_now <= i64::from(self.level / 2)
             && now.saturating_sub(self.at) < rule.horizon_us / 2;
         if quick {
-            want = want.max(self.last_want.saturating_mul(2));
+            want = want.max(u64::from(self.last_want).saturating_mul(2));
         }
         if let Some(left) = time_left_us {
             if self.rate > 0.0 {
@@ -77,13 +78,13 @@ impl Sizing {
             }
         }
         let want = want.clamp(rule.min_lease, rule.max_lease).max(need);
-        self.last_want = want;
+        self.last_want = want.min(u64::from(u32::MAX)) as u32;
         want
     }
 
     /// Records the local level after a refill was applied.
     pub(crate) fn applied(&mut self, level: i64, now: u64) {
-        self.level = level.max(0);
+        self.level = level.clamp(0, i64::from(u32::MAX)) as u32;
         self.at = now;
     }
 

@@ -4,12 +4,15 @@
 //! the two mutexes are for the slow path and the sync task, and are never
 //! held across an await. A slot never talks to the store.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-
-use tokio::sync::Notify;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::sizing::Sizing;
+
+/// Local µs as wrapping milliseconds (idle times are far below 49 days).
+fn millis(us: u64) -> u32 {
+    (us / 1_000) as u32
+}
 
 /// "No window known yet": the store charges such debt to its current window.
 pub(crate) const UNKNOWN_WINDOW: i64 = -1;
@@ -31,12 +34,13 @@ pub(crate) struct NextLease {
 /// Permits admitted on credit and not yet reported.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Credit {
-    pub(crate) debt: u64,
+    /// At most `max_debt`, which configuration keeps within `u32`.
+    pub(crate) debt: u32,
     pub(crate) window: i64,
     /// Debt sent in a lease call whose reply has not arrived: it still
     /// counts against `max_debt`, or credit could be taken twice in one
     /// window before the store says it is exhausted.
-    pub(crate) in_flight: u64,
+    pub(crate) in_flight: u32,
 }
 
 pub(crate) struct Slot {
@@ -53,7 +57,7 @@ pub(crate) struct Slot {
     /// latest possible end plus the margin).
     pub(crate) window_end: AtomicU64,
     /// Below this many permits, a refill is requested.
-    pub(crate) low_water: AtomicI64,
+    pub(crate) low_water: AtomicU32,
     /// From this local µs, a refill (fixed window: a pre-lease of the next
     /// window) is requested even above the low-water mark.
     pub(crate) refill_at: AtomicU64,
@@ -67,27 +71,33 @@ pub(crate) struct Slot {
     /// Removed from the map; whoever still holds it must look the key up again.
     pub(crate) evicted: AtomicBool,
     /// Largest cost a waiting request needs (so the next lease covers it).
-    pub(crate) need: AtomicU64,
-    /// Last use, local µs (updated at most once per millisecond).
-    pub(crate) last_used: AtomicU64,
+    pub(crate) need: AtomicU32,
+    /// Last use, local milliseconds (wrapping), for idle eviction.
+    pub(crate) last_used: AtomicU32,
     /// What the store last said remains unleased.
     pub(crate) store_remaining: AtomicU64,
     /// Local µs at which the quota is whole again, per the store.
     pub(crate) reset_at: AtomicU64,
-    /// Woken when a refill has been applied.
-    pub(crate) refilled: Notify,
     /// Whether `next` holds a lease (checked without the lock).
     pub(crate) has_next: AtomicBool,
     /// Boxed: most slots never hold one, and a box is one word.
     pub(crate) next: Mutex<Option<Box<NextLease>>>,
+    /// Credit and sizing: the slow path's and the sync task's, behind one
+    /// lock to keep the slot small.
+    pub(crate) books: Mutex<Books>,
+}
+
+/// A slot's slow-path bookkeeping.
+#[derive(Debug)]
+pub(crate) struct Books {
     /// Optimistic mode: credit admitted, not yet reported.
-    pub(crate) credit: Mutex<Credit>,
+    pub(crate) credit: Credit,
     /// Fixed window: no credit in this window or earlier. Set once the
     /// store reports debt it could not cover, so each process overshoots a
     /// window by at most `max_debt`, whatever else the reply granted.
-    pub(crate) credit_closed: AtomicI64,
-    /// Sync task only.
-    pub(crate) sizing: Mutex<Sizing>,
+    pub(crate) credit_closed: i64,
+    /// Lease sizing (sync task only).
+    pub(crate) sizing: Sizing,
 }
 
 /// The result of trying to spend local permits.
@@ -106,22 +116,23 @@ impl Slot {
             deadline: AtomicU64::new(0),
             window: AtomicI64::new(UNKNOWN_WINDOW),
             window_end: AtomicU64::new(0),
-            low_water: AtomicI64::new(0),
+            low_water: AtomicU32::new(0),
             refill_at: AtomicU64::new(u64::MAX),
             denied_until: AtomicU64::new(0),
             refill_pending: AtomicBool::new(false),
             refill_failed: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
-            need: AtomicU64::new(0),
-            last_used: AtomicU64::new(now),
+            need: AtomicU32::new(0),
+            last_used: AtomicU32::new(millis(now)),
             store_remaining: AtomicU64::new(0),
             reset_at: AtomicU64::new(0),
-            refilled: Notify::new(),
             has_next: AtomicBool::new(false),
             next: Mutex::new(None),
-            credit: Mutex::new(Credit::default()),
-            credit_closed: AtomicI64::new(i64::MIN),
-            sizing: Mutex::new(Sizing::default()),
+            books: Mutex::new(Books {
+                credit: Credit::default(),
+                credit_closed: i64::MIN,
+                sizing: Sizing::default(),
+            }),
         }
     }
 
@@ -164,15 +175,25 @@ impl Slot {
     /// every decision.
     #[inline]
     pub(crate) fn touch(&self, now: u64) {
-        if self.last_used.load(Ordering::Relaxed) + 1_000 < now {
-            self.last_used.store(now, Ordering::Relaxed);
+        let ms = millis(now);
+        if self.last_used.load(Ordering::Relaxed) != ms {
+            self.last_used.store(ms, Ordering::Relaxed);
         }
+    }
+
+    /// Milliseconds since last use.
+    pub(crate) fn idle_ms(&self, now: u64) -> u64 {
+        u64::from(millis(now).wrapping_sub(self.last_used.load(Ordering::Relaxed)))
+    }
+
+    pub(crate) fn books(&self) -> MutexGuard<'_, Books> {
+        self.books.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Whether the permits just spent leave the slot wanting a refill.
     #[inline]
     pub(crate) fn wants_refill(&self, left: i64, now: u64) -> bool {
-        left < self.low_water.load(Ordering::Relaxed)
+        left < i64::from(self.low_water.load(Ordering::Relaxed))
             || now >= self.refill_at.load(Ordering::Relaxed)
     }
 
@@ -325,5 +346,16 @@ mod tests {
         assert_eq!(slot.window_at(299, 100), Some(9));
         assert_eq!(slot.window_at(301, 100), None);
         assert_eq!(slot.window_at(303, 100), Some(10));
+    }
+}
+
+#[cfg(test)]
+mod size {
+    /// The slot's size is part of the bytes-per-key budget (README,
+    /// Performance): growing it should be a decision, not an accident.
+    #[test]
+    fn a_slot_stays_within_its_budget() {
+        let size = std::mem::size_of::<super::Slot>();
+        assert!(size <= 168, "Slot grew to {size} bytes");
     }
 }

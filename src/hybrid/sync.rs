@@ -139,7 +139,7 @@ pub(crate) async fn round(shared: &Shared) {
         for slot in slots {
             if slot.evicted.load(Ordering::Acquire) {
                 slot.refill_pending.store(false, Ordering::Release);
-                slot.refilled.notify_waiters();
+                shared.refilled(&slot).notify_waiters();
                 continue;
             }
             pending.push(lease_call(shared, &config, slot, now));
@@ -179,7 +179,7 @@ pub(crate) async fn round(shared: &Shared) {
 fn report_call(key: String, credit: Credit) -> LeaseCall {
     LeaseCall {
         debt_window: credit.window,
-        ..LeaseCall::report(key, credit.debt)
+        ..LeaseCall::report(key, u64::from(credit.debt))
     }
 }
 
@@ -188,25 +188,21 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
     let permits = slot.permits.load(Ordering::Acquire);
     let valid = now < slot.deadline.load(Ordering::Acquire);
     let near_end = now >= slot.refill_at.load(Ordering::Relaxed);
-    let credit = {
-        let mut guard = slot.credit.lock().unwrap_or_else(|p| p.into_inner());
-        let taken = Credit {
-            debt: guard.debt,
-            window: guard.window,
-            in_flight: 0,
-        };
-        guard.in_flight += guard.debt;
-        guard.debt = 0;
-        taken
+    let mut books = slot.books();
+    let credit = Credit {
+        debt: books.credit.debt,
+        window: books.credit.window,
+        in_flight: 0,
     };
-    let need = slot.need.swap(0, Ordering::AcqRel);
+    books.credit.in_flight += books.credit.debt;
+    books.credit.debt = 0;
+    let need = u64::from(slot.need.swap(0, Ordering::AcqRel));
     let rule = SizingRule {
         min_lease: config.min_lease,
         max_lease: config.max_lease,
         horizon_us: config.refill_horizon.as_micros() as u64,
     };
-    let mut sizing = slot.sizing.lock().unwrap_or_else(|p| p.into_inner());
-    sizing.observe(permits, credit.debt, now);
+    books.sizing.observe(permits, u64::from(credit.debt), now);
     let (min_window, renew, time_left) = match shared.params.algorithm {
         Algorithm::FixedWindow => {
             let window = slot.window.load(Ordering::Acquire);
@@ -238,13 +234,15 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         Algorithm::TokenBucket | Algorithm::Gcra => (-1, valid && near_end, None),
     };
     let ahead = min_window > slot.window.load(Ordering::Acquire) && valid;
-    let want = sizing.want(rule, if ahead { 0 } else { permits }, now, need, time_left);
-    drop(sizing);
+    let want = books
+        .sizing
+        .want(rule, if ahead { 0 } else { permits }, now, need, time_left);
+    drop(books);
     let call = LeaseCall {
         key: shared.store_key(&slot),
         want,
         share_cap: config.share_cap,
-        debt: credit.debt,
+        debt: u64::from(credit.debt),
         debt_window: credit.window,
         min_window,
         need: match shared.params.algorithm {
@@ -292,8 +290,9 @@ fn apply(
         return;
     };
     if p.call.debt > 0 {
-        let mut credit = slot.credit.lock().unwrap_or_else(|p| p.into_inner());
-        credit.in_flight = credit.in_flight.saturating_sub(p.call.debt);
+        let mut books = slot.books();
+        let debt = p.call.debt.min(u64::from(u32::MAX)) as u32;
+        books.credit.in_flight = books.credit.in_flight.saturating_sub(debt);
     }
     match result {
         Err(e) => {
@@ -308,8 +307,8 @@ fn apply(
                 // The window the debt went to (the store's current one when
                 // the process did not know it) is closed to credit.
                 let current = r.window - i64::from(r.start_after_us > 0);
-                slot.credit_closed
-                    .fetch_max(p.call.debt_window.max(current), Ordering::AcqRel);
+                let mut books = slot.books();
+                books.credit_closed = books.credit_closed.max(p.call.debt_window.max(current));
             }
             slot.store_remaining.store(r.remaining, Ordering::Relaxed);
             slot.reset_at
@@ -380,8 +379,10 @@ fn apply(
                         }
                     }
                 }
-                slot.low_water
-                    .store((p.call.want / 2) as i64, Ordering::Relaxed);
+                slot.low_water.store(
+                    (p.call.want / 2).min(u64::from(u32::MAX)) as u32,
+                    Ordering::Relaxed,
+                );
             } else if p.call.want > 0 {
                 if r.start_after_us == 0 {
                     // Redis answered before t1: from t1 + retry_after on,
@@ -395,14 +396,11 @@ fn apply(
                 slot.refill_at.store(u64::MAX, Ordering::Relaxed);
             }
             let level = slot.permits.load(Ordering::Acquire);
-            slot.sizing
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .applied(level, now);
+            slot.books().sizing.applied(level, now);
         }
     }
     slot.refill_pending.store(false, Ordering::Release);
-    slot.refilled.notify_waiters();
+    shared.refilled(&slot).notify_waiters();
 }
 
 /// Puts unreported debt back where it will be reported again: into the
@@ -412,12 +410,13 @@ fn requeue_debt(shared: &Shared, slot: Option<&Slot>, call: &LeaseCall) {
         return;
     }
     let failed = Credit {
-        debt: call.debt,
+        debt: call.debt.min(u64::from(u32::MAX)) as u32,
         window: call.debt_window,
         in_flight: 0,
     };
     if let Some(slot) = slot {
-        let mut credit = slot.credit.lock().unwrap_or_else(|p| p.into_inner());
+        let mut books = slot.books();
+        let credit = &mut books.credit;
         if credit.debt == 0 || credit.window == failed.window {
             credit.debt += failed.debt;
             credit.window = failed.window;
@@ -461,11 +460,11 @@ pub(crate) fn maintain(shared: &Shared) {
                 }
             }
         }
-        let last = slot.last_used.load(Ordering::Relaxed);
-        if now.saturating_sub(last) >= idle_us && !slot.refill_pending.load(Ordering::Acquire) {
-            idle.push((last, entry.key().clone()));
+        let idle_for = slot.idle_ms(now);
+        if idle_for * 1_000 >= idle_us && !slot.refill_pending.load(Ordering::Acquire) {
+            idle.push((idle_for, entry.key().clone()));
         } else if over > 0 {
-            all.push((last, entry.key().clone()));
+            all.push((idle_for, entry.key().clone()));
         }
     }
     shared
@@ -478,13 +477,13 @@ pub(crate) fn maintain(shared: &Shared) {
     if still_over > 0 {
         // Least recently used first, down to 90 % of the cap.
         let target = still_over + config.max_keys / 10;
-        all.sort_unstable_by_key(|(last, _)| *last);
+        all.sort_unstable_by_key(|(idle_for, _)| std::cmp::Reverse(*idle_for));
         evict.extend(all.into_iter().take(target).map(|(_, k)| k));
     }
     for key in evict {
         if let Some((_, slot)) = shared.slots.remove(&key) {
             shared.retire(&slot, now);
-            slot.refilled.notify_waiters();
+            shared.refilled(&slot).notify_waiters();
         }
     }
 }
