@@ -32,7 +32,7 @@ use hdrhistogram::Histogram;
 use slicelimit::{
     Algorithm, HybridConfig, Limiter, MemoryStore, Quota, RedisOptions, RedisStore, Store,
 };
-use support::load::{key_name, wall_us};
+use support::load::{key_name, wall_us, ZipfKeys};
 
 #[derive(Clone, Debug)]
 struct Args {
@@ -300,18 +300,6 @@ async fn build(backend: &Backend, args: &Args, mode: Mode, ns: &str) -> Vec<Limi
     limiters
 }
 
-/// Cumulative Zipf(1) weights.
-fn zipf(n: usize) -> Vec<f64> {
-    let total: f64 = (1..=n).map(|r| 1.0 / r as f64).sum();
-    let mut acc = 0.0;
-    (1..=n)
-        .map(|r| {
-            acc += 1.0 / r as f64 / total;
-            acc
-        })
-        .collect()
-}
-
 async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
     let ns = format!("compare-{}-{}", mode.name(), std::process::id());
     let limiters = build(backend, args, mode, &ns).await;
@@ -320,7 +308,6 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
     let workers = args.servers * args.tasks;
     let tick = Duration::from_millis(5);
     let per_tick = per_period * tick.as_secs_f64() / args.period.as_secs_f64() / workers as f64;
-    let cdf = Arc::new(zipf(args.keys));
     let names: Arc<Vec<String>> = Arc::new((0..args.keys).map(key_name).collect());
     let cpu_before = backend.cpu_seconds();
     let scripts_before = backend.script_stats();
@@ -335,13 +322,17 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
     let mut tasks = Vec::new();
     for w in 0..workers {
         let limiter = limiters[w % args.servers].clone();
-        let (cdf, names, shared) = (cdf.clone(), names.clone(), shared.clone());
+        let (names, shared) = (names.clone(), shared.clone());
+        let keys = args.keys;
         tasks.push(tokio::spawn(async move {
             let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
             let mut admitted: HashMap<(usize, i64), u64> = HashMap::new();
             let mut demand: HashMap<(usize, i64), u64> = HashMap::new();
-            let mut rng =
-                0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
+            let mut zipf = ZipfKeys::new(
+                keys,
+                1.0,
+                0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407),
+            );
             let mut carry = 0.0;
             let mut count = 0u64;
             let mut ticker = tokio::time::interval(tick);
@@ -352,11 +343,7 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
                 let n = carry.floor() as usize;
                 carry -= n as f64;
                 for _ in 0..n {
-                    rng ^= rng << 13;
-                    rng ^= rng >> 7;
-                    rng ^= rng << 17;
-                    let u = (rng >> 11) as f64 / (1u64 << 53) as f64;
-                    let key = cdf.iter().position(|c| u <= *c).unwrap_or(cdf.len() - 1);
+                    let key = zipf.next_key();
                     *demand
                         .entry((key, (wall_us() / period_us) as i64))
                         .or_default() += 1;

@@ -19,7 +19,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use slicelimit::{Clock, HybridConfig, Limiter, MemoryStore, Quota};
+use support::load::ZipfKeys;
 
 /// Virtual time: Tokio's (paused) clock, anchored at a whole second of the
 /// Unix epoch so windows start where a real store's would.
@@ -129,20 +133,6 @@ fn simulate(args: &Args, n: usize) -> Row {
             })
             .collect();
         // Zipf(skew) over the keys; total demand = factor × limit × keys.
-        let weights: Vec<f64> = (1..=args.keys)
-            .map(|r| 1.0 / (r as f64).powf(args.skew))
-            .collect();
-        let total: f64 = weights.iter().sum();
-        let mut acc = 0.0;
-        let cdf: Arc<Vec<f64>> = Arc::new(
-            weights
-                .iter()
-                .map(|w| {
-                    acc += w / total;
-                    acc
-                })
-                .collect(),
-        );
         let names: Arc<Vec<String>> =
             Arc::new((0..args.keys).map(|k| format!("key-{k}")).collect());
         let tick = Duration::from_millis(1);
@@ -153,10 +143,14 @@ fn simulate(args: &Args, n: usize) -> Row {
         let ticks = args.seconds * 1000;
         let mut tasks = Vec::new();
         for (p, limiter) in limiters.iter().enumerate() {
-            let (limiter, cdf, names, clock) =
-                (limiter.clone(), cdf.clone(), names.clone(), clock.clone());
+            let (limiter, names, clock) = (limiter.clone(), names.clone(), clock.clone());
+            let (keys, skew) = (args.keys, args.skew);
             tasks.push(tokio::spawn(async move {
-                let mut rng = 0x2545_F491_4F6C_DD1Du64 ^ ((p as u64 + 1) * 0x9E37_79B9_7F4A_7C15);
+                let mut zipf = ZipfKeys::new(
+                    keys,
+                    skew,
+                    0x2545_F491_4F6C_DD1Du64 ^ ((p as u64 + 1) * 0x9E37_79B9_7F4A_7C15),
+                );
                 let mut carry = (p as f64 * 0.618_033_988_75).fract();
                 let mut cells: HashMap<(usize, i64), (u64, u64)> = HashMap::new();
                 let mut decisions = 0u64;
@@ -166,11 +160,7 @@ fn simulate(args: &Args, n: usize) -> Row {
                     carry += per_tick;
                     while carry >= 1.0 {
                         carry -= 1.0;
-                        rng ^= rng << 13;
-                        rng ^= rng >> 7;
-                        rng ^= rng << 17;
-                        let u = (rng >> 11) as f64 / (1u64 << 53) as f64;
-                        let key = cdf.iter().position(|c| u <= *c).unwrap_or(cdf.len() - 1);
+                        let key = zipf.next_key();
                         let arrived = (clock.now().as_micros() as u64 / period_us) as i64;
                         let d = limiter.check(&names[key], 1).await;
                         decisions += 1;

@@ -107,18 +107,42 @@ pub fn key_name(index: usize) -> String {
     format!("user-{index}")
 }
 
-/// Cumulative Zipf(1) weights over `n` keys.
-fn zipf_cdf(n: usize) -> Vec<f64> {
-    let weights: Vec<f64> = (1..=n).map(|r| 1.0 / r as f64).collect();
-    let total: f64 = weights.iter().sum();
-    let mut acc = 0.0;
-    weights
-        .iter()
-        .map(|w| {
-            acc += w / total;
-            acc
-        })
-        .collect()
+/// Draws key indices with Zipf(skew) frequencies (rank r has weight
+/// 1/r^skew), deterministically from a seed.
+pub struct ZipfKeys {
+    cdf: Vec<f64>,
+    state: u64,
+}
+
+impl ZipfKeys {
+    pub fn new(keys: usize, skew: f64, seed: u64) -> Self {
+        let weights: Vec<f64> = (1..=keys).map(|r| 1.0 / (r as f64).powf(skew)).collect();
+        let total: f64 = weights.iter().sum();
+        let mut acc = 0.0;
+        let cdf = weights
+            .iter()
+            .map(|w| {
+                acc += w / total;
+                acc
+            })
+            .collect();
+        ZipfKeys {
+            cdf,
+            state: seed | 1,
+        }
+    }
+
+    /// The next key index (xorshift64, then the inverse CDF).
+    pub fn next_key(&mut self) -> usize {
+        self.state ^= self.state << 13;
+        self.state ^= self.state >> 7;
+        self.state ^= self.state << 17;
+        let u = (self.state >> 11) as f64 / (1u64 << 53) as f64;
+        self.cdf
+            .iter()
+            .position(|c| u <= *c)
+            .unwrap_or(self.cdf.len() - 1)
+    }
 }
 
 /// Demand per period for the key of rank `index` (0-based).
@@ -136,12 +160,11 @@ pub async fn drive(
     seed: u64,
     stop_at_us: u64,
 ) -> Tally {
-    let cdf = zipf_cdf(spec.keys);
+    let mut zipf = ZipfKeys::new(spec.keys, 1.0, seed);
     let names: Vec<String> = (0..spec.keys).map(key_name).collect();
     let per_period = spec.demand_factor * spec.limit as f64 * spec.keys as f64 * share;
     let per_tick = per_period * spec.tick.as_secs_f64() / spec.period.as_secs_f64();
     let period_us = spec.period.as_micros() as u64;
-    let mut rng = seed | 1;
     let mut carry = 0.0;
     let mut tally = Tally::default();
     let mut ticker = tokio::time::interval(spec.tick);
@@ -152,11 +175,7 @@ pub async fn drive(
         let n = carry.floor() as usize;
         carry -= n as f64;
         for _ in 0..n {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            let u = (rng >> 11) as f64 / (1u64 << 53) as f64;
-            let key = cdf.iter().position(|c| u <= *c).unwrap_or(spec.keys - 1);
+            let key = zipf.next_key();
             let arrived = (wall_us() / period_us) as i64;
             let decision = limiter.check(&names[key], 1).await;
             tally.cells.entry((key, arrived)).or_default().0 += 1;
