@@ -52,7 +52,8 @@ async fn main() {
     let region = Region::new(GLOBAL);
     let hybrid = Limiter::builder(quota)
         .store(MemoryStore::new())
-        .hybrid(HybridConfig::strict())
+        // Keep every key for the count, however long filling takes.
+        .hybrid(HybridConfig::strict().idle_ttl(Duration::from_secs(3600)))
         .build()
         .unwrap();
     fill(&hybrid, &keys).await;

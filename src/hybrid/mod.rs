@@ -75,6 +75,11 @@ pub(crate) struct Shared {
     rtt_us: AtomicU64,
     /// What the failure policy's fallback admitted, to report on recovery.
     reconciler: Arc<Reconciler>,
+    /// How close to a lease's deadline a refill is requested early (µs):
+    /// the pre-lease lead (fixed window), at most half the lease horizon
+    /// (buckets); 0 turns early refills off. Kept out of the `ArcSwap`d
+    /// config so the request path reads one atomic.
+    early_lead_us: AtomicU64,
 }
 
 /// Stops the sync task when the last limiter clone is dropped.
@@ -145,7 +150,9 @@ impl HybridEngine {
             max_cost,
             rtt_us: AtomicU64::new(0),
             reconciler,
+            early_lead_us: AtomicU64::new(0),
         });
+        shared.set_early_lead(&shared.config.load());
         let task = runtime.spawn(sync::run(shared.clone()));
         Ok(HybridEngine {
             _guard: StopGuard(shared.clone()),
@@ -158,6 +165,7 @@ impl HybridEngine {
     /// slow-path decision.
     pub(crate) fn reconfigure(&self, config: HybridConfig) -> Result<(), Error> {
         config.validate()?;
+        self.shared.set_early_lead(&config);
         self.shared.config.store(Arc::new(config));
         Ok(())
     }
@@ -181,7 +189,7 @@ impl HybridEngine {
         match slot.take(cost, now, s.time.guard_us(), || s.time.precise_us()) {
             Take::Taken(left) => {
                 slot.touch(now);
-                if slot.wants_refill(left, now) {
+                if slot.wants_refill(left, now, s.early_lead()) {
                     s.request_refill(slot, false);
                 }
                 Some(s.lease_decision(slot, left, now))
@@ -219,7 +227,7 @@ impl HybridEngine {
                     slot.take(cost, now, s.time.guard_us(), || s.time.precise_us())
                 {
                     slot.touch(now);
-                    if slot.wants_refill(left, now) {
+                    if slot.wants_refill(left, now, s.early_lead()) {
                         s.request_refill(slot, false);
                     }
                     return Ok(s.lease_decision(slot, left, now));
@@ -253,7 +261,7 @@ impl HybridEngine {
                 s.counters.stranded.add(replaced as u64);
             }
             if let Take::Taken(left) = slot.take(cost, now, 0, || now) {
-                if slot.wants_refill(left, now) {
+                if slot.wants_refill(left, now, s.early_lead()) {
                     s.request_refill(&slot, false);
                 }
                 return Ok(s.lease_decision(&slot, left, now));
@@ -334,6 +342,22 @@ impl HybridEngine {
 const REFILL_STRIPES: usize = 64;
 
 impl Shared {
+    #[inline]
+    fn early_lead(&self) -> u64 {
+        self.early_lead_us.load(Ordering::Relaxed)
+    }
+
+    fn set_early_lead(&self, config: &HybridConfig) {
+        let lead = config.prelease_lead.as_micros() as u64;
+        let lead = match self.params.algorithm {
+            Algorithm::FixedWindow => lead,
+            Algorithm::TokenBucket | Algorithm::Gcra => {
+                lead.min(config.lease_ttl.as_micros() as u64 / 2)
+            }
+        };
+        self.early_lead_us.store(lead, Ordering::Relaxed);
+    }
+
     /// The notification a waiter on `slot` listens to.
     fn refilled(&self, slot: &Slot) -> &Notify {
         let address = slot as *const Slot as usize;
@@ -393,7 +417,7 @@ impl Shared {
     }
 
     fn reset_after(&self, slot: &Slot, now: u64) -> Duration {
-        Duration::from_micros(slot.reset_at.load(Ordering::Relaxed).saturating_sub(now))
+        Duration::from_micros(slot.window_end.load(Ordering::Relaxed).saturating_sub(now))
     }
 
     fn cached_denial(&self, slot: &Slot, until: u64, now: u64) -> Decision {
@@ -403,7 +427,8 @@ impl Shared {
     }
 
     fn lease_decision(&self, slot: &Slot, left: i64, now: u64) -> Decision {
-        let remaining = left.max(0) as u64 + slot.store_remaining.load(Ordering::Relaxed);
+        let remaining =
+            left.max(0) as u64 + u64::from(slot.store_remaining.load(Ordering::Relaxed));
         Decision::allow(
             self.params.limit,
             remaining.min(self.params.limit.max(self.params.burst)),

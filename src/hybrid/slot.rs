@@ -54,13 +54,17 @@ pub(crate) struct Slot {
     /// Fixed window: the window index the permits belong to.
     pub(crate) window: AtomicI64,
     /// Fixed window: local µs by which `window` has surely ended (its
-    /// latest possible end plus the margin).
+    /// latest possible end plus the margin). Token bucket and GCRA: local
+    /// µs at which the bucket is full again, per the store. Either way,
+    /// when the quota is whole again (`Decision::reset_after`).
     pub(crate) window_end: AtomicU64,
     /// Below this many permits, a refill is requested.
     pub(crate) low_water: AtomicU32,
-    /// From this local µs, a refill (fixed window: a pre-lease of the next
-    /// window) is requested even above the low-water mark.
-    pub(crate) refill_at: AtomicU64,
+    /// Within the limiter's early-refill lead of the deadline, a refill
+    /// (fixed window: a pre-lease of the next window; bucket: a renewal)
+    /// is requested even above the low-water mark. Off after the store
+    /// had nothing to give, until the next lease.
+    pub(crate) early_refill: AtomicBool,
     /// The store said the key is exhausted until this local µs.
     pub(crate) denied_until: AtomicU64,
     /// A refill is queued or in flight; at most one per key.
@@ -75,9 +79,8 @@ pub(crate) struct Slot {
     /// Last use, local milliseconds (wrapping), for idle eviction.
     pub(crate) last_used: AtomicU32,
     /// What the store last said remains unleased.
-    pub(crate) store_remaining: AtomicU64,
-    /// Local µs at which the quota is whole again, per the store.
-    pub(crate) reset_at: AtomicU64,
+    /// (Saturating: a header value, not an accounting one.)
+    pub(crate) store_remaining: AtomicU32,
     /// Whether `next` holds a lease (checked without the lock).
     pub(crate) has_next: AtomicBool,
     /// Boxed: most slots never hold one, and a box is one word.
@@ -117,15 +120,14 @@ impl Slot {
             window: AtomicI64::new(UNKNOWN_WINDOW),
             window_end: AtomicU64::new(0),
             low_water: AtomicU32::new(0),
-            refill_at: AtomicU64::new(u64::MAX),
+            early_refill: AtomicBool::new(false),
             denied_until: AtomicU64::new(0),
             refill_pending: AtomicBool::new(false),
             refill_failed: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
             need: AtomicU32::new(0),
             last_used: AtomicU32::new(millis(now)),
-            store_remaining: AtomicU64::new(0),
-            reset_at: AtomicU64::new(0),
+            store_remaining: AtomicU32::new(0),
             has_next: AtomicBool::new(false),
             next: Mutex::new(None),
             books: Mutex::new(Books {
@@ -192,9 +194,16 @@ impl Slot {
 
     /// Whether the permits just spent leave the slot wanting a refill.
     #[inline]
-    pub(crate) fn wants_refill(&self, left: i64, now: u64) -> bool {
-        left < i64::from(self.low_water.load(Ordering::Relaxed))
-            || now >= self.refill_at.load(Ordering::Relaxed)
+    pub(crate) fn wants_refill(&self, left: i64, now: u64, lead: u64) -> bool {
+        left < i64::from(self.low_water.load(Ordering::Relaxed)) || self.near_end(now, lead)
+    }
+
+    /// Within `lead` of the current lease's deadline, with early refills on.
+    #[inline]
+    pub(crate) fn near_end(&self, now: u64, lead: u64) -> bool {
+        lead > 0
+            && self.early_refill.load(Ordering::Relaxed)
+            && now + lead >= self.deadline.load(Ordering::Acquire)
     }
 
     /// Installs a lease. If the current permits are still valid and belong
@@ -213,6 +222,7 @@ impl Slot {
         renew: bool,
     ) -> i64 {
         let current_deadline = self.deadline.load(Ordering::Acquire);
+        self.early_refill.store(true, Ordering::Relaxed);
         if !renew && now < current_deadline && self.window.load(Ordering::Acquire) == window {
             self.permits.fetch_add(granted, Ordering::AcqRel);
             return 0;
@@ -356,6 +366,6 @@ mod size {
     #[test]
     fn a_slot_stays_within_its_budget() {
         let size = std::mem::size_of::<super::Slot>();
-        assert!(size <= 168, "Slot grew to {size} bytes");
+        assert!(size <= 152, "Slot grew to {size} bytes");
     }
 }

@@ -187,7 +187,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
     let period = shared.params.period_us;
     let permits = slot.permits.load(Ordering::Acquire);
     let valid = now < slot.deadline.load(Ordering::Acquire);
-    let near_end = now >= slot.refill_at.load(Ordering::Relaxed);
+    let near_end = slot.near_end(now, shared.early_lead());
     let mut books = slot.books();
     let credit = Credit {
         debt: books.credit.debt,
@@ -310,11 +310,16 @@ fn apply(
                 let mut books = slot.books();
                 books.credit_closed = books.credit_closed.max(p.call.debt_window.max(current));
             }
-            slot.store_remaining.store(r.remaining, Ordering::Relaxed);
-            slot.reset_at
-                .store(t0 + r.reset_after_us, Ordering::Relaxed);
+            slot.store_remaining.store(
+                r.remaining.min(u64::from(u32::MAX)) as u32,
+                Ordering::Relaxed,
+            );
+            if shared.params.algorithm != Algorithm::FixedWindow {
+                // Buckets have no window: the field holds when they are full.
+                slot.window_end
+                    .store(t0 + r.reset_after_us, Ordering::Relaxed);
+            }
             let margin = config.clock_margin.as_micros() as u64 + shared.time.tick_us();
-            let lead = config.prelease_lead.as_micros() as u64;
             let now = shared.time.precise_us();
             if r.granted > 0 {
                 counters.lease_granted(r.granted);
@@ -352,30 +357,15 @@ fn apply(
                             let replaced =
                                 slot.install(granted, r.window, deadline, window_end, now, false);
                             counters.stranded.add(replaced as u64);
-                            slot.refill_at.store(
-                                if lead == 0 {
-                                    u64::MAX
-                                } else {
-                                    deadline.saturating_sub(lead)
-                                },
-                                Ordering::Relaxed,
-                            );
                         }
                     }
                     Algorithm::TokenBucket | Algorithm::Gcra => {
                         let deadline =
                             (t0 + config.lease_ttl.as_micros() as u64).saturating_sub(margin);
-                        let replaced = slot.install(granted, 0, deadline, deadline, now, p.renew);
+                        let full_at = t0 + r.reset_after_us;
+                        let replaced = slot.install(granted, 0, deadline, full_at, now, p.renew);
                         if replaced > 0 {
                             shared.give_back(&shared.store_key(&slot), replaced as u64, 0);
-                        }
-                        if p.renew
-                            || replaced > 0
-                            || slot.deadline.load(Ordering::Acquire) == deadline
-                        {
-                            let renew_at =
-                                deadline.saturating_sub(lead.min(deadline.saturating_sub(t0) / 2));
-                            slot.refill_at.store(renew_at, Ordering::Relaxed);
                         }
                     }
                 }
@@ -393,7 +383,7 @@ fn apply(
                 // Nothing to be had: spend what is held, then ask again (the
                 // denied-until time keeps that from costing round trips).
                 slot.low_water.store(0, Ordering::Relaxed);
-                slot.refill_at.store(u64::MAX, Ordering::Relaxed);
+                slot.early_refill.store(false, Ordering::Relaxed);
             }
             let level = slot.permits.load(Ordering::Acquire);
             slot.books().sizing.applied(level, now);
