@@ -57,7 +57,7 @@ fn bound(mode: Mode) -> Duration {
 }
 
 struct Observed {
-    /// (seconds since start, source, allowed, latency)
+    /// (seconds since start when the check began, source, allowed, latency)
     decisions: Vec<(f64, Source, bool, Duration)>,
 }
 
@@ -74,15 +74,15 @@ async fn hammer(limiter: &Limiter, start: Instant, stop: Arc<AtomicBool>) -> Obs
             while !stop.load(Ordering::Acquire) {
                 i = (i * 31 + 7) % 50;
                 let key = format!("k{i}");
+                // Stamped when the check starts: one already in flight at
+                // the kill may still have been answered by Redis.
+                let at = start.elapsed().as_secs_f64();
                 let began = Instant::now();
                 let d = limiter.check(&key, 1).await;
                 let took = began.elapsed();
-                log.lock().unwrap().push((
-                    start.elapsed().as_secs_f64(),
-                    d.source(),
-                    d.is_allowed(),
-                    took,
-                ));
+                log.lock()
+                    .unwrap()
+                    .push((at, d.source(), d.is_allowed(), took));
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         }));
@@ -158,12 +158,21 @@ async fn sigkill_under_load_every_decision_follows_the_policy_within_the_bound()
                 "{mode:?} {policy:?}: the policy decided {by_policy}"
             );
             let slowest = during.iter().map(|d| d.3).max().unwrap();
+            // Checks in flight at the kill end within the bound too.
+            let slowest_any = observed
+                .decisions
+                .iter()
+                .filter(|d| d.0 + d.3.as_secs_f64() > killed_at)
+                .map(|d| d.3)
+                .max()
+                .unwrap();
             report.push(format!(
-                "{mode:?} {policy:?}: slowest check during the outage {slowest:?}"
+                "{mode:?} {policy:?}: slowest check begun during the outage {slowest:?}, \
+                 slowest finishing after the kill {slowest_any:?}"
             ));
             assert!(
-                slowest <= bound(mode) + MARGIN,
-                "{mode:?} {policy:?}: a check took {slowest:?}"
+                slowest_any <= bound(mode) + MARGIN,
+                "{mode:?} {policy:?}: a check took {slowest_any:?}"
             );
         }
     }
