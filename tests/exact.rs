@@ -291,3 +291,64 @@ async fn memory_store_and_redis_decide_alike() {
     }
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
 }
+
+/// Random sequences of (key, cost, time step) across many short windows:
+/// the fixed window decides the same on the embedded store (system clock)
+/// and on Redis (its TIME), decision by decision. Both read this machine's
+/// wall clock; steps that would land within 10 ms of a window boundary
+/// wait past it, so the two calls, microseconds apart, see the same window.
+#[tokio::test]
+async fn fixed_window_decides_alike_on_both_stores_across_time_steps() {
+    use proptest::prelude::*;
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+
+    let server = RedisServer::start();
+    let period = Duration::from_millis(100);
+    let quota = Quota::new(8, period).unwrap();
+    let ns = format!("steps-{}", std::process::id());
+    let redis = exact(&server, quota, Algorithm::FixedWindow, &ns).await;
+    let memory = Limiter::builder(quota)
+        .store(MemoryStore::new())
+        .namespace(&ns)
+        .build()
+        .unwrap();
+    let mut runner = TestRunner::deterministic();
+    let ops = prop::collection::vec((0usize..3, 0u64..4, 0u64..40), 150..200)
+        .new_tree(&mut runner)
+        .unwrap()
+        .current();
+    let period_us = period.as_micros() as u64;
+    let mut windows = std::collections::HashSet::new();
+    for (i, (key, cost, step_ms)) in ops.iter().enumerate() {
+        tokio::time::sleep(Duration::from_millis(*step_ms)).await;
+        let offset = support::load::wall_us() % period_us;
+        // Move to 12 ms into a window when within 10 ms of a boundary.
+        let wait = if offset < 10_000 {
+            12_000 - offset
+        } else if offset > period_us - 10_000 {
+            period_us - offset + 12_000
+        } else {
+            0
+        };
+        tokio::time::sleep(Duration::from_micros(wait)).await;
+        windows.insert(support::load::wall_us() / period_us);
+        let key = format!("k{key}");
+        let r = redis.try_check(&key, *cost).await.unwrap();
+        let m = memory.try_check(&key, *cost).await.unwrap();
+        let step = format!("step {i} ({key}, cost {cost}, after {step_ms} ms)");
+        assert_eq!(r.is_allowed(), m.is_allowed(), "{step}");
+        assert_eq!(r.remaining(), m.remaining(), "{step}");
+        let gap = r.reset_after().abs_diff(m.reset_after());
+        assert!(
+            gap < Duration::from_millis(5),
+            "{step}: reset differs by {gap:?}"
+        );
+    }
+    assert!(
+        windows.len() >= 30,
+        "the sequence spanned {} windows",
+        windows.len()
+    );
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}
