@@ -320,6 +320,7 @@ async fn fixed_window_decides_alike_on_both_stores_across_time_steps() {
         .current();
     let period_us = period.as_micros() as u64;
     let mut windows = std::collections::HashSet::new();
+    let (mut resync_from, mut compared, mut skipped) = (0u64, 0u32, 0u32);
     for (i, (key, cost, step_ms)) in ops.iter().enumerate() {
         tokio::time::sleep(Duration::from_millis(*step_ms)).await;
         let offset = support::load::wall_us() % period_us;
@@ -332,19 +333,38 @@ async fn fixed_window_decides_alike_on_both_stores_across_time_steps() {
             0
         };
         tokio::time::sleep(Duration::from_micros(wait)).await;
-        windows.insert(support::load::wall_us() / period_us);
+        let before = support::load::wall_us() / period_us;
+        windows.insert(before);
         let key = format!("k{key}");
         let r = redis.try_check(&key, *cost).await.unwrap();
         let m = memory.try_check(&key, *cost).await.unwrap();
+        let after = support::load::wall_us() / period_us;
+        if before != after {
+            // A stall carried the pair across a boundary: the stores may
+            // have counted it in different windows. Compare again from
+            // the next window on, where both start afresh.
+            resync_from = after + 1;
+        }
+        if before < resync_from {
+            skipped += 1;
+            continue;
+        }
+        compared += 1;
         let step = format!("step {i} ({key}, cost {cost}, after {step_ms} ms)");
         assert_eq!(r.is_allowed(), m.is_allowed(), "{step}");
         assert_eq!(r.remaining(), m.remaining(), "{step}");
+        // The two clocks are read microseconds apart, unless the machine
+        // stalls; the window arithmetic must agree to well within that.
         let gap = r.reset_after().abs_diff(m.reset_after());
         assert!(
-            gap < Duration::from_millis(5),
+            gap < Duration::from_millis(25),
             "{step}: reset differs by {gap:?}"
         );
     }
+    assert!(
+        compared >= 100 && skipped < 20,
+        "compared {compared}, skipped {skipped}"
+    );
     assert!(
         windows.len() >= 30,
         "the sequence spanned {} windows",

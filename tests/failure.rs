@@ -279,10 +279,11 @@ async fn client_pause_exact_times_out_within_the_bound_while_leased_keys_stay_lo
         exact_slowest <= bound(Mode::Exact) + MARGIN,
         "{exact_slowest:?}"
     );
-    assert!(
-        hybrid_slowest < Duration::from_millis(20),
-        "leased decisions waited: {hybrid_slowest:?}"
-    );
+    // Counted, not timed: all 5 000 leased decisions (each checked above
+    // to be a local lease decision) fit in the pause, so none waited on
+    // the paused store.
+    assert_eq!(local, 5_000, "leased decisions made while Redis was paused");
+    assert_eq!(hybrid.stats().policy_decisions, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
