@@ -32,7 +32,7 @@ use hdrhistogram::Histogram;
 use slicelimit::{
     Algorithm, HybridConfig, Limiter, MemoryStore, Quota, RedisOptions, RedisStore, Store,
 };
-use support::load::{key_name, wall_us, ZipfKeys};
+use support::load::{key_name, wall_us, Pacer, ZipfKeys};
 
 #[derive(Clone, Debug)]
 struct Args {
@@ -333,16 +333,10 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
                 1.0,
                 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407),
             );
-            let mut carry = 0.0;
             let mut count = 0u64;
-            let mut ticker = tokio::time::interval(tick);
-            ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+            let mut pacer = Pacer::new(tick, per_tick);
             while wall_us() < stop_at {
-                ticker.tick().await;
-                carry += per_tick;
-                let n = carry.floor() as usize;
-                carry -= n as f64;
-                for _ in 0..n {
+                for _ in 0..pacer.next_batch().await {
                     let key = zipf.next_key();
                     *demand
                         .entry((key, (wall_us() / period_us) as i64))

@@ -219,25 +219,10 @@ impl HybridEngine {
         if s.closed.load(Ordering::Acquire) {
             return s.exact_check(key, cost).await;
         }
-        let now = s.time.now_us();
-        let slot = match s.slots.get(key) {
-            Some(entry) => {
-                let slot = entry.value();
-                if let Take::Taken(left) =
-                    slot.take(cost, now, s.time.guard_us(), || s.time.precise_us())
-                {
-                    slot.touch(now);
-                    if slot.wants_refill(left, now, s.early_lead()) {
-                        s.request_refill(slot, false);
-                    }
-                    return Ok(s.lease_decision(slot, left, now));
-                }
-                slot.clone()
-            }
-            None => match s.insert(key, now) {
-                Some(slot) => slot,
-                None => return s.exact_check(key, cost).await,
-            },
+        // The slow path tries the slot's permits first: one code path for
+        // everything `try_fast` did not answer.
+        let Some(slot) = s.insert(key, s.time.now_us()) else {
+            return s.exact_check(key, cost).await;
         };
         self.slow(slot, key, cost).await
     }

@@ -145,6 +145,36 @@ impl ZipfKeys {
     }
 }
 
+/// Open-loop pacing: every `tick`, as many requests as the fractional
+/// `per_tick` has added up to; ticks missed under load are made up in a
+/// burst, so the offered load does not drop when the system is slow.
+pub struct Pacer {
+    ticker: tokio::time::Interval,
+    per_tick: f64,
+    carry: f64,
+}
+
+impl Pacer {
+    pub fn new(tick: std::time::Duration, per_tick: f64) -> Self {
+        let mut ticker = tokio::time::interval(tick);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        Pacer {
+            ticker,
+            per_tick,
+            carry: 0.0,
+        }
+    }
+
+    /// Waits for the next tick; returns how many requests to send now.
+    pub async fn next_batch(&mut self) -> usize {
+        self.ticker.tick().await;
+        self.carry += self.per_tick;
+        let n = self.carry.floor() as usize;
+        self.carry -= n as f64;
+        n
+    }
+}
+
 /// Demand per period for the key of rank `index` (0-based).
 pub fn key_demand(spec: &LoadSpec, index: usize) -> f64 {
     let total: f64 = (1..=spec.keys).map(|r| 1.0 / r as f64).sum();
@@ -165,16 +195,10 @@ pub async fn drive(
     let per_period = spec.demand_factor * spec.limit as f64 * spec.keys as f64 * share;
     let per_tick = per_period * spec.tick.as_secs_f64() / spec.period.as_secs_f64();
     let period_us = spec.period.as_micros() as u64;
-    let mut carry = 0.0;
     let mut tally = Tally::default();
-    let mut ticker = tokio::time::interval(spec.tick);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut pacer = Pacer::new(spec.tick, per_tick);
     while wall_us() < stop_at_us {
-        ticker.tick().await;
-        carry += per_tick;
-        let n = carry.floor() as usize;
-        carry -= n as f64;
-        for _ in 0..n {
+        for _ in 0..pacer.next_batch().await {
             let key = zipf.next_key();
             let arrived = (wall_us() / period_us) as i64;
             let decision = limiter.check(&names[key], 1).await;
