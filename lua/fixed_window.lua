@@ -4,7 +4,9 @@
 --          value = permits counted in that window.
 -- ARGV[1]  limit      permits per window (integer >= 1)
 -- ARGV[2]  period_us  window length in microseconds (integer >= 1000)
--- ARGV[3]  cost       permits this request takes (integer >= 0; 0 = peek)
+-- ARGV[3]  cost       permits this request takes (integer >= 0; 0 = peek,
+--                     always allowed, even when debt pushed the count past
+--                     the limit)
 --
 -- Returns  {allowed (0|1), remaining, reset_after_us, retry_after_us, now_us}
 --          retry_after_us is 0 when allowed, -1 when cost > limit (never).
@@ -25,7 +27,7 @@ local reset = (w + 1) * period - now
 
 local allowed = 0
 local retry = 0
-if used + cost <= limit then
+if cost == 0 or used + cost <= limit then
   allowed = 1
   if cost > 0 then
     used = redis.call('HINCRBY', KEYS[1], field, cost)

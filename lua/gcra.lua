@@ -1,10 +1,12 @@
 -- gcra.lua: exact generic cell rate algorithm, one call per decision.
 --
--- KEYS[1]  string; the theoretical arrival time (TAT) in redis_now_us.
+-- KEYS[1]  hash; "t" = the theoretical arrival time (TAT) in redis_now_us,
+--          "gb" = permits given back so far (see give_back.lua; kept here).
 -- ARGV[1]  limit      permits per period (integer >= 1)
 -- ARGV[2]  period_us  the period in microseconds
 -- ARGV[3]  burst      permits that may arrive at once (integer >= 1)
--- ARGV[4]  cost       permits this request takes (integer >= 0; 0 = peek)
+-- ARGV[4]  cost       permits this request takes (integer >= 0; 0 = peek,
+--                     always allowed)
 --
 -- Returns  {allowed (0|1), remaining, reset_after_us (until the TAT, when the
 --          full burst is available again), retry_after_us (0 allowed,
@@ -23,17 +25,18 @@ local cost = tonumber(ARGV[4])
 
 local interval = period / limit
 local tolerance = burst * interval
-local tat = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+local tat = tonumber(redis.call('HGET', KEYS[1], 't') or '0') or 0
 if tat < now then tat = now end
 
 local new_tat = tat + cost * interval
 local allowed = 0
 local retry = 0
-if new_tat - now <= tolerance then
+if cost == 0 or new_tat - now <= tolerance then
   allowed = 1
   if cost > 0 then
     tat = new_tat
-    redis.call('SET', KEYS[1], string.format('%d', math.ceil(tat)), 'PX', math.ceil((tat - now) / 1000) + 1)
+    redis.call('HSET', KEYS[1], 't', string.format('%d', math.ceil(tat)))
+    redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil((tat - now) / 1000) + 1))
   end
 elseif cost > burst then
   retry = -1

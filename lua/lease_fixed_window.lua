@@ -3,6 +3,9 @@
 --
 -- KEYS[1]  hash; field = window index, value = permits granted or admitted
 --          in that window (the same key as fixed_window.lua).
+-- KEYS[2]  optional, only when debt > 0: the report's identity (a string key
+--          in the same hash slot). A second delivery of the same report
+--          finds it and does not record the debt again; it still leases.
 -- ARGV[1]  limit        permits per window
 -- ARGV[2]  period_us    window length in microseconds
 -- ARGV[3]  want         permits asked for (>= 0)
@@ -23,7 +26,8 @@
 --          reset_after_us (until the target window ends), retry_after_us
 --          (when nothing was granted: until the target window ends; else 0),
 --          now_us, uncovered (debt permits beyond the limit), window (index
---          of the target window)}
+--          of the target window), 0, 0} (the last two are the bucket
+--          scripts' level and give-back count)
 --
 -- grant = min(want, available, max(1, floor(share_cap * available),
 -- min(available, tail))), so leases shrink as the window fills and few
@@ -48,6 +52,14 @@ local w = math.floor(now / period)
 if debt_window < 0 then debt_window = w end
 local newest = w
 local uncovered = 0
+if debt > 0 and KEYS[2] then
+  local seen = redis.call('GET', KEYS[2])
+  if seen then
+    uncovered = tonumber(seen)
+    debt = 0
+  end
+end
+local reported = debt
 if debt > 0 then
   if debt_window >= w - 1 and debt_window <= w + 1 then
     local f = string.format('%d', debt_window)
@@ -86,9 +98,13 @@ if granted > 0 or debt > 0 then
   end
 end
 
+if reported > 0 and KEYS[2] then
+  redis.call('SET', KEYS[2], string.format('%d', uncovered), 'PX', 60000)
+end
+
 local start_after = tw * period - now
 if start_after < 0 then start_after = 0 end
 local reset = (tw + 1) * period - now
 local retry = 0
 if granted == 0 then retry = reset end
-return {granted, math.max(0, limit - used), start_after, reset, retry, now, uncovered, tw}
+return {granted, math.max(0, limit - used), start_after, reset, retry, now, uncovered, tw, 0, 0}

@@ -1,8 +1,10 @@
 -- lease_gcra.lua: lease permits from a GCRA key to one process, and record
 -- the permits it admitted on credit.
 --
--- KEYS[1]  string; the theoretical arrival time (TAT) in redis_now_us (the
---          same key as gcra.lua).
+-- KEYS[1]  hash; "t" the theoretical arrival time (TAT) in redis_now_us,
+--          "gb" permits given back so far (the same key as gcra.lua).
+-- KEYS[2]  optional, only when debt > 0: the report's identity (a string key
+--          in the same hash slot); a second delivery records no debt again.
 -- ARGV[1]  limit      permits per period
 -- ARGV[2]  period_us  the period in microseconds
 -- ARGV[3]  burst      permits that may arrive at once
@@ -15,10 +17,13 @@
 --
 -- Returns  {granted, remaining, 0, reset_after_us (until the TAT),
 --          retry_after_us (when nothing was granted: until `patience`
---          permits are available; else 0), now_us, uncovered, 0}
+--          permits are available; else 0), now_us, uncovered, 0, level
+--          (permits available after the grant, rounded up), given_back}
 --
 -- Leasing n permits advances the TAT by n emission intervals, exactly as n
--- admissions would; debt advances it too, past the tolerance if need be.
+-- admissions would; debt advances it too, past the tolerance if need be,
+-- but at most one burst beyond it (the rest is counted in `uncovered`).
+-- `now_us`, `level` and `given_back` are the lease's origin (give_back.lua).
 -- Complexity: O(1).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -33,17 +38,30 @@ local patience = math.min(math.max(need, tonumber(ARGV[8])), burst)
 
 local interval = period / limit
 local tolerance = burst * interval
-local tat = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+local state = redis.call('HMGET', KEYS[1], 't', 'gb')
+local tat = tonumber(state[1]) or 0
+local gb = tonumber(state[2])
 if tat < now then tat = now end
 
+local function level_at(tat_now)
+  return (tolerance - (tat_now - now)) / interval
+end
 local function available_at(tat_now)
-  return math.floor((tolerance - (tat_now - now)) / interval + 1e-9)
+  return math.floor(level_at(tat_now) + 1e-9)
 end
 
 local uncovered = 0
+if debt > 0 and KEYS[2] then
+  local seen = redis.call('GET', KEYS[2])
+  if seen then
+    uncovered = tonumber(seen)
+    debt = 0
+  end
+end
+local reported = debt
 if debt > 0 then
   uncovered = math.max(0, debt - math.max(0, available_at(tat)))
-  tat = tat + debt * interval
+  tat = math.min(tat + debt * interval, now + 2 * tolerance)
 end
 
 local available = math.max(0, available_at(tat))
@@ -55,10 +73,16 @@ end
 tat = tat + granted * interval
 
 if granted > 0 or debt > 0 then
-  redis.call('SET', KEYS[1], string.format('%d', math.ceil(tat)), 'PX', math.ceil((tat - now) / 1000) + 1)
+  if gb == nil then gb = now end
+  redis.call('HSET', KEYS[1], 't', string.format('%d', math.ceil(tat)), 'gb', string.format('%d', gb))
+  redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil((tat - now) / 1000) + 1))
+end
+if reported > 0 and KEYS[2] then
+  redis.call('SET', KEYS[2], string.format('%d', uncovered), 'PX', 60000)
 end
 local retry = 0
 if granted == 0 then
   retry = math.max(1, math.ceil(tat + patience * interval - tolerance - now))
 end
-return {granted, math.max(0, available_at(tat)), 0, math.ceil(tat - now), retry, now, uncovered, 0}
+return {granted, math.max(0, available_at(tat)), 0, math.ceil(tat - now), retry, now, uncovered, 0,
+  math.ceil(level_at(tat) - 1e-9), gb or 0}

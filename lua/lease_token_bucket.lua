@@ -1,8 +1,10 @@
 -- lease_token_bucket.lua: lease tokens from a token bucket to one process,
 -- and record the tokens it admitted on credit.
 --
--- KEYS[1]  hash; "tk" tokens, "ts" redis_now_us of the last update (the same
---          key as token_bucket.lua).
+-- KEYS[1]  hash; "tk" tokens, "ts" redis_now_us of the last update, "gb"
+--          tokens given back so far (the same key as token_bucket.lua).
+-- KEYS[2]  optional, only when debt > 0: the report's identity (a string key
+--          in the same hash slot); a second delivery records no debt again.
 -- ARGV[1]  limit      tokens added per period
 -- ARGV[2]  period_us  the period in microseconds
 -- ARGV[3]  burst      bucket capacity
@@ -18,11 +20,15 @@
 -- Returns  {granted, remaining (whole tokens left), 0, reset_after_us (until
 --          full), retry_after_us (when nothing was granted: until `patience`
 --          tokens are present; else 0), now_us, uncovered (debt beyond the
---          tokens present), 0}
+--          tokens present), 0, level (tokens left, rounded up), given_back
+--          (the key's "gb")}
 --
--- Debt is taken even past empty: the bucket goes negative and refills pay
--- it back, so credit never becomes free. The key expires when the bucket
--- would be full. Complexity: O(1).
+-- `now_us`, `level` and `given_back` are the lease's origin: a later
+-- give-back sends them, so the store can tell how full the bucket may have
+-- been meanwhile (give_back.lua). Debt is taken even past empty, down to
+-- one burst below zero (what lies beyond is overshoot all the same, and is
+-- counted in `uncovered`), so credit never becomes free. The key expires
+-- when the bucket would be full. Complexity: O(1).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local limit = tonumber(ARGV[1])
@@ -34,9 +40,10 @@ local debt = tonumber(ARGV[6])
 local need = tonumber(ARGV[7])
 local patience = math.min(math.max(need, tonumber(ARGV[8])), burst)
 
-local state = redis.call('HMGET', KEYS[1], 'tk', 'ts')
+local state = redis.call('HMGET', KEYS[1], 'tk', 'ts', 'gb')
 local tokens = tonumber(state[1])
 local ts = tonumber(state[2])
+local gb = tonumber(state[3])
 if tokens == nil or ts == nil then
   tokens = burst
   ts = now
@@ -46,9 +53,17 @@ if now > ts then
 end
 
 local uncovered = 0
+if debt > 0 and KEYS[2] then
+  local seen = redis.call('GET', KEYS[2])
+  if seen then
+    uncovered = tonumber(seen)
+    debt = 0
+  end
+end
+local reported = debt
 if debt > 0 then
   uncovered = math.max(0, debt - math.max(0, tokens))
-  tokens = tokens - debt
+  tokens = math.max(-burst, tokens - debt)
 end
 
 local available = math.max(0, math.floor(tokens))
@@ -61,11 +76,17 @@ tokens = tokens - granted
 
 local reset = math.ceil((burst - tokens) * period / limit)
 if granted > 0 or debt > 0 then
-  redis.call('HSET', KEYS[1], 'tk', string.format('%.17g', tokens), 'ts', string.format('%d', now))
-  redis.call('PEXPIRE', KEYS[1], math.ceil(reset / 1000) + 1)
+  if gb == nil then gb = now end
+  redis.call('HSET', KEYS[1], 'tk', string.format('%.17g', tokens), 'ts', string.format('%d', now),
+    'gb', string.format('%d', gb))
+  redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil(reset / 1000) + 1))
+end
+if reported > 0 and KEYS[2] then
+  redis.call('SET', KEYS[2], string.format('%d', math.ceil(uncovered)), 'PX', 60000)
 end
 local retry = 0
 if granted == 0 then
   retry = math.max(1, math.ceil((patience - tokens) * period / limit))
 end
-return {granted, math.max(0, math.floor(tokens)), 0, reset, retry, now, math.ceil(uncovered), 0}
+return {granted, math.max(0, math.floor(tokens)), 0, reset, retry, now, math.ceil(uncovered), 0,
+  math.ceil(tokens), gb or 0}

@@ -1,17 +1,20 @@
 -- token_bucket.lua: exact token bucket, one call per decision.
 --
--- KEYS[1]  hash; field "tk" = tokens (may be fractional), "ts" = redis_now_us
---          of the last update.
+-- KEYS[1]  hash; "tk" = tokens (may be fractional, negative after debt),
+--          "ts" = redis_now_us of the last update, "gb" = permits given back
+--          so far (see give_back.lua; kept, not used here).
 -- ARGV[1]  limit      tokens added per period (integer >= 1)
 -- ARGV[2]  period_us  the period in microseconds
 -- ARGV[3]  burst      bucket capacity (integer >= 1)
--- ARGV[4]  cost       tokens this request takes (integer >= 0; 0 = peek)
+-- ARGV[4]  cost       tokens this request takes (integer >= 0; 0 = peek,
+--                     always allowed, even when debt left the bucket negative)
 --
 -- Returns  {allowed (0|1), remaining (whole tokens), reset_after_us (until
 --          full), retry_after_us (0 allowed, -1 never), now_us}
 --
 -- A missing key is a full bucket. The key expires when the bucket would be
--- full again, at which point forgetting it changes nothing.
+-- full again, at which point forgetting it changes nothing. Quotas are
+-- validated so that this TTL stays far below 2^53 ms (formatted with %d).
 -- Complexity: O(1).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -33,11 +36,9 @@ end
 
 local allowed = 0
 local retry = 0
-if cost <= tokens then
+if cost == 0 or cost <= tokens then
   allowed = 1
-  if cost > 0 then
-    tokens = tokens - cost
-  end
+  tokens = tokens - cost
 elseif cost > burst then
   retry = -1
 else
@@ -47,6 +48,6 @@ end
 local reset = math.ceil((burst - tokens) * period / limit)
 if allowed == 1 and cost > 0 then
   redis.call('HSET', KEYS[1], 'tk', string.format('%.17g', tokens), 'ts', string.format('%d', now))
-  redis.call('PEXPIRE', KEYS[1], math.ceil(reset / 1000) + 1)
+  redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil(reset / 1000) + 1))
 end
-return {allowed, math.floor(tokens), reset, retry, now}
+return {allowed, math.max(0, math.floor(tokens)), reset, retry, now}

@@ -87,61 +87,104 @@ pub(crate) fn micros(clock: &dyn Clock) -> u64 {
     clock.now().as_micros() as u64
 }
 
-/// Where the hybrid limiter reads time: a coarse clock advanced by a
-/// background thread (one atomic load per decision), or an injected clock
-/// read directly (tests, custom clocks).
+/// Where the hybrid limiter reads time: the kernel's coarse monotonic
+/// clock on the request path (a vDSO read, no syscall, no writes, updated
+/// by the kernel on every timer tick, so it lags by at most one tick
+/// whatever the process's threads are doing), or an injected clock read
+/// directly (tests, custom clocks).
 #[derive(Clone)]
 pub(crate) enum TimeSource {
-    Coarse(Arc<Ticker>),
+    /// `coarse + offset` is local time; the offset anchors the kernel clock
+    /// to the system clock once.
+    Coarse {
+        offset: i64,
+        precise: SystemClock,
+    },
     Precise(Arc<dyn Clock>),
+    /// A fast clock that may lag the precise one by up to `guard_us` (the
+    /// simulation's way of starving the coarse clock).
+    Split {
+        fast: Arc<dyn Clock>,
+        precise: Arc<dyn Clock>,
+        guard_us: u64,
+    },
+}
+
+/// The kernel's coarse monotonic clock, in µs.
+#[inline]
+fn kernel_coarse_us() -> u64 {
+    let ticks = coarsetime::Instant::now_without_cache_update().as_ticks();
+    // 32.32 fixed-point seconds.
+    (ticks >> 32) * 1_000_000 + (((ticks & 0xffff_ffff) * 1_000_000) >> 32)
 }
 
 impl TimeSource {
     pub(crate) fn new(clock: Option<Arc<dyn Clock>>, coarse: bool) -> Self {
         match clock {
             Some(clock) => TimeSource::Precise(clock),
-            None => match coarse.then(Ticker::acquire).flatten() {
-                Some(ticker) => TimeSource::Coarse(ticker),
-                None => TimeSource::Precise(Arc::new(SystemClock::new())),
-            },
+            None if coarse => {
+                let precise = SystemClock::new();
+                let offset = micros(&precise) as i64 - kernel_coarse_us() as i64;
+                TimeSource::Coarse { offset, precise }
+            }
+            None => TimeSource::Precise(Arc::new(SystemClock::new())),
         }
     }
 
-    /// Local time in µs, possibly up to a tick behind (the hot path).
+    /// A fast clock that may lag `precise` by up to `guard`.
+    pub(crate) fn split(fast: Arc<dyn Clock>, precise: Arc<dyn Clock>, guard: Duration) -> Self {
+        TimeSource::Split {
+            fast,
+            precise,
+            guard_us: guard.as_micros() as u64,
+        }
+    }
+
+    /// Local time in µs, possibly up to [`guard_us`](Self::guard_us) behind
+    /// (the hot path).
     #[inline]
     pub(crate) fn now_us(&self) -> u64 {
         match self {
-            TimeSource::Coarse(t) => t.state.now.load(Ordering::Relaxed),
+            TimeSource::Coarse { offset, .. } => kernel_coarse_us().saturating_add_signed(*offset),
             TimeSource::Precise(c) => micros(&**c),
+            TimeSource::Split { fast, .. } => micros(&**fast),
         }
     }
 
-    /// Local time in µs, read from the underlying clock (the sync task).
+    /// Local time in µs, read from the underlying precise clock.
     pub(crate) fn precise_us(&self) -> u64 {
         match self {
-            TimeSource::Coarse(t) => {
-                let now = micros(&t.state.clock);
-                t.state.now.fetch_max(now, Ordering::Relaxed);
-                now
-            }
+            TimeSource::Coarse { precise, .. } => micros(precise),
             TimeSource::Precise(c) => micros(&**c),
+            TimeSource::Split { precise, .. } => micros(&**precise),
         }
     }
 
-    /// Within this many µs of a deadline, the hot path reads the precise
-    /// clock: a starved ticker thread may lag by more than its tick.
+    /// How far `now_us` may lag `precise_us`: within this many µs of a
+    /// deadline, the hot path reads the precise clock. For the kernel's
+    /// coarse clock: one timer tick (at most 10 ms at HZ=100) plus the
+    /// anchoring error (another tick), with a wide margin.
     pub(crate) fn guard_us(&self) -> u64 {
         match self {
-            TimeSource::Coarse(_) => COARSE_GUARD.as_micros() as u64,
+            TimeSource::Coarse { .. } => COARSE_GUARD.as_micros() as u64,
             TimeSource::Precise(_) => 0,
+            TimeSource::Split { guard_us, .. } => *guard_us,
         }
     }
 
-    /// How far behind the hot path's reading may be, beyond scheduling.
+    /// Whether a permit whose deadline is `deadline` is still valid now.
+    /// Reads the precise clock only within the guard of the deadline.
+    #[inline]
+    pub(crate) fn before(&self, deadline: u64) -> bool {
+        let now = self.now_us();
+        now < deadline && (now + self.guard_us() < deadline || self.precise_us() < deadline)
+    }
+
+    /// Granularity subtracted from lease deadlines besides the margin.
     pub(crate) fn tick_us(&self) -> u64 {
         match self {
-            TimeSource::Coarse(_) => TICK.as_micros() as u64,
-            TimeSource::Precise(_) => 0,
+            TimeSource::Coarse { .. } => TICK.as_micros() as u64,
+            TimeSource::Precise(_) | TimeSource::Split { .. } => 0,
         }
     }
 }
@@ -150,55 +193,3 @@ const TICK: Duration = Duration::from_millis(1);
 
 /// See [`TimeSource::guard_us`].
 const COARSE_GUARD: Duration = Duration::from_millis(50);
-
-struct TickerState {
-    now: AtomicU64,
-    stop: std::sync::atomic::AtomicBool,
-    clock: SystemClock,
-}
-
-/// A process-wide coarse clock: one thread advances an atomic every
-/// millisecond while at least one hybrid limiter holds a handle.
-pub(crate) struct Ticker {
-    state: Arc<TickerState>,
-}
-
-static TICKER: std::sync::Mutex<std::sync::Weak<Ticker>> =
-    std::sync::Mutex::new(std::sync::Weak::new());
-
-impl Ticker {
-    /// The shared ticker, started if none runs; `None` if no thread can
-    /// be started (the caller then reads the OS clock directly).
-    fn acquire() -> Option<Arc<Ticker>> {
-        let mut slot = TICKER.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(ticker) = slot.upgrade() {
-            return Some(ticker);
-        }
-        let clock = SystemClock::new();
-        let state = Arc::new(TickerState {
-            now: AtomicU64::new(micros(&clock)),
-            stop: std::sync::atomic::AtomicBool::new(false),
-            clock,
-        });
-        let thread_state = state.clone();
-        let spawned = std::thread::Builder::new()
-            .name("slicelimit-clock".into())
-            .spawn(move || {
-                while !thread_state.stop.load(Ordering::Relaxed) {
-                    let now = micros(&thread_state.clock);
-                    thread_state.now.fetch_max(now, Ordering::Relaxed);
-                    std::thread::sleep(TICK);
-                }
-            });
-        spawned.ok()?;
-        let ticker = Arc::new(Ticker { state });
-        *slot = Arc::downgrade(&ticker);
-        Some(ticker)
-    }
-}
-
-impl Drop for Ticker {
-    fn drop(&mut self) {
-        self.state.stop.store(true, Ordering::Relaxed);
-    }
-}

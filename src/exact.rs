@@ -5,6 +5,7 @@
 //! but the call; failures go back to the limiter, which applies the policy.
 
 use crate::decision::Source;
+use crate::failure::Report;
 use crate::key::KeyEncoder;
 use crate::local::decision_from;
 use crate::store::{LeaseCall, Params, Store};
@@ -32,17 +33,27 @@ impl ExactEngine {
     }
 
     /// Records permits admitted elsewhere (the fallback, during an outage)
-    /// as consumption of each key's current window or bucket. Returns the
-    /// permits the store could not cover.
-    pub(crate) async fn report(&self, items: &[(String, u64)]) -> Result<u64, Error> {
-        let calls: Vec<LeaseCall> = items
+    /// as consumption of each key's current window or bucket, each report
+    /// under its identity. One result per report: the permits the store
+    /// could not cover, or why it refused.
+    pub(crate) async fn report(
+        &self,
+        reports: &[Report],
+    ) -> Result<Vec<Result<u64, Error>>, Error> {
+        let calls: Vec<LeaseCall> = reports
             .iter()
-            .map(|(key, n)| LeaseCall::report(self.keys.store_key(key, self.params.algorithm), *n))
+            .map(|r| {
+                LeaseCall::report(
+                    self.keys.store_key(&r.key, self.params.algorithm),
+                    r.permits,
+                    r.op,
+                )
+            })
             .collect();
-        let mut uncovered = 0;
-        for reply in self.store.lease_batch(&self.params, &calls).await? {
-            uncovered += reply?.uncovered;
-        }
-        Ok(uncovered)
+        let replies = self.store.lease_batch(&self.params, &calls).await?;
+        Ok(replies
+            .into_iter()
+            .map(|reply| reply.map(|r| r.uncovered))
+            .collect())
     }
 }

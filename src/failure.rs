@@ -6,6 +6,7 @@
 //! circuit breaker. It never talks to the store itself.
 
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,6 +14,7 @@ use std::time::Duration;
 use crate::clock::micros;
 use crate::decision::Source;
 use crate::local::LocalEngine;
+use crate::store::{OpId, OpIds};
 use crate::{Algorithm, Clock, Decision, Error, ErrorKind, Quota};
 
 /// What to decide while the store is unavailable.
@@ -49,10 +51,32 @@ pub(crate) struct FailureHandler {
 /// Permits admitted by the fallback while the store was away, per user key.
 /// Reported to the store as debt when it answers again, so the fleet does
 /// not get a second full budget right after an outage.
+///
+/// Each report carries an identity ([`OpId`]) fixed when it is first sent:
+/// a report that timed out is resent under the same identity, so the store
+/// counts it once even if it had applied the first delivery.
 #[derive(Debug, Default)]
 pub(crate) struct Reconciler {
-    pending: Mutex<HashMap<String, u64>>,
+    pending: Mutex<Ledger>,
     has_pending: AtomicBool,
+    ops: OpIds,
+}
+
+#[derive(Debug, Default)]
+struct Ledger {
+    /// Admitted and never sent.
+    fresh: HashMap<String, u64>,
+    /// Sent, not known to have applied: resent as they were.
+    resend: Vec<Report>,
+}
+
+/// One reconciliation report: `permits` admitted for `key` while the store
+/// was away.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Report {
+    pub(crate) key: String,
+    pub(crate) permits: u64,
+    pub(crate) op: OpId,
 }
 
 impl Reconciler {
@@ -61,7 +85,8 @@ impl Reconciler {
             return;
         }
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        *pending.entry(key.to_owned()).or_insert(0) += cost;
+        let n = pending.fresh.entry(key.to_owned()).or_insert(0);
+        *n = n.saturating_add(cost);
         self.has_pending.store(true, Ordering::Release);
     }
 
@@ -69,20 +94,29 @@ impl Reconciler {
         self.has_pending.load(Ordering::Acquire)
     }
 
-    /// Takes everything pending.
-    pub(crate) fn drain(&self) -> Vec<(String, u64)> {
+    /// Takes everything pending, each with its identity.
+    pub(crate) fn drain(&self) -> Vec<Report> {
         if !self.has_pending() {
             return Vec::new();
         }
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         self.has_pending.store(false, Ordering::Release);
-        pending.drain().collect()
+        let mut out = std::mem::take(&mut pending.resend);
+        out.extend(pending.fresh.drain().map(|(key, permits)| Report {
+            key,
+            permits,
+            op: self.ops.next(),
+        }));
+        out
     }
 
-    /// Puts back what could not be reported.
-    pub(crate) fn restore(&self, items: impl IntoIterator<Item = (String, u64)>) {
-        for (key, n) in items {
-            self.record(&key, n);
+    /// Puts back reports that could not be delivered, to be resent as they
+    /// are.
+    pub(crate) fn restore(&self, reports: impl IntoIterator<Item = Report>) {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        pending.resend.extend(reports);
+        if !pending.resend.is_empty() {
+            self.has_pending.store(true, Ordering::Release);
         }
     }
 }
@@ -178,6 +212,33 @@ pub struct CircuitConfig {
     pub max_backoff: Duration,
 }
 
+/// The longest back-off accepted: a breaker that stays open longer is an
+/// outage of its own.
+const MAX_BACKOFF: Duration = Duration::from_secs(3600);
+
+impl CircuitConfig {
+    pub(crate) fn validate(&self) -> Result<(), Error> {
+        if self.failures == 0 {
+            return Err(Error::invalid(
+                "circuit breaker failures must be at least 1",
+            ));
+        }
+        if self.base_backoff.is_zero() || self.max_backoff < self.base_backoff {
+            return Err(Error::invalid(format!(
+                "circuit breaker back-off must satisfy 0 < base <= max, got {:?}..={:?}",
+                self.base_backoff, self.max_backoff
+            )));
+        }
+        if self.max_backoff > MAX_BACKOFF {
+            return Err(Error::invalid(format!(
+                "circuit breaker back-off {:?} is above the maximum {MAX_BACKOFF:?}",
+                self.max_backoff
+            )));
+        }
+        Ok(())
+    }
+}
+
 impl Default for CircuitConfig {
     fn default() -> Self {
         CircuitConfig {
@@ -215,9 +276,31 @@ struct Breaker {
 }
 
 /// Permission to call the store; `probe` if it is the half-open probe.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Admission {
+///
+/// A drop guard: a caller that drops its future between `admit` and
+/// `record` (a client hung up, a `select!`, a timeout around `check`) must
+/// not leave the breaker half-open for good. An abandoned probe reopens
+/// the circuit with no back-off left, so the next call probes again.
+#[must_use = "report the outcome with CircuitBreaker::record"]
+pub(crate) struct Admission<'a> {
+    breaker: &'a CircuitBreaker,
     probe: bool,
+}
+
+impl fmt::Debug for Admission<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Admission")
+            .field("probe", &self.probe)
+            .finish()
+    }
+}
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        if self.probe {
+            self.breaker.abandon_probe();
+        }
+    }
 }
 
 impl CircuitBreaker {
@@ -266,22 +349,39 @@ impl CircuitBreaker {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The probe's caller went away without an outcome: open again, with
+    /// the back-off already served, so the next call is the probe.
+    fn abandon_probe(&self) {
+        let mut b = self.lock();
+        if b.state == CircuitState::HalfOpen {
+            b.state = CircuitState::Open;
+            b.open_until_us = micros(&*self.clock);
+        }
+    }
+
     /// May a call go to the store now?
     ///
     /// # Errors
     /// A [`CircuitOpen`](crate::ErrorKind::CircuitOpen) error while open,
     /// or while another call is the half-open probe.
-    pub(crate) fn admit(&self) -> Result<Admission, Error> {
+    pub(crate) fn admit(&self) -> Result<Admission<'_>, Error> {
+        let plain = Admission {
+            breaker: self,
+            probe: false,
+        };
         if !self.tripped.load(Ordering::Acquire) {
-            return Ok(Admission { probe: false });
+            return Ok(plain);
         }
         let mut b = self.lock();
         let now = micros(&*self.clock);
         match b.state {
-            CircuitState::Closed => Ok(Admission { probe: false }),
+            CircuitState::Closed => Ok(plain),
             CircuitState::Open if now >= b.open_until_us => {
                 b.state = CircuitState::HalfOpen;
-                Ok(Admission { probe: true })
+                Ok(Admission {
+                    breaker: self,
+                    probe: true,
+                })
             }
             _ => {
                 self.refused.fetch_add(1, Ordering::Relaxed);
@@ -298,8 +398,10 @@ impl CircuitBreaker {
 
     /// Reports a call's outcome. Only unavailability counts as failure: a
     /// store that answers with an error is up.
-    pub(crate) fn record(&self, admission: Admission, failed: bool) {
-        if !failed && !admission.probe && !self.tripped.load(Ordering::Acquire) {
+    pub(crate) fn record(&self, mut admission: Admission<'_>, failed: bool) {
+        let probe = std::mem::replace(&mut admission.probe, false);
+        drop(admission);
+        if !failed && !probe && !self.tripped.load(Ordering::Acquire) {
             let mut b = self.lock();
             b.consecutive = 0;
             return;
@@ -314,12 +416,12 @@ impl CircuitBreaker {
             return;
         }
         b.consecutive = b.consecutive.saturating_add(1);
-        let trip = admission.probe
-            || (b.state == CircuitState::Closed && b.consecutive >= self.config.failures);
+        let trip =
+            probe || (b.state == CircuitState::Closed && b.consecutive >= self.config.failures);
         if !trip {
             return;
         }
-        if admission.probe {
+        if probe {
             let max = self.config.max_backoff.as_micros() as u64;
             b.backoff_us = (b.backoff_us.saturating_mul(2)).min(max).max(1);
         }
@@ -330,7 +432,7 @@ impl CircuitBreaker {
         b.rng ^= b.rng << 17;
         let half = b.backoff_us / 2;
         let wait = half + b.rng % (b.backoff_us - half + 1);
-        b.open_until_us = now + wait;
+        b.open_until_us = now.saturating_add(wait);
         b.state = CircuitState::Open;
         self.tripped.store(true, Ordering::Release);
         self.trips.fetch_add(1, Ordering::Relaxed);
@@ -380,6 +482,24 @@ mod tests {
         assert_eq!(b.state(), CircuitState::Closed);
         assert!(b.admit().is_ok());
         assert_eq!(b.trips(), 1);
+    }
+
+    #[test]
+    fn a_dropped_probe_does_not_wedge_the_breaker_half_open() {
+        let (b, clock) = breaker();
+        for _ in 0..3 {
+            let a = b.admit().unwrap();
+            b.record(a, true);
+        }
+        clock.advance(Duration::from_millis(101));
+        let probe = b.admit().expect("the probe");
+        assert_eq!(b.state(), CircuitState::HalfOpen);
+        drop(probe); // its caller's future was dropped mid-call
+        assert_eq!(b.state(), CircuitState::Open);
+        let probe = b.admit().expect("the next call probes at once");
+        b.record(probe, false);
+        assert_eq!(b.state(), CircuitState::Closed);
+        assert!(b.admit().is_ok());
     }
 
     #[test]

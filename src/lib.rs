@@ -91,6 +91,8 @@ pub use hybrid::{Consistency, HybridConfig};
 pub use limiter::{Builder, Check, Limiter};
 pub use quota::{Algorithm, Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};
 pub use stats::Stats;
+#[cfg(feature = "test-support")]
+pub use store::{FaultCounts, Faults, FaultyStore};
 pub use store::{MemoryStore, RedisOptions, RedisStore, Store};
 
 /// The README's code blocks, compiled as doctests so they cannot rot.

@@ -65,32 +65,87 @@ impl Inner {
     }
 
     /// After an outage, reports what the fallback admitted meanwhile;
-    /// `false` if the store still cannot take it.
+    /// `false` if the store is still unavailable. Each report stands alone:
+    /// one the store refuses for good (a key of the wrong type, a value out
+    /// of range) is dropped and counted, never retried before every
+    /// decision; one that timed out is resent later under the same
+    /// identity, so it is counted once even if the store had applied it.
+    /// A dropped future loses nothing: reports leave the ledger only here,
+    /// after the store answered, and go back otherwise.
     async fn reconcile(&self, exact: &ExactEngine) -> bool {
-        let items = self.failure.reconciler.drain();
-        if items.is_empty() {
+        let reports = self.failure.reconciler.drain();
+        if reports.is_empty() {
             return true;
         }
+        let ledger = &self.failure.reconciler;
+        let guard = RestoreOnDrop {
+            ledger,
+            reports: Some(reports),
+        };
         self.counters.round_trips.add(1);
-        match exact.report(&items).await {
-            Ok(uncovered) => {
-                let total: u64 = items.iter().map(|(_, n)| n).sum();
-                self.counters.reconciled.add(total);
-                self.counters.overshoot.add(uncovered);
-                true
-            }
+        let sent = guard.reports.as_deref().unwrap_or_default();
+        let replies = exact.report(sent).await;
+        let reports = guard.disarm();
+        let replies = match replies {
+            Ok(replies) => replies,
             Err(e) => {
                 self.counters.store_error(e.kind());
-                self.failure.reconciler.restore(items);
-                false
+                let available = !e.is_unavailable();
+                if available {
+                    let total: u64 = reports.iter().map(|r| r.permits).sum();
+                    self.counters.reports_dropped.add(total);
+                } else {
+                    ledger.restore(reports);
+                }
+                return available;
+            }
+        };
+        let mut available = true;
+        for (report, reply) in reports.into_iter().zip(replies) {
+            match reply {
+                Ok(uncovered) => {
+                    self.counters.reconciled.add(report.permits);
+                    self.counters.overshoot.add(uncovered);
+                }
+                Err(e) if e.is_unavailable() => {
+                    self.counters.store_error(e.kind());
+                    available = false;
+                    ledger.restore([report]);
+                }
+                Err(e) => {
+                    self.counters.store_error(e.kind());
+                    self.counters.reports_dropped.add(report.permits);
+                }
             }
         }
+        available
     }
 
     #[inline]
     fn count(&self, decision: &Decision) {
         self.counters
             .decision(decision.is_allowed(), decision.source());
+    }
+}
+
+/// Puts reconciliation reports back in the ledger if the future sending
+/// them is dropped before the store answered.
+struct RestoreOnDrop<'a> {
+    ledger: &'a crate::failure::Reconciler,
+    reports: Option<Vec<crate::failure::Report>>,
+}
+
+impl RestoreOnDrop<'_> {
+    fn disarm(mut self) -> Vec<crate::failure::Report> {
+        self.reports.take().unwrap_or_default()
+    }
+}
+
+impl Drop for RestoreOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(reports) = self.reports.take() {
+            self.ledger.restore(reports);
+        }
     }
 }
 
@@ -157,6 +212,7 @@ impl Limiter {
             namespace: "default".to_owned(),
             policy: FailurePolicy::default(),
             clock: None,
+            fast_clock: None,
             name: None,
         }
     }
@@ -305,6 +361,8 @@ pub struct Builder {
     namespace: String,
     policy: FailurePolicy,
     clock: Option<Arc<dyn Clock>>,
+    /// A fast clock lagging `clock` by up to the duration (simulation).
+    fast_clock: Option<(Arc<dyn Clock>, std::time::Duration)>,
     name: Option<String>,
 }
 
@@ -370,15 +428,31 @@ impl Builder {
         self
     }
 
+    /// Hybrid only, for simulations: the request path reads `fast`, which
+    /// may lag the clock set with [`clock`](Builder::clock) by up to
+    /// `guard` (as the kernel's coarse clock lags by a timer tick), and
+    /// reads the precise clock within `guard` of a deadline.
+    #[cfg(feature = "test-support")]
+    pub fn lagging_clock(mut self, fast: impl Clock, guard: std::time::Duration) -> Self {
+        self.fast_clock = Some((Arc::new(fast), guard));
+        self
+    }
+
     /// Validates the configuration and builds the limiter.
     ///
     /// # Errors
     /// An [`InvalidInput`](ErrorKind::InvalidInput) error for an invalid
-    /// quota, fallback quota, hybrid configuration or namespace; an
+    /// quota, fallback quota, hybrid configuration or namespace, or a bucket
+    /// quota that would take more than [`MAX_PERIOD`](crate::MAX_PERIOD) to
+    /// fill; an
     /// [`Unsupported`](ErrorKind::Unsupported) error for a hybrid limiter
     /// built outside a Tokio runtime.
     pub fn build(self) -> Result<Limiter, Error> {
         self.quota.validate()?;
+        self.algorithm.check_quota(&self.quota)?;
+        if let FailurePolicy::LocalFallback(fallback) = &self.policy {
+            self.algorithm.check_quota(fallback)?;
+        }
         if self.namespace.len() > MAX_NAMESPACE_LEN {
             return Err(Error::invalid(format!(
                 "namespace is {} bytes; the maximum is {MAX_NAMESPACE_LEN}",
@@ -413,6 +487,7 @@ impl Builder {
                     keys,
                     params,
                     clock: injected,
+                    fast_clock: self.fast_clock,
                     counters: counters.clone(),
                     max_cost: self.algorithm.max_cost(&self.quota),
                     reconciler: failure.reconciler.clone(),

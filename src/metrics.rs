@@ -47,6 +47,9 @@ pub const FALLBACK_ADMISSIONS: &str = "slicelimit_fallback_admissions_total";
 pub const CREDIT: &str = "slicelimit_credit_permits_total";
 /// Fallback admissions reported to the store after an outage.
 pub const RECONCILED: &str = "slicelimit_reconciled_permits_total";
+/// Permits of debt or reconciliation reports the store refused for good
+/// (e.g. a key of the wrong type): dropped rather than retried forever.
+pub const REPORTS_DROPPED: &str = "slicelimit_dropped_report_permits_total";
 /// Requests the HTTP layer let through in shadow mode although denied.
 pub const SHADOW_DENIALS: &str = "slicelimit_http_shadow_denials_total";
 
@@ -91,6 +94,11 @@ pub fn describe() {
     );
     describe_histogram!(STORE_LATENCY, Unit::Seconds, "Store round-trip latency.");
     describe_counter!(STORE_ERRORS, Unit::Count, "Store errors by kind.");
+    describe_counter!(
+        REPORTS_DROPPED,
+        Unit::Count,
+        "Permits of debt or reconciliation reports the store refused for good."
+    );
     describe_gauge!(
         CIRCUIT_STATE,
         "Circuit breaker state: 0 closed, 1 half open, 2 open."

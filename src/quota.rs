@@ -168,6 +168,36 @@ impl Algorithm {
         }
     }
 
+    /// Checks what only this algorithm requires of a quota: a bucket must
+    /// refill from empty within [`MAX_PERIOD`], so every time and TTL its
+    /// scripts compute stays an exact integer (far below 2^53 µs) and no key
+    /// is ever written without a TTL.
+    ///
+    /// # Errors
+    /// An [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) error
+    /// naming the fill time.
+    pub(crate) fn check_quota(self, quota: &Quota) -> Result<(), Error> {
+        match self {
+            Algorithm::FixedWindow => Ok(()),
+            Algorithm::TokenBucket | Algorithm::Gcra => {
+                let fill_us = u128::from(quota.burst()) * u128::from(quota.period_us())
+                    / u128::from(quota.limit().max(1));
+                if fill_us > MAX_PERIOD.as_micros() {
+                    return Err(Error::invalid(format!(
+                        "a {} bucket of burst {} refilled at {} per {:?} takes {:?} to fill; \
+                         the maximum is {MAX_PERIOD:?} (lower the burst or raise the rate)",
+                        self.as_str(),
+                        quota.burst(),
+                        quota.limit(),
+                        quota.period(),
+                        Duration::from_micros(fill_us.min(u128::from(u64::MAX)) as u64),
+                    )));
+                }
+                Ok(())
+            }
+        }
+    }
+
     /// The most a single request can cost and still be admissible.
     pub(crate) fn max_cost(self, quota: &Quota) -> u64 {
         match self {
@@ -195,6 +225,23 @@ mod tests {
         assert!(e.to_string().contains("burst"));
         assert!(Quota::per_minute(0).validate().is_err());
         assert!(Quota::per_hour(10).with_burst(20).validate().is_ok());
+    }
+
+    #[test]
+    fn buckets_that_would_take_longer_than_the_longest_period_to_fill_are_refused() {
+        let year = Duration::from_secs(366 * 24 * 3600);
+        let q = Quota::new(1, year).unwrap().with_burst(1_000_000);
+        for a in [Algorithm::TokenBucket, Algorithm::Gcra] {
+            let e = a.check_quota(&q).unwrap_err();
+            assert!(
+                e.is_invalid_input() && e.to_string().contains("fill"),
+                "{e}"
+            );
+        }
+        assert!(Algorithm::FixedWindow.check_quota(&q).is_ok());
+        assert!(Algorithm::Gcra
+            .check_quota(&Quota::new(1, year).unwrap())
+            .is_ok());
     }
 
     #[test]

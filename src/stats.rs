@@ -64,6 +64,7 @@ pub(crate) struct Counters {
     pub(crate) given_back: Tally,
     pub(crate) reconciled: Tally,
     pub(crate) fallback_admitted: Tally,
+    pub(crate) reports_dropped: Tally,
     pub(crate) meters: Meters,
 }
 
@@ -84,6 +85,7 @@ impl Counters {
             given_back: Tally::new(limiter, names::GIVEN_BACK),
             reconciled: Tally::new(limiter, names::RECONCILED),
             fallback_admitted: Tally::new(limiter, names::FALLBACK_ADMISSIONS),
+            reports_dropped: Tally::new(limiter, names::REPORTS_DROPPED),
             meters: Meters::new(limiter),
         }
     }
@@ -136,6 +138,7 @@ impl Counters {
             given_back: self.given_back.get(),
             reconciled: self.reconciled.get(),
             fallback_admitted: self.fallback_admitted.get(),
+            reports_dropped: self.reports_dropped.get(),
         }
     }
 }
@@ -172,4 +175,8 @@ pub struct Stats {
     pub reconciled: u64,
     /// Permits the local fallback admitted while the store was unavailable.
     pub fallback_admitted: u64,
+    /// Permits of debt or reconciliation reports the store refused for good
+    /// (a key of the wrong type, a value out of range): dropped, not
+    /// retried forever.
+    pub reports_dropped: u64,
 }

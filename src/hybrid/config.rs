@@ -203,6 +203,20 @@ impl HybridConfig {
                 "refill_horizon, lease_ttl and idle_ttl must be positive",
             ));
         }
+        let day = Duration::from_secs(86_400);
+        for (name, value, max) in [
+            ("lease_ttl", self.lease_ttl, day),
+            ("refill_horizon", self.refill_horizon, day),
+            ("prelease_lead", self.prelease_lead, day),
+            ("clock_margin", self.clock_margin, Duration::from_secs(60)),
+            ("idle_ttl", self.idle_ttl, crate::MAX_PERIOD),
+        ] {
+            if value > max {
+                return Err(Error::invalid(format!(
+                    "{name} {value:?} is above the maximum {max:?}"
+                )));
+            }
+        }
         if self.coalesce > self.refill_horizon / 4 {
             return Err(Error::invalid(
                 "coalesce must be at most a quarter of refill_horizon, or slots run dry waiting",
@@ -254,5 +268,14 @@ mod tests {
         assert!(HybridConfig::strict().max_keys(0).validate().is_err());
         assert!(HybridConfig::optimistic(u64::MAX).validate().is_err());
         assert!(HybridConfig::optimistic(5).validate().is_ok());
+        for huge in [
+            HybridConfig::strict().lease_ttl(Duration::MAX),
+            HybridConfig::strict().prelease_lead(Duration::MAX),
+            HybridConfig::strict().refill_horizon(Duration::MAX),
+            HybridConfig::strict().idle_ttl(Duration::MAX),
+            HybridConfig::strict().clock_margin(Duration::MAX),
+        ] {
+            assert!(huge.validate().is_err(), "{huge:?}");
+        }
     }
 }

@@ -27,13 +27,14 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 use self::slot::{Credit, Slot, Take, UNKNOWN_WINDOW};
+pub(crate) use self::sync::DebtReport;
 use crate::clock::TimeSource;
 use crate::decision::Source;
 use crate::exact::ExactEngine;
 use crate::failure::Reconciler;
 use crate::key::KeyEncoder;
 use crate::stats::Counters;
-use crate::store::{GiveBackCall, Params, Store};
+use crate::store::{GiveBackCall, LeaseOrigin, OpIds, Params, Store};
 use crate::{Algorithm, Decision, Error, ErrorKind};
 
 /// State shared by the request path and the sync task.
@@ -53,8 +54,15 @@ pub(crate) struct Shared {
     queue: Mutex<Vec<Arc<Slot>>>,
     /// Permits to give back in the next round.
     returns: Mutex<Vec<GiveBackCall>>,
-    /// Debt of evicted slots (or of failed reports) to report next round.
-    reports: Mutex<Vec<(String, Credit)>>,
+    /// Debt of evicted slots (or of failed reports) to report next round,
+    /// each under the identity it was first sent with.
+    reports: Mutex<Vec<DebtReport>>,
+    /// Store key → debt this process admitted for it that sits in `reports`
+    /// or is in flight from there: credit counts it against `max_debt`, so
+    /// an evicted and recreated slot cannot take its credit a second time.
+    outstanding: DashMap<String, u64, ahash::RandomState>,
+    /// Identities of give-backs and debt reports.
+    ops: OpIds,
     /// Wakes the sync task.
     wake: Notify,
     /// Woken when a refill has been applied; striped by slot rather than
@@ -99,6 +107,8 @@ pub(crate) struct Wiring {
     pub(crate) params: Params,
     /// An injected clock; `None` for the system's (coarse) clock.
     pub(crate) clock: Option<Arc<dyn crate::Clock>>,
+    /// A fast clock lagging `clock` by up to the duration (simulation).
+    pub(crate) fast_clock: Option<(Arc<dyn crate::Clock>, Duration)>,
     pub(crate) counters: Arc<Counters>,
     /// The largest cost that can ever be admitted.
     pub(crate) max_cost: u64,
@@ -125,11 +135,15 @@ impl HybridEngine {
             keys,
             params,
             clock,
+            fast_clock,
             counters,
             max_cost,
             reconciler,
         } = wiring;
-        let time = TimeSource::new(clock, config.coarse_clock);
+        let time = match (fast_clock, clock) {
+            (Some((fast, guard)), Some(precise)) => TimeSource::split(fast, precise, guard),
+            (_, clock) => TimeSource::new(clock, config.coarse_clock),
+        };
         let shared = Arc::new(Shared {
             slots: DashMap::with_hasher(ahash::RandomState::new()),
             config: ArcSwap::from_pointee(config),
@@ -142,6 +156,8 @@ impl HybridEngine {
             queue: Mutex::new(Vec::new()),
             returns: Mutex::new(Vec::new()),
             reports: Mutex::new(Vec::new()),
+            outstanding: DashMap::with_hasher(ahash::RandomState::new()),
+            ops: OpIds::default(),
             wake: Notify::new(),
             refill_waiters: (0..REFILL_STRIPES).map(|_| Notify::new()).collect(),
             urgent: AtomicBool::new(false),
@@ -186,7 +202,7 @@ impl HybridEngine {
         let now = s.time.now_us();
         let entry = s.slots.get(key)?;
         let slot = entry.value();
-        match slot.take(cost, now, s.time.guard_us(), || s.time.precise_us()) {
+        match slot.take(cost, &s.time) {
             Take::Taken(left) => {
                 slot.touch(now);
                 if slot.wants_refill(left, now, s.early_lead()) {
@@ -199,6 +215,10 @@ impl HybridEngine {
                 // coarse clock may lag, which only lengthens the denial.
                 let until = slot.denied_until.load(Ordering::Acquire);
                 (now < until && cost > 0).then(|| s.cached_denial(slot, until, now))
+            }
+            Take::Late(lost) => {
+                s.counters.stranded.add(lost as u64);
+                None
             }
         }
     }
@@ -245,18 +265,23 @@ impl HybridEngine {
             if let Some(replaced) = slot.promote(now) {
                 s.counters.stranded.add(replaced as u64);
             }
-            if let Take::Taken(left) = slot.take(cost, now, 0, || now) {
-                if slot.wants_refill(left, now, s.early_lead()) {
-                    s.request_refill(&slot, false);
+            match slot.take(cost, &s.time) {
+                Take::Taken(left) => {
+                    if slot.wants_refill(left, now, s.early_lead()) {
+                        s.request_refill(&slot, false);
+                    }
+                    return Ok(s.lease_decision(&slot, left, now));
                 }
-                return Ok(s.lease_decision(&slot, left, now));
+                Take::Late(lost) => s.counters.stranded.add(lost as u64),
+                Take::Empty => {}
+            }
+            // A peek is always answered, never denied: it takes nothing.
+            if cost == 0 {
+                return Ok(s.lease_decision(&slot, 0, now));
             }
             let denied_until = slot.denied_until.load(Ordering::Acquire);
             if now < denied_until {
                 return Ok(s.cached_denial(&slot, denied_until, now));
-            }
-            if cost == 0 {
-                return Ok(s.lease_decision(&slot, 0, now));
             }
             slot.need
                 .fetch_max(cost.min(u64::from(u32::MAX)) as u32, Ordering::AcqRel);
@@ -434,7 +459,20 @@ impl Shared {
             },
             Algorithm::TokenBucket | Algorithm::Gcra => 0,
         };
+        let queued = if self.outstanding.is_empty() {
+            0
+        } else {
+            self.outstanding
+                .get(&self.store_key(slot))
+                .map_or(0, |n| *n)
+        };
         let mut books = slot.books();
+        // Checked under the books lock, which `retire` takes after marking
+        // the slot evicted: credit is either collected by `retire` or not
+        // taken at all.
+        if slot.evicted.load(Ordering::Acquire) {
+            return false;
+        }
         if window != UNKNOWN_WINDOW && window <= books.credit_closed {
             return false;
         }
@@ -442,7 +480,7 @@ impl Shared {
         if credit.debt > 0 && credit.window != window {
             return false;
         }
-        if u64::from(credit.debt) + u64::from(credit.in_flight) + cost > max_debt {
+        if u64::from(credit.debt) + u64::from(credit.in_flight) + queued + cost > max_debt {
             return false;
         }
         // cost <= max_debt <= u32::MAX here.
@@ -460,36 +498,61 @@ impl Shared {
         let valid = now < slot.deadline.load(Ordering::Acquire);
         let permits = slot.permits.swap(0, Ordering::AcqRel).max(0) as u64;
         let window = slot.window.load(Ordering::Acquire);
+        let (credit, origin) = {
+            let mut books = slot.books();
+            let debt = std::mem::take(&mut books.credit.debt);
+            let credit = Credit {
+                debt,
+                window: books.credit.window,
+                in_flight: 0,
+            };
+            (credit, books.origin)
+        };
+        let store_key = self.store_key(slot);
         if permits > 0 {
             if valid {
-                self.give_back(&self.store_key(slot), permits, window);
+                self.give_back(&store_key, permits, window, origin);
             } else {
                 self.counters.stranded.add(permits);
             }
         }
         if slot.has_next.swap(false, Ordering::AcqRel) {
             if let Some(next) = slot.next.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                self.give_back(
-                    &self.store_key(slot),
-                    next.permits.max(0) as u64,
-                    next.window,
-                );
+                self.give_back(&store_key, next.permits.max(0) as u64, next.window, origin);
             }
         }
-        let credit = {
-            let mut guard = slot.books();
-            let debt = std::mem::take(&mut guard.credit.debt);
-            Credit {
-                debt,
-                window: guard.credit.window,
-                in_flight: 0,
-            }
-        };
         if credit.debt > 0 {
-            self.reports
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((self.store_key(slot), credit));
+            let op = self.ops.next();
+            self.queue_report(DebtReport {
+                key: store_key,
+                debt: u64::from(credit.debt),
+                window: credit.window,
+                op,
+            });
+        }
+    }
+
+    /// Queues debt for reporting under its identity, and counts it against
+    /// the key's credit until the store has it.
+    fn queue_report(&self, report: DebtReport) {
+        *self.outstanding.entry(report.key.clone()).or_insert(0) += report.debt;
+        self.reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(report);
+    }
+
+    /// The store has a queued report (or refused it for good).
+    fn report_settled(&self, report: &DebtReport) {
+        let gone = match self.outstanding.get_mut(&report.key) {
+            Some(mut n) => {
+                *n = n.saturating_sub(report.debt);
+                *n == 0
+            }
+            None => false,
+        };
+        if gone {
+            self.outstanding.remove_if(&report.key, |_, n| *n == 0);
         }
     }
 
@@ -499,20 +562,23 @@ impl Shared {
         self.keys.store_key(&slot.key, self.params.algorithm)
     }
 
-    fn give_back(&self, store_key: &str, permits: u64, window: i64) {
+    fn give_back(&self, store_key: &str, permits: u64, window: i64, origin: LeaseOrigin) {
         if permits == 0
             || (window == UNKNOWN_WINDOW && self.params.algorithm == Algorithm::FixedWindow)
         {
             return;
         }
+        let call = GiveBackCall {
+            key: store_key.to_owned(),
+            returned: permits,
+            window,
+            origin,
+            op: self.ops.next(),
+        };
         self.returns
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push(GiveBackCall {
-                key: store_key.to_owned(),
-                returned: permits,
-                window,
-            });
+            .push(call);
     }
 }
 

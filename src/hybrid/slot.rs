@@ -8,6 +8,8 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::sizing::Sizing;
+use crate::clock::TimeSource;
+use crate::store::LeaseOrigin;
 
 /// Local µs as wrapping milliseconds (idle times are far below 49 days).
 fn millis(us: u64) -> u32 {
@@ -101,6 +103,9 @@ pub(crate) struct Books {
     pub(crate) credit_closed: i64,
     /// Lease sizing (sync task only).
     pub(crate) sizing: Sizing,
+    /// Token bucket, GCRA: where the permits held came from, for the
+    /// give-back of those left unused.
+    pub(crate) origin: LeaseOrigin,
 }
 
 /// The result of trying to spend local permits.
@@ -109,6 +114,20 @@ pub(crate) enum Take {
     Taken(i64),
     /// No valid permits (empty, expired or not yet leased).
     Empty,
+    /// The deadline passed while the permits were being taken (a thread
+    /// preempted between its check and its compare-and-swap): they are
+    /// void, and this many are lost (stranded). Treat as `Empty`.
+    Late(i64),
+}
+
+/// What installing a lease did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Installed {
+    /// In place; this many expired or superseded permits were replaced.
+    Replaced(i64),
+    /// The grant is for a window older than the one the slot already
+    /// serves (a late reply): not installed, these permits are stranded.
+    Stale(i64),
 }
 
 impl Slot {
@@ -134,28 +153,25 @@ impl Slot {
                 credit: Credit::default(),
                 credit_closed: i64::MIN,
                 sizing: Sizing::default(),
+                origin: LeaseOrigin::default(),
             }),
         }
     }
 
-    /// Spends `cost` local permits if they are valid at `now`.
+    /// Spends `cost` local permits if they are valid now.
     ///
-    /// `now` may come from a coarse clock that lags when its thread is
-    /// starved; within `guard_us` of the deadline, `precise` is read instead,
-    /// so a lagging clock can never spend a permit past its deadline.
+    /// The deadline is checked before the compare-and-swap and again after
+    /// it: a thread preempted in between must not spend a permit after its
+    /// deadline. `time` may read a coarse clock; within its guard of the
+    /// deadline it reads the precise one (see [`TimeSource::before`]).
+    /// `cost` is at most the quota's largest cost (callers check).
     #[inline]
-    pub(crate) fn take(
-        &self,
-        cost: u64,
-        now: u64,
-        guard_us: u64,
-        precise: impl FnOnce() -> u64,
-    ) -> Take {
+    pub(crate) fn take(&self, cost: u64, time: &TimeSource) -> Take {
         let deadline = self.deadline.load(Ordering::Acquire);
-        if now >= deadline || (now + guard_us >= deadline && precise() >= deadline) {
+        if !time.before(deadline) {
             return Take::Empty;
         }
-        let cost = cost as i64;
+        let cost = cost.min(i64::MAX as u64) as i64;
         let mut current = self.permits.load(Ordering::Acquire);
         loop {
             if current < cost {
@@ -167,6 +183,7 @@ impl Slot {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
+                Ok(_) if cost > 0 && !time.before(deadline) => return Take::Late(cost),
                 Ok(_) => return Take::Taken(current - cost),
                 Err(actual) => current = actual,
             }
@@ -208,10 +225,14 @@ impl Slot {
 
     /// Installs a lease. If the current permits are still valid and belong
     /// to the same window (and this is not a renewal), the grant is added
-    /// and the deadline kept, so no permit outlives its own lease.
-    /// Otherwise the grant replaces them; the replaced permits are returned
-    /// (expired leftovers, for the caller to give back or count as
-    /// stranded).
+    /// and the deadline kept, so no permit outlives its own lease. A grant
+    /// for a window older than the valid one in place is refused (a late
+    /// reply must not bring back an ended window). Otherwise the grant
+    /// replaces the permits held, which are returned (expired leftovers,
+    /// for the caller to give back or count as stranded).
+    ///
+    /// Installs are serialised by the `next` lock (the sync task installs
+    /// replies, a request may promote a pre-lease at the same moment).
     pub(crate) fn install(
         &self,
         granted: i64,
@@ -220,13 +241,33 @@ impl Slot {
         window_end: u64,
         now: u64,
         renew: bool,
-    ) -> i64 {
+    ) -> Installed {
+        let _serial = self.next.lock().unwrap_or_else(|p| p.into_inner());
+        self.install_locked(granted, window, deadline, window_end, now, renew)
+    }
+
+    fn install_locked(
+        &self,
+        granted: i64,
+        window: i64,
+        deadline: u64,
+        window_end: u64,
+        now: u64,
+        renew: bool,
+    ) -> Installed {
         let current_deadline = self.deadline.load(Ordering::Acquire);
-        self.early_refill.store(true, Ordering::Relaxed);
-        if !renew && now < current_deadline && self.window.load(Ordering::Acquire) == window {
-            self.permits.fetch_add(granted, Ordering::AcqRel);
-            return 0;
+        let current_window = self.window.load(Ordering::Acquire);
+        if !renew && now < current_deadline {
+            if current_window == window {
+                self.early_refill.store(true, Ordering::Relaxed);
+                self.permits.fetch_add(granted, Ordering::AcqRel);
+                return Installed::Replaced(0);
+            }
+            if window < current_window {
+                return Installed::Stale(granted);
+            }
         }
+        self.early_refill.store(true, Ordering::Relaxed);
         // Void the old permits first, then publish the new ones, so the
         // request path never pairs new permits with an old deadline.
         self.deadline.store(0, Ordering::Release);
@@ -234,7 +275,7 @@ impl Slot {
         self.window.store(window, Ordering::Release);
         self.window_end.store(window_end, Ordering::Release);
         self.deadline.store(deadline, Ordering::Release);
-        old.max(0)
+        Installed::Replaced(old.max(0))
     }
 
     /// Voids permits whose deadline has passed; returns how many there were.
@@ -258,15 +299,18 @@ impl Slot {
         }
         *next = None;
         self.has_next.store(false, Ordering::Release);
-        drop(next);
-        Some(self.install(
+        let installed = self.install_locked(
             lease.permits,
             lease.window,
             lease.deadline,
             lease.window_end,
             now,
             true,
-        ))
+        );
+        drop(next);
+        Some(match installed {
+            Installed::Replaced(n) | Installed::Stale(n) => n,
+        })
     }
 
     /// Local estimate of the fixed window in force at `now`: `Some(index)`
@@ -304,30 +348,88 @@ impl Slot {
 mod tests {
     use super::*;
 
+    use crate::clock::FakeClock;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn at(us: u64) -> TimeSource {
+        TimeSource::Precise(Arc::new(FakeClock::new(Duration::from_micros(us))))
+    }
+
     #[test]
     fn permits_are_spent_only_before_the_deadline() {
         let slot = Slot::new("k".into(), 0);
-        assert!(matches!(slot.take(1, 10, 0, || 0), Take::Empty));
+        assert!(matches!(slot.take(1, &at(10)), Take::Empty));
         slot.install(3, 7, 100, 103, 10, false);
-        assert!(matches!(slot.take(2, 50, 0, || 0), Take::Taken(1)));
-        assert!(matches!(slot.take(2, 50, 0, || 0), Take::Empty));
+        assert!(matches!(slot.take(2, &at(50)), Take::Taken(1)));
+        assert!(matches!(slot.take(2, &at(50)), Take::Empty));
         assert!(
-            matches!(slot.take(1, 100, 0, || 0), Take::Empty),
+            matches!(slot.take(1, &at(100)), Take::Empty),
             "deadline passed"
         );
         assert_eq!(slot.expire(100), 1);
     }
 
     #[test]
+    fn a_lagging_fast_clock_never_spends_past_the_deadline() {
+        // The fast clock reads 40 µs behind the precise one, within the
+        // 50 µs guard: near the deadline the precise clock decides.
+        let slot = Slot::new("k".into(), 0);
+        slot.install(3, 7, 100, 103, 10, false);
+        let fast = Arc::new(FakeClock::new(Duration::from_micros(70)));
+        let precise = Arc::new(FakeClock::new(Duration::from_micros(110)));
+        let time = TimeSource::split(fast, precise, Duration::from_micros(50));
+        assert!(matches!(slot.take(1, &time), Take::Empty));
+    }
+
+    #[test]
+    fn a_thread_preempted_across_the_deadline_gets_nothing() {
+        // The clock passes the deadline between the check and the swap:
+        // modelled by a clock that moves on every read.
+        #[derive(Clone)]
+        struct Ticking(Arc<std::sync::atomic::AtomicU64>);
+        impl crate::Clock for Ticking {
+            fn now(&self) -> Duration {
+                Duration::from_micros(self.0.fetch_add(60, Ordering::SeqCst))
+            }
+        }
+        let slot = Slot::new("k".into(), 0);
+        slot.install(3, 7, 100, 103, 10, false);
+        let time = TimeSource::Precise(Arc::new(Ticking(Arc::new(50.into()))));
+        assert!(matches!(slot.take(1, &time), Take::Late(1)));
+    }
+
+    #[test]
     fn a_grant_for_the_same_window_adds_and_a_new_window_replaces() {
         let slot = Slot::new("k".into(), 0);
         slot.install(3, 7, 100, 103, 10, false);
-        assert_eq!(slot.install(2, 7, 200, 203, 20, false), 0);
-        assert!(matches!(slot.take(5, 30, 0, || 0), Take::Taken(0)));
+        assert_eq!(
+            slot.install(2, 7, 200, 203, 20, false),
+            Installed::Replaced(0)
+        );
+        assert!(matches!(slot.take(5, &at(30)), Take::Taken(0)));
         slot.install(3, 7, 100, 103, 40, false);
         // window 8 replaces window 7's leftovers, which are handed back
-        assert_eq!(slot.install(4, 8, 200, 203, 150, false), 3);
-        assert!(matches!(slot.take(4, 160, 0, || 0), Take::Taken(0)));
+        assert_eq!(
+            slot.install(4, 8, 200, 203, 150, false),
+            Installed::Replaced(3)
+        );
+        assert!(matches!(slot.take(4, &at(160)), Take::Taken(0)));
+    }
+
+    #[test]
+    fn a_late_reply_for_an_ended_window_does_not_replace_the_next_one() {
+        // Window 8 is promoted; a reply for window 7 (asked before the
+        // promotion) lands afterwards: refused, window 8 untouched.
+        let slot = Slot::new("k".into(), 0);
+        slot.install(5, 8, 200, 203, 110, true);
+        assert_eq!(
+            slot.install(4, 7, 100, 103, 120, false),
+            Installed::Stale(4)
+        );
+        assert_eq!(slot.window.load(Ordering::Acquire), 8);
+        assert_eq!(slot.deadline.load(Ordering::Acquire), 200);
+        assert!(matches!(slot.take(5, &at(130)), Take::Taken(0)));
     }
 
     #[test]
@@ -344,7 +446,7 @@ mod tests {
         slot.has_next.store(true, Ordering::Release);
         assert_eq!(slot.promote(105), None);
         assert_eq!(slot.promote(106), Some(1));
-        assert!(matches!(slot.take(5, 106, 0, || 0), Take::Taken(0)));
+        assert!(matches!(slot.take(5, &at(106)), Take::Taken(0)));
         assert_eq!(slot.window_at(150, 100), Some(8));
         assert_eq!(
             slot.window_at(200, 100),
@@ -366,6 +468,7 @@ mod size {
     #[test]
     fn a_slot_stays_within_its_budget() {
         let size = std::mem::size_of::<super::Slot>();
-        assert!(size <= 152, "Slot grew to {size} bytes");
+        // 152 + 24 for the origin of bucket leases (bounded give-backs).
+        assert!(size <= 176, "Slot grew to {size} bytes");
     }
 }

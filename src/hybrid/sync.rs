@@ -11,10 +11,34 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::sizing::SizingRule;
-use super::slot::{Credit, NextLease, Slot};
+use super::slot::{Credit, Installed, NextLease, Slot};
 use super::{HybridConfig, Shared};
-use crate::store::{LeaseCall, LeaseReply};
+use crate::failure::Report;
+use crate::store::{LeaseCall, LeaseOrigin, LeaseReply, OpId, MAX_REPORT};
 use crate::{Algorithm, Error};
+
+/// Local clocks are assumed to run within this many parts per million of
+/// Redis' clock (NTP keeps servers within tens of ppm; an undisciplined
+/// crystal is within ±100). A deadline projected `d` µs ahead from a
+/// Redis reply is brought forward by `d × MAX_DRIFT_PPM / 10^6`, so a
+/// window-W permit is never spent after Redis ended W.
+pub(crate) const MAX_DRIFT_PPM: u64 = 500;
+
+/// The drift allowance for a deadline `ahead_us` in the future.
+fn drift_us(ahead_us: u64) -> u64 {
+    ahead_us / (1_000_000 / MAX_DRIFT_PPM)
+}
+
+/// Debt to report on its own (an evicted slot's, or one whose lease call
+/// failed), under the identity it was first sent with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DebtReport {
+    pub(crate) key: String,
+    pub(crate) debt: u64,
+    /// Fixed window: the window the debt was admitted in.
+    pub(crate) window: i64,
+    pub(crate) op: OpId,
+}
 
 /// How often expiry, idle eviction and `max_keys` are enforced.
 pub(crate) const MAINTENANCE: Duration = Duration::from_millis(100);
@@ -57,9 +81,16 @@ struct Pending {
     call: LeaseCall,
     /// Token bucket / GCRA: replace the current permits (fresh horizon).
     renew: bool,
-    /// A report of what the failure policy's fallback admitted (user key,
-    /// permits), to be restored there if it fails.
-    fallback: Option<(String, u64)>,
+    /// What the call reports, if it is a report rather than a lease.
+    report: Option<Reported>,
+}
+
+/// A report in flight, to be settled or resent as it was.
+enum Reported {
+    /// Debt of an evicted slot, or of a failed lease call.
+    Debt(DebtReport),
+    /// What the failure policy's fallback admitted.
+    Fallback(Report),
 }
 
 /// Sends everything queued: give-backs, then leases and debt reports in
@@ -107,24 +138,31 @@ pub(crate) async fn round(shared: &Shared) {
             .reconciler
             .drain()
             .into_iter()
-            .map(|(key, debt)| Pending {
+            .map(|report| Pending {
                 slot: None,
-                call: LeaseCall::report(shared.keys.store_key(&key, shared.params.algorithm), debt),
+                call: LeaseCall::report(
+                    shared.keys.store_key(&report.key, shared.params.algorithm),
+                    report.permits,
+                    report.op,
+                ),
                 renew: false,
-                fallback: Some((key, debt)),
+                report: Some(Reported::Fallback(report)),
             })
             .collect();
         {
             let mut reports = shared.reports.lock().unwrap_or_else(|p| p.into_inner());
             while pending.len() < config.batch_size {
-                let Some((key, credit)) = reports.pop() else {
+                let Some(report) = reports.pop() else {
                     break;
                 };
                 pending.push(Pending {
                     slot: None,
-                    call: report_call(key, credit),
+                    call: LeaseCall {
+                        debt_window: report.window,
+                        ..LeaseCall::report(report.key.clone(), report.debt, report.op)
+                    },
                     renew: false,
-                    fallback: None,
+                    report: Some(Reported::Debt(report)),
                 });
             }
         }
@@ -173,13 +211,6 @@ pub(crate) async fn round(shared: &Shared) {
                 }
             }
         }
-    }
-}
-
-fn report_call(key: String, credit: Credit) -> LeaseCall {
-    LeaseCall {
-        debt_window: credit.window,
-        ..LeaseCall::report(key, u64::from(credit.debt))
     }
 }
 
@@ -242,7 +273,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         key: shared.store_key(&slot),
         want,
         share_cap: config.share_cap,
-        debt: u64::from(credit.debt),
+        debt: u64::from(credit.debt).min(MAX_REPORT),
         debt_window: credit.window,
         min_window,
         need: match shared.params.algorithm {
@@ -251,12 +282,13 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
             Algorithm::TokenBucket | Algorithm::Gcra => need.max(1),
         },
         patience: need.max(want / 4).max(1),
+        op: (credit.debt > 0).then(|| shared.ops.next()),
     };
     Pending {
         slot: Some(slot),
         call,
         renew,
-        fallback: None,
+        report: None,
     }
 }
 
@@ -270,22 +302,36 @@ fn apply(
 ) {
     let counters = &shared.counters;
     let Some(slot) = p.slot else {
-        // A debt report: an evicted slot's, or the fallback's.
-        match (result, p.fallback) {
-            (Ok(r), fallback) => {
-                counters.overshoot.add(r.uncovered);
-                if let Some((_, debt)) = fallback {
-                    counters.reconciled.add(debt);
+        // A report: an evicted slot's debt, or the fallback's admissions.
+        // Unavailability resends it as it was (same identity); a refusal
+        // (wrong type, out of range) will never apply, so it is dropped
+        // and counted rather than retried forever.
+        let retry = matches!(&result, Err(e) if e.is_unavailable());
+        if let Err(e) = &result {
+            counters.store_error(e.kind());
+        }
+        match p.report {
+            Some(Reported::Fallback(report)) if retry => shared.reconciler.restore([report]),
+            Some(Reported::Debt(report)) if retry => shared
+                .reports
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(report),
+            Some(Reported::Fallback(report)) => match result {
+                Ok(r) => {
+                    counters.overshoot.add(r.uncovered);
+                    counters.reconciled.add(report.permits);
                 }
+                Err(_) => counters.reports_dropped.add(report.permits),
+            },
+            Some(Reported::Debt(report)) => {
+                match result {
+                    Ok(r) => counters.overshoot.add(r.uncovered),
+                    Err(_) => counters.reports_dropped.add(report.debt),
+                }
+                shared.report_settled(&report);
             }
-            (Err(e), Some(item)) => {
-                counters.store_error(e.kind());
-                shared.reconciler.restore([item]);
-            }
-            (Err(e), None) => {
-                counters.store_error(e.kind());
-                requeue_debt(shared, None, &p.call);
-            }
+            None => {}
         }
         return;
     };
@@ -297,7 +343,16 @@ fn apply(
     match result {
         Err(e) => {
             counters.store_error(e.kind());
-            requeue_debt(shared, Some(&slot), &p.call);
+            if let Some(op) = p.call.op.filter(|_| p.call.debt > 0) {
+                // Resent on its own under the same identity: the store may
+                // have applied it before the reply was lost.
+                shared.queue_report(DebtReport {
+                    key: p.call.key.clone(),
+                    debt: p.call.debt,
+                    window: p.call.debt_window,
+                    op,
+                });
+            }
             slot.refill_failed.store(true, Ordering::Release);
         }
         Ok(r) => {
@@ -319,7 +374,14 @@ fn apply(
                 slot.window_end
                     .store(t0 + r.reset_after_us, Ordering::Relaxed);
             }
-            let margin = config.clock_margin.as_micros() as u64 + shared.time.tick_us();
+            // Fixed window: the deadline is the window's end, `reset_after`
+            // ahead. Buckets: the lease horizon, drift added below.
+            let margin = config.clock_margin.as_micros() as u64
+                + shared.time.tick_us()
+                + match shared.params.algorithm {
+                    Algorithm::FixedWindow => drift_us(r.reset_after_us),
+                    Algorithm::TokenBucket | Algorithm::Gcra => 0,
+                };
             let now = shared.time.precise_us();
             if r.granted > 0 {
                 counters.lease_granted(r.granted);
@@ -354,18 +416,44 @@ fn apply(
                             *next = Some(Box::new(merged));
                             slot.has_next.store(true, Ordering::Release);
                         } else {
-                            let replaced =
-                                slot.install(granted, r.window, deadline, window_end, now, false);
-                            counters.stranded.add(replaced as u64);
+                            match slot.install(granted, r.window, deadline, window_end, now, false)
+                            {
+                                Installed::Replaced(n) | Installed::Stale(n) => {
+                                    counters.stranded.add(n as u64)
+                                }
+                            }
                         }
                     }
                     Algorithm::TokenBucket | Algorithm::Gcra => {
-                        let deadline =
-                            (t0 + config.lease_ttl.as_micros() as u64).saturating_sub(margin);
+                        let horizon = config.lease_ttl.as_micros() as u64;
+                        let deadline = (t0 + horizon).saturating_sub(margin + drift_us(horizon));
                         let full_at = t0 + r.reset_after_us;
-                        let replaced = slot.install(granted, 0, deadline, full_at, now, p.renew);
-                        if replaced > 0 {
-                            shared.give_back(&shared.store_key(&slot), replaced as u64, 0);
+                        let origin = LeaseOrigin {
+                            at_us: r.now_us,
+                            level: r.level,
+                            given_back: r.given_back,
+                        };
+                        let mut books = slot.books();
+                        let before = books.origin;
+                        match slot.install(granted, 0, deadline, full_at, now, p.renew) {
+                            Installed::Replaced(0) if !p.renew && before.at_us != 0 => {
+                                // Added to permits still held: the merged
+                                // lease answers to the older origin too.
+                                books.origin = before.merge(origin);
+                            }
+                            Installed::Replaced(replaced) => {
+                                books.origin = origin;
+                                drop(books);
+                                if replaced > 0 {
+                                    shared.give_back(
+                                        &shared.store_key(&slot),
+                                        replaced as u64,
+                                        0,
+                                        before,
+                                    );
+                                }
+                            }
+                            Installed::Stale(n) => counters.stranded.add(n as u64),
                         }
                     }
                 }
@@ -393,33 +481,6 @@ fn apply(
     shared.refilled(&slot).notify_waiters();
 }
 
-/// Puts unreported debt back where it will be reported again: into the
-/// slot if it holds none of another window, else onto the report queue.
-fn requeue_debt(shared: &Shared, slot: Option<&Slot>, call: &LeaseCall) {
-    if call.debt == 0 {
-        return;
-    }
-    let failed = Credit {
-        debt: call.debt.min(u64::from(u32::MAX)) as u32,
-        window: call.debt_window,
-        in_flight: 0,
-    };
-    if let Some(slot) = slot {
-        let mut books = slot.books();
-        let credit = &mut books.credit;
-        if credit.debt == 0 || credit.window == failed.window {
-            credit.debt += failed.debt;
-            credit.window = failed.window;
-            return;
-        }
-    }
-    shared
-        .reports
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .push((call.key.clone(), failed));
-}
-
 /// Expires leases, evicts idle slots and enforces `max_keys`. Network
 /// work it creates (give-backs, reports) goes out with the next round.
 pub(crate) fn maintain(shared: &Shared) {
@@ -436,7 +497,8 @@ pub(crate) fn maintain(shared: &Shared) {
             match shared.params.algorithm {
                 Algorithm::FixedWindow => shared.counters.stranded.add(expired as u64),
                 Algorithm::TokenBucket | Algorithm::Gcra => {
-                    shared.give_back(&shared.store_key(slot), expired as u64, 0)
+                    let origin = slot.books().origin;
+                    shared.give_back(&shared.store_key(slot), expired as u64, 0, origin)
                 }
             }
         }

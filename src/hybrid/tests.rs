@@ -34,6 +34,7 @@ fn rig(quota: Quota, algorithm: Algorithm, config: HybridConfig) -> Rig {
             keys: keys.clone(),
             params,
             clock: Some(Arc::new(clock.clone())),
+            fast_clock: None,
             counters: counters.clone(),
             max_cost: algorithm.max_cost(&quota),
             reconciler: Arc::new(crate::failure::Reconciler::default()),
@@ -137,10 +138,11 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
     assert!(r.check("k", 1).await.is_allowed());
     let slot = r.slot("k");
     assert_eq!(slot.permits.load(Ordering::Acquire), 49);
-    // 3 ms margin: from 997 ms on, window 0's permits are void.
-    r.clock.set(ORIGIN + Duration::from_micros(996_999));
+    // 3 ms margin and 500 ppm of drift over the 1 s left: from 996.5 ms
+    // on, window 0's permits are void.
+    r.clock.set(ORIGIN + Duration::from_micros(996_499));
     assert_eq!(r.check("k", 1).await.source(), Source::Lease);
-    r.clock.set(ORIGIN + Duration::from_millis(997));
+    r.clock.set(ORIGIN + Duration::from_micros(996_500));
     let d = r.check("k", 1).await;
     assert!(
         !d.is_allowed(),
@@ -150,12 +152,14 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
     r.sync().await;
     assert!(slot.has_next.load(Ordering::Acquire));
     assert!(!r.check("k", 1).await.is_allowed());
-    r.clock.set(ORIGIN + Duration::from_millis(1_002));
+    // Asked at 996.5 ms: the window starts 3.5 ms later, plus the margin
+    // (3 ms and the drift over the 1 003.5 ms to its end).
+    r.clock.set(ORIGIN + Duration::from_micros(1_003_499));
     assert!(
         !r.check("k", 1).await.is_allowed(),
         "not before start + margin"
     );
-    r.clock.set(ORIGIN + Duration::from_millis(1_003));
+    r.clock.set(ORIGIN + Duration::from_micros(1_003_502));
     let d = r.check("k", 1).await;
     assert!(d.is_allowed());
     assert_eq!(d.source(), Source::Lease);
@@ -201,7 +205,7 @@ async fn optimistic_credit_is_bounded_reported_and_counted_as_overshoot() {
     for _ in 0..100 {
         let d = r.check("k", 1).await;
         assert_eq!(d.source(), Source::DeniedCache);
-        assert!(d.retry_after().unwrap() <= Duration::from_millis(1_003));
+        assert!(d.retry_after().unwrap() <= Duration::from_micros(1_003_500));
     }
     assert_eq!(r.round_trips(), trips, "denials were local");
 }
@@ -238,10 +242,11 @@ async fn denied_keys_cost_no_round_trip_until_their_reset() {
         assert_eq!(r.check("k", 1).await.source(), Source::DeniedCache);
     }
     assert_eq!(r.round_trips(), trips);
-    // Denied until the window has surely ended: its end plus the margin.
-    r.clock.set(ORIGIN + Duration::from_millis(1_002));
+    // Denied until the window has surely ended: its end plus the margin
+    // (3 ms and 500 ppm of drift over the second left).
+    r.clock.set(ORIGIN + Duration::from_micros(1_003_499));
     assert_eq!(r.check("k", 1).await.source(), Source::DeniedCache);
-    r.clock.set(ORIGIN + Duration::from_millis(1_003));
+    r.clock.set(ORIGIN + Duration::from_micros(1_003_500));
     assert!(r.check("k", 1).await.is_allowed());
     assert_eq!(r.round_trips(), trips + 1);
 }
@@ -323,17 +328,20 @@ async fn token_bucket_leases_expire_after_their_horizon_and_go_back() {
     );
     assert!(r.check("k", 1).await.is_allowed());
     assert_eq!(r.round_trips(), 1);
-    r.clock.set(ORIGIN + Duration::from_millis(996));
+    r.clock.set(ORIGIN + Duration::from_micros(996_499));
     assert_eq!(r.check("k", 1).await.source(), Source::Lease);
     assert_eq!(r.round_trips(), 1, "18 permits still valid");
-    // Past the horizon (minus the 3 ms margin) the 18 are void: a new lease
-    // replaces them and they go back to the bucket.
-    r.clock.set(ORIGIN + Duration::from_millis(997));
+    // Past the horizon (minus the 3 ms margin and 0.5 ms of drift) the 18
+    // are void: a new lease replaces them and they go back to the bucket.
+    r.clock.set(ORIGIN + Duration::from_micros(996_500));
     assert!(r.check("k", 1).await.is_allowed());
     assert_eq!(r.round_trips(), 2);
     r.sync().await;
-    assert_eq!(r.counters.given_back.get(), 18);
-    assert_eq!(r.counters.stranded.get(), 0);
+    // Had the 18 stayed in the bucket (30 + 18 = 48), the second of refill
+    // (+10) would have overflowed its cap of 50 by 8: only 10 may go back,
+    // the other 8 are stranded (the bounds issue's give-back rule).
+    assert_eq!(r.counters.given_back.get(), 10);
+    assert_eq!(r.counters.stranded.get(), 8);
 }
 
 #[tokio::test]
@@ -366,6 +374,7 @@ async fn the_lease_script_shape_is_what_the_engine_expects() {
                 min_window: i64::MAX,
                 need: 1,
                 patience: 1,
+                op: None,
             },
         )
         .unwrap();

@@ -15,6 +15,8 @@ use dashmap::DashMap;
 use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use crate::clock::{micros, Clock, SystemClock};
 use crate::{Algorithm, Error, ErrorKind};
+use std::collections::HashMap;
+use std::sync::Mutex;
 
 /// Sweep expired entries at most once per this many operations.
 const SWEEP_EVERY: u64 = 4096;
@@ -36,7 +38,14 @@ struct Shared {
     ops: AtomicU64,
     /// Simulated network round trip per call (0: in-process speed).
     latency: std::time::Duration,
+    /// Identities of reports already applied (op key → first answer,
+    /// expiry), as the scripts' identity keys. Held across the report it
+    /// guards, so a duplicate cannot slip in between check and record.
+    ops_seen: Mutex<HashMap<String, (u64, u64)>>,
 }
+
+/// How long a report's identity is remembered (the scripts' 60 s).
+const OP_TTL_US: u64 = 60_000_000;
 
 #[derive(Debug, Clone)]
 struct Entry {
@@ -52,9 +61,13 @@ enum State {
     Bucket {
         tokens: f64,
         ts: u64,
+        /// The give-back counter ("gb"): the key's creation time plus every
+        /// permit given back; `None` until a lease wrote it.
+        gb: Option<u64>,
     },
     Gcra {
         tat: f64,
+        gb: Option<u64>,
     },
 }
 
@@ -101,6 +114,7 @@ impl MemoryStore {
                 clock,
                 ops: AtomicU64::new(0),
                 latency: std::time::Duration::ZERO,
+                ops_seen: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -116,6 +130,7 @@ impl MemoryStore {
             clock: self.shared.clock.clone(),
             ops: AtomicU64::new(0),
             latency: round_trip,
+            ops_seen: Mutex::new(HashMap::new()),
         };
         MemoryStore {
             shared: Arc::new(shared),
@@ -171,29 +186,127 @@ impl MemoryStore {
     pub(crate) fn acquire(&self, key: &str, p: &Params, cost: u64) -> Result<AcquireReply, Error> {
         let now = self.now();
         self.with_entry(key, now, |entry| match p.algorithm {
-            Algorithm::FixedWindow => fixed_window(entry, p, now, cost as i64, key),
-            Algorithm::TokenBucket => token_bucket(entry, p, now, cost as f64, key),
-            Algorithm::Gcra => gcra(entry, p, now, cost as f64, key),
+            Algorithm::FixedWindow => fixed_window(entry, p, now, cost, key),
+            Algorithm::TokenBucket => token_bucket(entry, p, now, cost, key),
+            Algorithm::Gcra => gcra(entry, p, now, cost, key),
         })
     }
 
     pub(crate) fn lease(&self, p: &Params, call: &LeaseCall) -> Result<LeaseReply, Error> {
         let now = self.now();
-        self.with_entry(&call.key, now, |entry| match p.algorithm {
-            Algorithm::FixedWindow => lease_fixed_window(entry, p, now, call),
-            Algorithm::TokenBucket => lease_token_bucket(entry, p, now, call),
-            Algorithm::Gcra => lease_gcra(entry, p, now, call),
+        let op = call
+            .op
+            .filter(|_| call.debt > 0)
+            .map(|op| op.key_for(&call.key));
+        self.once(op, now, |seen| {
+            let mut call = call.clone();
+            if seen.is_some() {
+                call.debt = 0;
+            }
+            let mut reply = self.with_entry(&call.key, now, |entry| match p.algorithm {
+                Algorithm::FixedWindow => lease_fixed_window(entry, p, now, &call),
+                Algorithm::TokenBucket => lease_token_bucket(entry, p, now, &call),
+                Algorithm::Gcra => lease_gcra(entry, p, now, &call),
+            })?;
+            if let Some(uncovered) = seen {
+                reply.uncovered = uncovered;
+            }
+            Ok((reply, (call.debt > 0).then_some(reply.uncovered)))
         })
     }
 
     pub(crate) fn give_back(&self, p: &Params, call: &GiveBackCall) -> Result<u64, Error> {
         let now = self.now();
-        self.with_entry(&call.key, now, |entry| give_back(entry, p, now, call))
+        self.once(Some(call.op.key_for(&call.key)), now, |seen| match seen {
+            Some(back) => Ok((back, None)),
+            None => {
+                let back =
+                    self.with_entry(&call.key, now, |entry| give_back(entry, p, now, call))?;
+                Ok((back, Some(back)))
+            }
+        })
     }
 
-    /// Permits counted in the given fixed window for a store key (tests and
-    /// examples use it the way they would `HGET` a Redis key).
-    #[cfg(test)]
+    /// Runs a report under its identity, as the scripts do with their
+    /// identity key: `f` learns the first answer if this is a second
+    /// delivery, and returns what to remember (if anything).
+    fn once<R>(
+        &self,
+        op: Option<String>,
+        now: u64,
+        f: impl FnOnce(Option<u64>) -> Result<(R, Option<u64>), Error>,
+    ) -> Result<R, Error> {
+        let Some(op) = op else {
+            return f(None).map(|(r, _)| r);
+        };
+        let mut ops = self
+            .shared
+            .ops_seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if ops.len() >= SWEEP_EVERY as usize {
+            ops.retain(|_, (_, expires)| *expires > now);
+        }
+        let seen = ops.get(&op).filter(|(_, e)| *e > now).map(|(v, _)| *v);
+        let (reply, remember) = f(seen)?;
+        if let Some(value) = remember {
+            ops.insert(op, (value, now + OP_TTL_US));
+        }
+        Ok(reply)
+    }
+
+    /// The longest time to live of any entry, including report identities;
+    /// `None` if some entry would never expire (the simulation checks this
+    /// the way tests check Redis keys for a TTL).
+    #[cfg(feature = "test-support")]
+    pub fn longest_ttl(&self) -> Option<std::time::Duration> {
+        self.longest_ttl_us().map(std::time::Duration::from_micros)
+    }
+
+    /// Permits counted in fixed window `window` for `key` under
+    /// `namespace`, as a test would `HGET` the Redis key.
+    #[cfg(feature = "test-support")]
+    pub fn fixed_window_count(&self, namespace: &str, key: &str, window: i64) -> Option<i64> {
+        let store_key =
+            crate::key::KeyEncoder::new(namespace).store_key(key, Algorithm::FixedWindow);
+        self.window_count(&store_key, window)
+    }
+
+    #[cfg(feature = "test-support")]
+    fn longest_ttl_us(&self) -> Option<u64> {
+        let now = micros(&*self.shared.clock);
+        let mut longest = 0u64;
+        for e in self.shared.entries.iter() {
+            if e.expires_us == u64::MAX {
+                return None;
+            }
+            longest = longest.max(e.expires_us.saturating_sub(now));
+        }
+        let ops = self
+            .shared
+            .ops_seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        for (_, expires) in ops.values() {
+            longest = longest.max(expires.saturating_sub(now));
+        }
+        Some(longest)
+    }
+
+    /// Forgets everything, like a Redis server restarted without
+    /// persistence.
+    #[cfg(feature = "test-support")]
+    pub(crate) fn clear(&self) {
+        self.shared.entries.clear();
+        self.shared
+            .ops_seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
+    }
+
+    /// Permits counted in a fixed window for a store key, if the key lives.
+    #[cfg(any(test, feature = "test-support"))]
     pub(crate) fn window_count(&self, key: &str, window: i64) -> Option<i64> {
         let now = micros(&*self.shared.clock);
         let entry = self.shared.entries.get(key)?;
@@ -206,7 +319,6 @@ impl MemoryStore {
         }
     }
 }
-
 fn windows<'a>(
     entry: &'a mut Option<Entry>,
     key: &str,
@@ -259,11 +371,13 @@ fn trim_and_expire(entry: &mut Option<Entry>, current: i64, now: u64, ttl_us: u6
     }
 }
 
+/// Every `u64` cost is compared as the scripts compare it: a cost the
+/// quota can never hold is denied before any arithmetic sees it.
 fn fixed_window(
     entry: &mut Option<Entry>,
     p: &Params,
     now: u64,
-    cost: i64,
+    cost: u64,
     key: &str,
 ) -> Result<AcquireReply, Error> {
     let limit = p.limit as i64;
@@ -271,14 +385,14 @@ fn fixed_window(
     let w = (now / period) as i64;
     let mut used = count_in(windows(entry, key)?, w);
     let reset = (w as u64 + 1) * period - now;
-    let (allowed, retry) = if used + cost <= limit {
+    let (allowed, retry) = if cost > p.limit {
+        (false, None)
+    } else if cost == 0 || used + cost as i64 <= limit {
         if cost > 0 {
-            used = incr_window(entry, w, cost);
+            used = incr_window(entry, w, cost as i64);
             trim_and_expire(entry, w, now, ceil_ms_to_us((reset + period) as f64));
         }
         (true, Some(0))
-    } else if cost > limit {
-        (false, None)
     } else {
         (false, Some(reset))
     };
@@ -291,31 +405,41 @@ fn fixed_window(
     })
 }
 
-/// Refilled tokens of a bucket entry (a missing entry is a full bucket).
-fn bucket_tokens(entry: &Option<Entry>, p: &Params, now: u64, key: &str) -> Result<f64, Error> {
-    let (mut tokens, ts) = match entry {
-        None => (p.burst as f64, now),
+/// Refilled tokens of a bucket entry (a missing entry is a full bucket),
+/// and its give-back counter.
+fn bucket_tokens(
+    entry: &Option<Entry>,
+    p: &Params,
+    now: u64,
+    key: &str,
+) -> Result<(f64, Option<u64>), Error> {
+    let (mut tokens, ts, gb) = match entry {
+        None => (p.burst as f64, now, None),
         Some(Entry {
-            state: State::Bucket { tokens, ts },
+            state: State::Bucket { tokens, ts, gb },
             ..
-        }) => (*tokens, *ts),
+        }) => (*tokens, *ts, *gb),
         Some(_) => return Err(wrong_type(key)),
     };
     if now > ts {
         tokens =
             (p.burst as f64).min(tokens + (now - ts) as f64 * p.limit as f64 / p.period_us as f64);
     }
-    Ok(tokens)
+    Ok((tokens, gb))
 }
 
 fn bucket_reset(p: &Params, tokens: f64) -> f64 {
     ((p.burst as f64 - tokens) * p.period_us as f64 / p.limit as f64).ceil()
 }
 
-fn store_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, tokens: f64) {
+fn store_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, tokens: f64, gb: Option<u64>) {
     let reset = bucket_reset(p, tokens);
     *entry = Some(Entry {
-        state: State::Bucket { tokens, ts: now },
+        state: State::Bucket {
+            tokens,
+            ts: now,
+            gb,
+        },
         expires_us: now + ceil_ms_to_us(reset) + 1000,
     });
 }
@@ -324,24 +448,21 @@ fn token_bucket(
     entry: &mut Option<Entry>,
     p: &Params,
     now: u64,
-    cost: f64,
+    cost: u64,
     key: &str,
 ) -> Result<AcquireReply, Error> {
-    let mut tokens = bucket_tokens(entry, p, now, key)?;
-    let burst = p.burst as f64;
-    let (allowed, retry) = if cost <= tokens {
-        if cost > 0.0 {
-            tokens -= cost;
-        }
-        (true, Some(0))
-    } else if cost > burst {
+    let (mut tokens, gb) = bucket_tokens(entry, p, now, key)?;
+    let (allowed, retry) = if cost > p.burst {
         (false, None)
+    } else if cost == 0 || cost as f64 <= tokens {
+        tokens -= cost as f64;
+        (true, Some(0))
     } else {
-        let r = ((cost - tokens) * p.period_us as f64 / p.limit as f64).ceil();
+        let r = ((cost as f64 - tokens) * p.period_us as f64 / p.limit as f64).ceil();
         (false, Some(r as u64))
     };
-    if allowed && cost > 0.0 {
-        store_bucket(entry, p, now, tokens);
+    if allowed && cost > 0 {
+        store_bucket(entry, p, now, tokens, gb);
     }
     Ok(AcquireReply {
         allowed,
@@ -366,28 +487,35 @@ impl GcraShape {
         }
     }
 
+    fn level(&self, tat: f64, now: f64) -> f64 {
+        (self.tolerance - (tat - now)) / self.interval
+    }
+
     fn available(&self, tat: f64, now: f64) -> f64 {
-        ((self.tolerance - (tat - now)) / self.interval + 1e-9).floor()
+        (self.level(tat, now) + 1e-9).floor()
     }
 }
 
-fn gcra_tat(entry: &Option<Entry>, now: u64, key: &str) -> Result<f64, Error> {
-    let tat = match entry {
-        None => 0.0,
+fn gcra_tat(entry: &Option<Entry>, now: u64, key: &str) -> Result<(f64, Option<u64>), Error> {
+    let (tat, gb) = match entry {
+        None => (0.0, None),
         Some(Entry {
-            state: State::Gcra { tat },
+            state: State::Gcra { tat, gb },
             ..
-        }) => *tat,
+        }) => (*tat, *gb),
         Some(_) => return Err(wrong_type(key)),
     };
-    Ok(tat.max(now as f64))
+    Ok((tat.max(now as f64), gb))
 }
 
-fn store_gcra(entry: &mut Option<Entry>, now: u64, tat: f64) {
+fn store_gcra(entry: &mut Option<Entry>, now: u64, tat: f64, gb: Option<u64>) {
     let stored = tat.ceil();
+    let ttl = ceil_ms_to_us(tat - now as f64) + 1000;
+    // A TTL is only lengthened by writes that set one, as PEXPIRE does;
+    // a give-back (HSET alone) keeps the key's TTL.
     *entry = Some(Entry {
-        state: State::Gcra { tat: stored },
-        expires_us: now + ceil_ms_to_us(tat - now as f64) + 1000,
+        state: State::Gcra { tat: stored, gb },
+        expires_us: now + ttl,
     });
 }
 
@@ -395,23 +523,25 @@ fn gcra(
     entry: &mut Option<Entry>,
     p: &Params,
     now: u64,
-    cost: f64,
+    cost: u64,
     key: &str,
 ) -> Result<AcquireReply, Error> {
     let g = GcraShape::new(p);
     let nowf = now as f64;
-    let mut tat = gcra_tat(entry, now, key)?;
-    let new_tat = tat + cost * g.interval;
-    let (allowed, retry) = if new_tat - nowf <= g.tolerance {
-        if cost > 0.0 {
-            tat = new_tat;
-            store_gcra(entry, now, tat);
-        }
-        (true, Some(0))
-    } else if cost > p.burst as f64 {
+    let (mut tat, gb) = gcra_tat(entry, now, key)?;
+    let (allowed, retry) = if cost > p.burst {
         (false, None)
     } else {
-        (false, Some((new_tat - nowf - g.tolerance).ceil() as u64))
+        let new_tat = tat + cost as f64 * g.interval;
+        if cost == 0 || new_tat - nowf <= g.tolerance {
+            if cost > 0 {
+                tat = new_tat;
+                store_gcra(entry, now, tat, gb);
+            }
+            (true, Some(0))
+        } else {
+            (false, Some((new_tat - nowf - g.tolerance).ceil() as u64))
+        }
     };
     Ok(AcquireReply {
         allowed,
@@ -476,6 +606,8 @@ fn lease_fixed_window(
         now_us: now,
         uncovered: uncovered as u64,
         window: tw,
+        level: 0,
+        given_back: 0,
     })
 }
 
@@ -485,21 +617,25 @@ fn lease_token_bucket(
     now: u64,
     call: &LeaseCall,
 ) -> Result<LeaseReply, Error> {
-    let mut tokens = bucket_tokens(entry, p, now, &call.key)?;
+    let (mut tokens, gb) = bucket_tokens(entry, p, now, &call.key)?;
     let burst = p.burst as f64;
     let debt = call.debt as f64;
     let need = call.need as f64;
     let mut uncovered = 0.0;
     if debt > 0.0 {
         uncovered = (debt - tokens.max(0.0)).max(0.0);
-        tokens -= debt;
+        tokens = (tokens - debt).max(-burst);
     }
     let granted = bucket_grant(tokens.floor().max(0.0), call, burst);
     tokens -= granted;
     let reset = bucket_reset(p, tokens);
-    if granted > 0.0 || debt > 0.0 {
-        store_bucket(entry, p, now, tokens);
-    }
+    let gb = if granted > 0.0 || debt > 0.0 {
+        let gb = gb.unwrap_or(now);
+        store_bucket(entry, p, now, tokens, Some(gb));
+        Some(gb)
+    } else {
+        gb
+    };
     let patience = need.max(call.patience as f64).min(burst);
     let retry = if granted == 0.0 {
         ((patience - tokens) * p.period_us as f64 / p.limit as f64)
@@ -517,6 +653,8 @@ fn lease_token_bucket(
         now_us: now,
         uncovered: uncovered.ceil() as u64,
         window: 0,
+        level: tokens.ceil().max(0.0) as u64,
+        given_back: gb.unwrap_or(0),
     })
 }
 
@@ -540,19 +678,23 @@ fn lease_gcra(
 ) -> Result<LeaseReply, Error> {
     let g = GcraShape::new(p);
     let nowf = now as f64;
-    let mut tat = gcra_tat(entry, now, &call.key)?;
+    let (mut tat, gb) = gcra_tat(entry, now, &call.key)?;
     let debt = call.debt as f64;
     let need = (call.need as f64).min(p.burst as f64);
     let mut uncovered = 0.0;
     if debt > 0.0 {
         uncovered = (debt - g.available(tat, nowf).max(0.0)).max(0.0);
-        tat += debt * g.interval;
+        tat = (tat + debt * g.interval).min(nowf + 2.0 * g.tolerance);
     }
     let granted = bucket_grant(g.available(tat, nowf).max(0.0), call, p.burst as f64);
     tat += granted * g.interval;
-    if granted > 0.0 || debt > 0.0 {
-        store_gcra(entry, now, tat);
-    }
+    let gb = if granted > 0.0 || debt > 0.0 {
+        let gb = gb.unwrap_or(now);
+        store_gcra(entry, now, tat, Some(gb));
+        Some(gb)
+    } else {
+        gb
+    };
     let patience = need.max(call.patience as f64).min(p.burst as f64);
     let retry = if granted == 0.0 {
         (tat + patience * g.interval - g.tolerance - nowf)
@@ -570,9 +712,13 @@ fn lease_gcra(
         now_us: now,
         uncovered: uncovered as u64,
         window: 0,
+        level: (g.level(tat, nowf) - 1e-9).ceil().max(0.0) as u64,
+        given_back: gb.unwrap_or(0),
     })
 }
 
+/// The give-back rule of `give_back.lua`; see its header for why a bucket
+/// gets back at most `burst` minus how full it may have been meanwhile.
 fn give_back(
     entry: &mut Option<Entry>,
     p: &Params,
@@ -582,6 +728,21 @@ fn give_back(
     if entry.is_none() {
         return Ok(0);
     }
+    let origin = call.origin;
+    let peak = |gb: Option<u64>| -> Option<f64> {
+        let gb = gb?;
+        if gb < origin.given_back || origin.at_us > now {
+            return None;
+        }
+        let rate = p.limit as f64 / p.period_us as f64;
+        Some(
+            origin.level as f64
+                + (now - origin.at_us) as f64 * rate
+                + (gb - origin.given_back) as f64,
+        )
+    };
+    let returned = call.returned as f64;
+    let burst = p.burst as f64;
     match p.algorithm {
         Algorithm::FixedWindow => {
             let w = windows(entry, &call.key)?;
@@ -589,35 +750,58 @@ fn give_back(
                 return Ok(0);
             }
             let used = count_in(w, call.window);
-            let back = used.min(call.returned as i64);
+            let back = used.min(call.returned.min(i64::MAX as u64) as i64);
             if back > 0 {
                 incr_window(entry, call.window, -back);
             }
             Ok(back.max(0) as u64)
         }
         Algorithm::TokenBucket => {
-            let tokens = bucket_tokens(entry, p, now, &call.key)?;
-            let back = (call.returned as f64).min(p.burst as f64 - tokens).max(0.0);
+            let (tokens, gb) = bucket_tokens(entry, p, now, &call.key)?;
+            let Some(peak) = peak(gb) else {
+                return Ok(0);
+            };
+            let back = returned
+                .min(burst - tokens)
+                .min(burst - peak)
+                .max(0.0)
+                .floor();
+            if back <= 0.0 {
+                return Ok(0);
+            }
             if let Some(e) = entry {
                 e.state = State::Bucket {
                     tokens: tokens + back,
                     ts: now,
+                    gb: gb.map(|g| g + back as u64),
                 };
             }
-            Ok(back.floor() as u64)
+            Ok(back as u64)
         }
         Algorithm::Gcra => {
             let g = GcraShape::new(p);
             let nowf = now as f64;
-            let tat = gcra_tat(entry, now, &call.key)?;
+            let (tat, gb) = gcra_tat(entry, now, &call.key)?;
+            let Some(peak) = peak(gb) else {
+                return Ok(0);
+            };
             if tat <= nowf {
                 return Ok(0);
             }
-            let back = (call.returned as f64).min(((tat - nowf) / g.interval).floor());
+            let back = returned
+                .min((tat - nowf) / g.interval)
+                .min(burst - peak)
+                .max(0.0)
+                .floor();
             if back <= 0.0 {
                 return Ok(0);
             }
-            store_gcra(entry, now, tat - back * g.interval);
+            if let Some(e) = entry {
+                e.state = State::Gcra {
+                    tat: (tat - back * g.interval).ceil(),
+                    gb: gb.map(|g| g + back as u64),
+                };
+            }
             Ok(back as u64)
         }
     }
@@ -714,6 +898,7 @@ mod tests {
             min_window: -1,
             need: 1,
             patience: 1,
+            op: None,
         };
         let r = s.lease(&p, &call).unwrap();
         assert_eq!((r.granted, r.remaining), (50, 50));

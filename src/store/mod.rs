@@ -6,9 +6,13 @@
 //! dispatch between them; it does not decide anything about policies,
 //! leases or failures.
 
+#[cfg(feature = "test-support")]
+pub(crate) mod faults;
 pub(crate) mod memory;
 pub(crate) mod redis;
 
+#[cfg(feature = "test-support")]
+pub use self::faults::{FaultCounts, Faults, FaultyStore};
 pub use self::memory::MemoryStore;
 pub use self::redis::{RedisOptions, RedisStore};
 
@@ -25,6 +29,16 @@ pub enum Store {
     Redis(RedisStore),
     /// The in-process store.
     Memory(MemoryStore),
+    /// A store that misbehaves on purpose, for simulations.
+    #[cfg(feature = "test-support")]
+    Faulty(Box<FaultyStore>),
+}
+
+#[cfg(feature = "test-support")]
+impl From<FaultyStore> for Store {
+    fn from(store: FaultyStore) -> Self {
+        Store::Faulty(Box::new(store))
+    }
 }
 
 impl From<RedisStore> for Store {
@@ -88,6 +102,62 @@ impl AcquireReply {
     }
 }
 
+/// The identity of a mutating report (a give-back, a debt report, a
+/// reconciliation): the store records it for a minute, so a second delivery
+/// of the same report (a client retry, a pipeline resent after `NOSCRIPT`,
+/// a resend after a timeout the store had already served) changes nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct OpId {
+    /// Random per limiter instance.
+    nonce: u64,
+    seq: u64,
+}
+
+impl OpId {
+    /// The identity key, in the same hash slot as the store key it reports on.
+    pub(crate) fn key_for(&self, store_key: &str) -> String {
+        format!("{store_key}:op:{:x}.{:x}", self.nonce, self.seq)
+    }
+}
+
+/// Hands out [`OpId`]s: a random nonce per instance and a sequence.
+#[derive(Debug)]
+pub(crate) struct OpIds {
+    nonce: u64,
+    seq: std::sync::atomic::AtomicU64,
+}
+
+impl Default for OpIds {
+    fn default() -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_nanos(),
+        );
+        OpIds {
+            nonce: h.finish(),
+            seq: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+}
+
+impl OpIds {
+    pub(crate) fn next(&self) -> OpId {
+        OpId {
+            nonce: self.nonce,
+            seq: self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+}
+
+/// The most debt one report carries: far above any real debt (at most
+/// `max_debt` per process, or what a fallback admitted), far below what
+/// the scripts' integer arithmetic can hold.
+pub(crate) const MAX_REPORT: u64 = 1 << 50;
+
 /// One lease: take up to `want` permits, and record `debt` permits admitted
 /// on credit.
 #[derive(Debug, Clone, PartialEq)]
@@ -106,21 +176,24 @@ pub(crate) struct LeaseCall {
     pub(crate) need: u64,
     /// Token bucket, GCRA: when nothing is granted, wait for this many.
     pub(crate) patience: u64,
+    /// Set when `debt > 0`: the debt report's identity.
+    pub(crate) op: Option<OpId>,
 }
 
 impl LeaseCall {
     /// Grants nothing; only records `debt` permits (against the store's
     /// current window when `window` is unknown).
-    pub(crate) fn report(key: String, debt: u64) -> Self {
+    pub(crate) fn report(key: String, debt: u64, op: OpId) -> Self {
         LeaseCall {
             key,
             want: 0,
             share_cap: 1.0,
-            debt,
+            debt: debt.min(MAX_REPORT),
             debt_window: -1,
             min_window: -1,
             need: 1,
             patience: 1,
+            op: Some(op),
         }
     }
 }
@@ -142,14 +215,45 @@ pub(crate) struct LeaseReply {
     pub(crate) uncovered: u64,
     /// Fixed window: the index of the window the grant belongs to.
     pub(crate) window: i64,
+    /// Token bucket, GCRA: the bucket's level right after this grant,
+    /// rounded up (part of the lease's origin, see [`LeaseOrigin`]).
+    pub(crate) level: u64,
+    /// Token bucket, GCRA: the key's give-back counter at this grant.
+    pub(crate) given_back: u64,
+}
+
+/// Where a bucket lease came from: what a give-back of its permits must
+/// send, so the store can refuse to return what the bucket's cap would
+/// have dropped while the lease was out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct LeaseOrigin {
+    /// Store time of the grant (µs).
+    pub(crate) at_us: u64,
+    /// The bucket's level right after it, rounded up.
+    pub(crate) level: u64,
+    /// The key's give-back counter then.
+    pub(crate) given_back: u64,
+}
+
+impl LeaseOrigin {
+    /// The more conservative of two origins for permits merged into one
+    /// lease: the earlier grant (the longer a lease is out, the more its
+    /// bucket may have refilled), the higher level and the lower counter.
+    pub(crate) fn merge(self, other: LeaseOrigin) -> LeaseOrigin {
+        LeaseOrigin {
+            at_us: self.at_us.min(other.at_us),
+            level: self.level.max(other.level),
+            given_back: self.given_back.min(other.given_back),
+        }
+    }
 }
 
 impl LeaseReply {
     pub(crate) fn from_values(v: &[i64]) -> Result<Self, Error> {
-        if v.len() != 8 {
+        if v.len() != 10 {
             return Err(Error::new(
                 crate::ErrorKind::Store,
-                format!("lease script returned {} values, expected 8", v.len()),
+                format!("lease script returned {} values, expected 10", v.len()),
             ));
         }
         let u = |i: usize| v[i].max(0) as u64;
@@ -162,6 +266,8 @@ impl LeaseReply {
             now_us: u(5),
             uncovered: u(6),
             window: v[7],
+            level: u(8),
+            given_back: u(9),
         })
     }
 }
@@ -173,6 +279,9 @@ pub(crate) struct GiveBackCall {
     pub(crate) returned: u64,
     /// Fixed window: the window index the permits were leased from.
     pub(crate) window: i64,
+    /// Token bucket, GCRA: the lease the permits came from.
+    pub(crate) origin: LeaseOrigin,
+    pub(crate) op: OpId,
 }
 
 impl Store {
@@ -181,6 +290,8 @@ impl Store {
         match self {
             Store::Redis(s) => s.retry_hint(),
             Store::Memory(_) => None,
+            #[cfg(feature = "test-support")]
+            Store::Faulty(s) => s.retry_hint(),
         }
     }
 
@@ -189,6 +300,8 @@ impl Store {
         match self {
             Store::Redis(s) => s.circuit_state(),
             Store::Memory(_) => crate::CircuitState::Closed,
+            #[cfg(feature = "test-support")]
+            Store::Faulty(s) => s.circuit_state(),
         }
     }
 
@@ -207,6 +320,8 @@ impl Store {
                 s.half_trip().await;
                 reply
             }
+            #[cfg(feature = "test-support")]
+            Store::Faulty(s) => Box::pin(s.acquire(key, params, cost)).await,
         }
     }
 
@@ -225,6 +340,8 @@ impl Store {
                 s.half_trip().await;
                 Ok(replies)
             }
+            #[cfg(feature = "test-support")]
+            Store::Faulty(s) => Box::pin(s.lease_batch(params, calls)).await,
         }
     }
 
@@ -242,6 +359,8 @@ impl Store {
                 s.half_trip().await;
                 Ok(replies)
             }
+            #[cfg(feature = "test-support")]
+            Store::Faulty(s) => Box::pin(s.give_back_batch(params, calls)).await,
         }
     }
 }

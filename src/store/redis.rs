@@ -19,7 +19,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::Slot;
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
-use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
+use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, OpId, Params};
 use crate::failure::{CircuitBreaker, CircuitConfig, CircuitState};
 use crate::{Algorithm, Error, ErrorKind, SystemClock};
 
@@ -80,6 +80,19 @@ impl Default for RedisOptions {
 }
 
 impl RedisOptions {
+    fn validate(&self) -> Result<(), Error> {
+        let day = Duration::from_secs(86_400);
+        if self.response_timeout.is_zero() || self.connect_timeout.is_zero() {
+            return Err(Error::invalid("Redis timeouts must be positive"));
+        }
+        if self.response_timeout > day || self.connect_timeout > day {
+            return Err(Error::invalid(
+                "Redis timeouts above a day are not timeouts",
+            ));
+        }
+        self.circuit.validate()
+    }
+
     /// How long establishing a connection may take (default 500 ms).
     #[must_use]
     pub fn connect_timeout(mut self, timeout: Duration) -> Self {
@@ -225,6 +238,7 @@ impl RedisStore {
     /// # Errors
     /// As [`RedisStore::connect`].
     pub async fn connect_with(url: &str, options: RedisOptions) -> Result<RedisStore, Error> {
+        options.validate()?;
         let client = Self::client(url)?;
         let config = Self::manager_config(&options);
         let conn = tokio::time::timeout(
@@ -265,6 +279,7 @@ impl RedisStore {
         urls: &[&str],
         options: RedisOptions,
     ) -> Result<RedisStore, Error> {
+        options.validate()?;
         // The client's own timeouts also bound its topology refreshes after
         // a failover, which must be allowed to finish in the background;
         // each call is still bounded by `response_timeout` here.
@@ -348,6 +363,7 @@ impl RedisStore {
     /// # Errors
     /// An [`InvalidInput`](crate::ErrorKind::InvalidInput) error for a bad URL.
     pub fn connect_lazy(url: &str, options: RedisOptions) -> Result<RedisStore, Error> {
+        options.validate()?;
         let client = Self::client(url)?;
         let conn = client
             .get_connection_manager_lazy(Self::manager_config(&options))
@@ -540,9 +556,15 @@ impl RedisStore {
         }
     }
 
-    fn evalsha(script: &Script, key: &str) -> (String, Cmd) {
+    /// An EVALSHA of `script` on `key`, with a report's identity key as
+    /// KEYS[2] when it has one (same hash slot: it extends the store key).
+    fn evalsha(script: &Script, key: &str, op: Option<OpId>) -> (String, Cmd) {
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(script.get_hash()).arg(1).arg(key);
+        cmd.arg(script.get_hash());
+        match op {
+            Some(op) => cmd.arg(2).arg(key).arg(op.key_for(key)),
+            None => cmd.arg(1).arg(key),
+        };
         (key.to_owned(), cmd)
     }
 
@@ -555,7 +577,8 @@ impl RedisStore {
         let cmds = calls
             .iter()
             .map(|c| {
-                let (key, mut cmd) = Self::evalsha(script, &c.key);
+                let op = c.op.filter(|_| c.debt > 0);
+                let (key, mut cmd) = Self::evalsha(script, &c.key, op);
                 cmd.arg(p.limit).arg(p.period_us);
                 match p.algorithm {
                     Algorithm::FixedWindow => {
@@ -597,13 +620,19 @@ impl RedisStore {
         let cmds = calls
             .iter()
             .map(|c| {
-                let (key, mut cmd) = Self::evalsha(script, &c.key);
+                let (key, mut cmd) = Self::evalsha(script, &c.key, Some(c.op));
                 cmd.arg(p.algorithm.key_suffix())
                     .arg(p.limit)
                     .arg(p.period_us)
                     .arg(p.burst)
-                    .arg(c.returned)
-                    .arg(c.window);
+                    .arg(c.returned);
+                match p.algorithm {
+                    Algorithm::FixedWindow => cmd.arg(c.window),
+                    Algorithm::TokenBucket | Algorithm::Gcra => cmd
+                        .arg(c.origin.at_us)
+                        .arg(c.origin.level)
+                        .arg(c.origin.given_back),
+                };
                 (key, cmd)
             })
             .collect();

@@ -1,0 +1,249 @@
+//! A store that misbehaves on purpose (feature `test-support`): the
+//! simulation's way of delaying, losing and duplicating replies, refusing
+//! calls through a circuit breaker, and restarting empty, on a seeded
+//! random schedule so that every run can be replayed.
+//!
+//! It wraps another [`Store`] and owns no semantics of its own: whatever it
+//! lets through is decided by the store inside.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params, Store};
+use crate::failure::{CircuitBreaker, CircuitConfig};
+use crate::{Clock, Error, ErrorKind};
+
+/// How often each fault happens, per call (probabilities in `[0, 1]`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Faults {
+    /// Each call waits a random time up to `max_delay`; past `timeout` the
+    /// caller sees a timeout (whether or not the store applied the call).
+    pub max_delay: Duration,
+    /// The caller's response timeout.
+    pub timeout: Duration,
+    /// The store applies the call, the reply is lost (a timeout).
+    pub lost_after: f64,
+    /// The call never reaches the store (a timeout).
+    pub lost_before: f64,
+    /// The store applies the call twice (a client retry, a resent
+    /// pipeline); the caller sees the first reply.
+    pub duplicated: f64,
+}
+
+impl Default for Faults {
+    fn default() -> Self {
+        Faults {
+            max_delay: Duration::ZERO,
+            timeout: Duration::from_millis(25),
+            lost_after: 0.0,
+            lost_before: 0.0,
+            duplicated: 0.0,
+        }
+    }
+}
+
+/// What a [`FaultyStore`] did, for a test to compare with what the
+/// limiters saw.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct FaultCounts {
+    /// Calls that reached the store (duplicates count twice).
+    pub applied: u64,
+    /// Replies lost after the store applied the call.
+    pub lost_after: u64,
+    /// Calls lost before reaching the store.
+    pub lost_before: u64,
+    /// Calls applied twice.
+    pub duplicated: u64,
+    /// Calls that timed out waiting.
+    pub timed_out: u64,
+    /// Calls refused by the circuit breaker.
+    pub refused: u64,
+}
+
+/// A [`Store`] wrapper that injects faults; see the module docs.
+#[derive(Clone)]
+pub struct FaultyStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    store: Store,
+    faults: Mutex<Faults>,
+    rng: Mutex<u64>,
+    breaker: CircuitBreaker,
+    counts: Mutex<FaultCounts>,
+    calls: AtomicU64,
+}
+
+impl fmt::Debug for FaultyStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FaultyStore")
+            .field("store", &self.inner.store)
+            .field(
+                "faults",
+                &*self.inner.faults.lock().unwrap_or_else(|p| p.into_inner()),
+            )
+            .finish()
+    }
+}
+
+/// An unavailability outcome, as a real store would report it.
+fn timeout(after: Duration) -> Error {
+    Error::new(
+        ErrorKind::Timeout,
+        format!("injected: no reply within {after:?}"),
+    )
+}
+
+impl FaultyStore {
+    /// Wraps `store`; `seed` fixes the schedule, `clock` drives the
+    /// circuit breaker (the simulation's virtual clock).
+    pub fn new(store: impl Into<Store>, faults: Faults, seed: u64, clock: impl Clock) -> Self {
+        let clock: Arc<dyn Clock> = Arc::new(clock);
+        FaultyStore {
+            inner: Arc::new(Inner {
+                store: store.into(),
+                faults: Mutex::new(faults),
+                rng: Mutex::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
+                breaker: CircuitBreaker::new(
+                    CircuitConfig {
+                        failures: 5,
+                        base_backoff: Duration::from_millis(50),
+                        max_backoff: Duration::from_millis(400),
+                    },
+                    clock,
+                ),
+                counts: Mutex::new(FaultCounts::default()),
+                calls: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// Changes the fault rates from now on (an outage starts or ends).
+    pub fn set_faults(&self, faults: Faults) {
+        *self.inner.faults.lock().unwrap_or_else(|p| p.into_inner()) = faults;
+    }
+
+    /// What was injected so far.
+    pub fn counts(&self) -> FaultCounts {
+        *self.inner.counts.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Forgets everything the store holds, like a Redis restarted without
+    /// persistence (embedded stores only; a no-op on Redis, which a test
+    /// restarts itself).
+    pub fn restart_empty(&self) {
+        if let Store::Memory(m) = &self.inner.store {
+            m.clear();
+        }
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &Store {
+        &self.inner.store
+    }
+
+    fn roll(&self) -> f64 {
+        let mut x = self.inner.rng.lock().unwrap_or_else(|p| p.into_inner());
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        (*x >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn count(&self, f: impl FnOnce(&mut FaultCounts)) {
+        f(&mut self.inner.counts.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    /// Runs one call through the breaker and the fault schedule. `call` is
+    /// the store operation; it may run zero, one or two times.
+    async fn run<T, F, Fut>(&self, call: F) -> Result<T, Error>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = Result<T, Error>>,
+    {
+        self.inner.calls.fetch_add(1, Ordering::Relaxed);
+        let admission = match self.inner.breaker.admit() {
+            Ok(a) => a,
+            Err(e) => {
+                self.count(|c| c.refused += 1);
+                return Err(e);
+            }
+        };
+        let faults = *self.inner.faults.lock().unwrap_or_else(|p| p.into_inner());
+        let delay = faults.max_delay.mul_f64(self.roll());
+        let fate = self.roll();
+        let waited = delay.min(faults.timeout);
+        // Half the wait before the store acts, half after, like a round trip.
+        tokio::time::sleep(waited / 2).await;
+        let result = if fate < faults.lost_before {
+            self.count(|c| c.lost_before += 1);
+            Err(timeout(faults.timeout))
+        } else {
+            let first = call().await;
+            self.count(|c| c.applied += 1);
+            if fate < faults.lost_before + faults.duplicated {
+                let _ = call().await;
+                self.count(|c| {
+                    c.applied += 1;
+                    c.duplicated += 1;
+                });
+            }
+            if fate >= 1.0 - faults.lost_after {
+                self.count(|c| c.lost_after += 1);
+                Err(timeout(faults.timeout))
+            } else {
+                first
+            }
+        };
+        tokio::time::sleep(waited - waited / 2).await;
+        let result = if delay >= faults.timeout && result.is_ok() {
+            self.count(|c| c.timed_out += 1);
+            Err(timeout(faults.timeout))
+        } else {
+            result
+        };
+        let unavailable = matches!(&result, Err(e) if e.is_unavailable());
+        self.inner.breaker.record(admission, unavailable);
+        result
+    }
+
+    pub(crate) async fn acquire(
+        &self,
+        key: &str,
+        params: &Params,
+        cost: u64,
+    ) -> Result<AcquireReply, Error> {
+        self.run(|| self.inner.store.acquire(key, params, cost))
+            .await
+    }
+
+    pub(crate) async fn lease_batch(
+        &self,
+        params: &Params,
+        calls: &[LeaseCall],
+    ) -> Result<Vec<Result<LeaseReply, Error>>, Error> {
+        self.run(|| self.inner.store.lease_batch(params, calls))
+            .await
+    }
+
+    pub(crate) async fn give_back_batch(
+        &self,
+        params: &Params,
+        calls: &[GiveBackCall],
+    ) -> Result<Vec<Result<u64, Error>>, Error> {
+        self.run(|| self.inner.store.give_back_batch(params, calls))
+            .await
+    }
+
+    pub(crate) fn retry_hint(&self) -> Option<Duration> {
+        self.inner.breaker.retry_hint()
+    }
+
+    pub(crate) fn circuit_state(&self) -> crate::CircuitState {
+        self.inner.breaker.state()
+    }
+}
