@@ -129,16 +129,20 @@ pub(crate) async fn round(shared: &Shared) {
             }
         }
     }
+    // Reports are taken once per round: one that fails goes back to its
+    // queue for the next round (the maintenance tick paces retries), so a
+    // round always ends, even while the store refuses every call.
+    let mut fallback = shared.reconciler.drain();
+    let mut debts = std::mem::take(&mut *shared.reports.lock().unwrap_or_else(|p| p.into_inner()));
     loop {
         let config = shared.config.load_full();
         let now = shared.time.precise_us();
         // What the local fallback admitted during an outage goes first in
         // the pipeline, so Redis counts it before granting anything new.
-        let mut pending: Vec<Pending> = shared
-            .reconciler
-            .drain()
-            .into_iter()
-            .map(|report| Pending {
+        let mut pending: Vec<Pending> = Vec::new();
+        while pending.len() < config.batch_size {
+            let Some(report) = fallback.pop() else { break };
+            pending.push(Pending {
                 slot: None,
                 call: LeaseCall::report(
                     shared.keys.store_key(&report.key, shared.params.algorithm),
@@ -147,24 +151,19 @@ pub(crate) async fn round(shared: &Shared) {
                 ),
                 renew: false,
                 report: Some(Reported::Fallback(report)),
-            })
-            .collect();
-        {
-            let mut reports = shared.reports.lock().unwrap_or_else(|p| p.into_inner());
-            while pending.len() < config.batch_size {
-                let Some(report) = reports.pop() else {
-                    break;
-                };
-                pending.push(Pending {
-                    slot: None,
-                    call: LeaseCall {
-                        debt_window: report.window,
-                        ..LeaseCall::report(report.key.clone(), report.debt, report.op)
-                    },
-                    renew: false,
-                    report: Some(Reported::Debt(report)),
-                });
-            }
+            });
+        }
+        while pending.len() < config.batch_size {
+            let Some(report) = debts.pop() else { break };
+            pending.push(Pending {
+                slot: None,
+                call: LeaseCall {
+                    debt_window: report.window,
+                    ..LeaseCall::report(report.key.clone(), report.debt, report.op)
+                },
+                renew: false,
+                report: Some(Reported::Debt(report)),
+            });
         }
         let slots: Vec<Arc<Slot>> = {
             let mut queue = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
