@@ -13,7 +13,7 @@
 //!   (optimistic); the store's count of each window ≥ what was admitted in
 //!   it (strict: every admitted permit was counted, none given back twice);
 //! - token bucket / GCRA: over every interval T, admitted ≤ burst +
-//!   rate·(T + h) (+ N·max_debt when optimistic);
+//!   rate·(T + h) (optimistic: + N·max_debt + the overshoot metric);
 //! - the overshoot metric never under-reports the actual excess and never
 //!   exceeds what was admitted on credit; strict never admits on credit;
 //! - no store entry lives without a TTL, none longer than its quota needs;
@@ -195,9 +195,13 @@ impl Scenario {
             Some(d) => HybridConfig::optimistic(d),
             None => HybridConfig::strict(),
         };
-        let (min, max, share) = match variant % 3 {
+        // Big fixed leases with no share cap are the adversary's favourite:
+        // most of the budget out in one process, given back later.
+        let big = (self.burst.max(self.limit) * 9 / 10).max(1);
+        let (min, max, share) = match variant % 4 {
             0 => (1, 10_000, 0.5),
             1 => (1, 3, 1.0),
+            2 => (big, big, 1.0),
             _ => (2, 50, 0.25),
         };
         base.lease_ttl(self.horizon)
@@ -429,7 +433,11 @@ async fn control(
                 // Window `w - 1` has ended; the store keeps it until `w + 1`.
                 let w = (now / period_us) as i64 - 1;
                 let mut log = log.lock().unwrap();
-                for k in 0..s.keys {
+                let forgotten = log
+                    .restarts_us
+                    .iter()
+                    .any(|&r| r >= w as u64 * period_us);
+                for k in (0..s.keys).filter(|_| !forgotten) {
                     let n = m.fixed_window_count(NS, &key_name(k), w).unwrap_or(0);
                     log.counts.insert((k, w), n);
                 }
@@ -557,8 +565,12 @@ fn judge(s: &Scenario, log: &Log, stats: &[slicelimit::Stats], memory: Option<&M
         _ => {
             let rate = s.limit as f64 / s.period.as_micros() as f64;
             let h = s.horizon.as_micros() as f64;
+            // Optimistic buckets: credit outstanding (N·max_debt) plus the
+            // debt the store could not cover, which the overshoot metric
+            // counts (a bucket has no window to cap credit per window).
             let slack = 1.0
                 + (n * debt) as f64
+                + overshoot as f64
                 + rate * 2.0 * s.attribution_slack.as_micros() as f64;
             let mut by_key: HashMap<usize, Vec<(u64, u64)>> = HashMap::new();
             for d in &admitted {

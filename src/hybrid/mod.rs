@@ -453,9 +453,13 @@ impl Shared {
         let window = match self.params.algorithm {
             // Near a boundary the debt could land in either window: no
             // credit there, so each window's overshoot stays attributable.
+            // Before the first lease the window is unknown: debt reported
+            // late would be charged to whatever window the store is in by
+            // then, hiding overshoot from the metric. No credit until a
+            // lease has said which window is in force.
             Algorithm::FixedWindow => match slot.window_at(now, self.params.period_us) {
-                Some(window) => window,
-                None => return false,
+                Some(window) if window != UNKNOWN_WINDOW => window,
+                _ => return false,
             },
             Algorithm::TokenBucket | Algorithm::Gcra => 0,
         };
