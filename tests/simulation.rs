@@ -269,7 +269,12 @@ struct Fleet {
     stores: Vec<FaultyStore>,
 }
 
-async fn build_fleet(s: &Scenario, seed: u64, backing: Store, clock: Option<VirtualClock>) -> Fleet {
+async fn build_fleet(
+    s: &Scenario,
+    seed: u64,
+    backing: Store,
+    clock: Option<VirtualClock>,
+) -> Fleet {
     let mut limiters = Vec::new();
     let mut stores = Vec::new();
     for p in 0..s.processes {
@@ -277,7 +282,12 @@ async fn build_fleet(s: &Scenario, seed: u64, backing: Store, clock: Option<Virt
             Some(c) => Arc::new(c.clone()),
             None => Arc::new(slicelimit::SystemClock::new()),
         };
-        let faulty = FaultyStore::new(backing.clone(), s.faults, seed ^ (p as u64) << 32, ArcClock(breaker_clock));
+        let faulty = FaultyStore::new(
+            backing.clone(),
+            s.faults,
+            seed ^ (p as u64) << 32,
+            ArcClock(breaker_clock),
+        );
         let mut b = Limiter::builder(s.quota())
             .store(faulty.clone())
             .algorithm(s.algorithm)
@@ -422,7 +432,8 @@ async fn control(
                 }
                 _ => {
                     for (i, l) in fleet.limiters.iter().enumerate() {
-                        l.reconfigure(s.config(i as u64 + 1)).expect("a valid configuration");
+                        l.reconfigure(s.config(i as u64 + 1))
+                            .expect("a valid configuration");
                     }
                 }
             }
@@ -433,10 +444,7 @@ async fn control(
                 // Window `w - 1` has ended; the store keeps it until `w + 1`.
                 let w = (now / period_us) as i64 - 1;
                 let mut log = log.lock().unwrap();
-                let forgotten = log
-                    .restarts_us
-                    .iter()
-                    .any(|&r| r >= w as u64 * period_us);
+                let forgotten = log.restarts_us.iter().any(|&r| r >= w as u64 * period_us);
                 for k in (0..s.keys).filter(|_| !forgotten) {
                     let n = m.fixed_window_count(NS, &key_name(k), w).unwrap_or(0);
                     log.counts.insert((k, w), n);
@@ -449,7 +457,13 @@ async fn control(
 }
 
 /// Runs a scenario; returns the log and the fleet's summed stats.
-async fn run(s: &Scenario, seed: u64, backing: Store, memory: Option<MemoryStore>, clock: Option<VirtualClock>) -> (Log, Vec<slicelimit::Stats>) {
+async fn run(
+    s: &Scenario,
+    seed: u64,
+    backing: Store,
+    memory: Option<MemoryStore>,
+    clock: Option<VirtualClock>,
+) -> (Log, Vec<slicelimit::Stats>) {
     let fleet = Arc::new(build_fleet(s, seed, backing, clock.clone()).await);
     let time: Arc<dyn Clock> = match &clock {
         Some(c) => Arc::new(c.clone()),
@@ -470,7 +484,11 @@ async fn run(s: &Scenario, seed: u64, backing: Store, memory: Option<MemoryStore
     let controller = tokio::spawn(control(
         s.clone(),
         fleet.clone(),
-        if s.algorithm == Algorithm::FixedWindow { memory.clone() } else { None },
+        if s.algorithm == Algorithm::FixedWindow {
+            memory.clone()
+        } else {
+            None
+        },
         time.clone(),
         log.clone(),
     ));
@@ -479,7 +497,13 @@ async fn run(s: &Scenario, seed: u64, backing: Store, memory: Option<MemoryStore
     }
     controller.await.expect("the controller panicked");
     for st in &fleet.stores {
-        st.set_faults(Faults { max_delay: Duration::ZERO, lost_after: 0.0, lost_before: 0.0, duplicated: 0.0, ..s.faults });
+        st.set_faults(Faults {
+            max_delay: Duration::ZERO,
+            lost_after: 0.0,
+            lost_before: 0.0,
+            duplicated: 0.0,
+            ..s.faults
+        });
     }
     for l in &fleet.limiters {
         tokio::time::timeout(Duration::from_secs(5), l.shutdown())
@@ -487,32 +511,56 @@ async fn run(s: &Scenario, seed: u64, backing: Store, memory: Option<MemoryStore
             .expect("shutdown returns within 5 s");
     }
     let stats = fleet.limiters.iter().map(Limiter::stats).collect();
-    let log = Arc::try_unwrap(log).ok().expect("no task holds the log").into_inner().unwrap();
+    let log = Arc::try_unwrap(log)
+        .ok()
+        .expect("no task holds the log")
+        .into_inner()
+        .unwrap();
     (log, stats)
 }
 
 /// Checks every bound; `Err` says which and where.
-fn judge(s: &Scenario, log: &Log, stats: &[slicelimit::Stats], memory: Option<&MemoryStore>) -> Result<String, String> {
+fn judge(
+    s: &Scenario,
+    log: &Log,
+    stats: &[slicelimit::Stats],
+    memory: Option<&MemoryStore>,
+) -> Result<String, String> {
     let period_us = s.period.as_micros() as u64;
     let n = s.processes as u64;
     let debt = s.max_debt.unwrap_or(0);
     let credit: u64 = stats.iter().map(|st| st.credit_admitted).sum();
     let overshoot: u64 = stats.iter().map(|st| st.overshoot).sum();
     if s.max_debt.is_none() && (credit > 0 || overshoot > 0) {
-        return Err(format!("strict admitted {credit} on credit, overshoot {overshoot}"));
+        return Err(format!(
+            "strict admitted {credit} on credit, overshoot {overshoot}"
+        ));
     }
     if overshoot > credit {
-        return Err(format!("overshoot metric {overshoot} exceeds credit admitted {credit}"));
+        return Err(format!(
+            "overshoot metric {overshoot} exceeds credit admitted {credit}"
+        ));
     }
     let bound = s.decision_bound();
     if let Some(slow) = log.decisions.iter().find(|d| d.took > bound) {
-        return Err(format!("a decision took {:?} (bound {bound:?}): {slow:?}", slow.took));
+        return Err(format!(
+            "a decision took {:?} (bound {bound:?}): {slow:?}",
+            slow.took
+        ));
     }
-    let admitted: Vec<&Observed> = log.decisions.iter().filter(|d| d.allowed && d.cost > 0).collect();
+    let admitted: Vec<&Observed> = log
+        .decisions
+        .iter()
+        .filter(|d| d.allowed && d.cost > 0)
+        .collect();
     if let Some(bad) = admitted.iter().find(|d| d.cost > s.burst.max(s.limit)) {
         return Err(format!("admitted a cost the quota can never hold: {bad:?}"));
     }
-    if let Some(peek) = log.decisions.iter().find(|d| d.cost == 0 && !d.allowed && d.source != Source::FailClosed) {
+    if let Some(peek) = log
+        .decisions
+        .iter()
+        .find(|d| d.cost == 0 && !d.allowed && d.source != Source::FailClosed)
+    {
         return Err(format!("a peek was denied: {peek:?}"));
     }
     // A store restarted empty grants a second budget: a fixed window is
@@ -532,7 +580,8 @@ fn judge(s: &Scenario, log: &Log, stats: &[slicelimit::Stats], memory: Option<&M
         Algorithm::FixedWindow => {
             let mut per: HashMap<(usize, i64), u64> = HashMap::new();
             for d in &admitted {
-                *per.entry((d.key, (d.at_us / period_us) as i64)).or_default() += d.cost;
+                *per.entry((d.key, (d.at_us / period_us) as i64))
+                    .or_default() += d.cost;
             }
             let cap = s.limit + n * debt;
             let mut excess = 0;
@@ -558,7 +607,9 @@ fn judge(s: &Scenario, log: &Log, stats: &[slicelimit::Stats], memory: Option<&M
                 }
             }
             if log.restarts_us.is_empty() && excess > overshoot {
-                return Err(format!("actual excess {excess} > overshoot metric {overshoot}"));
+                return Err(format!(
+                    "actual excess {excess} > overshoot metric {overshoot}"
+                ));
             }
             summary += &format!("worst window {worst}/{}", s.limit);
         }
@@ -605,7 +656,9 @@ fn judge(s: &Scenario, log: &Log, stats: &[slicelimit::Stats], memory: Option<&M
         let fill = Duration::from_micros(s.burst * s.period.as_micros() as u64 / s.limit);
         let allowed = Duration::from_secs(61) + s.period * 3 + fill;
         if longest > allowed {
-            return Err(format!("a store entry lives {longest:?} (bound {allowed:?})"));
+            return Err(format!(
+                "a store entry lives {longest:?} (bound {allowed:?})"
+            ));
         }
     }
     Ok(summary)
@@ -628,18 +681,34 @@ fn simulate(seed: u64) -> Result<String, String> {
             start: tokio::time::Instant::now(),
         };
         let memory = MemoryStore::with_clock(clock.clone());
-        let (log, stats) = run(&s, seed, memory.clone().into(), Some(memory.clone()), Some(clock)).await;
+        let (log, stats) = run(
+            &s,
+            seed,
+            memory.clone().into(),
+            Some(memory.clone()),
+            Some(clock),
+        )
+        .await;
         let mut sources: HashMap<String, usize> = HashMap::new();
         for d in &log.decisions {
             *sources
-                .entry(format!("{}:{}", d.source.as_str(), if d.allowed { "ok" } else { "no" }))
+                .entry(format!(
+                    "{}:{}",
+                    d.source.as_str(),
+                    if d.allowed { "ok" } else { "no" }
+                ))
                 .or_default() += 1;
         }
         let mut sources: Vec<_> = sources.into_iter().collect();
         sources.sort();
         judge(&s, &log, &stats, Some(&memory))
             .map(|ok| format!("{} decisions {sources:?}, {ok}", log.decisions.len()))
-            .map_err(|e| format!("seed {seed}: {e}\n  scenario: {s:?}\n  {}", replay_hint(seed)))
+            .map_err(|e| {
+                format!(
+                    "seed {seed}: {e}\n  scenario: {s:?}\n  {}",
+                    replay_hint(seed)
+                )
+            })
     })
 }
 
@@ -719,7 +788,10 @@ async fn the_lua_scripts_meet_the_same_oracle_on_redis() {
             into > 20_000 && into + 20_000 < period_us || s.algorithm != Algorithm::FixedWindow
         });
         let immortal = server.immortal_keys();
-        assert!(immortal.is_empty(), "seed {seed}: keys without a TTL: {immortal:?}");
+        assert!(
+            immortal.is_empty(),
+            "seed {seed}: keys without a TTL: {immortal:?}"
+        );
         let mut s_judged = s.clone();
         // Scheduling noise on a loaded machine: widen the decision bound.
         s_judged.max_wait += Duration::from_millis(250);

@@ -57,12 +57,15 @@ pub(crate) struct Shared {
     /// Debt of evicted slots (or of failed reports) to report next round,
     /// each under the identity it was first sent with.
     reports: Mutex<Vec<DebtReport>>,
-    /// Store key → debt this process admitted for it that sits in `reports`
-    /// or is in flight from there: credit counts it against `max_debt`, so
-    /// an evicted and recreated slot cannot take its credit a second time.
-    outstanding: DashMap<String, u64, ahash::RandomState>,
+    /// Store key → credit of slots already retired: debt queued or in
+    /// flight, and (fixed window) what the window saw and whether the store
+    /// closed it to credit. A recreated slot counts it against `max_debt`,
+    /// so eviction cannot hand a key its credit twice.
+    outstanding: DashMap<String, KeyLedger, ahash::RandomState>,
     /// Identities of give-backs and debt reports.
     ops: OpIds,
+    /// The store's clock as the last lease reply showed it.
+    store_clock: Mutex<Option<StoreClock>>,
     /// Wakes the sync task.
     wake: Notify,
     /// Woken when a refill has been applied; striped by slot rather than
@@ -158,6 +161,7 @@ impl HybridEngine {
             reports: Mutex::new(Vec::new()),
             outstanding: DashMap::with_hasher(ahash::RandomState::new()),
             ops: OpIds::default(),
+            store_clock: Mutex::new(None),
             wake: Notify::new(),
             refill_waiters: (0..REFILL_STRIPES).map(|_| Notify::new()).collect(),
             urgent: AtomicBool::new(false),
@@ -348,6 +352,47 @@ impl HybridEngine {
     }
 }
 
+/// Credit of a key's retired slots; see `Shared::outstanding`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KeyLedger {
+    /// Debt queued for reporting or in flight.
+    pending: u64,
+    /// Fixed window: the window `used` counts.
+    window: i64,
+    /// Fixed window: credit retired slots took in `window`.
+    used: u64,
+    /// Fixed window: no credit in this window or earlier.
+    closed_through: i64,
+    /// Local µs of the last retirement.
+    at_us: u64,
+}
+
+impl Default for KeyLedger {
+    fn default() -> Self {
+        KeyLedger {
+            pending: 0,
+            window: i64::MIN,
+            used: 0,
+            closed_through: i64::MIN,
+            at_us: 0,
+        }
+    }
+}
+
+/// The store's clock against the local one, from a lease reply.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StoreClock {
+    /// Store µs minus local µs.
+    pub(crate) offset_us: i64,
+    /// Half the round trip it was read over: the reading's uncertainty.
+    pub(crate) error_us: u64,
+    /// Local µs of the reading.
+    pub(crate) at_us: u64,
+}
+
+/// How long a store clock reading is trusted for first-touch credit.
+const STORE_CLOCK_FRESH_US: u64 = 10_000_000;
+
 /// Stripes of refill notifications.
 const REFILL_STRIPES: usize = 64;
 
@@ -447,28 +492,61 @@ impl Shared {
         )
     }
 
+    /// The fixed window the store is in at local time `now`, from the last
+    /// reply's clock reading, or `None` when the reading is stale or `now`
+    /// is too close to a boundary to tell.
+    fn store_window(&self, now: u64) -> Option<i64> {
+        let reading = (*self.store_clock.lock().unwrap_or_else(|p| p.into_inner()))?;
+        let age = now.checked_sub(reading.at_us)?;
+        if age > STORE_CLOCK_FRESH_US {
+            return None;
+        }
+        let config = self.config.load();
+        let err = reading.error_us
+            + config.clock_margin.as_micros() as u64
+            + self.time.tick_us()
+            + sync::drift_us(age);
+        let store_now = now.checked_add_signed(reading.offset_us)?;
+        let period = self.params.period_us;
+        let early = store_now.saturating_sub(err) / period;
+        let late = (store_now + err) / period;
+        (early == late).then_some(early as i64)
+    }
+
     /// Optimistic mode: admit on credit if this process's unreported debt
     /// for the key stays within `max_debt` and belongs to one window.
     fn try_credit(&self, slot: &Slot, cost: u64, now: u64, max_debt: u64) -> bool {
         let window = match self.params.algorithm {
             // Near a boundary the debt could land in either window: no
             // credit there, so each window's overshoot stays attributable.
-            // Before the first lease the window is unknown: debt reported
-            // late would be charged to whatever window the store is in by
-            // then, hiding overshoot from the metric. No credit until a
-            // lease has said which window is in force.
+            // Near a boundary the debt could land in either window: no
+            // credit there, so each window's overshoot stays attributable.
+            // Before the key's first lease, the window comes from the
+            // store's clock as the last reply of any key showed it; with
+            // no reply yet, no credit (debt charged to whatever window the
+            // store is in when the report lands would hide overshoot).
             Algorithm::FixedWindow => match slot.window_at(now, self.params.period_us) {
-                Some(window) if window != UNKNOWN_WINDOW => window,
-                _ => return false,
+                Some(UNKNOWN_WINDOW) => match self.store_window(now) {
+                    Some(window) => window,
+                    None => return false,
+                },
+                Some(window) => window,
+                None => return false,
             },
             Algorithm::TokenBucket | Algorithm::Gcra => 0,
         };
         let queued = if self.outstanding.is_empty() {
             0
         } else {
-            self.outstanding
-                .get(&self.store_key(slot))
-                .map_or(0, |n| *n)
+            match self.outstanding.get(&self.store_key(slot)) {
+                None => 0,
+                Some(ledger) => match self.params.algorithm {
+                    Algorithm::FixedWindow if window <= ledger.closed_through => return false,
+                    Algorithm::FixedWindow if window == ledger.window => ledger.used,
+                    Algorithm::FixedWindow => 0,
+                    Algorithm::TokenBucket | Algorithm::Gcra => ledger.pending,
+                },
+            }
         };
         let mut books = slot.books();
         // Checked under the books lock, which `retire` takes after marking
@@ -502,17 +580,29 @@ impl Shared {
         let valid = now < slot.deadline.load(Ordering::Acquire);
         let permits = slot.permits.swap(0, Ordering::AcqRel).max(0) as u64;
         let window = slot.window.load(Ordering::Acquire);
-        let (credit, origin) = {
+        let (credit, closed, origin) = {
             let mut books = slot.books();
             let debt = std::mem::take(&mut books.credit.debt);
             let credit = Credit {
                 debt,
                 window: books.credit.window,
-                in_flight: 0,
+                in_flight: books.credit.in_flight,
             };
-            (credit, books.origin)
+            (credit, books.credit_closed, books.origin)
         };
         let store_key = self.store_key(slot);
+        if credit.debt > 0 || credit.in_flight > 0 || closed != i64::MIN {
+            let mut ledger = self.outstanding.entry(store_key.clone()).or_default();
+            if credit.window > ledger.window {
+                ledger.window = credit.window;
+                ledger.used = 0;
+            }
+            if credit.window == ledger.window {
+                ledger.used += u64::from(credit.debt) + u64::from(credit.in_flight);
+            }
+            ledger.closed_through = ledger.closed_through.max(closed);
+            ledger.at_us = now;
+        }
         if permits > 0 {
             if valid {
                 self.give_back(&store_key, permits, window, origin);
@@ -539,7 +629,10 @@ impl Shared {
     /// Queues debt for reporting under its identity, and counts it against
     /// the key's credit until the store has it.
     fn queue_report(&self, report: DebtReport) {
-        *self.outstanding.entry(report.key.clone()).or_insert(0) += report.debt;
+        self.outstanding
+            .entry(report.key.clone())
+            .or_default()
+            .pending += report.debt;
         self.reports
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -548,16 +641,24 @@ impl Shared {
 
     /// The store has a queued report (or refused it for good).
     fn report_settled(&self, report: &DebtReport) {
-        let gone = match self.outstanding.get_mut(&report.key) {
-            Some(mut n) => {
-                *n = n.saturating_sub(report.debt);
-                *n == 0
-            }
-            None => false,
-        };
-        if gone {
-            self.outstanding.remove_if(&report.key, |_, n| *n == 0);
+        if let Some(mut ledger) = self.outstanding.get_mut(&report.key) {
+            ledger.pending = ledger.pending.saturating_sub(report.debt);
         }
+        // Buckets have no window to remember: a settled ledger is done.
+        // Fixed-window ledgers are pruned once their window has passed.
+        let bucket = self.params.algorithm != Algorithm::FixedWindow;
+        self.outstanding
+            .remove_if(&report.key, |_, l| l.pending == 0 && bucket);
+    }
+
+    /// Forgets fixed-window ledgers whose window has surely ended.
+    fn prune_ledgers(&self, now: u64) {
+        if self.outstanding.is_empty() {
+            return;
+        }
+        let stale = 2 * self.params.period_us + self.config.load().clock_margin.as_micros() as u64;
+        self.outstanding
+            .retain(|_, l| l.pending > 0 || now.saturating_sub(l.at_us) < stale);
     }
 
     /// The slot's store key, encoded when the sync task needs it rather

@@ -25,7 +25,7 @@ use crate::{Algorithm, Error};
 pub(crate) const MAX_DRIFT_PPM: u64 = 500;
 
 /// The drift allowance for a deadline `ahead_us` in the future.
-fn drift_us(ahead_us: u64) -> u64 {
+pub(crate) fn drift_us(ahead_us: u64) -> u64 {
     ahead_us / (1_000_000 / MAX_DRIFT_PPM)
 }
 
@@ -356,6 +356,13 @@ fn apply(
         }
         Ok(r) => {
             slot.refill_failed.store(false, Ordering::Release);
+            let mid = t0 + (t1 - t0) / 2;
+            *shared.store_clock.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(super::StoreClock {
+                    offset_us: r.now_us as i64 - mid as i64,
+                    error_us: (t1 - t0) / 2 + 1,
+                    at_us: t1,
+                });
             counters.overshoot.add(r.uncovered);
             if r.uncovered > 0 && shared.params.algorithm == Algorithm::FixedWindow {
                 // The window the debt went to (the store's current one when
@@ -523,6 +530,7 @@ pub(crate) fn maintain(shared: &Shared) {
         .meters
         .local_keys
         .set(shared.slots.len() as f64);
+    shared.prune_ledgers(now);
     let mut evict: Vec<Arc<str>> = idle.into_iter().map(|(_, k)| k).collect();
     let still_over = over.saturating_sub(evict.len());
     if still_over > 0 {

@@ -191,6 +191,8 @@ async fn optimistic_credit_is_bounded_reported_and_counted_as_overshoot() {
     // Another process takes the whole window first.
     let store_key = r.keys.store_key("k", Algorithm::FixedWindow);
     r.store.acquire(&store_key, &r.params, 100).unwrap();
+    r.clock.set(ORIGIN + Duration::from_millis(100));
+    assert!(r.check("warm", 1).await.is_allowed());
     for _ in 0..5 {
         assert_eq!(r.check("k", 1).await.source(), Source::Credit);
     }
@@ -211,12 +213,88 @@ async fn optimistic_credit_is_bounded_reported_and_counted_as_overshoot() {
 }
 
 #[tokio::test]
+async fn no_first_touch_credit_before_the_store_clock_is_known() {
+    // Debt of an unknown window would be charged to whatever window the
+    // store is in when the report lands, hiding overshoot.
+    let r = rig(
+        Quota::per_second(100),
+        Algorithm::FixedWindow,
+        HybridConfig::optimistic(5),
+    );
+    assert_ne!(r.check("k", 1).await.source(), Source::Credit);
+    // Near a boundary, where the store may be on either side: no credit.
+    r.clock.set(ORIGIN + Duration::from_micros(1_999_999));
+    assert_ne!(r.check("fresh", 1).await.source(), Source::Credit);
+}
+
+#[tokio::test]
+async fn a_peek_is_answered_even_while_the_key_is_known_exhausted() {
+    let r = rig(
+        Quota::per_second(10),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(10, 10),
+    );
+    for _ in 0..10 {
+        assert!(r.check("k", 1).await.is_allowed());
+    }
+    assert!(!r.check("k", 1).await.is_allowed());
+    assert_eq!(r.check("k", 1).await.source(), Source::DeniedCache);
+    let peek = r.check("k", 0).await;
+    assert!(peek.is_allowed(), "a peek takes nothing: {peek:?}");
+}
+
+#[tokio::test]
+async fn an_evicted_slot_cannot_take_its_credit_twice_in_a_window() {
+    // max_keys 1: touching "b" evicts "a", whose debt is queued, not yet
+    // reported; a recreated "a" must count it against max_debt.
+    let r = rig(
+        Quota::per_second(100),
+        Algorithm::FixedWindow,
+        HybridConfig::optimistic(3).max_keys(1),
+    );
+    let store_key = r.keys.store_key("a", Algorithm::FixedWindow);
+    r.store.acquire(&store_key, &r.params, 100).unwrap();
+    r.clock.set(ORIGIN + Duration::from_millis(100));
+    assert!(r.check("warm", 1).await.is_allowed());
+    let warm = r.slot("warm");
+    r.engine.shared.slots.remove("warm");
+    r.engine
+        .shared
+        .retire(&warm, r.clock.now().as_micros() as u64);
+    let mut credit = 0;
+    for _ in 0..10 {
+        if r.check("a", 1).await.source() == Source::Credit {
+            credit += 1;
+        }
+    }
+    assert_eq!(credit, 3);
+    // Evict "a" (its debt goes to the report queue), then recreate it.
+    let slot = r.slot("a");
+    r.engine.shared.slots.remove("a");
+    r.engine
+        .shared
+        .retire(&slot, r.clock.now().as_micros() as u64);
+    for _ in 0..10 {
+        if r.check("a", 1).await.source() == Source::Credit {
+            credit += 1;
+        }
+    }
+    assert_eq!(credit, 3, "the queued debt still counts against max_debt");
+    r.sync().await;
+    assert_eq!(r.counters.overshoot.get(), 3);
+}
+
+#[tokio::test]
 async fn covered_credit_is_not_overshoot() {
     let r = rig(
         Quota::per_second(100),
         Algorithm::FixedWindow,
         HybridConfig::optimistic(5),
     );
+    // A reply for any key tells the process the store's window, which a
+    // key's first-touch credit needs.
+    r.clock.set(ORIGIN + Duration::from_millis(100));
+    assert!(r.check("warm", 1).await.is_allowed());
     for _ in 0..3 {
         assert_eq!(r.check("k", 1).await.source(), Source::Credit);
     }
