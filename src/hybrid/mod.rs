@@ -597,8 +597,9 @@ impl Shared {
                 ledger.window = credit.window;
                 ledger.used = 0;
             }
+            // Queued debt is added by `queue_report` below.
             if credit.window == ledger.window {
-                ledger.used += u64::from(credit.debt) + u64::from(credit.in_flight);
+                ledger.used += u64::from(credit.in_flight);
             }
             ledger.closed_through = ledger.closed_through.max(closed);
             ledger.at_us = now;
@@ -629,10 +630,20 @@ impl Shared {
     /// Queues debt for reporting under its identity, and counts it against
     /// the key's credit until the store has it.
     fn queue_report(&self, report: DebtReport) {
-        self.outstanding
-            .entry(report.key.clone())
-            .or_default()
-            .pending += report.debt;
+        {
+            let mut ledger = self.outstanding.entry(report.key.clone()).or_default();
+            ledger.pending += report.debt;
+            if self.params.algorithm == Algorithm::FixedWindow {
+                if report.window > ledger.window {
+                    ledger.window = report.window;
+                    ledger.used = 0;
+                }
+                if report.window == ledger.window {
+                    ledger.used += report.debt;
+                }
+                ledger.at_us = self.time.precise_us();
+            }
+        }
         self.reports
             .lock()
             .unwrap_or_else(|p| p.into_inner())
