@@ -305,11 +305,28 @@ async fn after_shutdown_redis_holds_exactly_what_was_admitted() {
             .build()
             .unwrap();
         let remaining = exact.try_check("k", 0).await.unwrap().remaining();
-        assert_eq!(
-            remaining,
-            1_000 - admitted,
-            "{algorithm:?}: nothing stranded"
-        );
+        let stranded: u64 = limiters.iter().map(|l| l.stats().stranded).sum();
+        match algorithm {
+            Algorithm::FixedWindow => assert_eq!(
+                remaining,
+                1_000 - admitted,
+                "{algorithm:?}: nothing stranded"
+            ),
+            // A bucket takes back only what it could have held had the
+            // lease never been taken: with the whole fleet giving back at
+            // once, each give-back counts the others' as possible level, so
+            // some permits strand (counted) rather than risk the cap.
+            _ => {
+                assert!(
+                    remaining <= 1_000 - admitted + 1,
+                    "{algorithm:?}: {remaining}"
+                );
+                assert!(
+                    remaining + stranded + 1 >= 1_000 - admitted,
+                    "{algorithm:?}: {remaining} + {stranded} stranded"
+                );
+            }
+        }
     }
 }
 

@@ -51,6 +51,10 @@ async fn optimistic_overshoot_and_decisions_are_counted() {
             .unwrap();
         (limiter, rival)
     });
+    // Mid-window, with one reply seen (a key's first-touch credit needs
+    // the store's clock).
+    clock.advance(Duration::from_millis(100));
+    assert!(limiter.check("warm", 1).await.is_allowed());
     // Another process spends the whole window first.
     assert!(rival.check("k", 100).await.is_allowed());
     let mut credit = 0;

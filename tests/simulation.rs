@@ -153,9 +153,7 @@ impl Scenario {
         let fleet_rate = limit as f64 / period.as_secs_f64() * (0.3 + r.unit() * 3.0);
         Scenario {
             algorithm,
-            max_debt: r
-                .chance(0.35)
-                .then(|| 1 + r.below((burst / 2).max(1).min(5))),
+            max_debt: r.chance(0.35).then(|| 1 + r.below((burst / 2).clamp(1, 5))),
             processes,
             keys,
             limit,
@@ -211,7 +209,11 @@ impl Scenario {
             .idle_ttl(Duration::from_millis(300))
             .lease_bounds(min, max.max(min))
             .share_cap(share)
-            .prelease_lead(Duration::from_millis(if variant % 2 == 0 { 50 } else { 0 }))
+            .prelease_lead(Duration::from_millis(if variant.is_multiple_of(2) {
+                50
+            } else {
+                0
+            }))
     }
 
     /// The longest a completed decision may take: waiting for a refill,
@@ -232,8 +234,6 @@ struct Observed {
     allowed: bool,
     source: Source,
     took: Duration,
-    /// Which process decided (printed with a failing decision).
-    process: usize,
 }
 
 #[derive(Default)]
@@ -364,7 +364,6 @@ async fn drive(
             allowed: d.is_allowed(),
             source: d.source(),
             took: t0.elapsed(),
-            process,
         });
     }
 }

@@ -26,7 +26,7 @@ use dashmap::DashMap;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-use self::slot::{Credit, Slot, Take, UNKNOWN_WINDOW};
+use self::slot::{Retired, Slot, Take, UNKNOWN_WINDOW};
 pub(crate) use self::sync::DebtReport;
 use crate::clock::TimeSource;
 use crate::decision::Source;
@@ -548,27 +548,9 @@ impl Shared {
                 },
             }
         };
-        let mut books = slot.books();
-        // Checked under the books lock, which `retire` takes after marking
-        // the slot evicted: credit is either collected by `retire` or not
-        // taken at all.
-        if slot.evicted.load(Ordering::Acquire) {
+        if !slot.take_credit(window, cost, max_debt.saturating_sub(queued)) {
             return false;
         }
-        if window != UNKNOWN_WINDOW && window <= books.credit_closed {
-            return false;
-        }
-        let credit = &mut books.credit;
-        if credit.debt > 0 && credit.window != window {
-            return false;
-        }
-        if u64::from(credit.debt) + u64::from(credit.in_flight) + queued + cost > max_debt {
-            return false;
-        }
-        // cost <= max_debt <= u32::MAX here.
-        credit.debt += cost as u32;
-        credit.window = window;
-        drop(books);
         self.counters.credit_admitted.add(cost);
         true
     }
@@ -576,20 +558,14 @@ impl Shared {
     /// Takes a slot out of service: valid permits go back to the store,
     /// debt is queued for reporting, expired permits count as stranded.
     fn retire(&self, slot: &Slot, now: u64) {
-        slot.evicted.store(true, Ordering::Release);
+        let Retired {
+            credit,
+            closed,
+            origin,
+        } = slot.retire();
         let valid = now < slot.deadline.load(Ordering::Acquire);
         let permits = slot.permits.swap(0, Ordering::AcqRel).max(0) as u64;
         let window = slot.window.load(Ordering::Acquire);
-        let (credit, closed, origin) = {
-            let mut books = slot.books();
-            let debt = std::mem::take(&mut books.credit.debt);
-            let credit = Credit {
-                debt,
-                window: books.credit.window,
-                in_flight: books.credit.in_flight,
-            };
-            (credit, books.credit_closed, books.origin)
-        };
         let store_key = self.store_key(slot);
         if credit.debt > 0 || credit.in_flight > 0 || closed != i64::MIN {
             let mut ledger = self.outstanding.entry(store_key.clone()).or_default();

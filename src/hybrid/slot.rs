@@ -4,8 +4,18 @@
 //! the two mutexes are for the slow path and the sync task, and are never
 //! held across an await. A slot never talks to the store.
 
+// Under `--cfg loom` (see the `model` tests below) the slot's atomics and
+// locks are loom's, so every interleaving of its methods can be explored.
+#[cfg(loom)]
+use loom::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
+#[cfg(loom)]
+use loom::sync::{Mutex, MutexGuard};
+#[cfg(not(loom))]
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+#[cfg(not(loom))]
+use std::sync::{Mutex, MutexGuard};
+
+use std::sync::Arc;
 
 use super::sizing::Sizing;
 use crate::clock::TimeSource;
@@ -120,6 +130,15 @@ pub(crate) enum Take {
     Late(i64),
 }
 
+/// What a retired slot leaves behind: its unreported credit, the last
+/// window closed to credit, and the origin of its bucket lease.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Retired {
+    pub(crate) credit: Credit,
+    pub(crate) closed: i64,
+    pub(crate) origin: LeaseOrigin,
+}
+
 /// What installing a lease did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Installed {
@@ -187,6 +206,49 @@ impl Slot {
                 Ok(_) => return Take::Taken(current - cost),
                 Err(actual) => current = actual,
             }
+        }
+    }
+
+    /// Optimistic mode: admits `cost` on credit in `window` if the slot's
+    /// unreported and in-flight debt stays within `room`, all in one
+    /// window, and the window is not closed to credit. Checked under the
+    /// books lock, which [`retire`](Slot::retire) takes after marking the
+    /// slot evicted: credit is either collected by `retire` or not taken.
+    pub(crate) fn take_credit(&self, window: i64, cost: u64, room: u64) -> bool {
+        let mut books = self.books();
+        if self.evicted.load(Ordering::Acquire) {
+            return false;
+        }
+        if window != UNKNOWN_WINDOW && window <= books.credit_closed {
+            return false;
+        }
+        let credit = &mut books.credit;
+        if credit.debt > 0 && credit.window != window {
+            return false;
+        }
+        if u64::from(credit.debt) + u64::from(credit.in_flight) + cost > room {
+            return false;
+        }
+        // cost <= room <= max_debt <= u32::MAX here.
+        credit.debt += cost as u32;
+        credit.window = window;
+        true
+    }
+
+    /// Takes the slot out of service: marks it evicted, then collects its
+    /// unreported credit (see [`take_credit`](Slot::take_credit)).
+    pub(crate) fn retire(&self) -> Retired {
+        self.evicted.store(true, Ordering::Release);
+        let mut books = self.books();
+        let debt = std::mem::take(&mut books.credit.debt);
+        Retired {
+            credit: Credit {
+                debt,
+                window: books.credit.window,
+                in_flight: books.credit.in_flight,
+            },
+            closed: books.credit_closed,
+            origin: books.origin,
         }
     }
 
@@ -461,7 +523,108 @@ mod tests {
     }
 }
 
-#[cfg(test)]
+/// Model checking of the request path against the sync task and the slow
+/// path, with loom. `.ci/run` builds the library's tests with
+/// `cargo rustc --lib --profile test -- --cfg loom`, which passes the cfg
+/// to this crate alone (a global `RUSTFLAGS` would rebuild tokio for loom
+/// too), then runs `hybrid::slot::model`.
+#[cfg(all(test, loom))]
+mod model {
+    use super::*;
+    use crate::clock::FakeClock;
+    use std::time::Duration;
+
+    fn before_deadline() -> TimeSource {
+        TimeSource::Precise(Arc::new(FakeClock::new(Duration::from_micros(50))))
+    }
+
+    /// Two requests spend while the sync task renews the lease: every
+    /// permit is spent once or handed back as replaced, never both, never
+    /// neither.
+    /// Exhaustive up to three preemptions: enough for every interleaving
+    /// of two spenders' load/compare-and-swap pairs against one install.
+    fn explore(f: impl Fn() + Sync + Send + 'static) {
+        let mut builder = loom::model::Builder::new();
+        builder.preemption_bound = Some(3);
+        builder.check(f);
+    }
+
+    #[test]
+    fn take_against_a_renewal_conserves_permits() {
+        explore(|| {
+            let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
+            slot.install(2, 7, 100, 103, 10, false);
+            let spenders: Vec<_> = (0..2)
+                .map(|_| {
+                    let slot = slot.clone();
+                    loom::thread::spawn(move || {
+                        matches!(slot.take(1, &before_deadline()), Take::Taken(_)) as i64
+                    })
+                })
+                .collect();
+            let replaced = match slot.install(3, 8, 200, 203, 20, true) {
+                Installed::Replaced(n) => n,
+                Installed::Stale(_) => unreachable!("a renewal is never stale"),
+            };
+            let taken: i64 = spenders.into_iter().map(|t| t.join().unwrap()).sum();
+            let left = slot.permits.load(Ordering::Acquire);
+            assert_eq!(taken + replaced + left, 2 + 3, "{taken} {replaced} {left}");
+            assert_eq!(slot.window.load(Ordering::Acquire), 8);
+        });
+    }
+
+    /// A pre-lease promoted by a request while a late reply for the
+    /// ending window arrives: the newer window always wins.
+    #[test]
+    fn a_late_reply_never_replaces_a_promoted_window() {
+        explore(|| {
+            let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
+            slot.install(1, 7, 100, 103, 10, false);
+            *slot.next.lock().unwrap() = Some(Box::new(NextLease {
+                permits: 5,
+                window: 8,
+                start: 60,
+                deadline: 200,
+                window_end: 203,
+            }));
+            slot.has_next.store(true, Ordering::Release);
+            let promoter = {
+                let slot = slot.clone();
+                loom::thread::spawn(move || slot.promote(70))
+            };
+            let late = slot.install(4, 7, 100, 103, 70, false);
+            promoter.join().unwrap();
+            assert_eq!(slot.window.load(Ordering::Acquire), 8);
+            let permits = slot.permits.load(Ordering::Acquire);
+            match late {
+                // Landed first, on window 7's permits, then replaced.
+                Installed::Replaced(0) => assert_eq!(permits, 5),
+                Installed::Stale(4) => assert_eq!(permits, 5),
+                other => panic!("{other:?}"),
+            }
+        });
+    }
+
+    /// Credit taken while the slot is retired is either collected by the
+    /// retirement (and reported) or refused: never lost.
+    #[test]
+    fn credit_is_collected_by_retire_or_refused() {
+        explore(|| {
+            let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
+            let taker = {
+                let slot = slot.clone();
+                loom::thread::spawn(move || slot.take_credit(3, 1, 5))
+            };
+            let retired = slot.retire();
+            let took = taker.join().unwrap();
+            let after = slot.books().credit.debt;
+            assert_eq!(u32::from(took), retired.credit.debt + after);
+            assert_eq!(after, 0, "nothing taken after the slot was retired");
+        });
+    }
+}
+
+#[cfg(all(test, not(loom)))]
 mod size {
     /// The slot's size is part of the bytes-per-key budget (README,
     /// Performance): growing it should be a decision, not an accident.
