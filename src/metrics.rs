@@ -50,6 +50,8 @@ pub const RECONCILED: &str = "slicelimit_reconciled_permits_total";
 /// Permits of debt or reconciliation reports the store refused for good
 /// (e.g. a key of the wrong type): dropped rather than retried forever.
 pub const REPORTS_DROPPED: &str = "slicelimit_dropped_report_permits_total";
+/// Times a hybrid limiter's background task was found gone and restarted.
+pub const SYNC_RESTARTS: &str = "slicelimit_sync_restarts_total";
 /// Requests the HTTP layer let through in shadow mode although denied.
 pub const SHADOW_DENIALS: &str = "slicelimit_http_shadow_denials_total";
 
@@ -94,6 +96,11 @@ pub fn describe() {
     );
     describe_histogram!(STORE_LATENCY, Unit::Seconds, "Store round-trip latency.");
     describe_counter!(STORE_ERRORS, Unit::Count, "Store errors by kind.");
+    describe_counter!(
+        SYNC_RESTARTS,
+        Unit::Count,
+        "Times a hybrid limiter's background task was found gone and restarted."
+    );
     describe_counter!(
         REPORTS_DROPPED,
         Unit::Count,

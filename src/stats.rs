@@ -65,6 +65,7 @@ pub(crate) struct Counters {
     pub(crate) reconciled: Tally,
     pub(crate) fallback_admitted: Tally,
     pub(crate) reports_dropped: Tally,
+    pub(crate) sync_restarts: Tally,
     pub(crate) meters: Meters,
 }
 
@@ -86,6 +87,7 @@ impl Counters {
             reconciled: Tally::new(limiter, names::RECONCILED),
             fallback_admitted: Tally::new(limiter, names::FALLBACK_ADMISSIONS),
             reports_dropped: Tally::new(limiter, names::REPORTS_DROPPED),
+            sync_restarts: Tally::new(limiter, names::SYNC_RESTARTS),
             meters: Meters::new(limiter),
         }
     }
@@ -139,6 +141,7 @@ impl Counters {
             reconciled: self.reconciled.get(),
             fallback_admitted: self.fallback_admitted.get(),
             reports_dropped: self.reports_dropped.get(),
+            sync_restarts: self.sync_restarts.get(),
         }
     }
 }
@@ -179,4 +182,7 @@ pub struct Stats {
     /// (a key of the wrong type, a value out of range): dropped, not
     /// retried forever.
     pub reports_dropped: u64,
+    /// Times the hybrid limiter's background task was found gone (its
+    /// runtime dropped, a panic) and started again on a caller's runtime.
+    pub sync_restarts: u64,
 }

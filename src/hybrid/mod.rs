@@ -76,6 +76,10 @@ pub(crate) struct Shared {
     urgent: AtomicBool,
     /// Tells the sync task to exit.
     stopping: AtomicBool,
+    /// The sync task runs. Cleared by a guard inside it when it ends for
+    /// any reason: its runtime was dropped, it panicked (say, in a metrics
+    /// recorder), or it was told to stop.
+    alive: AtomicBool,
     /// After shutdown: decide by the exact path, lease nothing.
     closed: AtomicBool,
     /// Keys without room in the map, and decisions after shutdown.
@@ -166,6 +170,7 @@ impl HybridEngine {
             refill_waiters: (0..REFILL_STRIPES).map(|_| Notify::new()).collect(),
             urgent: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
+            alive: AtomicBool::new(true),
             closed: AtomicBool::new(false),
             max_cost,
             rtt_us: AtomicU64::new(0),
@@ -227,10 +232,34 @@ impl HybridEngine {
         }
     }
 
+    /// Restarts a sync task that vanished (its runtime was dropped, it
+    /// panicked) on the caller's runtime; `false` if there is none, in
+    /// which case the caller decides by one store call.
+    fn ensure_sync_task(&self) -> bool {
+        let s = &*self.shared;
+        if s.alive.load(Ordering::Acquire) || s.stopping.load(Ordering::Acquire) {
+            return true;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return false;
+        };
+        let mut task = self.task.lock().unwrap_or_else(|p| p.into_inner());
+        // Another caller may have restarted it while this one waited.
+        if s.alive.swap(true, Ordering::AcqRel) {
+            return true;
+        }
+        *task = Some(runtime.spawn(sync::run(self.shared.clone())));
+        s.counters.sync_restarts.add(1);
+        true
+    }
+
     /// `Err` means "the store could not decide": the caller applies the
     /// failure policy.
     pub(crate) async fn check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
         let s = &*self.shared;
+        if !self.ensure_sync_task() {
+            return s.exact_check(key, cost).await;
+        }
         if cost > s.max_cost {
             return Ok(Decision::deny(
                 s.params.limit,
@@ -341,14 +370,7 @@ impl HybridEngine {
         if let Some(task) = task {
             let _ = task.await;
         }
-        let now = s.time.precise_us();
-        let keys: Vec<Arc<str>> = s.slots.iter().map(|e| e.key().clone()).collect();
-        for key in keys {
-            if let Some((_, slot)) = s.slots.remove(&key) {
-                s.retire(&slot, now);
-            }
-        }
-        sync::round(s).await;
+        s.finish().await;
     }
 }
 
@@ -397,6 +419,39 @@ const STORE_CLOCK_FRESH_US: u64 = 10_000_000;
 const REFILL_STRIPES: usize = 64;
 
 impl Shared {
+    /// The last work of a limiter: every slot retired (unused permits given
+    /// back, debt reported), waiters woken to decide by one store call,
+    /// one last round. Bounded: each batch by the store's timeout, and the
+    /// breaker refuses the rest once it opens. What the store cannot take
+    /// even now is counted as dropped, not lost silently.
+    async fn finish(&self) {
+        self.closed.store(true, Ordering::Release);
+        let now = self.time.precise_us();
+        let keys: Vec<Arc<str>> = self.slots.iter().map(|e| e.key().clone()).collect();
+        for key in keys {
+            if let Some((_, slot)) = self.slots.remove(&key) {
+                self.retire(&slot, now);
+            }
+        }
+        for stripe in self.refill_waiters.iter() {
+            stripe.notify_waiters();
+        }
+        sync::round(self).await;
+        let lost: u64 =
+            std::mem::take(&mut *self.reports.lock().unwrap_or_else(|p| p.into_inner()))
+                .iter()
+                .map(|r| r.debt)
+                .sum::<u64>()
+                + self
+                    .reconciler
+                    .drain()
+                    .iter()
+                    .map(|r| r.permits)
+                    .sum::<u64>();
+        self.counters.reports_dropped.add(lost);
+        self.counters.meters.local_keys.set(0.0);
+    }
+
     #[inline]
     fn early_lead(&self) -> u64 {
         self.early_lead_us.load(Ordering::Relaxed)
@@ -422,6 +477,11 @@ impl Shared {
     fn insert(&self, key: &str, now: u64) -> Option<Arc<Slot>> {
         if let Some(slot) = self.slots.get(key) {
             return Some(slot.clone());
+        }
+        // After shutdown nothing is leased again: a waiter that wakes to an
+        // evicted slot decides by one store call instead.
+        if self.closed.load(Ordering::Acquire) {
+            return None;
         }
         let max_keys = self.config.load().max_keys;
         if self.slots.len() >= max_keys {
@@ -599,6 +659,8 @@ impl Shared {
                 debt: u64::from(credit.debt),
                 window: credit.window,
                 op,
+                attempts: 0,
+                not_before: 0,
             });
         }
     }

@@ -263,8 +263,17 @@ impl Slot {
     }
 
     /// Milliseconds since last use.
+    ///
+    /// A slot touched after `now` was read (a request racing the
+    /// maintenance walk) has a `last_used` ahead of `now`: that is no idle
+    /// time at all, not 49 days of it.
     pub(crate) fn idle_ms(&self, now: u64) -> u64 {
-        u64::from(millis(now).wrapping_sub(self.last_used.load(Ordering::Relaxed)))
+        let since = millis(now).wrapping_sub(self.last_used.load(Ordering::Relaxed));
+        if since > u32::MAX / 2 {
+            0
+        } else {
+            u64::from(since)
+        }
     }
 
     pub(crate) fn books(&self) -> MutexGuard<'_, Books> {
@@ -459,6 +468,14 @@ mod tests {
         slot.install(3, 7, 100, 103, 10, false);
         let time = TimeSource::Precise(Arc::new(Ticking(Arc::new(50.into()))));
         assert!(matches!(slot.take(1, &time), Take::Late(1)));
+    }
+
+    #[test]
+    fn a_slot_touched_after_the_walk_read_the_clock_is_not_idle() {
+        let slot = Slot::new("k".into(), 0);
+        slot.touch(5_000_000);
+        assert_eq!(slot.idle_ms(4_999_000), 0, "touched 1 ms after now");
+        assert_eq!(slot.idle_ms(7_000_000), 2_000);
     }
 
     #[test]

@@ -38,12 +38,33 @@ pub(crate) struct DebtReport {
     /// Fixed window: the window the debt was admitted in.
     pub(crate) window: i64,
     pub(crate) op: OpId,
+    /// Deliveries that found the store unavailable, for the back-off.
+    pub(crate) attempts: u32,
+    /// Local µs before which it is not resent.
+    pub(crate) not_before: u64,
+}
+
+/// The back-off of a report the store could not take: 50 ms doubling to
+/// at most 5 s.
+fn backoff_us(attempts: u32) -> u64 {
+    (50_000u64 << attempts.min(7)).min(5_000_000)
 }
 
 /// How often expiry, idle eviction and `max_keys` are enforced.
 pub(crate) const MAINTENANCE: Duration = Duration::from_millis(100);
 
+/// Clears `Shared::alive` however the sync task ends: returning, a panic
+/// unwinding through it, or its runtime dropping it.
+struct Alive<'a>(&'a Shared);
+
+impl Drop for Alive<'_> {
+    fn drop(&mut self) {
+        self.0.alive.store(false, Ordering::Release);
+    }
+}
+
 pub(crate) async fn run(shared: Arc<Shared>) {
+    let _alive = Alive(&shared);
     let mut maintenance = tokio::time::interval(MAINTENANCE);
     maintenance.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
@@ -69,6 +90,12 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             }
         }
         if shared.stopping.load(Ordering::Acquire) {
+            // Dropped without `shutdown`: do its work here, so unused
+            // permits go back and debt is reported all the same.
+            // (`shutdown` closes the limiter first and finishes itself.)
+            if !shared.closed.load(Ordering::Acquire) {
+                shared.finish().await;
+            }
             return;
         }
         round(&shared).await;
@@ -101,9 +128,11 @@ pub(crate) async fn round(shared: &Shared) {
     for chunk in returns.chunks(shared.config.load().batch_size) {
         let began = shared.time.precise_us();
         let result = shared.store.give_back_batch(&shared.params, chunk).await;
-        shared
-            .counters
-            .round_trip(shared.time.precise_us().saturating_sub(began));
+        if !matches!(&result, Err(e) if e.is_circuit_open()) {
+            shared
+                .counters
+                .round_trip(shared.time.precise_us().saturating_sub(began));
+        }
         match result {
             Ok(results) => {
                 for (call, result) in chunk.iter().zip(results) {
@@ -133,7 +162,17 @@ pub(crate) async fn round(shared: &Shared) {
     // queue for the next round (the maintenance tick paces retries), so a
     // round always ends, even while the store refuses every call.
     let mut fallback = shared.reconciler.drain();
-    let mut debts = std::mem::take(&mut *shared.reports.lock().unwrap_or_else(|p| p.into_inner()));
+    let mut debts = {
+        let now = shared.time.precise_us();
+        let mut queued = shared.reports.lock().unwrap_or_else(|p| p.into_inner());
+        let (due, later): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut *queued).into_iter().partition(|r| {
+                // The last round (shutdown) sends everything it has.
+                r.not_before <= now || shared.closed.load(Ordering::Acquire)
+            });
+        *queued = later;
+        due
+    };
     loop {
         let config = shared.config.load_full();
         let now = shared.time.precise_us();
@@ -185,28 +224,34 @@ pub(crate) async fn round(shared: &Shared) {
             return;
         }
         let calls: Vec<LeaseCall> = pending.iter().map(|p| p.call.clone()).collect();
-        let requested = calls.iter().filter(|c| c.want > 0).count() as u64;
-        shared.counters.leases_requested.add(requested);
         let t0 = shared.time.precise_us();
         let results = shared.store.lease_batch(&shared.params, &calls).await;
         let t1 = shared.time.precise_us();
-        shared.counters.round_trip(t1.saturating_sub(t0));
         shared.counters.circuit(shared.store.circuit_state());
-        let rtt = t1.saturating_sub(t0);
-        let old = shared.rtt_us.load(Ordering::Relaxed);
-        shared.rtt_us.store(
-            if old == 0 { rtt } else { (old * 7 + rtt) / 8 },
-            Ordering::Relaxed,
-        );
+        // A call the breaker refused never left the process: it is neither
+        // a round trip nor a latency sample nor a lease requested.
+        if !matches!(&results, Err(e) if e.is_circuit_open()) {
+            let requested = calls.iter().filter(|c| c.want > 0).count() as u64;
+            shared.counters.leases_requested.add(requested);
+            shared.counters.round_trip(t1.saturating_sub(t0));
+            let rtt = t1.saturating_sub(t0);
+            let old = shared.rtt_us.load(Ordering::Relaxed);
+            shared.rtt_us.store(
+                if old == 0 { rtt } else { (old * 7 + rtt) / 8 },
+                Ordering::Relaxed,
+            );
+        }
         match results {
             Ok(results) => {
                 for (p, result) in pending.into_iter().zip(results) {
-                    apply(shared, &config, p, result, t0, t1);
+                    apply(shared, &config, p, result, t0, t1, true);
                 }
             }
             Err(e) => {
+                // One failure of the whole batch: one error, not one per call.
+                shared.counters.store_error(e.kind());
                 for p in pending {
-                    apply(shared, &config, p, Err(e.clone()), t0, t1);
+                    apply(shared, &config, p, Err(e.clone()), t0, t1, false);
                 }
             }
         }
@@ -298,6 +343,8 @@ fn apply(
     result: Result<LeaseReply, Error>,
     t0: u64,
     t1: u64,
+    // False when the whole batch failed and its one error is counted.
+    count_error: bool,
 ) {
     let counters = &shared.counters;
     let Some(slot) = p.slot else {
@@ -307,15 +354,21 @@ fn apply(
         // and counted rather than retried forever.
         let retry = matches!(&result, Err(e) if e.is_unavailable());
         if let Err(e) = &result {
-            counters.store_error(e.kind());
+            if count_error {
+                counters.store_error(e.kind());
+            }
         }
         match p.report {
             Some(Reported::Fallback(report)) if retry => shared.reconciler.restore([report]),
-            Some(Reported::Debt(report)) if retry => shared
-                .reports
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(report),
+            Some(Reported::Debt(mut report)) if retry => {
+                report.attempts += 1;
+                report.not_before = shared.time.precise_us() + backoff_us(report.attempts);
+                shared
+                    .reports
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(report)
+            }
             Some(Reported::Fallback(report)) => match result {
                 Ok(r) => {
                     counters.overshoot.add(r.uncovered);
@@ -341,7 +394,9 @@ fn apply(
     }
     match result {
         Err(e) => {
-            counters.store_error(e.kind());
+            if count_error {
+                counters.store_error(e.kind());
+            }
             if let Some(op) = p.call.op.filter(|_| p.call.debt > 0) {
                 // Resent on its own under the same identity: the store may
                 // have applied it before the reply was lost.
@@ -350,6 +405,8 @@ fn apply(
                     debt: p.call.debt,
                     window: p.call.debt_window,
                     op,
+                    attempts: 1,
+                    not_before: shared.time.precise_us() + backoff_us(1),
                 });
             }
             slot.refill_failed.store(true, Ordering::Release);
@@ -531,6 +588,9 @@ pub(crate) fn maintain(shared: &Shared) {
         .local_keys
         .set(shared.slots.len() as f64);
     shared.prune_ledgers(now);
+    // Kept current while traffic is quiet too: a breaker's state moves on
+    // with time alone.
+    shared.counters.circuit(shared.store.circuit_state());
     let mut evict: Vec<Arc<str>> = idle.into_iter().map(|(_, k)| k).collect();
     let still_over = over.saturating_sub(evict.len());
     if still_over > 0 {

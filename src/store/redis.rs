@@ -186,17 +186,40 @@ struct Inner {
     calls: AtomicU64,
 }
 
-/// Rebuilding a cluster connection from scratch: after a primary dies, the
+/// Rebuilding a connection from scratch. Cluster: after a primary dies, the
 /// client's own topology refresh can stall behind the dead node; a fresh
-/// connection asks a live node for the slot map.
+/// connection asks a live node for the slot map. Single node: a connection
+/// that silently stopped answering (a half-open TCP connection, a backend
+/// gone behind a proxy or load balancer) only ever times out, and the
+/// connection manager reconnects on errors, never on timeouts; a demoted
+/// primary answers `READONLY` on a connection that works.
 struct Rebuild {
-    client: redis::cluster::ClusterClient,
+    client: Client,
     /// A rebuild is under way.
     running: AtomicBool,
     /// When the last one started (µs since the store was built), so
     /// failures rebuild at most every `REBUILD_EVERY`.
     last_us: AtomicU64,
     born: std::time::Instant,
+}
+
+/// How to make a fresh connection.
+enum Client {
+    Cluster(redis::cluster::ClusterClient),
+    Single(redis::Client, ConnectionManagerConfig),
+}
+
+impl Client {
+    async fn connect(&self) -> Option<Conn> {
+        match self {
+            Client::Cluster(c) => c.get_async_connection().await.ok().map(Conn::Cluster),
+            Client::Single(c, config) => c
+                .get_connection_manager_with_config(config.clone())
+                .await
+                .ok()
+                .map(Conn::Single),
+        }
+    }
 }
 
 const REBUILD_EVERY: Duration = Duration::from_millis(500);
@@ -243,7 +266,7 @@ impl RedisStore {
         let config = Self::manager_config(&options);
         let conn = tokio::time::timeout(
             options.connect_timeout,
-            client.get_connection_manager_with_config(config),
+            client.get_connection_manager_with_config(config.clone()),
         )
         .await
         .map_err(|_| timeout_error(&format!("connecting to {url}"), options.connect_timeout))?
@@ -258,7 +281,22 @@ impl RedisStore {
                 format!("cannot connect to {url}: {err}"),
             )
         })?;
-        Ok(Self::from_parts(Conn::Single(conn), options, url))
+        Ok(Self::with_rebuild(
+            Self::from_parts(Conn::Single(conn), options, url),
+            Client::Single(client, config),
+        ))
+    }
+
+    fn with_rebuild(mut store: RedisStore, client: Client) -> RedisStore {
+        if let Some(inner) = Arc::get_mut(&mut store.inner) {
+            inner.rebuild = Some(Rebuild {
+                client,
+                running: AtomicBool::new(false),
+                last_us: AtomicU64::new(0),
+                born: std::time::Instant::now(),
+            });
+        }
+        store
     }
 
     /// Connects to a Redis Cluster through any of its nodes, with the
@@ -305,20 +343,13 @@ impl RedisStore {
                     format!("cannot connect to the cluster at {urls:?}: {e}"),
                 )
             })?;
-        let mut store = Self::from_parts(Conn::Cluster(conn), options, &urls.join(","));
-        if let Some(inner) = Arc::get_mut(&mut store.inner) {
-            inner.rebuild = Some(Rebuild {
-                client,
-                running: AtomicBool::new(false),
-                last_us: AtomicU64::new(0),
-                born: std::time::Instant::now(),
-            });
-        }
-        Ok(store)
+        let store = Self::from_parts(Conn::Cluster(conn), options, &urls.join(","));
+        Ok(Self::with_rebuild(store, Client::Cluster(client)))
     }
 
-    /// After an unavailability error on a cluster, replaces the connection
-    /// in the background (at most every 500 ms).
+    /// After an unavailability error, replaces the connection in the
+    /// background (at most every 500 ms); calls go on over the old one
+    /// until the new one is ready.
     fn maybe_rebuild(&self) {
         let Some(rebuild) = &self.inner.rebuild else {
             return;
@@ -342,10 +373,8 @@ impl RedisStore {
                 return;
             };
             let limit = store.inner.options.connect_timeout;
-            if let Ok(Ok(conn)) =
-                tokio::time::timeout(limit, rebuild.client.get_async_connection()).await
-            {
-                store.inner.conn.store(Arc::new(Conn::Cluster(conn)));
+            if let Ok(Some(conn)) = tokio::time::timeout(limit, rebuild.client.connect()).await {
+                store.inner.conn.store(Arc::new(conn));
             }
             rebuild.running.store(false, Ordering::Release);
         });
@@ -365,10 +394,14 @@ impl RedisStore {
     pub fn connect_lazy(url: &str, options: RedisOptions) -> Result<RedisStore, Error> {
         options.validate()?;
         let client = Self::client(url)?;
+        let config = Self::manager_config(&options);
         let conn = client
-            .get_connection_manager_lazy(Self::manager_config(&options))
+            .get_connection_manager_lazy(config.clone())
             .map_err(|e| Error::invalid(format!("bad Redis configuration for {url}: {e}")))?;
-        Ok(Self::from_parts(Conn::Single(conn), options, url))
+        Ok(Self::with_rebuild(
+            Self::from_parts(Conn::Single(conn), options, url),
+            Client::Single(client, config),
+        ))
     }
 
     fn client(url: &str) -> Result<redis::Client, Error> {
@@ -433,6 +466,18 @@ impl RedisStore {
         what: &str,
         fut: impl std::future::Future<Output = Result<T, redis::RedisError>>,
     ) -> Result<T, Error> {
+        self.bounded_judged(what, fut, |_| false).await
+    }
+
+    /// As [`bounded`](Self::bounded); `refused` tells a reply that arrived
+    /// but says the server cannot serve (a pipeline whose calls answered
+    /// `READONLY`, `LOADING`, …): that is unavailability, not success.
+    async fn bounded_judged<T>(
+        &self,
+        what: &str,
+        fut: impl std::future::Future<Output = Result<T, redis::RedisError>>,
+        refused: impl Fn(&T) -> bool,
+    ) -> Result<T, Error> {
         let admission = self.inner.breaker.admit()?;
         self.inner.calls.fetch_add(1, Ordering::Relaxed);
         let limit = self.inner.options.response_timeout;
@@ -440,7 +485,10 @@ impl RedisStore {
             Ok(result) => result.map_err(Error::from),
             Err(_) => Err(timeout_error(what, limit)),
         };
-        let unavailable = matches!(&result, Err(e) if e.is_timeout() || e.is_connection());
+        let unavailable = match &result {
+            Err(e) => e.is_timeout() || e.is_connection(),
+            Ok(reply) => refused(reply),
+        };
         self.inner.breaker.record(admission, unavailable);
         if unavailable || matches!(&result, Err(e) if e.to_string().contains("Moved")) {
             self.maybe_rebuild();
@@ -541,7 +589,18 @@ impl RedisStore {
             }
             let mut conn = (**self.inner.conn.load()).clone();
             let values: Vec<Value> = self
-                .bounded("pipelined scripts", pipe.query_async(&mut conn))
+                .bounded_judged(
+                    "pipelined scripts",
+                    pipe.query_async(&mut conn),
+                    |values: &Vec<Value>| {
+                        values.iter().any(|v| {
+                            matches!(v, Value::ServerError(e) if matches!(
+                                e.code(),
+                                "READONLY" | "LOADING" | "MASTERDOWN" | "CLUSTERDOWN" | "TRYAGAIN"
+                            ))
+                        })
+                    },
+                )
                 .await?;
             let noscript = values
                 .iter()

@@ -262,3 +262,4 @@ pub async fn store(server: &RedisServer) -> slicelimit::RedisStore {
 
 pub mod cluster;
 pub mod load;
+pub mod proxy;

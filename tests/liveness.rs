@@ -1,0 +1,204 @@
+//! Liveness of the sync engine and the store connection under messy
+//! failures: a report that can never apply, a frozen server, a connection
+//! that silently stops answering, a background task whose runtime went
+//! away. Each on private `redis-server` processes.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use slicelimit::{
+    CircuitConfig, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore, Source,
+};
+use support::proxy::Proxy;
+use support::{store, RedisServer};
+
+/// CPU seconds this process has used so far (user + system).
+fn cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").expect("procfs");
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+fn fast_options() -> RedisOptions {
+    RedisOptions::default()
+        .response_timeout(Duration::from_millis(25))
+        .connect_timeout(Duration::from_millis(500))
+}
+
+/// A debt report that can never apply (the key holds another type) is
+/// dropped and counted: no resend loop, maintenance goes on, shutdown
+/// returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_that_can_never_apply_is_dropped_not_resent_forever() {
+    let server = RedisServer::start();
+    let limiter = Limiter::builder(Quota::per_minute(10))
+        .store(store(&server).await)
+        .namespace("wrongtype")
+        .hybrid(
+            HybridConfig::optimistic(5)
+                .idle_ttl(Duration::from_millis(200))
+                .max_wait(Duration::from_millis(20)),
+        )
+        .build()
+        .unwrap();
+    // One reply so first-touch credit knows the window; then exhaust "k".
+    assert!(limiter.check("warm", 1).await.is_allowed());
+    for _ in 0..10 {
+        let _ = limiter.check("k", 1).await;
+    }
+    let key = server
+        .keys()
+        .into_iter()
+        .find(|k| k.contains("wrongtype:k"))
+        .expect("the key");
+    let _: i64 = server.cmd(&["DEL", &key]);
+    let _: String = server.cmd(&["SET", &key, "not a hash"]);
+    let mut credit = 0;
+    for _ in 0..5 {
+        if limiter.check("k", 1).await.source() == Source::Credit {
+            credit += 1;
+        }
+    }
+    let before = server.command_calls("evalsha");
+    let cpu = cpu_seconds();
+    // Idle eviction queues the debt; the report fails with WRONGTYPE.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let calls = server.command_calls("evalsha") - before;
+    let used = cpu_seconds() - cpu;
+    assert!(calls < 50, "{calls} script calls in 2 s: a resend loop");
+    assert!(used < 0.5, "{used:.2} CPU seconds in 2 s idle");
+    assert_eq!(
+        limiter.local_keys(),
+        0,
+        "maintenance still evicts idle keys"
+    );
+    let began = Instant::now();
+    limiter.shutdown().await;
+    assert!(began.elapsed() < Duration::from_secs(1));
+    let stats = limiter.stats();
+    assert!(
+        credit == 0 || stats.reports_dropped > 0 || stats.store_errors > 0,
+        "{stats:?}"
+    );
+}
+
+/// With Redis frozen (SIGSTOP) and debt to report, shutdown returns within
+/// its bound and does not spin.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_returns_promptly_against_a_frozen_server() {
+    let server = RedisServer::start();
+    let redis = RedisStore::connect_with(&server.url(), fast_options())
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(Quota::per_minute(100))
+        .store(redis)
+        .namespace("frozen")
+        .hybrid(HybridConfig::optimistic(5).lease_bounds(1, 2))
+        .build()
+        .unwrap();
+    assert!(limiter.check("warm", 1).await.is_allowed());
+    for i in 0..200 {
+        let _ = limiter.check(&format!("k{}", i % 20), 1).await;
+    }
+    server.freeze();
+    for i in 0..100 {
+        let _ = limiter.check(&format!("k{}", i % 20), 1).await;
+    }
+    let cpu = cpu_seconds();
+    let began = Instant::now();
+    limiter.shutdown().await;
+    let took = began.elapsed();
+    let used = cpu_seconds() - cpu;
+    server.thaw();
+    assert!(took < Duration::from_secs(2), "shutdown took {took:?}");
+    assert!(used < 1.0, "{used:.2} CPU seconds during shutdown");
+}
+
+/// A connection that silently stops answering is replaced: decisions come
+/// from Redis again within seconds, not never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackholed_connection_is_replaced() {
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await;
+    let options = fast_options().circuit_breaker(CircuitConfig {
+        failures: 3,
+        base_backoff: Duration::from_millis(50),
+        max_backoff: Duration::from_millis(200),
+    });
+    let redis = RedisStore::connect_with(&proxy.url(), options)
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(Quota::per_minute(10_000))
+        .store(redis)
+        .namespace("blackhole")
+        .on_store_error(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    assert_eq!(limiter.check("k", 1).await.source(), Source::Store);
+    proxy.blackhole_existing();
+    let began = Instant::now();
+    let mut back = None;
+    while began.elapsed() < Duration::from_secs(5) {
+        if limiter.check("k", 1).await.source() == Source::Store {
+            back = Some(began.elapsed());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let back = back.expect("decisions never came from Redis again");
+    assert!(proxy.connections() >= 2, "a new connection was made");
+    println!("back on Redis {back:?} after the blackhole");
+}
+
+/// A hybrid limiter whose background task died with its runtime restarts
+/// it on the caller's runtime, and says so.
+#[test]
+fn a_sync_task_lost_with_its_runtime_is_restarted() {
+    let server = RedisServer::start();
+    let url = server.url();
+    let first = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let limiter = first.block_on(async {
+        let redis = RedisStore::connect_with(&url, fast_options())
+            .await
+            .unwrap();
+        let limiter = Limiter::builder(Quota::per_minute(1_000))
+            .store(redis)
+            .namespace("lost")
+            .hybrid(HybridConfig::strict())
+            .build()
+            .unwrap();
+        assert!(limiter.check("a", 1).await.is_allowed());
+        limiter
+    });
+    drop(first);
+    let second = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    second.block_on(async {
+        // The store's connection died with the first runtime too: give it
+        // a fresh one, as a service would; the limiter is the same.
+        for i in 0..50 {
+            let d = limiter.check(&format!("new{}", i % 5), 1).await;
+            assert!(d.is_allowed(), "{d:?}");
+        }
+        let stats = limiter.stats();
+        assert_eq!(stats.sync_restarts, 1, "{stats:?}");
+        assert!(
+            stats.leases > 1,
+            "leases came from the restarted task: {stats:?}"
+        );
+    });
+}
