@@ -411,7 +411,9 @@ impl RedisStore {
     fn manager_config(options: &RedisOptions) -> ConnectionManagerConfig {
         ConnectionManagerConfig::new()
             .set_connection_timeout(Some(options.connect_timeout))
-            .set_response_timeout(Some(options.response_timeout))
+            // Each call is bounded here, by `batch_timeout`; the manager's
+            // own limit only backs that up for the largest batch.
+            .set_response_timeout(Some(batch_timeout(options.response_timeout, usize::MAX)))
             .set_number_of_retries(1)
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(500))
@@ -466,21 +468,26 @@ impl RedisStore {
         what: &str,
         fut: impl std::future::Future<Output = Result<T, redis::RedisError>>,
     ) -> Result<T, Error> {
-        self.bounded_judged(what, fut, |_| false).await
+        self.bounded_judged(what, 1, fut, |_| false).await
     }
 
     /// As [`bounded`](Self::bounded); `refused` tells a reply that arrived
     /// but says the server cannot serve (a pipeline whose calls answered
     /// `READONLY`, `LOADING`, …): that is unavailability, not success.
+    ///
+    /// A pipeline of `calls` scripts gets more time than one call: Redis
+    /// runs them one after the other, and a timeout that cuts a large batch
+    /// short loses every grant in it (Redis ran them all the same).
     async fn bounded_judged<T>(
         &self,
         what: &str,
+        calls: usize,
         fut: impl std::future::Future<Output = Result<T, redis::RedisError>>,
         refused: impl Fn(&T) -> bool,
     ) -> Result<T, Error> {
         let admission = self.inner.breaker.admit()?;
         self.inner.calls.fetch_add(1, Ordering::Relaxed);
-        let limit = self.inner.options.response_timeout;
+        let limit = batch_timeout(self.inner.options.response_timeout, calls);
         let result = match tokio::time::timeout(limit, fut).await {
             Ok(result) => result.map_err(Error::from),
             Err(_) => Err(timeout_error(what, limit)),
@@ -591,6 +598,7 @@ impl RedisStore {
             let values: Vec<Value> = self
                 .bounded_judged(
                     "pipelined scripts",
+                    cmds.len(),
                     pipe.query_async(&mut conn),
                     |values: &Vec<Value>| {
                         values.iter().any(|v| {
@@ -706,6 +714,12 @@ impl RedisStore {
             })
             .collect())
     }
+}
+
+/// How long a pipeline of `calls` scripts may take: the response timeout,
+/// plus a quarter of it per 128 calls, at most four times it.
+fn batch_timeout(response: Duration, calls: usize) -> Duration {
+    response + (response / 4) * (calls / 128).min(12) as u32
 }
 
 fn value_to_ints(v: Value) -> Result<Vec<i64>, Error> {
