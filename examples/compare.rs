@@ -18,6 +18,14 @@
 //! `--demand X` × the limit (2.0), `--duration-s N` (4), `--json PATH`,
 //! `--plot PATH`, `--ramp`, `--cluster URL,URL,…`. `COMPARE_DEBUG=1` also
 //! prints per-mode script counts, limiter counters and the busiest windows.
+//!
+//! The long tail: `--demand-per-key R` (requests per second per key) picks
+//! keys uniformly, keeps every key far under its limit, touches every key
+//! once on every server first (the warm-up), then measures inside one
+//! window (use a period longer than warm-up plus duration, e.g.
+//! `--keys 10000 --demand-per-key 1 --limit 1000 --period-ms 60000
+//! --duration-s 15`): script calls per 1,000 decisions, the share of
+//! decisions that waited on the store, latency and Redis CPU per mode.
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -47,6 +55,8 @@ struct Args {
     plot: Option<String>,
     ramp: bool,
     cluster: Option<Vec<String>>,
+    /// Long tail: requests per second per key, keys picked uniformly.
+    demand_per_key: Option<f64>,
 }
 
 fn parse_args() -> Args {
@@ -62,6 +72,7 @@ fn parse_args() -> Args {
         plot: None,
         ramp: false,
         cluster: None,
+        demand_per_key: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -85,6 +96,9 @@ fn parse_args() -> Args {
             "--json" => a.json = Some(v),
             "--plot" => a.plot = Some(v),
             "--cluster" => a.cluster = Some(v.split(',').map(str::to_owned).collect()),
+            "--demand-per-key" => {
+                a.demand_per_key = Some(v.parse().expect("--demand-per-key: a number"))
+            }
             other => panic!("unknown flag {other}"),
         }
     }
@@ -411,6 +425,189 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
     }
 }
 
+/// What one mode did on the long-tail load, warm phase only.
+struct LongTail {
+    name: String,
+    decisions: u64,
+    seconds: f64,
+    latency: Histogram<u64>,
+    /// Decisions that could not be made locally (the store was asked).
+    waited: u64,
+    /// Scripts Redis ran in the measured phase.
+    scripts: u64,
+    /// Round trips the limiters made in the measured phase.
+    round_trips: u64,
+    redis_cpu: f64,
+    admitted: u64,
+}
+
+/// Waits until `lead` after the next window boundary (wall clock, which is
+/// Redis' on this machine), so a run stays inside one window.
+async fn align_to_window(period: Duration, lead: Duration) {
+    let period_us = period.as_micros() as u64;
+    let now = wall_us();
+    let next = (now / period_us + 1) * period_us + lead.as_micros() as u64;
+    tokio::time::sleep(Duration::from_micros(next - now)).await;
+}
+
+async fn run_long_tail(backend: &Backend, args: &Args, mode: Mode, rate_per_key: f64) -> LongTail {
+    let ns = format!("tail-{}-{}", mode.name(), std::process::id());
+    let limiters = build(backend, args, mode, &ns).await;
+    let names: Arc<Vec<String>> = Arc::new((0..args.keys).map(key_name).collect());
+    align_to_window(args.period, Duration::from_millis(200)).await;
+    // Warm-up: every key once on every server, many at a time.
+    let mut warm = Vec::new();
+    for limiter in &limiters {
+        for chunk in 0..64usize {
+            let (limiter, names) = (limiter.clone(), names.clone());
+            warm.push(tokio::spawn(async move {
+                for k in (chunk..names.len()).step_by(64) {
+                    let _ = limiter.check(&names[k], 1).await;
+                }
+            }));
+        }
+    }
+    for t in warm {
+        t.await.unwrap();
+    }
+    // Optimistic first touches return on credit before their lease lands:
+    // wait until the refills have settled, so the warm phase is measured.
+    let mut last = u64::MAX;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let trips: u64 = limiters.iter().map(|l| l.stats().round_trips).sum();
+        if trips == last {
+            break;
+        }
+        last = trips;
+    }
+    let workers = args.servers * args.tasks;
+    let tick = Duration::from_millis(5);
+    let total_rate = rate_per_key * args.keys as f64;
+    let per_tick = total_rate * tick.as_secs_f64() / workers as f64;
+    let cpu_before = backend.cpu_seconds();
+    let scripts_before = backend.script_stats().0;
+    let trips_before: u64 = limiters.iter().map(|l| l.stats().round_trips).sum();
+    let started = Instant::now();
+    let stop_at = wall_us() + args.duration.as_micros() as u64;
+    let shared = Arc::new(Mutex::new((
+        Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap(),
+        0u64,
+        0u64,
+        0u64,
+    )));
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let limiter = limiters[w % args.servers].clone();
+        let (names, shared) = (names.clone(), shared.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
+            let (mut count, mut waited, mut admitted) = (0u64, 0u64, 0u64);
+            let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
+            let mut pacer = Pacer::new(tick, per_tick);
+            while wall_us() < stop_at {
+                for _ in 0..pacer.next_batch().await {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    let key = &names[(state % names.len() as u64) as usize];
+                    let began = Instant::now();
+                    let d = match limiter.check_now(key, 1) {
+                        Some(d) => d,
+                        None => {
+                            waited += 1;
+                            limiter.check(key, 1).await
+                        }
+                    };
+                    let _ = hist.record(began.elapsed().as_nanos().max(1) as u64);
+                    count += 1;
+                    admitted += u64::from(d.is_allowed());
+                }
+            }
+            let mut s = shared.lock().unwrap();
+            s.0.add(&hist).unwrap();
+            s.1 += count;
+            s.2 += waited;
+            s.3 += admitted;
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let scripts = backend.script_stats().0 - scripts_before;
+    let redis_cpu = backend.cpu_seconds() - cpu_before;
+    let round_trips = limiters.iter().map(|l| l.stats().round_trips).sum::<u64>() - trips_before;
+    if wall_us() / args.period.as_micros() as u64 != (stop_at - args.duration.as_micros() as u64) / args.period.as_micros() as u64 {
+        println!("  ({}: a window boundary fell inside the measured phase; lengthen --period-ms)", mode.name());
+    }
+    if std::env::var("COMPARE_DEBUG").is_ok() {
+        println!("  {}: {:?}", mode.name(), limiters[0].stats());
+    }
+    for l in &limiters {
+        l.shutdown().await;
+    }
+    let (latency, decisions, waited, admitted) =
+        Arc::try_unwrap(shared).ok().unwrap().into_inner().unwrap();
+    LongTail {
+        name: mode.name(),
+        decisions,
+        seconds,
+        latency,
+        waited,
+        scripts,
+        round_trips,
+        redis_cpu,
+        admitted,
+    }
+}
+
+async fn long_tail(backend: &Backend, args: &Args, rate_per_key: f64) {
+    println!(
+        "long tail: {} servers × {} tasks, {} keys picked uniformly at {rate_per_key}/s each ({:.0}/s in all), {} per key per {:?} (far above demand), warm phase of {:?} inside one window\n",
+        args.servers,
+        args.tasks,
+        args.keys,
+        rate_per_key * args.keys as f64,
+        args.limit,
+        args.period,
+        args.duration
+    );
+    println!(
+        "{:<20} {:>12} {:>10} {:>10} {:>10} {:>9} {:>14} {:>11} {:>12} {:>10}",
+        "mode", "decisions/s", "p50", "p99", "p99.9", "waited", "scripts/1000", "RT/1000", "Redis CPU", "admitted"
+    );
+    let mut rows = Vec::new();
+    for mode in [Mode::Local, Mode::Exact(Algorithm::FixedWindow), Mode::HybridStrict, Mode::HybridOptimistic] {
+        let o = run_long_tail(backend, args, mode, rate_per_key).await;
+        let per_1000 = |n: u64| n as f64 * 1000.0 / o.decisions.max(1) as f64;
+        println!(
+            "{:<20} {:>12.0} {:>10} {:>10} {:>10} {:>8.2}% {:>14.2} {:>11.2} {:>11.3}s {:>9.1}%",
+            o.name,
+            o.decisions as f64 / o.seconds,
+            ns(o.latency.value_at_quantile(0.5)),
+            ns(o.latency.value_at_quantile(0.99)),
+            ns(o.latency.value_at_quantile(0.999)),
+            o.waited as f64 * 100.0 / o.decisions.max(1) as f64,
+            per_1000(o.scripts),
+            per_1000(o.round_trips),
+            o.redis_cpu,
+            o.admitted as f64 * 100.0 / o.decisions.max(1) as f64,
+        );
+        rows.push(o);
+    }
+    let cpu_per = |name: &str| {
+        let o = rows.iter().find(|o| o.name == name).expect("mode ran");
+        o.redis_cpu / o.decisions.max(1) as f64
+    };
+    if matches!(backend, Backend::Redis { .. }) {
+        println!(
+            "\nRedis CPU per decision, exact ÷ hybrid-strict: {:.0}×",
+            cpu_per("exact-fixed-window") / cpu_per("hybrid-strict").max(1e-12)
+        );
+    }
+}
+
 /// Closed-loop ramp: more and more concurrent callers until p99 passes
 /// 1 ms; returns rows (concurrency, decisions/s, p99 ns, Redis CPU share).
 async fn ramp(backend: &Backend, args: &Args, mode: Mode) -> Vec<(usize, f64, u64, f64)> {
@@ -673,6 +870,10 @@ async fn main() {
     };
     let store = backend.describe();
     println!("machine: {}\nstore: {store}", machine());
+    if let Some(rate) = args.demand_per_key {
+        long_tail(&backend, &args, rate).await;
+        return;
+    }
     println!(
         "load: {} servers × {} tasks, {} keys, {} per key per {:?}, Zipf demand at {}× the limit, {:?} per mode\n",
         args.servers, args.tasks, args.keys, args.limit, args.period, args.demand, args.duration

@@ -11,9 +11,9 @@
 -- Returns  {allowed (0|1), remaining, reset_after_us, retry_after_us, now_us}
 --          retry_after_us is 0 when allowed, -1 when cost > limit (never).
 --
--- Time comes from Redis TIME only. Fields older than the previous window are
+-- Time comes from Redis TIME only. Windows older than the previous one are
 -- deleted; the key expires one period after the end of its newest window.
--- Complexity: O(1) (the hash holds at most three windows).
+-- Complexity: O(1), and once per window O(fields) to forget ended windows.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local limit = tonumber(ARGV[1])
@@ -31,10 +31,13 @@ if cost == 0 or used + cost <= limit then
   allowed = 1
   if cost > 0 then
     used = redis.call('HINCRBY', KEYS[1], field, cost)
-    if redis.call('HLEN', KEYS[1]) > 2 then
+    -- Forget ended windows once per window, when this call opened one.
+    -- Only window counts: the lease script's fields ("h…", "p…") are its
+    -- own to trim.
+    if used == cost then
       for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
         local fw = tonumber(f)
-        if fw == nil or fw < w - 1 then
+        if fw ~= nil and fw < w - 1 then
           redis.call('HDEL', KEYS[1], f)
         end
       end

@@ -20,6 +20,8 @@
 --                       now, usable from that window's start), whichever
 --                       side of the boundary Redis is on; -1: the current
 -- ARGV[8]  tail         remainders up to this size are granted whole
+-- ARGV[9]  holder       the asking process's identity (for the fair share)
+-- ARGV[10] ceiling      the most this process takes in one lease (>= want)
 --
 -- Returns  {granted, remaining (unleased in the target window after this
 --          grant), start_after_us (0, or until the target window starts),
@@ -29,14 +31,24 @@
 --          of the target window), 0, 0} (the last two are the bucket
 --          scripts' level and give-back count)
 --
--- grant = min(want, available, max(1, floor(share_cap * available),
--- min(available, tail))), so leases shrink as the window fills and few
--- permits strand in other processes, while the last `tail` permits go in
--- one lease rather than in a trickle of ever smaller ones. Debt is always recorded, even past the limit: the count then
+-- Sizing. by_rate = min(want, max(1, floor(share_cap * available),
+-- min(available, tail))): leases shrink as the window fills and few permits
+-- strand in other processes, while the last `tail` permits go in one lease
+-- rather than in a trickle of ever smaller ones. by_headroom is a fair share
+-- of what remains: the key counts the processes that leased it in this
+-- window ("h<window>") and the last ("p<holder>" = the last window a holder
+-- leased in); a holder's first lease in the window gets available divided
+-- by the holders expected and not yet served, a later one available divided
+-- by all holders, both at most share_cap * available and `ceiling`.
+-- grant = min(available, max(by_rate, by_headroom)): a key far under its
+-- limit is served in about one lease per process per window, a key near it
+-- in leases that shrink toward one permit, so strict stays exact.
+-- Debt is always recorded, even past the limit: the count then
 -- shows the true overshoot, and `uncovered` is this report's share of it.
 -- Debt for a window older than the previous one can no longer be checked and
 -- is returned as wholly uncovered. Time comes from Redis TIME only.
--- Complexity: O(1) (at most three windows per hash).
+-- Complexity: O(1), and once per window O(fields) to forget ended windows
+-- (three windows, two holder counts and one field per holder process).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local limit = tonumber(ARGV[1])
@@ -47,6 +59,8 @@ local debt = tonumber(ARGV[5])
 local debt_window = tonumber(ARGV[6])
 local min_window = tonumber(ARGV[7])
 local tail = tonumber(ARGV[8] or '1')
+local holder = ARGV[9]
+local ceiling = tonumber(ARGV[10] or '0')
 
 local w = math.floor(now / period)
 if debt_window < 0 then debt_window = w end
@@ -78,15 +92,46 @@ local used = tonumber(redis.call('HGET', KEYS[1], tf) or '0')
 local available = math.max(0, limit - used)
 local cap = math.max(1, math.floor(available * share), math.min(available, tail))
 local granted = math.min(want, available, cap)
+local first_in_window = false
+if holder ~= nil and holder ~= '' and want > 0 and available > 0 then
+  local pf = 'p' .. holder
+  local hf = 'h' .. tf
+  local last = tonumber(redis.call('HGET', KEYS[1], pf) or '-1')
+  local here = tonumber(redis.call('HGET', KEYS[1], hf) or '0')
+  local before = tonumber(redis.call('HGET', KEYS[1], 'h' .. string.format('%d', tw - 1)) or '0')
+  local expected = math.max(here, before)
+  local fair
+  if last < tw then
+    first_in_window = true
+    fair = math.floor(available / math.max(1, expected - here))
+  else
+    fair = math.floor(available / math.max(1, expected))
+  end
+  fair = math.min(fair, math.floor(available * share), ceiling)
+  if fair > granted then granted = math.min(fair, available) end
+end
 if granted > 0 then
   used = redis.call('HINCRBY', KEYS[1], tf, granted)
   if tw > newest then newest = tw end
+  if first_in_window then
+    redis.call('HSET', KEYS[1], 'p' .. holder, tf)
+    redis.call('HINCRBY', KEYS[1], 'h' .. tf, 1)
+  end
 end
 
 if granted > 0 or debt > 0 then
-  if redis.call('HLEN', KEYS[1]) > 2 then
+  -- Forget ended windows once per window: when this call opened one.
+  if used == granted and granted > 0 then
     for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
-      local fw = tonumber(f)
+      local c = string.sub(f, 1, 1)
+      local fw
+      if c == 'h' then
+        fw = tonumber(string.sub(f, 2))
+      elseif c == 'p' then
+        fw = tonumber(redis.call('HGET', KEYS[1], f))
+      else
+        fw = tonumber(f)
+      end
       if fw == nil or fw < w - 1 then
         redis.call('HDEL', KEYS[1], f)
       end

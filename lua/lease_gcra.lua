@@ -14,6 +14,8 @@
 -- ARGV[7]  need       the fewest permits the waiting request needs (>= 1)
 -- ARGV[8]  patience   when nothing is granted, retry_after says when this
 --                     many (>= need) will be available
+-- ARGV[9]  ceiling    the most this process takes in one lease: leases are
+--                     at least min(ceiling, share_cap * available)
 --
 -- Returns  {granted, remaining, 0, reset_after_us (until the TAT),
 --          retry_after_us (when nothing was granted: until `patience`
@@ -35,6 +37,7 @@ local share = tonumber(ARGV[5])
 local debt = tonumber(ARGV[6])
 local need = tonumber(ARGV[7])
 local patience = math.min(math.max(need, tonumber(ARGV[8])), burst)
+local ceiling = tonumber(ARGV[9] or '0')
 
 local interval = period / limit
 local tolerance = burst * interval
@@ -69,6 +72,11 @@ local granted = 0
 if available >= math.min(need, burst) then
   local cap = math.max(need, math.floor(available * share))
   granted = math.min(want, available, cap)
+  -- Headroom: a share of what the bucket holds, however little this
+  -- process has used so far, so a key far under its limit is served in
+  -- few leases; share_cap keeps it from draining a bucket others need.
+  local roomy = math.min(ceiling, math.floor(available * share))
+  if roomy > granted then granted = math.min(roomy, available) end
 end
 tat = tat + granted * interval
 

@@ -64,6 +64,8 @@ pub(crate) struct Shared {
     outstanding: DashMap<String, KeyLedger, ahash::RandomState>,
     /// Identities of give-backs and debt reports.
     ops: OpIds,
+    /// This process as a lease holder (the lease script's fair share).
+    holder: Arc<str>,
     /// The store's clock as the last lease reply showed it.
     store_clock: Mutex<Option<StoreClock>>,
     /// Wakes the sync task.
@@ -147,6 +149,8 @@ impl HybridEngine {
             max_cost,
             reconciler,
         } = wiring;
+        let ops = OpIds::default();
+        let holder = ops.holder();
         let time = match (fast_clock, clock) {
             (Some((fast, guard)), Some(precise)) => TimeSource::split(fast, precise, guard),
             (_, clock) => TimeSource::new(clock, config.coarse_clock),
@@ -164,7 +168,8 @@ impl HybridEngine {
             returns: Mutex::new(Vec::new()),
             reports: Mutex::new(Vec::new()),
             outstanding: DashMap::with_hasher(ahash::RandomState::new()),
-            ops: OpIds::default(),
+            ops,
+            holder,
             store_clock: Mutex::new(None),
             wake: Notify::new(),
             refill_waiters: (0..REFILL_STRIPES).map(|_| Notify::new()).collect(),

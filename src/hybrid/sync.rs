@@ -327,6 +327,8 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         },
         patience: need.max(want / 4).max(1),
         op: (credit.debt > 0).then(|| shared.ops.next()),
+        holder: Some(shared.holder.clone()),
+        ceiling: config.max_lease,
     };
     Pending {
         slot: Some(slot),

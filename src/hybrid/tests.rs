@@ -453,6 +453,8 @@ async fn the_lease_script_shape_is_what_the_engine_expects() {
                 need: 1,
                 patience: 1,
                 op: None,
+                holder: None,
+                ceiling: 0,
             },
         )
         .unwrap();

@@ -52,6 +52,50 @@ struct Entry {
     state: State,
     /// Store time (µs) after which the entry is as good as absent.
     expires_us: u64,
+    /// Fixed window: who leased the key lately (the lease script's "h…"
+    /// and "p…" fields); boxed, since most entries never have any.
+    holders: Option<Box<Holders>>,
+}
+
+/// The processes that leased a fixed-window key in recent windows.
+#[derive(Debug, Clone, Default)]
+struct Holders {
+    /// Window → processes that leased in it.
+    counts: Vec<(i64, u64)>,
+    /// Process → the last window it leased in.
+    last: Vec<(String, i64)>,
+}
+
+impl Holders {
+    fn count(&self, window: i64) -> u64 {
+        self.counts
+            .iter()
+            .find(|(w, _)| *w == window)
+            .map_or(0, |(_, n)| *n)
+    }
+
+    fn last(&self, holder: &str) -> i64 {
+        self.last
+            .iter()
+            .find(|(h, _)| h == holder)
+            .map_or(-1, |(_, w)| *w)
+    }
+
+    fn joined(&mut self, holder: &str, window: i64) {
+        match self.last.iter_mut().find(|(h, _)| h == holder) {
+            Some((_, w)) => *w = window,
+            None => self.last.push((holder.to_owned(), window)),
+        }
+        match self.counts.iter_mut().find(|(w, _)| *w == window) {
+            Some((_, n)) => *n += 1,
+            None => self.counts.push((window, 1)),
+        }
+    }
+
+    fn forget_before(&mut self, window: i64) {
+        self.counts.retain(|(w, _)| *w >= window);
+        self.last.retain(|(_, w)| *w >= window);
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -171,6 +215,7 @@ impl MemoryStore {
             None => self.shared.entries.entry(key.to_owned()).or_insert(Entry {
                 state: State::Window(Vec::new()),
                 expires_us: 0,
+                holders: None,
             }),
         };
         let mut live = (slot.expires_us > now).then(|| slot.clone());
@@ -343,6 +388,7 @@ fn incr_window(entry: &mut Option<Entry>, window: i64, by: i64) -> i64 {
     let e = entry.get_or_insert(Entry {
         state: State::Window(Vec::new()),
         expires_us: 0,
+        holders: None,
     });
     let State::Window(w) = &mut e.state else {
         unreachable!("checked by windows()")
@@ -441,6 +487,7 @@ fn store_bucket(entry: &mut Option<Entry>, p: &Params, now: u64, tokens: f64, gb
             gb,
         },
         expires_us: now + ceil_ms_to_us(reset) + 1000,
+        holders: None,
     });
 }
 
@@ -516,6 +563,7 @@ fn store_gcra(entry: &mut Option<Entry>, now: u64, tat: f64, gb: Option<u64>) {
     *entry = Some(Entry {
         state: State::Gcra { tat: stored, gb },
         expires_us: now + ttl,
+        holders: None,
     });
 }
 
@@ -586,10 +634,41 @@ fn lease_fixed_window(
     let cap = ((available as f64 * call.share_cap).floor() as i64)
         .max(1)
         .max(available.min(call.need.max(1) as i64));
-    let granted = (call.want as i64).min(available).min(cap);
+    let mut granted = (call.want as i64).min(available).min(cap);
+    // The fair share of what remains, as the script computes it.
+    let mut joined = false;
+    if let (Some(holder), true) = (&call.holder, call.want > 0 && available > 0) {
+        let holders = entry.as_ref().and_then(|e| e.holders.as_deref());
+        let last = holders.map_or(-1, |h| h.last(holder));
+        let here = holders.map_or(0, |h| h.count(tw)) as i64;
+        let before = holders.map_or(0, |h| h.count(tw - 1)) as i64;
+        let expected = here.max(before);
+        joined = last < tw;
+        let fair = if joined {
+            available / (expected - here).max(1)
+        } else {
+            available / expected.max(1)
+        };
+        let fair = fair
+            .min((available as f64 * call.share_cap).floor() as i64)
+            .min(call.ceiling.min(i64::MAX as u64) as i64);
+        if fair > granted {
+            granted = fair.min(available);
+        }
+    }
     if granted > 0 {
         used = incr_window(entry, tw, granted);
         newest = newest.max(tw);
+        if let (true, Some(holder), Some(e)) = (joined, &call.holder, entry.as_mut()) {
+            e.holders
+                .get_or_insert_with(Default::default)
+                .joined(holder, tw);
+        }
+    }
+    if granted > 0 && used == granted {
+        if let Some(h) = entry.as_mut().and_then(|e| e.holders.as_mut()) {
+            h.forget_before(w - 1);
+        }
     }
     if granted > 0 || debt > 0 {
         let ttl = ((newest as u64 + 2) * period - now) as f64;
@@ -667,7 +746,9 @@ fn bucket_grant(available: f64, call: &LeaseCall, burst: f64) -> f64 {
         return 0.0;
     }
     let cap = need.max((available * call.share_cap).floor());
-    (call.want as f64).min(available).min(cap)
+    let by_rate = (call.want as f64).min(available).min(cap);
+    let roomy = (call.ceiling as f64).min((available * call.share_cap).floor());
+    by_rate.max(roomy.min(available))
 }
 
 fn lease_gcra(
@@ -899,6 +980,8 @@ mod tests {
             need: 1,
             patience: 1,
             op: None,
+            holder: None,
+            ceiling: 0,
         };
         let r = s.lease(&p, &call).unwrap();
         assert_eq!((r.granted, r.remaining), (50, 50));

@@ -145,6 +145,11 @@ impl Default for OpIds {
 }
 
 impl OpIds {
+    /// This instance's identity as a lease holder.
+    pub(crate) fn holder(&self) -> std::sync::Arc<str> {
+        format!("{:x}", self.nonce).into()
+    }
+
     pub(crate) fn next(&self) -> OpId {
         OpId {
             nonce: self.nonce,
@@ -178,6 +183,11 @@ pub(crate) struct LeaseCall {
     pub(crate) patience: u64,
     /// Set when `debt > 0`: the debt report's identity.
     pub(crate) op: Option<OpId>,
+    /// Fixed window: the asking process, for the fair share of headroom.
+    pub(crate) holder: Option<std::sync::Arc<str>>,
+    /// The most this process takes in one lease; leases are at least a
+    /// fair share of what remains, up to this (0: by rate only).
+    pub(crate) ceiling: u64,
 }
 
 impl LeaseCall {
@@ -194,6 +204,8 @@ impl LeaseCall {
             need: 1,
             patience: 1,
             op: Some(op),
+            holder: None,
+            ceiling: 0,
         }
     }
 }

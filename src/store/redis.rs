@@ -654,7 +654,9 @@ impl RedisStore {
                             .arg(c.debt)
                             .arg(c.debt_window)
                             .arg(c.min_window)
-                            .arg(c.need.max(1));
+                            .arg(c.need.max(1))
+                            .arg(c.holder.as_deref().unwrap_or(""))
+                            .arg(c.ceiling);
                     }
                     Algorithm::TokenBucket | Algorithm::Gcra => {
                         cmd.arg(p.burst)
@@ -662,7 +664,8 @@ impl RedisStore {
                             .arg(c.share_cap)
                             .arg(c.debt)
                             .arg(c.need.max(1))
-                            .arg(c.patience);
+                            .arg(c.patience)
+                            .arg(c.ceiling);
                     }
                 }
                 (key, cmd)
