@@ -503,7 +503,8 @@ async fn run_long_tail(backend: &Backend, args: &Args, mode: Mode, rate_per_key:
         tasks.push(tokio::spawn(async move {
             let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
             let (mut count, mut waited, mut admitted) = (0u64, 0u64, 0u64);
-            let mut state = 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
+            let mut state =
+                0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
             let mut pacer = Pacer::new(tick, per_tick);
             while wall_us() < stop_at {
                 for _ in 0..pacer.next_batch().await {
@@ -538,8 +539,13 @@ async fn run_long_tail(backend: &Backend, args: &Args, mode: Mode, rate_per_key:
     let scripts = backend.script_stats().0 - scripts_before;
     let redis_cpu = backend.cpu_seconds() - cpu_before;
     let round_trips = limiters.iter().map(|l| l.stats().round_trips).sum::<u64>() - trips_before;
-    if wall_us() / args.period.as_micros() as u64 != (stop_at - args.duration.as_micros() as u64) / args.period.as_micros() as u64 {
-        println!("  ({}: a window boundary fell inside the measured phase; lengthen --period-ms)", mode.name());
+    if wall_us() / args.period.as_micros() as u64
+        != (stop_at - args.duration.as_micros() as u64) / args.period.as_micros() as u64
+    {
+        println!(
+            "  ({}: a window boundary fell inside the measured phase; lengthen --period-ms)",
+            mode.name()
+        );
     }
     if std::env::var("COMPARE_DEBUG").is_ok() {
         println!("  {}: {:?}", mode.name(), limiters[0].stats());
@@ -575,10 +581,24 @@ async fn long_tail(backend: &Backend, args: &Args, rate_per_key: f64) {
     );
     println!(
         "{:<20} {:>12} {:>10} {:>10} {:>10} {:>9} {:>14} {:>11} {:>12} {:>10}",
-        "mode", "decisions/s", "p50", "p99", "p99.9", "waited", "scripts/1000", "RT/1000", "Redis CPU", "admitted"
+        "mode",
+        "decisions/s",
+        "p50",
+        "p99",
+        "p99.9",
+        "waited",
+        "scripts/1000",
+        "RT/1000",
+        "Redis CPU",
+        "admitted"
     );
     let mut rows = Vec::new();
-    for mode in [Mode::Local, Mode::Exact(Algorithm::FixedWindow), Mode::HybridStrict, Mode::HybridOptimistic] {
+    for mode in [
+        Mode::Local,
+        Mode::Exact(Algorithm::FixedWindow),
+        Mode::HybridStrict,
+        Mode::HybridOptimistic,
+    ] {
         let o = run_long_tail(backend, args, mode, rate_per_key).await;
         let per_1000 = |n: u64| n as f64 * 1000.0 / o.decisions.max(1) as f64;
         println!(

@@ -27,9 +27,17 @@ impl ExactEngine {
     }
 
     pub(crate) async fn check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
+        self.check_timed(key, cost).await.map(|(d, _)| d)
+    }
+
+    /// As [`check`](Self::check), with the store's clock (µs) at the call.
+    pub(crate) async fn check_timed(&self, key: &str, cost: u64) -> Result<(Decision, u64), Error> {
         let store_key = self.keys.store_key(key, self.params.algorithm);
         let reply = self.store.acquire(&store_key, &self.params, cost).await?;
-        Ok(decision_from(&reply, self.params.limit, Source::Store))
+        Ok((
+            decision_from(&reply, self.params.limit, Source::Store),
+            reply.now_us,
+        ))
     }
 
     /// Records permits admitted elsewhere (the fallback, during an outage)

@@ -45,7 +45,51 @@ pub(crate) struct FailureHandler {
     fallback: Option<LocalEngine>,
     /// What the fallback admitted, to be reported when the store returns.
     pub(crate) reconciler: Arc<Reconciler>,
+    /// The store's clock as last seen, which the fallback counts windows
+    /// on (application clocks never decide windows).
+    pub(crate) store_clock: Arc<StoreAligned>,
     limit: u64,
+}
+
+/// A clock that reads the store's time: the local clock plus the offset
+/// of the store's clock seen in its last reply (0 before any). The
+/// fallback counts its windows on it, so one store window does not
+/// straddle two fallback windows of a process whose clock is off.
+pub(crate) struct StoreAligned {
+    local: Arc<dyn Clock>,
+    /// Store µs minus local µs.
+    offset_us: std::sync::atomic::AtomicI64,
+}
+
+impl StoreAligned {
+    /// The local clock's reading, µs.
+    pub(crate) fn local_us(&self) -> u64 {
+        micros(&*self.local)
+    }
+
+    /// A store reply read `store_us` while the local clock read `local_us`
+    /// (the middle of the round trip).
+    pub(crate) fn observe(&self, local_us: u64, store_us: u64) {
+        self.offset_us
+            .store(store_us as i64 - local_us as i64, Ordering::Relaxed);
+    }
+}
+
+impl Clock for StoreAligned {
+    fn now(&self) -> Duration {
+        let local = micros(&*self.local);
+        let offset = self.offset_us.load(Ordering::Relaxed);
+        Duration::from_micros(local.saturating_add_signed(offset))
+    }
+}
+
+/// Lets the fallback engine hold the shared aligned clock.
+struct SharedAligned(Arc<StoreAligned>);
+
+impl Clock for SharedAligned {
+    fn now(&self) -> Duration {
+        self.0.now()
+    }
 }
 
 /// Permits admitted by the fallback while the store was away, per user key.
@@ -55,11 +99,20 @@ pub(crate) struct FailureHandler {
 /// Each report carries an identity ([`OpId`]) fixed when it is first sent:
 /// a report that timed out is resent under the same identity, so the store
 /// counts it once even if it had applied the first delivery.
-#[derive(Debug, Default)]
 pub(crate) struct Reconciler {
     pending: Mutex<Ledger>,
     has_pending: AtomicBool,
     ops: OpIds,
+    /// Times resends (see `RESEND_FOR`).
+    clock: Arc<dyn Clock>,
+}
+
+impl fmt::Debug for Reconciler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reconciler")
+            .field("has_pending", &self.has_pending())
+            .finish()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -77,9 +130,25 @@ pub(crate) struct Report {
     pub(crate) key: String,
     pub(crate) permits: u64,
     pub(crate) op: OpId,
+    /// When it was first handed out for sending (the limiter's clock, µs).
+    pub(crate) first_sent: Option<u64>,
 }
 
+/// How long a report is resent. The store remembers a report's identity
+/// for 60 s; a resend after that could apply twice, so a report still
+/// unsent by then is dropped and counted instead (`Stats::reports_dropped`).
+pub(crate) const RESEND_FOR: Duration = Duration::from_secs(50);
+
 impl Reconciler {
+    pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
+        Reconciler {
+            pending: Mutex::new(Ledger::default()),
+            has_pending: AtomicBool::new(false),
+            ops: OpIds::default(),
+            clock,
+        }
+    }
+
     fn record(&self, key: &str, cost: u64) {
         if cost == 0 {
             return;
@@ -101,23 +170,39 @@ impl Reconciler {
         }
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         self.has_pending.store(false, Ordering::Release);
+        let now = micros(&*self.clock);
         let mut out = std::mem::take(&mut pending.resend);
         out.extend(pending.fresh.drain().map(|(key, permits)| Report {
             key,
             permits,
             op: self.ops.next(),
+            first_sent: None,
         }));
+        for r in &mut out {
+            r.first_sent.get_or_insert(now);
+        }
         out
     }
 
     /// Puts back reports that could not be delivered, to be resent as they
-    /// are.
-    pub(crate) fn restore(&self, reports: impl IntoIterator<Item = Report>) {
+    /// are; returns the permits of those resent for too long, dropped.
+    pub(crate) fn restore(&self, reports: impl IntoIterator<Item = Report>) -> u64 {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        pending.resend.extend(reports);
+        let mut dropped = 0;
+        for r in reports {
+            let now = micros(&*self.clock);
+            if r.first_sent
+                .is_some_and(|t| now.saturating_sub(t) > RESEND_FOR.as_micros() as u64)
+            {
+                dropped += r.permits;
+            } else {
+                pending.resend.push(r);
+            }
+        }
         if !pending.resend.is_empty() {
             self.has_pending.store(true, Ordering::Release);
         }
+        dropped
     }
 }
 
@@ -128,19 +213,29 @@ impl FailureHandler {
         limit: u64,
         clock: std::sync::Arc<dyn Clock>,
     ) -> Result<Self, Error> {
+        let store_clock = Arc::new(StoreAligned {
+            local: clock,
+            offset_us: std::sync::atomic::AtomicI64::new(0),
+        });
         let fallback = match policy {
             FailurePolicy::LocalFallback(quota) => {
                 quota
                     .validate()
                     .map_err(|e| Error::invalid(format!("LocalFallback quota: {e}")))?;
-                Some(LocalEngine::new(quota, algorithm, clock, Source::Fallback))
+                Some(LocalEngine::new(
+                    quota,
+                    algorithm,
+                    Arc::new(SharedAligned(store_clock.clone())),
+                    Source::Fallback,
+                ))
             }
             _ => None,
         };
         Ok(FailureHandler {
             policy,
             fallback,
-            reconciler: Arc::new(Reconciler::default()),
+            reconciler: Arc::new(Reconciler::new(store_clock.local.clone())),
+            store_clock,
             limit,
         })
     }
@@ -152,6 +247,19 @@ impl FailureHandler {
     /// The decision for a request the store could not decide.
     /// `retry_hint` is when the store will next be tried, if known.
     pub(crate) fn decide(&self, key: &str, cost: u64, retry_hint: Option<Duration>) -> Decision {
+        if cost == 0 && !matches!(self.policy, FailurePolicy::LocalFallback(_)) {
+            // A peek takes nothing: it is answered under every policy.
+            // (Fail-open's remaining is not known; fail-closed's is 0.)
+            let remaining = match self.policy {
+                FailurePolicy::FailOpen => self.limit,
+                _ => 0,
+            };
+            let source = match self.policy {
+                FailurePolicy::FailOpen => Source::FailOpen,
+                _ => Source::FailClosed,
+            };
+            return Decision::allow(self.limit, remaining, Duration::ZERO, source);
+        }
         match (&self.policy, &self.fallback) {
             (FailurePolicy::LocalFallback(_), Some(local)) => {
                 let decision = local.check(key, cost);

@@ -95,7 +95,8 @@ impl Inner {
                     let total: u64 = reports.iter().map(|r| r.permits).sum();
                     self.counters.reports_dropped.add(total);
                 } else {
-                    ledger.restore(reports);
+                    let dropped = ledger.restore(reports);
+                    self.counters.reports_dropped.add(dropped);
                 }
                 return available;
             }
@@ -110,7 +111,8 @@ impl Inner {
                 Err(e) if e.is_unavailable() => {
                     self.counters.store_error(e.kind());
                     available = false;
-                    ledger.restore([report]);
+                    let dropped = ledger.restore([report]);
+                    self.counters.reports_dropped.add(dropped);
                 }
                 Err(e) => {
                     self.counters.store_error(e.kind());
@@ -144,7 +146,8 @@ impl RestoreOnDrop<'_> {
 impl Drop for RestoreOnDrop<'_> {
     fn drop(&mut self) {
         if let Some(reports) = self.reports.take() {
-            self.ledger.restore(reports);
+            // Not sent: nothing to drop for age here.
+            let _ = self.ledger.restore(reports);
         }
     }
 }
@@ -266,15 +269,23 @@ impl Limiter {
                     return decision;
                 }
                 let began = std::time::Instant::now();
-                let result = exact.check(key, cost).await;
-                inner
-                    .counters
-                    .round_trip(began.elapsed().as_micros() as u64);
+                let local_before = inner.failure.store_clock.local_us();
+                let result = exact.check_timed(key, cost).await;
+                let took = began.elapsed().as_micros() as u64;
+                if !matches!(&result, Err(e) if e.is_circuit_open()) {
+                    inner.counters.round_trip(took);
+                }
                 if let Some(store) = &inner.store {
                     inner.counters.circuit(store.circuit_state());
                 }
                 match result {
-                    Ok(decision) => decision,
+                    Ok((decision, store_us)) => {
+                        inner
+                            .failure
+                            .store_clock
+                            .observe(local_before + took / 2, store_us);
+                        decision
+                    }
                     Err(e) => {
                         inner.counters.store_error(e.kind());
                         inner.policy_decision(key, cost)
@@ -491,6 +502,7 @@ impl Builder {
                     counters: counters.clone(),
                     max_cost: self.algorithm.max_cost(&self.quota),
                     reconciler: failure.reconciler.clone(),
+                    store_clock: failure.store_clock.clone(),
                 },
             )?),
             (Mode::Exact, Some(store)) => Engine::Exact(ExactEngine::new(store, keys, params)),

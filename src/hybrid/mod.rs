@@ -92,6 +92,8 @@ pub(crate) struct Shared {
     rtt_us: AtomicU64,
     /// What the failure policy's fallback admitted, to report on recovery.
     reconciler: Arc<Reconciler>,
+    /// The fallback's clock, kept on the store's time by lease replies.
+    fallback_clock: Arc<crate::failure::StoreAligned>,
     /// How close to a lease's deadline a refill is requested early (µs):
     /// the pre-lease lead (fixed window), at most half the lease horizon
     /// (buckets); 0 turns early refills off. Kept out of the `ArcSwap`d
@@ -122,6 +124,8 @@ pub(crate) struct Wiring {
     /// The largest cost that can ever be admitted.
     pub(crate) max_cost: u64,
     pub(crate) reconciler: Arc<Reconciler>,
+    /// The fallback's clock, kept on the store's time by lease replies.
+    pub(crate) store_clock: Arc<crate::failure::StoreAligned>,
 }
 
 pub(crate) struct HybridEngine {
@@ -148,6 +152,7 @@ impl HybridEngine {
             counters,
             max_cost,
             reconciler,
+            store_clock: fallback_clock,
         } = wiring;
         let ops = OpIds::default();
         let holder = ops.holder();
@@ -180,6 +185,7 @@ impl HybridEngine {
             max_cost,
             rtt_us: AtomicU64::new(0),
             reconciler,
+            fallback_clock,
             early_lead_us: AtomicU64::new(0),
         });
         shared.set_early_lead(&shared.config.load());
@@ -627,10 +633,13 @@ impl Shared {
             credit,
             closed,
             origin,
+            permits,
+            window,
+            deadline,
+            next,
         } = slot.retire();
-        let valid = now < slot.deadline.load(Ordering::Acquire);
-        let permits = slot.permits.swap(0, Ordering::AcqRel).max(0) as u64;
-        let window = slot.window.load(Ordering::Acquire);
+        let valid = now < deadline;
+        let permits = permits as u64;
         let store_key = self.store_key(slot);
         if credit.debt > 0 || credit.in_flight > 0 || closed != i64::MIN {
             let mut ledger = self.outstanding.entry(store_key.clone()).or_default();
@@ -652,10 +661,8 @@ impl Shared {
                 self.counters.stranded.add(permits);
             }
         }
-        if slot.has_next.swap(false, Ordering::AcqRel) {
-            if let Some(next) = slot.next.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                self.give_back(&store_key, next.permits.max(0) as u64, next.window, origin);
-            }
+        if let Some(next) = next {
+            self.give_back(&store_key, next.permits.max(0) as u64, next.window, origin);
         }
         if credit.debt > 0 {
             let op = self.ops.next();
@@ -666,6 +673,7 @@ impl Shared {
                 op,
                 attempts: 0,
                 not_before: 0,
+                first_sent: None,
             });
         }
     }

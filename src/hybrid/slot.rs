@@ -137,6 +137,12 @@ pub(crate) struct Retired {
     pub(crate) credit: Credit,
     pub(crate) closed: i64,
     pub(crate) origin: LeaseOrigin,
+    /// The permits held, their window and deadline.
+    pub(crate) permits: i64,
+    pub(crate) window: i64,
+    pub(crate) deadline: u64,
+    /// A pre-leased slice of the next window, if any.
+    pub(crate) next: Option<NextLease>,
 }
 
 /// What installing a lease did.
@@ -237,8 +243,21 @@ impl Slot {
 
     /// Takes the slot out of service: marks it evicted, then collects its
     /// unreported credit (see [`take_credit`](Slot::take_credit)).
+    ///
+    /// The permits, their window and deadline and the pre-lease are taken
+    /// under the `next` lock, which serialises installs and promotions: a
+    /// pre-lease promoted at the same moment cannot make this window's
+    /// leftovers look like the next window's.
     pub(crate) fn retire(&self) -> Retired {
         self.evicted.store(true, Ordering::Release);
+        let (permits, window, deadline, next) = {
+            let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+            let permits = self.permits.swap(0, Ordering::AcqRel).max(0);
+            let window = self.window.load(Ordering::Acquire);
+            let deadline = self.deadline.load(Ordering::Acquire);
+            self.has_next.store(false, Ordering::Release);
+            (permits, window, deadline, next.take().map(|n| *n))
+        };
         let mut books = self.books();
         let debt = std::mem::take(&mut books.credit.debt);
         Retired {
@@ -249,6 +268,10 @@ impl Slot {
             },
             closed: books.credit_closed,
             origin: books.origin,
+            permits,
+            window,
+            deadline,
+            next,
         }
     }
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 use super::sizing::SizingRule;
 use super::slot::{Credit, Installed, NextLease, Slot};
 use super::{HybridConfig, Shared};
-use crate::failure::Report;
+use crate::failure::{Report, RESEND_FOR};
 use crate::store::{LeaseCall, LeaseOrigin, LeaseReply, OpId, MAX_REPORT};
 use crate::{Algorithm, Error};
 
@@ -42,6 +42,8 @@ pub(crate) struct DebtReport {
     pub(crate) attempts: u32,
     /// Local µs before which it is not resent.
     pub(crate) not_before: u64,
+    /// When it was first sent (see `RESEND_FOR`).
+    pub(crate) first_sent: Option<u64>,
 }
 
 /// The back-off of a report the store could not take: 50 ms doubling to
@@ -99,6 +101,65 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             return;
         }
         round(&shared).await;
+    }
+}
+
+/// What a round has taken from the queues and not yet settled. If the
+/// round's future is dropped (`shutdown` abandoned by its caller, the
+/// runtime going away), everything goes back where it came from: reports
+/// to their queues under their identities, a lease's debt to the report
+/// queue, its slot free to ask again.
+struct Unsent<'a> {
+    shared: &'a Shared,
+    fallback: Vec<Report>,
+    debts: Vec<DebtReport>,
+    /// The batch in flight.
+    batch: Vec<Pending>,
+}
+
+impl Drop for Unsent<'_> {
+    fn drop(&mut self) {
+        let shared = self.shared;
+        let mut fallback = std::mem::take(&mut self.fallback);
+        let mut debts = std::mem::take(&mut self.debts);
+        for p in std::mem::take(&mut self.batch) {
+            match (p.report, p.slot) {
+                (Some(Reported::Fallback(r)), _) => fallback.push(r),
+                (Some(Reported::Debt(r)), _) => debts.push(r),
+                (None, Some(slot)) => {
+                    if let Some(op) = p.call.op.filter(|_| p.call.debt > 0) {
+                        {
+                            let mut books = slot.books();
+                            let debt = p.call.debt.min(u64::from(u32::MAX)) as u32;
+                            books.credit.in_flight = books.credit.in_flight.saturating_sub(debt);
+                        }
+                        shared.queue_report(DebtReport {
+                            key: p.call.key.clone(),
+                            debt: p.call.debt,
+                            window: p.call.debt_window,
+                            op,
+                            attempts: 0,
+                            not_before: 0,
+                            first_sent: Some(shared.time.precise_us()),
+                        });
+                    }
+                    slot.refill_pending.store(false, Ordering::Release);
+                    shared.refilled(&slot).notify_waiters();
+                }
+                (None, None) => {}
+            }
+        }
+        if !fallback.is_empty() {
+            let dropped = shared.reconciler.restore(fallback);
+            shared.counters.reports_dropped.add(dropped);
+        }
+        if !debts.is_empty() {
+            shared
+                .reports
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(debts);
+        }
     }
 }
 
@@ -161,8 +222,13 @@ pub(crate) async fn round(shared: &Shared) {
     // Reports are taken once per round: one that fails goes back to its
     // queue for the next round (the maintenance tick paces retries), so a
     // round always ends, even while the store refuses every call.
-    let mut fallback = shared.reconciler.drain();
-    let mut debts = {
+    let mut unsent = Unsent {
+        shared,
+        fallback: shared.reconciler.drain(),
+        debts: Vec::new(),
+        batch: Vec::new(),
+    };
+    unsent.debts = {
         let now = shared.time.precise_us();
         let mut queued = shared.reports.lock().unwrap_or_else(|p| p.into_inner());
         let (due, later): (Vec<_>, Vec<_>) =
@@ -180,7 +246,9 @@ pub(crate) async fn round(shared: &Shared) {
         // the pipeline, so Redis counts it before granting anything new.
         let mut pending: Vec<Pending> = Vec::new();
         while pending.len() < config.batch_size {
-            let Some(report) = fallback.pop() else { break };
+            let Some(report) = unsent.fallback.pop() else {
+                break;
+            };
             pending.push(Pending {
                 slot: None,
                 call: LeaseCall::report(
@@ -193,7 +261,10 @@ pub(crate) async fn round(shared: &Shared) {
             });
         }
         while pending.len() < config.batch_size {
-            let Some(report) = debts.pop() else { break };
+            let Some(mut report) = unsent.debts.pop() else {
+                break;
+            };
+            report.first_sent.get_or_insert(now);
             pending.push(Pending {
                 slot: None,
                 call: LeaseCall {
@@ -224,9 +295,11 @@ pub(crate) async fn round(shared: &Shared) {
             return;
         }
         let calls: Vec<LeaseCall> = pending.iter().map(|p| p.call.clone()).collect();
+        unsent.batch = pending;
         let t0 = shared.time.precise_us();
         let results = shared.store.lease_batch(&shared.params, &calls).await;
         let t1 = shared.time.precise_us();
+        let pending = std::mem::take(&mut unsent.batch);
         shared.counters.circuit(shared.store.circuit_state());
         // A call the breaker refused never left the process: it is neither
         // a round trip nor a latency sample nor a lease requested.
@@ -361,7 +434,21 @@ fn apply(
             }
         }
         match p.report {
-            Some(Reported::Fallback(report)) if retry => shared.reconciler.restore([report]),
+            Some(Reported::Fallback(report)) if retry => {
+                let dropped = shared.reconciler.restore([report]);
+                counters.reports_dropped.add(dropped);
+            }
+            Some(Reported::Debt(report))
+                if retry
+                    && report.first_sent.is_some_and(|t| {
+                        shared.time.precise_us().saturating_sub(t) > RESEND_FOR.as_micros() as u64
+                    }) =>
+            {
+                // Its identity may be forgotten by now: a resend could
+                // count it twice. Dropped and counted instead.
+                counters.reports_dropped.add(report.debt);
+                shared.report_settled(&report);
+            }
             Some(Reported::Debt(mut report)) if retry => {
                 report.attempts += 1;
                 report.not_before = shared.time.precise_us() + backoff_us(report.attempts);
@@ -409,6 +496,8 @@ fn apply(
                     op,
                     attempts: 1,
                     not_before: shared.time.precise_us() + backoff_us(1),
+                    // It was sent once, inside the lease call.
+                    first_sent: Some(t0),
                 });
             }
             slot.refill_failed.store(true, Ordering::Release);
@@ -416,6 +505,10 @@ fn apply(
         Ok(r) => {
             slot.refill_failed.store(false, Ordering::Release);
             let mid = t0 + (t1 - t0) / 2;
+            let fallback_local = shared.fallback_clock.local_us();
+            shared
+                .fallback_clock
+                .observe(fallback_local.saturating_sub(t1 - mid), r.now_us);
             *shared.store_clock.lock().unwrap_or_else(|p| p.into_inner()) =
                 Some(super::StoreClock {
                     offset_us: r.now_us as i64 - mid as i64,

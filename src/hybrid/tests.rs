@@ -37,7 +37,15 @@ fn rig(quota: Quota, algorithm: Algorithm, config: HybridConfig) -> Rig {
             fast_clock: None,
             counters: counters.clone(),
             max_cost: algorithm.max_cost(&quota),
-            reconciler: Arc::new(crate::failure::Reconciler::default()),
+            reconciler: Arc::new(crate::failure::Reconciler::new(Arc::new(clock.clone()))),
+            store_clock: crate::failure::FailureHandler::new(
+                crate::FailurePolicy::FailOpen,
+                algorithm,
+                quota.limit(),
+                Arc::new(clock.clone()),
+            )
+            .unwrap()
+            .store_clock,
         },
     )
     .unwrap();
