@@ -1,6 +1,6 @@
 //! Nanoseconds per decision: the hybrid hot path, the denied-until path,
 //! per-process limiting, governor's keyed limiter, and the exact limiter on
-//! a private Redis — one and two threads each.
+//! a private Redis — one, two and four threads each.
 //!
 //! `cargo bench --bench limiters` (needs `redis-server` on PATH for the
 //! exact group). Two-thread figures are wall time per decision across both
@@ -83,9 +83,11 @@ fn bench_limiter(c: &mut Criterion, group: &str, limiter: &Limiter, key_counts: 
                 limiter.check(&ks[i], 1)
             })
         });
-        g.bench_function(format!("{n}_keys/2_threads"), |b| {
-            b.iter_custom(|iters| on_threads(limiter, &ks, 2, iters.max(2)))
-        });
+        for threads in [2, 4] {
+            g.bench_function(format!("{n}_keys/{threads}_threads"), |b| {
+                b.iter_custom(|iters| on_threads(limiter, &ks, threads, iters.max(threads as u64)))
+            });
+        }
     }
     g.finish();
 }
@@ -142,26 +144,28 @@ fn governor_keyed(c: &mut Criterion) {
                 black_box(limiter.check_key(&ks[i]).is_ok())
             })
         });
-        g.bench_function(format!("{n}_keys/2_threads"), |b| {
-            b.iter_custom(|iters| {
-                let per = iters.max(2) / 2;
-                let started = Instant::now();
-                std::thread::scope(|s| {
-                    for t in 0..2 {
-                        let limiter = limiter.clone();
-                        let ks = ks.clone();
-                        s.spawn(move || {
-                            let mut i = t * 7919;
-                            for _ in 0..per {
-                                i = (i + 1) % ks.len();
-                                black_box(limiter.check_key(&ks[i]).is_ok());
-                            }
-                        });
-                    }
-                });
-                started.elapsed()
-            })
-        });
+        for threads in [2u64, 4] {
+            g.bench_function(format!("{n}_keys/{threads}_threads"), |b| {
+                b.iter_custom(|iters| {
+                    let per = iters.max(threads) / threads;
+                    let started = Instant::now();
+                    std::thread::scope(|s| {
+                        for t in 0..threads as usize {
+                            let limiter = limiter.clone();
+                            let ks = ks.clone();
+                            s.spawn(move || {
+                                let mut i = t * 7919;
+                                for _ in 0..per {
+                                    i = (i + 1) % ks.len();
+                                    black_box(limiter.check_key(&ks[i]).is_ok());
+                                }
+                            });
+                        }
+                    });
+                    started.elapsed()
+                })
+            });
+        }
     }
     g.finish();
 }

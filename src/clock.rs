@@ -172,12 +172,13 @@ impl TimeSource {
         }
     }
 
-    /// Whether a permit whose deadline is `deadline` is still valid now.
-    /// Reads the precise clock only within the guard of the deadline.
+    /// The time now (as [`now_us`](Self::now_us) reads it) if a permit
+    /// whose deadline is `deadline` is still valid, else `None`.
     #[inline]
-    pub(crate) fn before(&self, deadline: u64) -> bool {
+    pub(crate) fn valid_until(&self, deadline: u64) -> Option<u64> {
         let now = self.now_us();
-        now < deadline && (now + self.guard_us() < deadline || self.precise_us() < deadline)
+        (now < deadline && (now + self.guard_us() < deadline || self.precise_us() < deadline))
+            .then_some(now)
     }
 
     /// Granularity subtracted from lease deadlines besides the margin.

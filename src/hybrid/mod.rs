@@ -14,6 +14,7 @@ mod config;
 mod sizing;
 mod slot;
 mod sync;
+mod thread_cache;
 
 pub use self::config::{Consistency, HybridConfig};
 
@@ -129,6 +130,8 @@ pub(crate) struct Wiring {
 }
 
 pub(crate) struct HybridEngine {
+    /// This engine's identity in the per-thread slot caches.
+    id: u64,
     shared: Arc<Shared>,
     task: Mutex<Option<JoinHandle<()>>>,
     _guard: StopGuard,
@@ -191,6 +194,7 @@ impl HybridEngine {
         shared.set_early_lead(&shared.config.load());
         let task = runtime.spawn(sync::run(shared.clone()));
         Ok(HybridEngine {
+            id: thread_cache::engine_id(),
             _guard: StopGuard(shared.clone()),
             shared,
             task: Mutex::new(Some(task)),
@@ -219,11 +223,22 @@ impl HybridEngine {
         if cost > s.max_cost || s.closed.load(Ordering::Relaxed) {
             return None;
         }
-        let now = s.time.now_us();
-        let entry = s.slots.get(key)?;
-        let slot = entry.value();
+        if let Some(decided) = thread_cache::with(self.id, key, |slot| self.fast_on(slot, cost)) {
+            return decided;
+        }
+        let slot = s.slots.get(key)?.value().clone();
+        let decided = self.fast_on(&slot, cost);
+        thread_cache::put(self.id, slot);
+        decided
+    }
+
+    /// The fast path on a slot found: one clock read, after the permit
+    /// was taken (see [`Slot::take`]).
+    #[inline]
+    fn fast_on(&self, slot: &Arc<Slot>, cost: u64) -> Option<Decision> {
+        let s = &*self.shared;
         match slot.take(cost, &s.time) {
-            Take::Taken(left) => {
+            Take::Taken(left, now) => {
                 slot.touch(now);
                 if slot.wants_refill(left, now, s.early_lead()) {
                     s.request_refill(slot, false);
@@ -234,7 +249,11 @@ impl HybridEngine {
                 // Known exhausted: answer from the denied-until time. The
                 // coarse clock may lag, which only lengthens the denial.
                 let until = slot.denied_until.load(Ordering::Acquire);
-                (now < until && cost > 0).then(|| s.cached_denial(slot, until, now))
+                if until == 0 || cost == 0 {
+                    return None;
+                }
+                let now = s.time.now_us();
+                (now < until).then(|| s.cached_denial(slot, until, now))
             }
             Take::Late(lost) => {
                 s.counters.stranded.add(lost as u64);
@@ -310,7 +329,7 @@ impl HybridEngine {
                 s.counters.stranded.add(replaced as u64);
             }
             match slot.take(cost, &s.time) {
-                Take::Taken(left) => {
+                Take::Taken(left, _) => {
                     if slot.wants_refill(left, now, s.early_lead()) {
                         s.request_refill(&slot, false);
                     }

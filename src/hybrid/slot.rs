@@ -120,8 +120,8 @@ pub(crate) struct Books {
 
 /// The result of trying to spend local permits.
 pub(crate) enum Take {
-    /// Spent; this many remain locally.
-    Taken(i64),
+    /// Spent; this many remain locally, at this local time (µs).
+    Taken(i64, u64),
     /// No valid permits (empty, expired or not yet leased).
     Empty,
     /// The deadline passed while the permits were being taken (a thread
@@ -185,15 +185,18 @@ impl Slot {
 
     /// Spends `cost` local permits if they are valid now.
     ///
-    /// The deadline is checked before the compare-and-swap and again after
-    /// it: a thread preempted in between must not spend a permit after its
-    /// deadline. `time` may read a coarse clock; within its guard of the
-    /// deadline it reads the precise one (see [`TimeSource::before`]).
-    /// `cost` is at most the quota's largest cost (callers check).
+    /// The clock is read once, after the compare-and-swap that takes the
+    /// permits, against the deadline read before it: a thread preempted
+    /// anywhere before its decision is judged by the time it decides, so
+    /// no permit is spent after its deadline (permits taken too late are
+    /// void: [`Take::Late`]). `time` may read a coarse clock; within its
+    /// guard of the deadline it reads the precise one
+    /// ([`TimeSource::valid_until`]). `cost` is at most the quota's
+    /// largest cost (callers check).
     #[inline]
     pub(crate) fn take(&self, cost: u64, time: &TimeSource) -> Take {
         let deadline = self.deadline.load(Ordering::Acquire);
-        if !time.before(deadline) {
+        if deadline == 0 {
             return Take::Empty;
         }
         let cost = cost.min(i64::MAX as u64) as i64;
@@ -208,8 +211,13 @@ impl Slot {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) if cost > 0 && !time.before(deadline) => return Take::Late(cost),
-                Ok(_) => return Take::Taken(current - cost),
+                Ok(_) => {
+                    return match time.valid_until(deadline) {
+                        Some(now) => Take::Taken(current - cost, now),
+                        None if cost > 0 => Take::Late(cost),
+                        None => Take::Empty,
+                    }
+                }
                 Err(actual) => current = actual,
             }
         }
@@ -455,13 +463,14 @@ mod tests {
         let slot = Slot::new("k".into(), 0);
         assert!(matches!(slot.take(1, &at(10)), Take::Empty));
         slot.install(3, 7, 100, 103, 10, false);
-        assert!(matches!(slot.take(2, &at(50)), Take::Taken(1)));
+        assert!(matches!(slot.take(2, &at(50)), Take::Taken(1, _)));
         assert!(matches!(slot.take(2, &at(50)), Take::Empty));
+        // Past the deadline the last permit is void: taken and lost.
         assert!(
-            matches!(slot.take(1, &at(100)), Take::Empty),
+            matches!(slot.take(1, &at(100)), Take::Late(1)),
             "deadline passed"
         );
-        assert_eq!(slot.expire(100), 1);
+        assert_eq!(slot.expire(100), 0);
     }
 
     #[test]
@@ -473,7 +482,7 @@ mod tests {
         let fast = Arc::new(FakeClock::new(Duration::from_micros(70)));
         let precise = Arc::new(FakeClock::new(Duration::from_micros(110)));
         let time = TimeSource::split(fast, precise, Duration::from_micros(50));
-        assert!(matches!(slot.take(1, &time), Take::Empty));
+        assert!(!matches!(slot.take(1, &time), Take::Taken(..)));
     }
 
     #[test]
@@ -489,8 +498,15 @@ mod tests {
         }
         let slot = Slot::new("k".into(), 0);
         slot.install(3, 7, 100, 103, 10, false);
-        let time = TimeSource::Precise(Arc::new(Ticking(Arc::new(50.into()))));
+        // The clock is read after the swap: the thread decides at 110 µs,
+        // past the 100 µs deadline it read before being preempted.
+        let time = TimeSource::Precise(Arc::new(Ticking(Arc::new(110.into()))));
         assert!(matches!(slot.take(1, &time), Take::Late(1)));
+        assert_eq!(
+            slot.permits.load(Ordering::Acquire),
+            2,
+            "the permit is void"
+        );
     }
 
     #[test]
@@ -509,14 +525,14 @@ mod tests {
             slot.install(2, 7, 200, 203, 20, false),
             Installed::Replaced(0)
         );
-        assert!(matches!(slot.take(5, &at(30)), Take::Taken(0)));
+        assert!(matches!(slot.take(5, &at(30)), Take::Taken(0, _)));
         slot.install(3, 7, 100, 103, 40, false);
         // window 8 replaces window 7's leftovers, which are handed back
         assert_eq!(
             slot.install(4, 8, 200, 203, 150, false),
             Installed::Replaced(3)
         );
-        assert!(matches!(slot.take(4, &at(160)), Take::Taken(0)));
+        assert!(matches!(slot.take(4, &at(160)), Take::Taken(0, _)));
     }
 
     #[test]
@@ -531,7 +547,7 @@ mod tests {
         );
         assert_eq!(slot.window.load(Ordering::Acquire), 8);
         assert_eq!(slot.deadline.load(Ordering::Acquire), 200);
-        assert!(matches!(slot.take(5, &at(130)), Take::Taken(0)));
+        assert!(matches!(slot.take(5, &at(130)), Take::Taken(0, _)));
     }
 
     #[test]
@@ -548,7 +564,7 @@ mod tests {
         slot.has_next.store(true, Ordering::Release);
         assert_eq!(slot.promote(105), None);
         assert_eq!(slot.promote(106), Some(1));
-        assert!(matches!(slot.take(5, &at(106)), Take::Taken(0)));
+        assert!(matches!(slot.take(5, &at(106)), Take::Taken(0, _)));
         assert_eq!(slot.window_at(150, 100), Some(8));
         assert_eq!(
             slot.window_at(200, 100),
@@ -598,7 +614,7 @@ mod model {
                 .map(|_| {
                     let slot = slot.clone();
                     loom::thread::spawn(move || {
-                        matches!(slot.take(1, &before_deadline()), Take::Taken(_)) as i64
+                        matches!(slot.take(1, &before_deadline()), Take::Taken(..)) as i64
                     })
                 })
                 .collect();
