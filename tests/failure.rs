@@ -44,7 +44,9 @@ async fn limiter(
         .on_store_error(policy);
     let builder = match mode {
         Mode::Exact => builder.exact(),
-        Mode::Hybrid => builder.hybrid(HybridConfig::strict()),
+        // Small leases: these tests watch what the limiter does when the
+        // store must be asked, which big headroom leases would put off.
+        Mode::Hybrid => builder.hybrid(HybridConfig::strict().lease_bounds(1, 8)),
     };
     (builder.build().unwrap(), store)
 }

@@ -174,9 +174,13 @@ async fn optimistic_fleet_overshoot_is_bounded_and_fully_counted() {
         .values()
         .map(|c| (c - spec.limit as i64).max(0))
         .sum();
-    assert_eq!(
-        counted, recorded as u64,
-        "limiters' overshoot vs Redis' excess"
+    // Every permit beyond the limit is counted. Redis' own excess can end
+    // lower: permits given back after a window went over (shutdown, idle
+    // keys) lower its count, not the metric.
+    let given_back: u64 = limiters.iter().map(|l| l.stats().given_back).sum();
+    assert!(
+        counted >= recorded as u64 && counted <= recorded as u64 + given_back,
+        "limiters' overshoot {counted} vs Redis' excess {recorded} (given back {given_back})"
     );
     let credit: u64 = limiters.iter().map(|l| l.stats().credit_admitted).sum();
     let (utilization, cells) = tally.utilization(spec.limit);
