@@ -21,7 +21,8 @@
 --                       side of the boundary Redis is on; -1: the current
 -- ARGV[8]  tail         remainders up to this size are granted whole
 -- ARGV[9]  holder       the asking process's identity (for the fair share)
--- ARGV[10] ceiling      the most this process takes in one lease (>= want)
+-- ARGV[10] ceiling      the most this process takes in one lease (>= want):
+--                       what it can use, by its rate, before the window ends
 --
 -- Returns  {granted, remaining (unleased in the target window after this
 --          grant), start_after_us (0, or until the target window starts),
@@ -36,8 +37,8 @@
 -- strand in other processes, while the last `tail` permits go in one lease
 -- rather than in a trickle of ever smaller ones. by_headroom is a fair share
 -- of what remains: the key counts the processes that leased it in this
--- window ("h<window>") and the last ("p<holder>" = the last window a holder
--- leased in); a holder's first lease in the window gets available divided
+-- window ("h<window>", every process that asked) and the last ("p<holder>" =
+-- the last window a holder asked in); a holder's first lease in the window gets available divided
 -- by the holders expected and not yet served, a later one available divided
 -- by all holders, both at most share_cap * available and `ceiling`.
 -- grant = min(available, max(by_rate, by_headroom)): a key far under its
@@ -93,7 +94,7 @@ local available = math.max(0, limit - used)
 local cap = math.max(1, math.floor(available * share), math.min(available, tail))
 local granted = math.min(want, available, cap)
 local first_in_window = false
-if holder ~= nil and holder ~= '' and want > 0 and available > 0 then
+if holder ~= nil and holder ~= '' and want > 0 then
   local pf = 'p' .. holder
   local hf = 'h' .. tf
   local last = tonumber(redis.call('HGET', KEYS[1], pf) or '-1')
@@ -110,13 +111,15 @@ if holder ~= nil and holder ~= '' and want > 0 and available > 0 then
   fair = math.min(fair, math.floor(available * share), ceiling)
   if fair > granted then granted = math.min(fair, available) end
 end
+if first_in_window then
+  -- Every process that asks counts as a holder, granted or not: a fleet
+  -- of a thousand thin processes shares the budget a thousand ways.
+  redis.call('HSET', KEYS[1], 'p' .. holder, tf)
+  redis.call('HINCRBY', KEYS[1], 'h' .. tf, 1)
+end
 if granted > 0 then
   used = redis.call('HINCRBY', KEYS[1], tf, granted)
   if tw > newest then newest = tw end
-  if first_in_window then
-    redis.call('HSET', KEYS[1], 'p' .. holder, tf)
-    redis.call('HINCRBY', KEYS[1], 'h' .. tf, 1)
-  end
 end
 
 if granted > 0 or debt > 0 then

@@ -92,6 +92,20 @@ impl Sizing {
     pub(crate) fn rate_per_us(&self) -> f64 {
         self.rate
     }
+
+    /// The most a headroom lease may hold: a key's fair share of what the
+    /// store has left is worth taking only up to what this process can use
+    /// — twice what its observed rate spends in `time_left_us` — or, for a
+    /// key it has not seen spend yet, `cold` (a useful first lease, not one
+    /// permit). Never below `want`, never above `max_lease`.
+    pub(crate) fn ceiling(&self, want: u64, time_left_us: u64, cold: u64, max_lease: u64) -> u64 {
+        let usable = if self.rate > 0.0 {
+            (self.rate * time_left_us as f64 * 2.0).ceil().min(max_lease as f64) as u64
+        } else {
+            cold
+        };
+        usable.max(want).min(max_lease.max(want))
+    }
 }
 
 #[cfg(test)]
@@ -156,6 +170,18 @@ mod tests {
         // a pending request larger than the lease is still served
         let mut cold = Sizing::default();
         assert_eq!(cold.want(RULE, 0, 10, 50, None), 50);
+    }
+
+    #[test]
+    fn a_headroom_lease_is_capped_by_what_the_process_can_use() {
+        let mut s = Sizing::default();
+        // Cold: the cold share, at least the rate's want.
+        assert_eq!(s.ceiling(1, 1_000_000, 16, 10_000), 16);
+        assert_eq!(s.ceiling(40, 1_000_000, 16, 10_000), 40);
+        // 2 permits/s with 30 s left: about 120, whatever the share.
+        s.rate = 2e-6;
+        assert_eq!(s.ceiling(1, 30_000_000, 16, 10_000), 120);
+        assert_eq!(s.ceiling(1, 30_000_000, 16, 50), 50, "max_lease caps it");
     }
 
     #[test]

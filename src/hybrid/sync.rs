@@ -385,6 +385,12 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
     let want = books
         .sizing
         .want(rule, if ahead { 0 } else { permits }, now, need, time_left);
+    let ceiling = books.sizing.ceiling(
+        want,
+        time_left.unwrap_or(config.lease_ttl.as_micros() as u64),
+        (shared.params.limit.max(shared.params.burst) / 64).max(1),
+        config.max_lease,
+    );
     drop(books);
     let call = LeaseCall {
         key: shared.store_key(&slot),
@@ -401,7 +407,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         patience: need.max(want / 4).max(1),
         op: (credit.debt > 0).then(|| shared.ops.next()),
         holder: Some(shared.holder.clone()),
-        ceiling: config.max_lease,
+        ceiling,
     };
     Pending {
         slot: Some(slot),

@@ -637,7 +637,9 @@ fn lease_fixed_window(
     let mut granted = (call.want as i64).min(available).min(cap);
     // The fair share of what remains, as the script computes it.
     let mut joined = false;
-    if let (Some(holder), true) = (&call.holder, call.want > 0 && available > 0) {
+    // Asked with nothing left, the key exists (and has its TTL): the asker
+    // is counted all the same, so holders reflect demand.
+    if let (Some(holder), true) = (&call.holder, call.want > 0) {
         let holders = entry.as_ref().and_then(|e| e.holders.as_deref());
         let last = holders.map_or(-1, |h| h.last(holder));
         let here = holders.map_or(0, |h| h.count(tw)) as i64;
@@ -656,14 +658,23 @@ fn lease_fixed_window(
             granted = fair.min(available);
         }
     }
-    if granted > 0 {
-        used = incr_window(entry, tw, granted);
-        newest = newest.max(tw);
-        if let (true, Some(holder), Some(e)) = (joined, &call.holder, entry.as_mut()) {
+    if joined {
+        if let Some(holder) = &call.holder {
+            // Counted when it asks, granted or not (as the script does);
+            // the holders live in the entry, created here if need be.
+            let e = entry.get_or_insert(Entry {
+                state: State::Window(Vec::new()),
+                expires_us: 0,
+                holders: None,
+            });
             e.holders
                 .get_or_insert_with(Default::default)
                 .joined(holder, tw);
         }
+    }
+    if granted > 0 {
+        used = incr_window(entry, tw, granted);
+        newest = newest.max(tw);
     }
     if granted > 0 && used == granted {
         if let Some(h) = entry.as_mut().and_then(|e| e.holders.as_mut()) {
