@@ -100,7 +100,9 @@ impl Sizing {
     /// permit). Never below `want`, never above `max_lease`.
     pub(crate) fn ceiling(&self, want: u64, time_left_us: u64, cold: u64, max_lease: u64) -> u64 {
         let usable = if self.rate > 0.0 {
-            (self.rate * time_left_us as f64 * 2.0).ceil().min(max_lease as f64) as u64
+            (self.rate * time_left_us as f64 * 2.0)
+                .ceil()
+                .min(max_lease as f64) as u64
         } else {
             cold
         };

@@ -388,7 +388,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
     let ceiling = books.sizing.ceiling(
         want,
         time_left.unwrap_or(config.lease_ttl.as_micros() as u64),
-        (shared.params.limit.max(shared.params.burst) / 64).max(1),
+        (shared.params.limit.max(shared.params.burst) / 32).max(1),
         config.max_lease,
     );
     drop(books);
@@ -621,8 +621,12 @@ fn apply(
                         }
                     }
                 }
+                // Refill before the lease runs dry: at half of what the
+                // rate asked for, or a quarter of a headroom grant.
                 slot.low_water.store(
-                    (p.call.want / 2).min(u64::from(u32::MAX)) as u32,
+                    (p.call.want / 2)
+                        .max(r.granted / 4)
+                        .min(u64::from(u32::MAX)) as u32,
                     Ordering::Relaxed,
                 );
             } else if p.call.want > 0 {
