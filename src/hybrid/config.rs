@@ -161,9 +161,10 @@ impl HybridConfig {
         self
     }
 
-    /// Read time from a clock advanced every millisecond by a background
-    /// thread rather than from the OS on every decision (default on; only
-    /// used with the system clock).
+    /// Read the kernel's coarse monotonic clock on the request path (one
+    /// vDSO read, lagging by at most a timer tick; the precise clock is read
+    /// within 50 ms of a deadline) rather than the precise clock on every
+    /// decision (default on; only used with the system clock).
     #[must_use]
     pub fn coarse_clock(mut self, on: bool) -> Self {
         self.coarse_clock = on;

@@ -226,9 +226,11 @@ impl HybridEngine {
         if let Some(decided) = thread_cache::with(self.id, key, |slot| self.fast_on(slot, cost)) {
             return decided;
         }
-        let slot = s.slots.get(key)?.value().clone();
-        let decided = self.fast_on(&slot, cost);
-        thread_cache::put(self.id, slot);
+        let entry = s.slots.get(key)?;
+        let decided = self.fast_on(entry.value(), cost);
+        if thread_cache::worth_caching() {
+            thread_cache::put(self.id, entry.value().clone());
+        }
         decided
     }
 

@@ -29,6 +29,27 @@ struct Entry {
 
 thread_local! {
     static CACHE: RefCell<Vec<Option<Entry>>> = RefCell::new((0..WAYS).map(|_| None).collect());
+    /// Misses since the last slot was cached.
+    static MISSES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Caching a slot costs two reference-count updates (one to hold it, one
+/// to drop what it replaces): worth it for a hot key, a loss for a thread
+/// cycling through more keys than the cache holds. Every sixteenth miss
+/// caches, so a hot key is cached within sixteen decisions and a cold
+/// stream pays for one insert in sixteen.
+const CACHE_EVERY: u32 = 16;
+
+/// Whether this miss should cache its slot.
+#[inline]
+pub(crate) fn worth_caching() -> bool {
+    MISSES
+        .try_with(|m| {
+            let n = m.get().wrapping_add(1);
+            m.set(n);
+            n % CACHE_EVERY == 0
+        })
+        .unwrap_or(false)
 }
 
 /// A fresh identity for an engine.
