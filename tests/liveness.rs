@@ -202,3 +202,56 @@ fn a_sync_task_lost_with_its_runtime_is_restarted() {
         );
     });
 }
+
+/// A connection rebuild started on a runtime that then goes away (a
+/// blocking handler's short-lived `block_on`) must not leave the store
+/// unable to rebuild again.
+#[test]
+fn a_rebuild_lost_with_its_runtime_is_retried() {
+    let server = RedisServer::start();
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (proxy, limiter) = main.block_on(async {
+        let proxy = Proxy::start(server.port()).await;
+        let options = fast_options().circuit_breaker(CircuitConfig {
+            failures: 3,
+            base_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_millis(200),
+        });
+        let redis = RedisStore::connect_with(&proxy.url(), options)
+            .await
+            .unwrap();
+        let limiter = Limiter::builder(Quota::per_minute(10_000))
+            .store(redis)
+            .namespace("rebuild")
+            .on_store_error(FailurePolicy::FailClosed)
+            .build()
+            .unwrap();
+        assert_eq!(limiter.check("k", 1).await.source(), Source::Store);
+        (proxy, limiter)
+    });
+    proxy.blackhole_existing();
+    let other = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    assert_ne!(
+        other.block_on(limiter.check("k", 1)).source(),
+        Source::Store
+    );
+    drop(other);
+    let back = main.block_on(async {
+        let began = Instant::now();
+        while began.elapsed() < Duration::from_secs(6) {
+            if limiter.check("k", 1).await.source() == Source::Store {
+                return Some(began.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        None
+    });
+    assert!(back.is_some(), "the silent connection was never rebuilt");
+}

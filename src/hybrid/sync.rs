@@ -115,6 +115,9 @@ struct Unsent<'a> {
     debts: Vec<DebtReport>,
     /// The batch in flight.
     batch: Vec<Pending>,
+    /// When it was sent (local µs): a lease's debt resent after a drop is
+    /// timed from its first sending (see `RESEND_FOR`).
+    sent_at: u64,
 }
 
 impl Drop for Unsent<'_> {
@@ -140,7 +143,7 @@ impl Drop for Unsent<'_> {
                             op,
                             attempts: 0,
                             not_before: 0,
-                            first_sent: Some(shared.time.precise_us()),
+                            first_sent: Some(self.sent_at),
                         });
                     }
                     slot.refill_pending.store(false, Ordering::Release);
@@ -227,6 +230,7 @@ pub(crate) async fn round(shared: &Shared) {
         fallback: shared.reconciler.drain(),
         debts: Vec::new(),
         batch: Vec::new(),
+        sent_at: 0,
     };
     unsent.debts = {
         let now = shared.time.precise_us();
@@ -297,6 +301,7 @@ pub(crate) async fn round(shared: &Shared) {
         let calls: Vec<LeaseCall> = pending.iter().map(|p| p.call.clone()).collect();
         unsent.batch = pending;
         let t0 = shared.time.precise_us();
+        unsent.sent_at = t0;
         let results = shared.store.lease_batch(&shared.params, &calls).await;
         let t1 = shared.time.precise_us();
         let pending = std::mem::take(&mut unsent.batch);
@@ -547,7 +552,17 @@ fn apply(
                     Algorithm::TokenBucket | Algorithm::Gcra => 0,
                 };
             let now = shared.time.precise_us();
-            if r.granted > 0 {
+            if r.granted > 0 && slot.evicted.load(Ordering::Acquire) {
+                // The slot was retired while its lease was in flight: no
+                // request will spend these permits here. Give them back.
+                counters.lease_granted(r.granted);
+                let origin = LeaseOrigin {
+                    at_us: r.now_us,
+                    level: r.level,
+                    given_back: r.given_back,
+                };
+                shared.give_back(&p.call.key, r.granted, r.window, origin);
+            } else if r.granted > 0 {
                 counters.lease_granted(r.granted);
                 let granted = r.granted as i64;
                 match shared.params.algorithm {

@@ -222,6 +222,17 @@ impl Client {
     }
 }
 
+/// Clears `Rebuild::running` when the rebuild task ends, however it ends.
+struct Rebuilding(RedisStore);
+
+impl Drop for Rebuilding {
+    fn drop(&mut self) {
+        if let Some(rebuild) = &self.0.inner.rebuild {
+            rebuild.running.store(false, Ordering::Release);
+        }
+    }
+}
+
 const REBUILD_EVERY: Duration = Duration::from_millis(500);
 
 impl fmt::Debug for RedisStore {
@@ -368,7 +379,12 @@ impl RedisStore {
             rebuild.running.store(false, Ordering::Release);
             return;
         };
+        // The flag is cleared by a guard the task owns, so a task dropped
+        // unfinished (its runtime shut down, even before its first poll)
+        // does not leave the store unable to rebuild ever again.
+        let guard = Rebuilding(store);
         runtime.spawn(async move {
+            let store = &guard.0;
             let Some(rebuild) = &store.inner.rebuild else {
                 return;
             };
@@ -376,7 +392,6 @@ impl RedisStore {
             if let Ok(Some(conn)) = tokio::time::timeout(limit, rebuild.client.connect()).await {
                 store.inner.conn.store(Arc::new(conn));
             }
-            rebuild.running.store(false, Ordering::Release);
         });
     }
 
