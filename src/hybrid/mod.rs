@@ -85,6 +85,10 @@ pub(crate) struct Shared {
     alive: AtomicBool,
     /// After shutdown: decide by the exact path, lease nothing.
     closed: AtomicBool,
+    /// Threads got in each other's way on some key lately: the request
+    /// path then looks in its per-thread slot cache first. Cleared by
+    /// maintenance, set again by the next contended swap.
+    contended: AtomicBool,
     /// Keys without room in the map, and decisions after shutdown.
     exact: ExactEngine,
     /// The largest cost that can ever be admitted.
@@ -185,6 +189,7 @@ impl HybridEngine {
             stopping: AtomicBool::new(false),
             alive: AtomicBool::new(true),
             closed: AtomicBool::new(false),
+            contended: AtomicBool::new(false),
             max_cost,
             rtt_us: AtomicU64::new(0),
             reconciler,
@@ -223,12 +228,18 @@ impl HybridEngine {
         if cost > s.max_cost || s.closed.load(Ordering::Relaxed) {
             return None;
         }
-        if let Some(decided) = thread_cache::with(self.id, key, |slot| self.fast_on(slot, cost)) {
-            return decided;
+        // The per-thread cache pays off only when threads contend for a
+        // key; uncontended, the map's lock is cheaper than the probe.
+        let contended = s.contended.load(Ordering::Relaxed);
+        if contended {
+            if let Some(decided) = thread_cache::with(self.id, key, |slot| self.fast_on(slot, cost))
+            {
+                return decided;
+            }
         }
         let entry = s.slots.get(key)?;
         let decided = self.fast_on(entry.value(), cost);
-        if thread_cache::worth_caching() {
+        if contended && thread_cache::worth_caching() {
             thread_cache::put(self.id, entry.value().clone());
         }
         decided
@@ -240,7 +251,10 @@ impl HybridEngine {
     fn fast_on(&self, slot: &Arc<Slot>, cost: u64) -> Option<Decision> {
         let s = &*self.shared;
         match slot.take(cost, &s.time) {
-            Take::Taken(left, now) => {
+            Take::Taken(left, now, contended) => {
+                if contended && !s.contended.load(Ordering::Relaxed) {
+                    s.contended.store(true, Ordering::Relaxed);
+                }
                 slot.touch(now);
                 if slot.wants_refill(left, now, s.early_lead()) {
                     s.request_refill(slot, false);
@@ -331,7 +345,7 @@ impl HybridEngine {
                 s.counters.stranded.add(replaced as u64);
             }
             match slot.take(cost, &s.time) {
-                Take::Taken(left, _) => {
+                Take::Taken(left, ..) => {
                     if slot.wants_refill(left, now, s.early_lead()) {
                         s.request_refill(&slot, false);
                     }

@@ -120,8 +120,9 @@ pub(crate) struct Books {
 
 /// The result of trying to spend local permits.
 pub(crate) enum Take {
-    /// Spent; this many remain locally, at this local time (µs).
-    Taken(i64, u64),
+    /// Spent; this many remain locally, at this local time (µs); `true`
+    /// if another thread's swap got in the way (the key is contended).
+    Taken(i64, u64, bool),
     /// No valid permits (empty, expired or not yet leased).
     Empty,
     /// The deadline passed while the permits were being taken (a thread
@@ -201,6 +202,7 @@ impl Slot {
         }
         let cost = cost.min(i64::MAX as u64) as i64;
         let mut current = self.permits.load(Ordering::Acquire);
+        let mut contended = false;
         loop {
             if current < cost {
                 return Take::Empty;
@@ -213,12 +215,15 @@ impl Slot {
             ) {
                 Ok(_) => {
                     return match time.valid_until(deadline) {
-                        Some(now) => Take::Taken(current - cost, now),
+                        Some(now) => Take::Taken(current - cost, now, contended),
                         None if cost > 0 => Take::Late(cost),
                         None => Take::Empty,
                     }
                 }
-                Err(actual) => current = actual,
+                Err(actual) => {
+                    contended = true;
+                    current = actual;
+                }
             }
         }
     }
@@ -463,7 +468,7 @@ mod tests {
         let slot = Slot::new("k".into(), 0);
         assert!(matches!(slot.take(1, &at(10)), Take::Empty));
         slot.install(3, 7, 100, 103, 10, false);
-        assert!(matches!(slot.take(2, &at(50)), Take::Taken(1, _)));
+        assert!(matches!(slot.take(2, &at(50)), Take::Taken(1, ..)));
         assert!(matches!(slot.take(2, &at(50)), Take::Empty));
         // Past the deadline the last permit is void: taken and lost.
         assert!(
@@ -525,14 +530,14 @@ mod tests {
             slot.install(2, 7, 200, 203, 20, false),
             Installed::Replaced(0)
         );
-        assert!(matches!(slot.take(5, &at(30)), Take::Taken(0, _)));
+        assert!(matches!(slot.take(5, &at(30)), Take::Taken(0, ..)));
         slot.install(3, 7, 100, 103, 40, false);
         // window 8 replaces window 7's leftovers, which are handed back
         assert_eq!(
             slot.install(4, 8, 200, 203, 150, false),
             Installed::Replaced(3)
         );
-        assert!(matches!(slot.take(4, &at(160)), Take::Taken(0, _)));
+        assert!(matches!(slot.take(4, &at(160)), Take::Taken(0, ..)));
     }
 
     #[test]
@@ -547,7 +552,7 @@ mod tests {
         );
         assert_eq!(slot.window.load(Ordering::Acquire), 8);
         assert_eq!(slot.deadline.load(Ordering::Acquire), 200);
-        assert!(matches!(slot.take(5, &at(130)), Take::Taken(0, _)));
+        assert!(matches!(slot.take(5, &at(130)), Take::Taken(0, ..)));
     }
 
     #[test]
@@ -564,7 +569,7 @@ mod tests {
         slot.has_next.store(true, Ordering::Release);
         assert_eq!(slot.promote(105), None);
         assert_eq!(slot.promote(106), Some(1));
-        assert!(matches!(slot.take(5, &at(106)), Take::Taken(0, _)));
+        assert!(matches!(slot.take(5, &at(106)), Take::Taken(0, ..)));
         assert_eq!(slot.window_at(150, 100), Some(8));
         assert_eq!(
             slot.window_at(200, 100),

@@ -708,6 +708,7 @@ pub(crate) fn maintain(shared: &Shared) {
         .local_keys
         .set(shared.slots.len() as f64);
     shared.prune_ledgers(now);
+    shared.contended.store(false, Ordering::Relaxed);
     // Kept current while traffic is quiet too: a breaker's state moves on
     // with time alone.
     shared.counters.circuit(shared.store.circuit_state());

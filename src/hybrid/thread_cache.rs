@@ -9,6 +9,7 @@
 //! skipped (and its permits were already taken from it), so a stale entry
 //! costs one map lookup, never a wrong decision.
 //!
+//! Used only while threads contend for keys (see `Shared::contended`).
 //! Bounded: `WAYS` entries per thread, each holding one `Arc<Slot>` (an
 //! evicted slot's memory is freed once its entry is replaced).
 
@@ -28,7 +29,7 @@ struct Entry {
 }
 
 thread_local! {
-    static CACHE: RefCell<Vec<Option<Entry>>> = RefCell::new((0..WAYS).map(|_| None).collect());
+    static CACHE: RefCell<[Option<Entry>; WAYS]> = const { RefCell::new([const { None }; WAYS]) };
     /// Misses since the last slot was cached.
     static MISSES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
