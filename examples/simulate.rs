@@ -24,20 +24,7 @@ mod support;
 
 use slicelimit::{Clock, HybridConfig, Limiter, MemoryStore, Quota};
 use support::load::ZipfKeys;
-
-/// Virtual time: Tokio's (paused) clock, anchored at a whole second of the
-/// Unix epoch so windows start where a real store's would.
-#[derive(Clone)]
-struct VirtualClock {
-    origin: Duration,
-    start: tokio::time::Instant,
-}
-
-impl Clock for VirtualClock {
-    fn now(&self) -> Duration {
-        self.origin + self.start.elapsed()
-    }
-}
+use support::VirtualClock;
 
 #[derive(Clone)]
 struct Args {

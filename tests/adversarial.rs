@@ -3,6 +3,8 @@
 //! identity expired, a fallback counting windows on a skewed clock, a peek
 //! under fail-closed. All on a virtual clock over the embedded store.
 
+mod support;
+
 use std::future::Future;
 use std::task::Poll;
 use std::time::Duration;
@@ -10,18 +12,7 @@ use std::time::Duration;
 use slicelimit::{
     Clock, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota, Source,
 };
-
-#[derive(Clone)]
-struct VirtualClock {
-    origin: Duration,
-    start: tokio::time::Instant,
-}
-
-impl Clock for VirtualClock {
-    fn now(&self) -> Duration {
-        self.origin + self.start.elapsed()
-    }
-}
+use support::VirtualClock;
 
 fn vclock(offset: Duration) -> VirtualClock {
     VirtualClock {

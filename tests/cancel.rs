@@ -3,26 +3,17 @@
 //! half-changed: the breaker answers, permits are neither lost for good nor
 //! spent twice, the bound holds, shutdown returns.
 
+mod support;
+
 use std::future::Future;
 use std::task::Poll;
 use std::time::Duration;
 
 use slicelimit::{
-    Algorithm, Clock, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore,
-    Quota, Source,
+    Algorithm, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota,
+    Source,
 };
-
-#[derive(Clone)]
-struct VirtualClock {
-    origin: Duration,
-    start: tokio::time::Instant,
-}
-
-impl Clock for VirtualClock {
-    fn now(&self) -> Duration {
-        self.origin + self.start.elapsed()
-    }
-}
+use support::VirtualClock;
 
 /// Polls `fut` `polls` times, a millisecond of virtual time apart, then
 /// drops it. Returns its output if it finished first.

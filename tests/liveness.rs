@@ -56,7 +56,7 @@ async fn a_report_that_can_never_apply_is_dropped_not_resent_forever() {
     let key = server
         .keys()
         .into_iter()
-        .find(|k| k.contains("wrongtype:k"))
+        .find(|k| k.contains("wrongtype:k") && k.ends_with(":fw"))
         .expect("the key");
     let _: i64 = server.cmd(&["DEL", &key]);
     let _: String = server.cmd(&["SET", &key, "not a hash"]);

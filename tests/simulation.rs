@@ -37,6 +37,7 @@ use slicelimit::{
     Algorithm, Clock, Decision, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter,
     MemoryStore, Quota, Source, Store,
 };
+use support::VirtualClock;
 
 /// xorshift64*: small, seedable, good enough to draw scenarios.
 #[derive(Clone)]
@@ -60,19 +61,6 @@ impl Rng {
     }
     fn chance(&mut self, p: f64) -> bool {
         self.unit() < p
-    }
-}
-
-/// Virtual time: Tokio's paused clock, anchored at a whole second.
-#[derive(Clone)]
-struct VirtualClock {
-    origin: Duration,
-    start: tokio::time::Instant,
-}
-
-impl Clock for VirtualClock {
-    fn now(&self) -> Duration {
-        self.origin + self.start.elapsed()
     }
 }
 

@@ -260,6 +260,20 @@ pub async fn store(server: &RedisServer) -> slicelimit::RedisStore {
         .expect("connect to the test server")
 }
 
+/// Virtual time: Tokio's (paused) clock, anchored at `origin`, for
+/// limiters and embedded stores in simulations and cancel tests.
+#[derive(Clone)]
+pub struct VirtualClock {
+    pub origin: Duration,
+    pub start: tokio::time::Instant,
+}
+
+impl slicelimit::Clock for VirtualClock {
+    fn now(&self) -> Duration {
+        self.origin + self.start.elapsed()
+    }
+}
+
 pub mod cluster;
 pub mod load;
 pub mod proxy;
