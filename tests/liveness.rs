@@ -121,11 +121,9 @@ async fn shutdown_returns_promptly_against_a_frozen_server() {
     assert!(used < 1.0, "{used:.2} CPU seconds during shutdown");
 }
 
-/// A connection that silently stops answering is replaced: decisions come
-/// from Redis again within seconds, not never.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_blackholed_connection_is_replaced() {
-    let server = RedisServer::start();
+/// A fail-closed exact limiter on `server` through a proxy that can
+/// blackhole its connections, its first decision made by Redis.
+async fn behind_proxy(server: &RedisServer, ns: &str) -> (Proxy, Limiter) {
     let proxy = Proxy::start(server.port()).await;
     let options = fast_options().circuit_breaker(CircuitConfig {
         failures: 3,
@@ -137,22 +135,37 @@ async fn a_blackholed_connection_is_replaced() {
         .unwrap();
     let limiter = Limiter::builder(Quota::per_minute(10_000))
         .store(redis)
-        .namespace("blackhole")
+        .namespace(ns)
         .on_store_error(FailurePolicy::FailClosed)
         .build()
         .unwrap();
     assert_eq!(limiter.check("k", 1).await.source(), Source::Store);
-    proxy.blackhole_existing();
+    (proxy, limiter)
+}
+
+/// How long until decisions come from Redis again, polling every 10 ms
+/// for at most `limit`.
+async fn back_on_redis(limiter: &Limiter, limit: Duration) -> Option<Duration> {
     let began = Instant::now();
-    let mut back = None;
-    while began.elapsed() < Duration::from_secs(5) {
+    while began.elapsed() < limit {
         if limiter.check("k", 1).await.source() == Source::Store {
-            back = Some(began.elapsed());
-            break;
+            return Some(began.elapsed());
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let back = back.expect("decisions never came from Redis again");
+    None
+}
+
+/// A connection that silently stops answering is replaced: decisions come
+/// from Redis again within seconds, not never.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackholed_connection_is_replaced() {
+    let server = RedisServer::start();
+    let (proxy, limiter) = behind_proxy(&server, "blackhole").await;
+    proxy.blackhole_existing();
+    let back = back_on_redis(&limiter, Duration::from_secs(5))
+        .await
+        .expect("decisions never came from Redis again");
     assert!(proxy.connections() >= 2, "a new connection was made");
     println!("back on Redis {back:?} after the blackhole");
 }
@@ -214,25 +227,7 @@ fn a_rebuild_lost_with_its_runtime_is_retried() {
         .enable_all()
         .build()
         .unwrap();
-    let (proxy, limiter) = main.block_on(async {
-        let proxy = Proxy::start(server.port()).await;
-        let options = fast_options().circuit_breaker(CircuitConfig {
-            failures: 3,
-            base_backoff: Duration::from_millis(50),
-            max_backoff: Duration::from_millis(200),
-        });
-        let redis = RedisStore::connect_with(&proxy.url(), options)
-            .await
-            .unwrap();
-        let limiter = Limiter::builder(Quota::per_minute(10_000))
-            .store(redis)
-            .namespace("rebuild")
-            .on_store_error(FailurePolicy::FailClosed)
-            .build()
-            .unwrap();
-        assert_eq!(limiter.check("k", 1).await.source(), Source::Store);
-        (proxy, limiter)
-    });
+    let (proxy, limiter) = main.block_on(behind_proxy(&server, "rebuild"));
     proxy.blackhole_existing();
     let other = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -243,15 +238,6 @@ fn a_rebuild_lost_with_its_runtime_is_retried() {
         Source::Store
     );
     drop(other);
-    let back = main.block_on(async {
-        let began = Instant::now();
-        while began.elapsed() < Duration::from_secs(6) {
-            if limiter.check("k", 1).await.source() == Source::Store {
-                return Some(began.elapsed());
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        None
-    });
+    let back = main.block_on(back_on_redis(&limiter, Duration::from_secs(6)));
     assert!(back.is_some(), "the silent connection was never rebuilt");
 }
