@@ -51,8 +51,8 @@ pub(crate) struct Shared {
     params: Params,
     time: TimeSource,
     counters: Arc<Counters>,
-    /// Slots waiting for a refill (each at most once: `refill_pending`).
-    queue: Mutex<Vec<Arc<Slot>>>,
+    /// Slots waiting for a refill, those with a request waiting first.
+    queue: Mutex<sync::RefillQueue>,
     /// Permits to give back in the next round.
     returns: Mutex<Vec<GiveBackCall>>,
     /// Debt of evicted slots (or of failed reports) to report next round,
@@ -176,7 +176,7 @@ impl HybridEngine {
             params,
             time,
             counters,
-            queue: Mutex::new(Vec::new()),
+            queue: Mutex::new(sync::RefillQueue::default()),
             returns: Mutex::new(Vec::new()),
             reports: Mutex::new(Vec::new()),
             outstanding: DashMap::with_hasher(ahash::RandomState::new()),
@@ -330,6 +330,7 @@ impl HybridEngine {
         let s = &*self.shared;
         let config = s.config.load_full();
         let give_up_at = tokio::time::Instant::now() + config.max_wait;
+        let mut retried = false;
         loop {
             // The slow path reads the precise clock: it decides credit
             // windows and pre-lease starts, where a lagging clock would err.
@@ -341,6 +342,10 @@ impl HybridEngine {
                 };
             }
             slot.touch(now);
+            // Listening starts before the permits are tried: a refill that
+            // lands between the try and the wait is seen, not re-asked for.
+            let notified = s.refilled(&slot).notified();
+            tokio::pin!(notified);
             if let Some(replaced) = slot.promote(now) {
                 s.counters.stranded.add(replaced as u64);
             }
@@ -364,9 +369,13 @@ impl HybridEngine {
             }
             slot.need
                 .fetch_max(cost.min(u64::from(u32::MAX)) as u32, Ordering::AcqRel);
-            let notified = s.refilled(&slot).notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
+            if notified.as_mut().enable() && !retried {
+                // A refill (of this slot or one sharing its stripe) was
+                // applied since the try: try again before asking for more
+                // (once: busy stripes must not keep a waiter from asking).
+                retried = true;
+                continue;
+            }
             let next_start = s.pending_start(&slot);
             if next_start.is_none() {
                 s.request_refill(&slot, true);
@@ -554,11 +563,18 @@ impl Shared {
         if urgent {
             self.urgent.store(true, Ordering::Release);
         }
-        if !slot.refill_pending.swap(true, Ordering::AcqRel) {
+        let fresh = !slot.refill_pending.swap(true, Ordering::AcqRel);
+        // A refill queued ahead of need (low water, pre-lease) that a
+        // request now waits on moves up: a second entry in the waiters'
+        // queue, the first one taken wins (see `RefillQueue::pop`).
+        let promote = urgent
+            && !slot.in_flight.load(Ordering::Acquire)
+            && !slot.promoted.swap(true, Ordering::AcqRel);
+        if fresh || promote {
             self.queue
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .push(slot.clone());
+                .push(slot.clone(), urgent);
             self.wake.notify_one();
         } else if urgent {
             self.wake.notify_one();

@@ -81,6 +81,12 @@ pub(crate) struct Slot {
     pub(crate) denied_until: AtomicU64,
     /// A refill is queued or in flight; at most one per key.
     pub(crate) refill_pending: AtomicBool,
+    /// The refill is in a batch the sync task has sent (or is building):
+    /// any other queue entry for the slot is a duplicate to skip.
+    pub(crate) in_flight: AtomicBool,
+    /// A request waits on the queued refill and the slot has an entry in
+    /// the waiters' queue (it may also sit in the other one).
+    pub(crate) promoted: AtomicBool,
     /// The last refill failed: the failure policy applies once local
     /// permits are gone.
     pub(crate) refill_failed: AtomicBool,
@@ -168,6 +174,8 @@ impl Slot {
             early_refill: AtomicBool::new(false),
             denied_until: AtomicU64::new(0),
             refill_pending: AtomicBool::new(false),
+            in_flight: AtomicBool::new(false),
+            promoted: AtomicBool::new(false),
             refill_failed: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
             need: AtomicU32::new(0),
@@ -320,6 +328,14 @@ impl Slot {
     #[inline]
     pub(crate) fn wants_refill(&self, left: i64, now: u64, lead: u64) -> bool {
         left < i64::from(self.low_water.load(Ordering::Relaxed)) || self.near_end(now, lead)
+    }
+
+    /// The refill is settled (applied, failed, or put back): the slot may
+    /// queue another. `in_flight` clears first, so a queue entry seen
+    /// after `refill_pending` is set again is never taken for the old one.
+    pub(crate) fn refill_done(&self) {
+        self.in_flight.store(false, Ordering::Release);
+        self.refill_pending.store(false, Ordering::Release);
     }
 
     /// Within `lead` of the current lease's deadline, with early refills on.

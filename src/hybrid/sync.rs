@@ -6,12 +6,15 @@
 //! never blocks the request path: slots are updated with atomics and the
 //! few locks are held only between awaits.
 
+use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use super::sizing::SizingRule;
 use super::slot::{Credit, Installed, NextLease, Slot};
+use futures_util::future::join_all;
+
 use super::{HybridConfig, Shared};
 use crate::failure::{Report, RESEND_FOR};
 use crate::store::{LeaseCall, LeaseOrigin, LeaseReply, OpId, MAX_REPORT};
@@ -69,12 +72,25 @@ pub(crate) async fn run(shared: Arc<Shared>) {
     let _alive = Alive(&shared);
     let mut maintenance = tokio::time::interval(MAINTENANCE);
     maintenance.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    let mut sweep = 0;
+    // The last round stopped with work left (see `BATCHES_PER_ROUND`).
+    let mut more = false;
     loop {
-        let woken = tokio::select! {
-            _ = shared.wake.notified() => true,
-            _ = maintenance.tick() => {
-                maintain(&shared);
-                false
+        let woken = if more {
+            // Maintenance first if it is due, then straight on.
+            tokio::select! {
+                biased;
+                _ = maintenance.tick() => sweep = tick(&shared, sweep),
+                _ = tokio::task::yield_now() => {}
+            }
+            false
+        } else {
+            tokio::select! {
+                _ = shared.wake.notified() => true,
+                _ = maintenance.tick() => {
+                    sweep = tick(&shared, sweep);
+                    false
+                }
             }
         };
         if woken && !shared.urgent.load(Ordering::Acquire) {
@@ -100,8 +116,14 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             }
             return;
         }
-        round(&shared).await;
+        more = round(&shared).await;
     }
+}
+
+/// One maintenance tick: the next slice of the sweep.
+fn tick(shared: &Shared, sweep: usize) -> usize {
+    maintain(shared, Some(sweep % SWEEP_SLICES));
+    sweep.wrapping_add(1)
 }
 
 /// What a round has taken from the queues and not yet settled. If the
@@ -113,8 +135,8 @@ struct Unsent<'a> {
     shared: &'a Shared,
     fallback: Vec<Report>,
     debts: Vec<DebtReport>,
-    /// The batch in flight.
-    batch: Vec<Pending>,
+    /// The batches in flight.
+    batches: Vec<Vec<Pending>>,
     /// When it was sent (local µs): a lease's debt resent after a drop is
     /// timed from its first sending (see `RESEND_FOR`).
     sent_at: u64,
@@ -125,7 +147,7 @@ impl Drop for Unsent<'_> {
         let shared = self.shared;
         let mut fallback = std::mem::take(&mut self.fallback);
         let mut debts = std::mem::take(&mut self.debts);
-        for p in std::mem::take(&mut self.batch) {
+        for p in std::mem::take(&mut self.batches).into_iter().flatten() {
             match (p.report, p.slot) {
                 (Some(Reported::Fallback(r)), _) => fallback.push(r),
                 (Some(Reported::Debt(r)), _) => debts.push(r),
@@ -146,7 +168,7 @@ impl Drop for Unsent<'_> {
                             first_sent: Some(self.sent_at),
                         });
                     }
-                    slot.refill_pending.store(false, Ordering::Release);
+                    slot.refill_done();
                     shared.refilled(&slot).notify_waiters();
                 }
                 (None, None) => {}
@@ -184,10 +206,221 @@ enum Reported {
     Fallback(Report),
 }
 
-/// Sends everything queued: give-backs, then leases and debt reports in
-/// batches of `batch_size`, until the queues are empty.
-pub(crate) async fn round(shared: &Shared) {
+/// Refills waiting to be sent. Waiters first: a slot a request waits on
+/// goes before one refilled ahead of need (low water, pre-lease). A slot
+/// promoted while queued has an entry in both; the first taken wins and
+/// the other is skipped as a duplicate.
+#[derive(Default)]
+pub(crate) struct RefillQueue {
+    waiting: VecDeque<Arc<Slot>>,
+    ahead: VecDeque<Arc<Slot>>,
+}
+
+impl RefillQueue {
+    pub(crate) fn push(&mut self, slot: Arc<Slot>, waiting: bool) {
+        if waiting {
+            self.waiting.push_back(slot);
+        } else {
+            self.ahead.push_back(slot);
+        }
+    }
+
+    /// The next refill to send, marked in flight.
+    fn pop(&mut self) -> Option<Arc<Slot>> {
+        loop {
+            let slot = self.waiting.pop_front().or_else(|| self.ahead.pop_front())?;
+            // A duplicate: already sent, or settled since it was queued.
+            if !slot.refill_pending.load(Ordering::Acquire)
+                || slot.in_flight.swap(true, Ordering::AcqRel)
+            {
+                continue;
+            }
+            slot.promoted.store(false, Ordering::Release);
+            return Some(slot);
+        }
+    }
+}
+
+/// Pipelines a round keeps in flight at once. On a real network the round
+/// trip, not Redis, limits one pipeline at a time: four batches of 512
+/// leases per round trip.
+pub(crate) const PIPELINES: usize = 4;
+
+/// Batches a round sends before it returns to the task's loop, so that
+/// sustained refill demand cannot starve maintenance or the stop signal.
+const BATCHES_PER_ROUND: usize = 16;
+
+/// Sends what is queued, in this order: the fallback's admissions and
+/// debt reports (Redis counts them before granting anything new), leases
+/// (waiters first), then give-backs. Up to `PIPELINES` batches of
+/// `batch_size` calls are in flight at once; a round ends when the queues
+/// are empty or after `BATCHES_PER_ROUND` batches (it then wakes the task
+/// again). Returns whether work is left.
+pub(crate) async fn round(shared: &Shared) -> bool {
     shared.urgent.store(false, Ordering::Release);
+    // Reports are taken once per round: one that fails goes back to its
+    // queue for the next round (the maintenance tick paces retries), so a
+    // round always ends, even while the store refuses every call.
+    let mut unsent = Unsent {
+        shared,
+        fallback: shared.reconciler.drain(),
+        debts: Vec::new(),
+        batches: Vec::new(),
+        sent_at: 0,
+    };
+    unsent.debts = {
+        let now = shared.time.precise_us();
+        let mut queued = shared.reports.lock().unwrap_or_else(|p| p.into_inner());
+        let (due, later): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut *queued).into_iter().partition(|r| {
+                // The last round (shutdown) sends everything it has.
+                r.not_before <= now || shared.closed.load(Ordering::Acquire)
+            });
+        *queued = later;
+        due
+    };
+    let last = shared.closed.load(Ordering::Acquire);
+    let mut sent = 0;
+    let mut more = false;
+    loop {
+        let config = shared.config.load_full();
+        let now = shared.time.precise_us();
+        let mut batches: Vec<Vec<Pending>> = Vec::new();
+        while batches.len() < PIPELINES {
+            let batch = next_batch(shared, &config, &mut unsent, now);
+            if batch.is_empty() {
+                break;
+            }
+            batches.push(batch);
+        }
+        if batches.is_empty() {
+            break;
+        }
+        let calls: Vec<Vec<LeaseCall>> = batches
+            .iter()
+            .map(|b| b.iter().map(|p| p.call.clone()).collect())
+            .collect();
+        sent += batches.len();
+        unsent.batches = batches;
+        let t0 = shared.time.precise_us();
+        unsent.sent_at = t0;
+        let results = join_all(calls.iter().map(|calls| async move {
+            let result = shared.store.lease_batch(&shared.params, calls).await;
+            (result, shared.time.precise_us())
+        }))
+        .await;
+        let batches = std::mem::take(&mut unsent.batches);
+        shared.counters.circuit(shared.store.circuit_state());
+        for ((pending, calls), (result, t1)) in batches.into_iter().zip(&calls).zip(results) {
+            settle(shared, &config, pending, calls, result, t0, t1);
+        }
+        if sent >= BATCHES_PER_ROUND && !last {
+            more = true;
+            break;
+        }
+    }
+    // What is left of the reports goes back to its queues.
+    drop(unsent);
+    give_back_all(shared).await;
+    more
+}
+
+/// The next batch: reports first, then leases, waiters before the rest.
+fn next_batch(
+    shared: &Shared,
+    config: &HybridConfig,
+    unsent: &mut Unsent<'_>,
+    now: u64,
+) -> Vec<Pending> {
+    let mut pending: Vec<Pending> = Vec::new();
+    while pending.len() < config.batch_size {
+        let Some(report) = unsent.fallback.pop() else {
+            break;
+        };
+        pending.push(Pending {
+            slot: None,
+            call: LeaseCall::report(
+                shared.keys.store_key(&report.key, shared.params.algorithm),
+                report.permits,
+                report.op,
+            ),
+            renew: false,
+            report: Some(Reported::Fallback(report)),
+        });
+    }
+    while pending.len() < config.batch_size {
+        let Some(mut report) = unsent.debts.pop() else {
+            break;
+        };
+        report.first_sent.get_or_insert(now);
+        pending.push(Pending {
+            slot: None,
+            call: LeaseCall {
+                debt_window: report.window,
+                ..LeaseCall::report(report.key.clone(), report.debt, report.op)
+            },
+            renew: false,
+            report: Some(Reported::Debt(report)),
+        });
+    }
+    let room = config.batch_size.saturating_sub(pending.len());
+    let slots: Vec<Arc<Slot>> = {
+        let mut queue = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+        std::iter::from_fn(|| queue.pop()).take(room).collect()
+    };
+    for slot in slots {
+        if slot.evicted.load(Ordering::Acquire) {
+            slot.refill_done();
+            shared.refilled(&slot).notify_waiters();
+            continue;
+        }
+        pending.push(lease_call(shared, config, slot, now));
+    }
+    pending
+}
+
+/// Counts a batch's round trip and applies its replies.
+fn settle(
+    shared: &Shared,
+    config: &HybridConfig,
+    pending: Vec<Pending>,
+    calls: &[LeaseCall],
+    results: Result<Vec<Result<LeaseReply, Error>>, Error>,
+    t0: u64,
+    t1: u64,
+) {
+    // A call the breaker refused never left the process: it is neither
+    // a round trip nor a latency sample nor a lease requested.
+    if !matches!(&results, Err(e) if e.is_circuit_open()) {
+        let requested = calls.iter().filter(|c| c.want > 0).count() as u64;
+        shared.counters.leases_requested.add(requested);
+        let rtt = t1.saturating_sub(t0);
+        shared.counters.round_trip(rtt);
+        let old = shared.rtt_us.load(Ordering::Relaxed);
+        shared.rtt_us.store(
+            if old == 0 { rtt } else { (old * 7 + rtt) / 8 },
+            Ordering::Relaxed,
+        );
+    }
+    match results {
+        Ok(results) => {
+            for (p, result) in pending.into_iter().zip(results) {
+                apply(shared, config, p, result, t0, t1, true);
+            }
+        }
+        Err(e) => {
+            // One failure of the whole batch: one error, not one per call.
+            shared.counters.store_error(e.kind());
+            for p in pending {
+                apply(shared, config, p, Err(e.clone()), t0, t1, false);
+            }
+        }
+    }
+}
+
+/// Sends the queued give-backs. They go last: a waiter's lease matters
+/// more than returning permits nobody is asking for yet.
+async fn give_back_all(shared: &Shared) {
     let returns = std::mem::take(&mut *shared.returns.lock().unwrap_or_else(|p| p.into_inner()));
     for chunk in returns.chunks(shared.config.load().batch_size) {
         let began = shared.time.precise_us();
@@ -219,118 +452,6 @@ pub(crate) async fn round(shared: &Shared) {
                 shared.counters.store_error(e.kind());
                 let lost: u64 = chunk.iter().map(|c| c.returned).sum();
                 shared.counters.stranded.add(lost);
-            }
-        }
-    }
-    // Reports are taken once per round: one that fails goes back to its
-    // queue for the next round (the maintenance tick paces retries), so a
-    // round always ends, even while the store refuses every call.
-    let mut unsent = Unsent {
-        shared,
-        fallback: shared.reconciler.drain(),
-        debts: Vec::new(),
-        batch: Vec::new(),
-        sent_at: 0,
-    };
-    unsent.debts = {
-        let now = shared.time.precise_us();
-        let mut queued = shared.reports.lock().unwrap_or_else(|p| p.into_inner());
-        let (due, later): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut *queued).into_iter().partition(|r| {
-                // The last round (shutdown) sends everything it has.
-                r.not_before <= now || shared.closed.load(Ordering::Acquire)
-            });
-        *queued = later;
-        due
-    };
-    loop {
-        let config = shared.config.load_full();
-        let now = shared.time.precise_us();
-        // What the local fallback admitted during an outage goes first in
-        // the pipeline, so Redis counts it before granting anything new.
-        let mut pending: Vec<Pending> = Vec::new();
-        while pending.len() < config.batch_size {
-            let Some(report) = unsent.fallback.pop() else {
-                break;
-            };
-            pending.push(Pending {
-                slot: None,
-                call: LeaseCall::report(
-                    shared.keys.store_key(&report.key, shared.params.algorithm),
-                    report.permits,
-                    report.op,
-                ),
-                renew: false,
-                report: Some(Reported::Fallback(report)),
-            });
-        }
-        while pending.len() < config.batch_size {
-            let Some(mut report) = unsent.debts.pop() else {
-                break;
-            };
-            report.first_sent.get_or_insert(now);
-            pending.push(Pending {
-                slot: None,
-                call: LeaseCall {
-                    debt_window: report.window,
-                    ..LeaseCall::report(report.key.clone(), report.debt, report.op)
-                },
-                renew: false,
-                report: Some(Reported::Debt(report)),
-            });
-        }
-        let slots: Vec<Arc<Slot>> = {
-            let mut queue = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
-            let room = config
-                .batch_size
-                .saturating_sub(pending.len())
-                .min(queue.len());
-            queue.drain(..room).collect()
-        };
-        for slot in slots {
-            if slot.evicted.load(Ordering::Acquire) {
-                slot.refill_pending.store(false, Ordering::Release);
-                shared.refilled(&slot).notify_waiters();
-                continue;
-            }
-            pending.push(lease_call(shared, &config, slot, now));
-        }
-        if pending.is_empty() {
-            return;
-        }
-        let calls: Vec<LeaseCall> = pending.iter().map(|p| p.call.clone()).collect();
-        unsent.batch = pending;
-        let t0 = shared.time.precise_us();
-        unsent.sent_at = t0;
-        let results = shared.store.lease_batch(&shared.params, &calls).await;
-        let t1 = shared.time.precise_us();
-        let pending = std::mem::take(&mut unsent.batch);
-        shared.counters.circuit(shared.store.circuit_state());
-        // A call the breaker refused never left the process: it is neither
-        // a round trip nor a latency sample nor a lease requested.
-        if !matches!(&results, Err(e) if e.is_circuit_open()) {
-            let requested = calls.iter().filter(|c| c.want > 0).count() as u64;
-            shared.counters.leases_requested.add(requested);
-            shared.counters.round_trip(t1.saturating_sub(t0));
-            let rtt = t1.saturating_sub(t0);
-            let old = shared.rtt_us.load(Ordering::Relaxed);
-            shared.rtt_us.store(
-                if old == 0 { rtt } else { (old * 7 + rtt) / 8 },
-                Ordering::Relaxed,
-            );
-        }
-        match results {
-            Ok(results) => {
-                for (p, result) in pending.into_iter().zip(results) {
-                    apply(shared, &config, p, result, t0, t1, true);
-                }
-            }
-            Err(e) => {
-                // One failure of the whole batch: one error, not one per call.
-                shared.counters.store_error(e.kind());
-                for p in pending {
-                    apply(shared, &config, p, Err(e.clone()), t0, t1, false);
-                }
             }
         }
     }
@@ -660,21 +781,40 @@ fn apply(
             slot.books().sizing.applied(level, now);
         }
     }
-    slot.refill_pending.store(false, Ordering::Release);
+    slot.refill_done();
     shared.refilled(&slot).notify_waiters();
 }
 
-/// Expires leases, evicts idle slots and enforces `max_keys`. Network
-/// work it creates (give-backs, reports) goes out with the next round.
-pub(crate) fn maintain(shared: &Shared) {
+/// Maintenance visits one slot in this many per tick: each slot once per
+/// `SWEEP_SLICES × MAINTENANCE` (1 s). Skipping a slot reads only the
+/// map's table, not the slot, so a tick over a million idle keys costs a
+/// few milliseconds instead of a full walk.
+pub(crate) const SWEEP_SLICES: usize = 10;
+
+/// Which slice of the sweep a slot is in: from its address, which (unlike
+/// the map's iteration order) does not move as keys come and go.
+fn slice_of(slot: &Arc<Slot>) -> usize {
+    let address = Arc::as_ptr(slot) as usize as u64;
+    (address.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize % SWEEP_SLICES
+}
+
+/// Expires leases, evicts idle slots and enforces `max_keys`, on one slice
+/// of the map (`None`: all of it; all of it too while over `max_keys`).
+/// Network work it creates (give-backs, reports) goes out with the next
+/// round.
+pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
     let config = shared.config.load();
     let now = shared.time.precise_us();
     let idle_us = config.idle_ttl.as_micros() as u64;
     let mut idle: Vec<(u64, Arc<str>)> = Vec::new();
     let mut all: Vec<(u64, Arc<str>)> = Vec::new();
     let over = shared.slots.len().saturating_sub(config.max_keys);
+    let slice = slice.filter(|_| over == 0);
     for entry in shared.slots.iter() {
         let slot = entry.value();
+        if slice.is_some_and(|s| slice_of(slot) != s) {
+            continue;
+        }
         let expired = slot.expire(now);
         if expired > 0 {
             match shared.params.algorithm {
@@ -725,5 +865,68 @@ pub(crate) fn maintain(shared: &Shared) {
             shared.retire(&slot, now);
             shared.refilled(&slot).notify_waiters();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(name: &str) -> Arc<Slot> {
+        Arc::new(Slot::new(Arc::from(name), 0))
+    }
+
+    /// Queues `slot` the way `request_refill` does.
+    fn queue(q: &mut RefillQueue, slot: &Arc<Slot>, waiting: bool) {
+        let fresh = !slot.refill_pending.swap(true, Ordering::AcqRel);
+        let promote = waiting
+            && !slot.in_flight.load(Ordering::Acquire)
+            && !slot.promoted.swap(true, Ordering::AcqRel);
+        if fresh || promote {
+            q.push(slot.clone(), waiting);
+        }
+    }
+
+    fn name(slot: Option<Arc<Slot>>) -> Option<String> {
+        slot.map(|s| s.key.to_string())
+    }
+
+    #[test]
+    fn waiters_go_first_and_a_promoted_refill_is_sent_once() {
+        let mut q = RefillQueue::default();
+        let (a, b, c, x) = (slot("a"), slot("b"), slot("c"), slot("x"));
+        queue(&mut q, &a, false);
+        queue(&mut q, &b, false);
+        queue(&mut q, &c, false);
+        queue(&mut q, &x, true);
+        // b was queued ahead of need; a request now waits on it.
+        queue(&mut q, &b, true);
+        assert_eq!(name(q.pop()).as_deref(), Some("x"));
+        assert_eq!(name(q.pop()).as_deref(), Some("b"));
+        assert_eq!(name(q.pop()).as_deref(), Some("a"));
+        // b's first entry is a duplicate: skipped while it is in flight.
+        assert_eq!(name(q.pop()).as_deref(), Some("c"));
+        assert!(q.pop().is_none());
+        // Settled and queued again: one entry, sent once.
+        b.refill_done();
+        queue(&mut q, &b, false);
+        queue(&mut q, &b, true);
+        assert_eq!(name(q.pop()).as_deref(), Some("b"));
+        assert!(q.pop().is_none());
+        // A waiter on a refill already in flight adds nothing.
+        queue(&mut q, &b, true);
+        assert!(q.pop().is_none());
+    }
+
+    #[test]
+    fn a_stale_entry_does_not_send_a_settled_refill() {
+        let mut q = RefillQueue::default();
+        let a = slot("a");
+        queue(&mut q, &a, false);
+        queue(&mut q, &a, true);
+        assert!(q.pop().is_some());
+        a.refill_done();
+        // The other entry is left over from the settled refill.
+        assert!(q.pop().is_none());
     }
 }

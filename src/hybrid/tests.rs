@@ -70,7 +70,7 @@ impl Rig {
     }
 
     fn maintain(&self) {
-        sync::maintain(&self.engine.shared);
+        sync::maintain(&self.engine.shared, None);
     }
 
     fn round_trips(&self) -> u64 {
@@ -421,7 +421,8 @@ async fn token_bucket_leases_expire_after_their_horizon_and_go_back() {
     // are void: a new lease replaces them and they go back to the bucket.
     r.clock.set(ORIGIN + Duration::from_micros(996_500));
     assert!(r.check("k", 1).await.is_allowed());
-    assert_eq!(r.round_trips(), 2);
+    // The new lease, then (same round, after the leases) the give-back.
+    assert_eq!(r.round_trips(), 3);
     r.sync().await;
     // Had the 18 stayed in the bucket (30 + 18 = 48), the second of refill
     // (+10) would have overflowed its cap of 50 by 8: only 10 may go back,
@@ -472,4 +473,26 @@ async fn the_lease_script_shape_is_what_the_engine_expects() {
         reply.window,
         (ORIGIN.as_micros() as u64 / 1_000_000) as i64 + 1
     );
+}
+
+#[tokio::test]
+async fn a_round_ends_after_its_batches_so_maintenance_and_stop_get_a_turn() {
+    let r = rig(
+        Quota::per_second(1_000),
+        Algorithm::FixedWindow,
+        strict().batch_size(1),
+    );
+    let s = &r.engine.shared;
+    for i in 0..40 {
+        let slot = s.insert(&format!("k{i}"), 0).expect("room");
+        s.request_refill(&slot, false);
+    }
+    // 40 one-call batches: 16, 16, then the last 8.
+    assert!(sync::round(s).await, "work is left after 16 batches");
+    assert_eq!(r.round_trips(), 16);
+    assert!(sync::round(s).await);
+    assert_eq!(r.round_trips(), 32);
+    assert!(!sync::round(s).await, "the queue is empty");
+    assert_eq!(r.round_trips(), 40);
+    assert!(r.slot("k39").permits.load(Ordering::Acquire) > 0);
 }
