@@ -58,7 +58,7 @@ impl ExactEngine {
                 )
             })
             .collect();
-        let replies = self.store.lease_batch(&self.params, &calls).await?;
+        let replies = self.store.lease_batch(&self.params, &calls, 0).await?;
         Ok(replies
             .into_iter()
             .map(|reply| reply.map(|r| r.uncovered))

@@ -225,10 +225,21 @@ impl RefillQueue {
         }
     }
 
-    /// The next refill to send, marked in flight.
-    fn pop(&mut self) -> Option<Arc<Slot>> {
+    /// The next refill to send, marked in flight. A waiters' entry whose
+    /// slot was last used more than `max_wait_ms` ago has nobody waiting
+    /// any more (they were denied at `max_wait`): it moves behind the
+    /// waiters still in time, so an overload serves those it can still
+    /// serve instead of those already turned away.
+    fn pop(&mut self, now: u64, max_wait_ms: u64) -> Option<Arc<Slot>> {
         loop {
-            let slot = self.waiting.pop_front().or_else(|| self.ahead.pop_front())?;
+            let slot = match self.waiting.pop_front() {
+                Some(slot) if slot.idle_ms(now) > max_wait_ms => {
+                    self.ahead.push_back(slot);
+                    continue;
+                }
+                Some(slot) => slot,
+                None => self.ahead.pop_front()?,
+            };
             // A duplicate: already sent, or settled since it was queued.
             if !slot.refill_pending.load(Ordering::Acquire)
                 || slot.in_flight.swap(true, Ordering::AcqRel)
@@ -304,9 +315,12 @@ pub(crate) async fn round(shared: &Shared) -> bool {
         unsent.batches = batches;
         let t0 = shared.time.precise_us();
         unsent.sent_at = t0;
-        let results = join_all(calls.iter().map(|calls| async move {
-            let result = shared.store.lease_batch(&shared.params, calls).await;
-            (result, shared.time.precise_us())
+        let results = join_all(calls.iter().enumerate().map(|(i, batch)| {
+            let ahead: usize = calls[..i].iter().map(Vec::len).sum();
+            async move {
+                let result = shared.store.lease_batch(&shared.params, batch, ahead).await;
+                (result, shared.time.precise_us())
+            }
         }))
         .await;
         let batches = std::mem::take(&mut unsent.batches);
@@ -366,7 +380,10 @@ fn next_batch(
     let room = config.batch_size.saturating_sub(pending.len());
     let slots: Vec<Arc<Slot>> = {
         let mut queue = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
-        std::iter::from_fn(|| queue.pop()).take(room).collect()
+        let max_wait_ms = config.max_wait.as_millis() as u64;
+        std::iter::from_fn(|| queue.pop(now, max_wait_ms))
+            .take(room)
+            .collect()
     };
     for slot in slots {
         if slot.evicted.load(Ordering::Acquire) {
@@ -901,21 +918,21 @@ mod tests {
         queue(&mut q, &x, true);
         // b was queued ahead of need; a request now waits on it.
         queue(&mut q, &b, true);
-        assert_eq!(name(q.pop()).as_deref(), Some("x"));
-        assert_eq!(name(q.pop()).as_deref(), Some("b"));
-        assert_eq!(name(q.pop()).as_deref(), Some("a"));
+        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("x"));
+        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("b"));
+        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("a"));
         // b's first entry is a duplicate: skipped while it is in flight.
-        assert_eq!(name(q.pop()).as_deref(), Some("c"));
-        assert!(q.pop().is_none());
+        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("c"));
+        assert!(q.pop(0, 1_000).is_none());
         // Settled and queued again: one entry, sent once.
         b.refill_done();
         queue(&mut q, &b, false);
         queue(&mut q, &b, true);
-        assert_eq!(name(q.pop()).as_deref(), Some("b"));
-        assert!(q.pop().is_none());
+        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("b"));
+        assert!(q.pop(0, 1_000).is_none());
         // A waiter on a refill already in flight adds nothing.
         queue(&mut q, &b, true);
-        assert!(q.pop().is_none());
+        assert!(q.pop(0, 1_000).is_none());
     }
 
     #[test]
@@ -924,9 +941,9 @@ mod tests {
         let a = slot("a");
         queue(&mut q, &a, false);
         queue(&mut q, &a, true);
-        assert!(q.pop().is_some());
+        assert!(q.pop(0, 1_000).is_some());
         a.refill_done();
         // The other entry is left over from the settled refill.
-        assert!(q.pop().is_none());
+        assert!(q.pop(0, 1_000).is_none());
     }
 }

@@ -225,8 +225,9 @@ impl FaultyStore {
         &self,
         params: &Params,
         calls: &[LeaseCall],
+        ahead: usize,
     ) -> Result<Vec<Result<LeaseReply, Error>>, Error> {
-        self.run(|| self.inner.store.lease_batch(params, calls))
+        self.run(|| self.inner.store.lease_batch(params, calls, ahead))
             .await
     }
 

@@ -339,13 +339,17 @@ impl Store {
 
     /// Runs many leases in one round trip where the store allows it; one
     /// result per call, in order.
+    ///
+    /// `ahead`: calls already in flight before these (concurrent batches
+    /// of one round), which a batch's timeout allows for.
     pub(crate) async fn lease_batch(
         &self,
         params: &Params,
         calls: &[LeaseCall],
+        ahead: usize,
     ) -> Result<Vec<Result<LeaseReply, Error>>, Error> {
         match self {
-            Store::Redis(s) => s.lease_batch(params, calls).await,
+            Store::Redis(s) => s.lease_batch(params, calls, ahead).await,
             Store::Memory(s) => {
                 s.half_trip().await;
                 let replies = calls.iter().map(|c| s.lease(params, c)).collect();
@@ -353,7 +357,7 @@ impl Store {
                 Ok(replies)
             }
             #[cfg(feature = "test-support")]
-            Store::Faulty(s) => Box::pin(s.lease_batch(params, calls)).await,
+            Store::Faulty(s) => Box::pin(s.lease_batch(params, calls, ahead)).await,
         }
     }
 

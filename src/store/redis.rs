@@ -541,15 +541,19 @@ impl RedisStore {
     /// Sends EVALSHA commands (with their keys) as pipelines: one on a
     /// single node, one per hash slot (concurrently) on a cluster, since a
     /// pipeline cannot cross slots. Replies come back in call order.
+    ///
+    /// `ahead`: calls the caller has in flight before these on the same
+    /// connection (concurrent pipelines); they count toward the timeout.
     async fn pipelined(
         &self,
         script: &Script,
         cmds: Vec<(String, Cmd)>,
+        ahead: usize,
     ) -> Result<Vec<Result<Value, Error>>, Error> {
         if !self.is_cluster() {
             let cmds: Vec<Cmd> = cmds.into_iter().map(|(_, c)| c).collect();
             return Ok(self
-                .pipeline_once(script, cmds)
+                .pipeline_once(script, cmds, ahead)
                 .await?
                 .into_iter()
                 .map(Ok)
@@ -571,7 +575,7 @@ impl RedisStore {
         for (_, idx, group) in groups {
             let store = self.clone();
             let script = script.clone();
-            tasks.spawn(async move { (idx, store.pipeline_once(&script, group).await) });
+            tasks.spawn(async move { (idx, store.pipeline_once(&script, group, ahead).await) });
         }
         let mut out: Vec<Result<Value, Error>> = (0..total).map(|_| Ok(Value::Nil)).collect();
         let mut first_error = None;
@@ -601,7 +605,12 @@ impl RedisStore {
 
     /// One pipeline; on `NOSCRIPT` (restart, failover, `SCRIPT FLUSH`)
     /// loads the script (on every node of a cluster) and resends once.
-    async fn pipeline_once(&self, script: &Script, cmds: Vec<Cmd>) -> Result<Vec<Value>, Error> {
+    async fn pipeline_once(
+        &self,
+        script: &Script,
+        cmds: Vec<Cmd>,
+        ahead: usize,
+    ) -> Result<Vec<Value>, Error> {
         let mut attempt = 0;
         loop {
             let mut pipe = redis::pipe();
@@ -613,7 +622,7 @@ impl RedisStore {
             let values: Vec<Value> = self
                 .bounded_judged(
                     "pipelined scripts",
-                    cmds.len(),
+                    cmds.len() + ahead,
                     pipe.query_async(&mut conn),
                     |values: &Vec<Value>| {
                         values.iter().any(|v| {
@@ -654,6 +663,7 @@ impl RedisStore {
         &self,
         p: &Params,
         calls: &[LeaseCall],
+        ahead: usize,
     ) -> Result<Vec<Result<LeaseReply, Error>>, Error> {
         let script = SCRIPTS.lease(p.algorithm);
         let cmds = calls
@@ -686,7 +696,7 @@ impl RedisStore {
                 (key, cmd)
             })
             .collect();
-        let values = self.pipelined(script, cmds).await?;
+        let values = self.pipelined(script, cmds, ahead).await?;
         Ok(values
             .into_iter()
             .map(|v| {
@@ -721,7 +731,7 @@ impl RedisStore {
                 (key, cmd)
             })
             .collect();
-        let values = self.pipelined(script, cmds).await?;
+        let values = self.pipelined(script, cmds, 0).await?;
         Ok(values
             .into_iter()
             .map(|v| match v? {

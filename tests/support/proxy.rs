@@ -1,12 +1,15 @@
 //! A TCP proxy in front of a test server that can blackhole the
 //! connections it already carries while it keeps accepting new ones — a
 //! backend gone silent behind a load balancer, a half-open TCP connection.
+//! It can also delay every byte by a fixed time each way, to stand in for
+//! a network round trip on loopback.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::time::{Duration, Instant};
 
 pub struct Proxy {
     port: u16,
@@ -19,6 +22,12 @@ pub struct Proxy {
 impl Proxy {
     /// Starts forwarding 127.0.0.1:<free port> to 127.0.0.1:`upstream`.
     pub async fn start(upstream: u16) -> Proxy {
+        Proxy::start_delayed(upstream, Duration::ZERO).await
+    }
+
+    /// As [`start`](Proxy::start), every byte delivered `one_way` after it
+    /// arrived, in order (a round trip of twice `one_way`).
+    pub async fn start_delayed(upstream: u16, one_way: Duration) -> Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().unwrap().port();
         let cutoff = Arc::new(AtomicU64::new(0));
@@ -36,8 +45,8 @@ impl Proxy {
                 let id = g.fetch_add(1, Ordering::Relaxed);
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                tokio::spawn(pipe(cr, sw, id, c.clone()));
-                tokio::spawn(pipe(sr, cw, id, c.clone()));
+                tokio::spawn(pipe(cr, sw, id, c.clone(), one_way));
+                tokio::spawn(pipe(sr, cw, id, c.clone(), one_way));
             }
         });
         Proxy {
@@ -76,19 +85,33 @@ async fn pipe(
     mut to: tokio::net::tcp::OwnedWriteHalf,
     id: u64,
     cutoff: Arc<AtomicU64>,
+    delay: Duration,
 ) {
+    // Reads are stamped and handed to a writer that sends each chunk at
+    // its time, so a delay holds back bytes without holding back reads.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let writer = tokio::spawn(async move {
+        while let Some((at, bytes)) = rx.recv().await {
+            tokio::time::sleep_until(at).await;
+            if to.write_all(&bytes).await.is_err() {
+                return;
+            }
+        }
+    });
     let mut buf = vec![0u8; 16 * 1024];
     loop {
         let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
+            Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
         if id < cutoff.load(Ordering::Relaxed) {
             // Blackholed: swallow, keep the socket open, answer nothing.
             continue;
         }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
+        if tx.send((Instant::now() + delay, buf[..n].to_vec())).is_err() {
+            break;
         }
     }
+    drop(tx);
+    let _ = writer.await;
 }
