@@ -23,6 +23,11 @@
 -- ARGV[9]  holder       the asking process's identity (for the fair share)
 -- ARGV[10] ceiling      the most this process takes in one lease (>= want):
 --                       what it can use, by its rate, before the window ends
+-- ARGV[11] lease_id     this lease's identity among the holder's, or 0. The
+--                       holder's last grant is kept ("g<holder>" = "id granted
+--                       window"); a call carrying the same id again (its
+--                       reply was lost) gets that grant back, not a new one,
+--                       while its window is current or ahead.
 --
 -- Returns  {granted, remaining (unleased in the target window after this
 --          grant), start_after_us (0, or until the target window starts),
@@ -62,6 +67,7 @@ local min_window = tonumber(ARGV[7])
 local tail = tonumber(ARGV[8] or '1')
 local holder = ARGV[9]
 local ceiling = tonumber(ARGV[10] or '0')
+local lease_id = ARGV[11] or '0'
 
 local w = math.floor(now / period)
 if debt_window < 0 then debt_window = w end
@@ -88,13 +94,29 @@ if debt > 0 then
 end
 
 local tw = math.min(math.max(w, min_window), w + 1)
+local recorded = holder ~= nil and holder ~= '' and lease_id ~= '0' and want > 0
+local replayed = false
+if recorded then
+  local g = redis.call('HGET', KEYS[1], 'g' .. holder)
+  if g then
+    local id, g_granted, g_window = string.match(g, '^(%d+) (%d+) (-?%d+)$')
+    if id == lease_id and tonumber(g_window) >= w then
+      -- A second delivery: the first one's grant, not another.
+      replayed = true
+      tw = tonumber(g_window)
+    end
+  end
+end
 local tf = string.format('%d', tw)
 local used = tonumber(redis.call('HGET', KEYS[1], tf) or '0')
 local available = math.max(0, limit - used)
 local cap = math.max(1, math.floor(available * share), math.min(available, tail))
 local granted = math.min(want, available, cap)
 local first_in_window = false
-if holder ~= nil and holder ~= '' and want > 0 then
+if replayed then
+  local _, g_granted = string.match(redis.call('HGET', KEYS[1], 'g' .. holder), '^(%d+) (%d+)')
+  granted = tonumber(g_granted)
+elseif holder ~= nil and holder ~= '' and want > 0 then
   local pf = 'p' .. holder
   local hf = 'h' .. tf
   local last = tonumber(redis.call('HGET', KEYS[1], pf) or '-1')
@@ -117,14 +139,18 @@ if first_in_window then
   redis.call('HSET', KEYS[1], 'p' .. holder, tf)
   redis.call('HINCRBY', KEYS[1], 'h' .. tf, 1)
 end
-if granted > 0 then
+if granted > 0 and not replayed then
   used = redis.call('HINCRBY', KEYS[1], tf, granted)
   if tw > newest then newest = tw end
+  if recorded then
+    redis.call('HSET', KEYS[1], 'g' .. holder,
+      lease_id .. ' ' .. string.format('%d', granted) .. ' ' .. tf)
+  end
 end
 
-if granted > 0 or debt > 0 then
+if (granted > 0 and not replayed) or debt > 0 then
   -- Forget ended windows once per window: when this call opened one.
-  if used == granted and granted > 0 then
+  if used == granted and granted > 0 and not replayed then
     for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
       local c = string.sub(f, 1, 1)
       local fw
@@ -132,6 +158,8 @@ if granted > 0 or debt > 0 then
         fw = tonumber(string.sub(f, 2))
       elseif c == 'p' then
         fw = tonumber(redis.call('HGET', KEYS[1], f))
+      elseif c == 'g' then
+        fw = tonumber(string.match(redis.call('HGET', KEYS[1], f), ' (-?%d+)$'))
       else
         fw = tonumber(f)
       end

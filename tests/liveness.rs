@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use slicelimit::{
     CircuitConfig, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore, Source,
 };
+use slicelimit::{Faults, FaultyStore, SystemClock};
 use support::proxy::Proxy;
 use support::{store, RedisServer};
 
@@ -240,4 +241,66 @@ fn a_rebuild_lost_with_its_runtime_is_retried() {
     drop(other);
     let back = main.block_on(back_on_redis(&limiter, Duration::from_secs(6)));
     assert!(back.is_some(), "the silent connection was never rebuilt");
+}
+
+/// A lease whose reply is lost after Redis ran it (a timeout that fired
+/// after the store applied the call) is not stranded: the next lease of the
+/// key is sent under the lost one's identity and gets that grant back, and
+/// a lease delivered twice is granted once. A strict fail-closed limiter
+/// alone on its key, with a third of its replies lost and some calls
+/// applied twice, still admits its whole budget and Redis counts exactly
+/// that (it used to strand a lease per lost reply).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grants_lost_to_a_timeout_are_recovered() {
+    let server = RedisServer::start();
+    let faulty = FaultyStore::new(
+        store(&server).await,
+        Faults {
+            lost_after: 0.3,
+            duplicated: 0.1,
+            ..Faults::default()
+        },
+        11,
+        SystemClock::new(),
+    );
+    let limit = 1_000;
+    let limiter = Limiter::builder(Quota::new(limit, Duration::from_secs(60)).unwrap())
+        .store(faulty.clone())
+        .namespace("lost")
+        .on_store_error(FailurePolicy::FailClosed)
+        .hybrid(
+            HybridConfig::strict()
+                .lease_bounds(50, 50)
+                .max_wait(Duration::from_millis(200))
+                .prelease_lead(Duration::ZERO),
+        )
+        .build()
+        .unwrap();
+    // Keep clear of a window boundary: the test needs one window.
+    let into = support::load::wall_us() % 60_000_000;
+    if into > 45_000_000 {
+        tokio::time::sleep(Duration::from_micros(60_000_000 - into + 100_000)).await;
+    }
+    let mut admitted = 0u64;
+    let mut denied_in_a_row = 0;
+    while denied_in_a_row < 50 {
+        let d = limiter.check("k", 1).await;
+        if d.is_allowed() {
+            admitted += 1;
+            denied_in_a_row = 0;
+        } else {
+            denied_in_a_row += 1;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+    let faults = faulty.counts();
+    assert!(faults.lost_after >= 5, "{faults:?}");
+    let window = support::load::wall_us() / 60_000_000;
+    let counted: u64 = server.cmd(&["HGET", "sl:{lost:k}:fw", &window.to_string()]);
+    assert_eq!(
+        (admitted, counted),
+        (limit, limit),
+        "every permit Redis counted was admitted ({faults:?}, {:?})",
+        limiter.stats()
+    );
 }

@@ -530,7 +530,8 @@ impl Shared {
     /// The notification a waiter on `slot` listens to.
     fn refilled(&self, slot: &Slot) -> &Notify {
         let address = slot as *const Slot as usize;
-        &self.refill_waiters[(address as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize >> 20 & (REFILL_STRIPES - 1)]
+        &self.refill_waiters[(address as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize >> 20
+            & (REFILL_STRIPES - 1)]
     }
 
     fn insert(&self, key: &str, now: u64) -> Option<Arc<Slot>> {

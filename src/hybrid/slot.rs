@@ -122,6 +122,10 @@ pub(crate) struct Books {
     /// Token bucket, GCRA: where the permits held came from, for the
     /// give-back of those left unused.
     pub(crate) origin: LeaseOrigin,
+    /// Fixed window: the identity of a lease whose reply was lost (0:
+    /// none). The next lease is sent under it, so the store hands back
+    /// what it granted then instead of counting a second grant.
+    pub(crate) lost_lease: u64,
 }
 
 /// The result of trying to spend local permits.
@@ -188,6 +192,7 @@ impl Slot {
                 credit_closed: i64::MIN,
                 sizing: Sizing::default(),
                 origin: LeaseOrigin::default(),
+                lost_lease: 0,
             }),
         }
     }
@@ -708,7 +713,8 @@ mod size {
     #[test]
     fn a_slot_stays_within_its_budget() {
         let size = std::mem::size_of::<super::Slot>();
-        // 152 + 24 for the origin of bucket leases (bounded give-backs).
-        assert!(size <= 176, "Slot grew to {size} bytes");
+        // 152 + 24 for the origin of bucket leases (bounded give-backs)
+        // + 8 for a lost lease's identity (its grant is claimed back).
+        assert!(size <= 184, "Slot grew to {size} bytes");
     }
 }

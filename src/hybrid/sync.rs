@@ -152,6 +152,7 @@ impl Drop for Unsent<'_> {
                 (Some(Reported::Fallback(r)), _) => fallback.push(r),
                 (Some(Reported::Debt(r)), _) => debts.push(r),
                 (None, Some(slot)) => {
+                    lose_lease(&slot, &p.call);
                     if let Some(op) = p.call.op.filter(|_| p.call.debt > 0) {
                         {
                             let mut books = slot.books();
@@ -185,6 +186,14 @@ impl Drop for Unsent<'_> {
                 .unwrap_or_else(|p| p.into_inner())
                 .extend(debts);
         }
+    }
+}
+
+/// A lease call's reply is lost (an error, or its future dropped): its
+/// identity is kept for the next lease of the slot.
+fn lose_lease(slot: &Slot, call: &LeaseCall) {
+    if call.lease_id != 0 {
+        slot.books().lost_lease = call.lease_id;
     }
 }
 
@@ -534,6 +543,15 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         (shared.params.limit.max(shared.params.burst) / 32).max(1),
         config.max_lease,
     );
+    // Fixed window: each lease has an identity; after a lost reply the
+    // next one reuses it (see `LeaseCall::lease_id`).
+    let lease_id = match shared.params.algorithm {
+        Algorithm::FixedWindow => match std::mem::take(&mut books.lost_lease) {
+            0 => shared.ops.next_lease(),
+            lost => lost,
+        },
+        Algorithm::TokenBucket | Algorithm::Gcra => 0,
+    };
     drop(books);
     let call = LeaseCall {
         key: shared.store_key(&slot),
@@ -551,6 +569,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         op: (credit.debt > 0).then(|| shared.ops.next()),
         holder: Some(shared.holder.clone()),
         ceiling,
+        lease_id,
     };
     Pending {
         slot: Some(slot),
@@ -635,6 +654,9 @@ fn apply(
             if count_error {
                 counters.store_error(e.kind());
             }
+            // The store may have granted it all the same (a timeout after
+            // Redis ran the call): the next lease asks for that grant back.
+            lose_lease(&slot, &p.call);
             if let Some(op) = p.call.op.filter(|_| p.call.debt > 0) {
                 // Resent on its own under the same identity: the store may
                 // have applied it before the reply was lost.

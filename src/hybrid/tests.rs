@@ -464,6 +464,7 @@ async fn the_lease_script_shape_is_what_the_engine_expects() {
                 op: None,
                 holder: None,
                 ceiling: 0,
+                lease_id: 0,
             },
         )
         .unwrap();

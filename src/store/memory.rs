@@ -64,6 +64,8 @@ struct Holders {
     counts: Vec<(i64, u64)>,
     /// Process → the last window it leased in.
     last: Vec<(String, i64)>,
+    /// Process → its last grant: (lease id, permits, window).
+    grants: Vec<(String, (u64, i64, i64))>,
 }
 
 impl Holders {
@@ -95,6 +97,21 @@ impl Holders {
     fn forget_before(&mut self, window: i64) {
         self.counts.retain(|(w, _)| *w >= window);
         self.last.retain(|(_, w)| *w >= window);
+        self.grants.retain(|(_, (_, _, w))| *w >= window);
+    }
+
+    fn grant(&self, holder: &str) -> Option<(u64, i64, i64)> {
+        self.grants
+            .iter()
+            .find(|(h, _)| h == holder)
+            .map(|(_, g)| *g)
+    }
+
+    fn granted(&mut self, holder: &str, grant: (u64, i64, i64)) {
+        match self.grants.iter_mut().find(|(h, _)| h == holder) {
+            Some((_, g)) => *g = grant,
+            None => self.grants.push((holder.to_owned(), grant)),
+        }
     }
 }
 
@@ -629,7 +646,18 @@ fn lease_fixed_window(
             uncovered = debt;
         }
     }
-    let tw = w.max(call.min_window).min(w + 1);
+    let mut tw = w.max(call.min_window).min(w + 1);
+    let recorded = call.want > 0 && call.lease_id != 0 && call.holder.is_some();
+    // A second delivery of a lease whose reply was lost: its grant again.
+    let replay = call
+        .holder
+        .as_deref()
+        .filter(|_| recorded)
+        .and_then(|h| entry.as_ref()?.holders.as_deref()?.grant(h))
+        .filter(|&(id, _, window)| id == call.lease_id && window >= w);
+    if let Some((_, _, window)) = replay {
+        tw = window;
+    }
     let mut used = count_in(windows(entry, &call.key)?, tw);
     let available = (limit - used).max(0);
     let cap = ((available as f64 * call.share_cap).floor() as i64)
@@ -640,7 +668,9 @@ fn lease_fixed_window(
     let mut joined = false;
     // Asked with nothing left, the key exists (and has its TTL): the asker
     // is counted all the same, so holders reflect demand.
-    if let (Some(holder), true) = (&call.holder, call.want > 0) {
+    if let Some((_, permits, _)) = replay {
+        granted = permits;
+    } else if let (Some(holder), true) = (&call.holder, call.want > 0) {
         let holders = entry.as_ref().and_then(|e| e.holders.as_deref());
         let last = holders.map_or(-1, |h| h.last(holder));
         let here = holders.map_or(0, |h| h.count(tw)) as i64;
@@ -673,16 +703,24 @@ fn lease_fixed_window(
                 .joined(holder, tw);
         }
     }
-    if granted > 0 {
+    let fresh = granted > 0 && replay.is_none();
+    if fresh {
         used = incr_window(entry, tw, granted);
         newest = newest.max(tw);
     }
-    if granted > 0 && used == granted {
+    if fresh && used == granted {
         if let Some(h) = entry.as_mut().and_then(|e| e.holders.as_mut()) {
             h.forget_before(w - 1);
         }
     }
-    if granted > 0 || debt > 0 {
+    if let (true, true, Some(holder)) = (fresh, recorded, &call.holder) {
+        if let Some(e) = entry.as_mut() {
+            e.holders
+                .get_or_insert_with(Default::default)
+                .granted(holder, (call.lease_id, granted, tw));
+        }
+    }
+    if fresh || debt > 0 {
         let ttl = ((newest as u64 + 2) * period - now) as f64;
         trim_and_expire(entry, w, now, ceil_ms_to_us(ttl));
     }
@@ -994,6 +1032,7 @@ mod tests {
             op: None,
             holder: None,
             ceiling: 0,
+            lease_id: 0,
         };
         let r = s.lease(&p, &call).unwrap();
         assert_eq!((r.granted, r.remaining), (50, 50));

@@ -156,6 +156,11 @@ impl OpIds {
             seq: self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
     }
+
+    /// A lease's identity among this holder's leases (never 0).
+    pub(crate) fn next_lease(&self) -> u64 {
+        self.next().seq + 1
+    }
 }
 
 /// The most debt one report carries: far above any real debt (at most
@@ -188,6 +193,12 @@ pub(crate) struct LeaseCall {
     /// The most this process takes in one lease; leases are at least a
     /// fair share of what remains, up to this (0: by rate only).
     pub(crate) ceiling: u64,
+    /// Fixed window, with a holder: this lease's identity (0: none). The
+    /// store keeps the holder's last grant under it; a lease call sent
+    /// again under the same identity (its reply was lost to a timeout)
+    /// gets that grant back instead of a second one, while its window
+    /// lasts.
+    pub(crate) lease_id: u64,
 }
 
 impl LeaseCall {
@@ -206,6 +217,7 @@ impl LeaseCall {
             op: Some(op),
             holder: None,
             ceiling: 0,
+            lease_id: 0,
         }
     }
 }

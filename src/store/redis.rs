@@ -681,7 +681,8 @@ impl RedisStore {
                             .arg(c.min_window)
                             .arg(c.need.max(1))
                             .arg(c.holder.as_deref().unwrap_or(""))
-                            .arg(c.ceiling);
+                            .arg(c.ceiling)
+                            .arg(c.lease_id);
                     }
                     Algorithm::TokenBucket | Algorithm::Gcra => {
                         cmd.arg(p.burst)

@@ -108,7 +108,10 @@ async fn pipe(
             // Blackholed: swallow, keep the socket open, answer nothing.
             continue;
         }
-        if tx.send((Instant::now() + delay, buf[..n].to_vec())).is_err() {
+        if tx
+            .send((Instant::now() + delay, buf[..n].to_vec()))
+            .is_err()
+        {
             break;
         }
     }
