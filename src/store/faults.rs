@@ -109,11 +109,9 @@ impl FaultyStore {
                 faults: Mutex::new(faults),
                 rng: Mutex::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
                 breaker: CircuitBreaker::new(
-                    CircuitConfig {
-                        failures: 5,
-                        base_backoff: Duration::from_millis(50),
-                        max_backoff: Duration::from_millis(400),
-                    },
+                    CircuitConfig::default()
+                        .min_failures(5)
+                        .backoff(Duration::from_millis(50), Duration::from_millis(400)),
                     clock,
                 ),
                 counts: Mutex::new(FaultCounts::default()),

@@ -110,8 +110,10 @@ impl RedisOptions {
         self
     }
 
-    /// When the circuit breaker opens and for how long (default: after 5
-    /// consecutive failures, 100 ms doubling to at most 1 s, with jitter).
+    /// When the circuit breaker opens and for how long (default: once
+    /// failures have gone on for 200 ms, at least 3 of them and at least
+    /// half the calls since the first, within 1 s; open for 100 ms doubling
+    /// to at most 1 s, with jitter). See [`CircuitConfig`].
     #[must_use]
     pub fn circuit_breaker(mut self, config: CircuitConfig) -> Self {
         self.circuit = config;
