@@ -714,8 +714,9 @@ impl CircuitBreaker {
     }
 
     /// Reports a call's outcome. Only unavailability counts as failure: a
-    /// store that answers with an error is up.
-    pub(crate) fn record(&self, mut admission: Admission<'_>, failed: bool) {
+    /// store that answers with an error is up. Returns whether this outcome
+    /// opened the breaker (a failed probe reopens it).
+    pub(crate) fn record(&self, mut admission: Admission<'_>, failed: bool) -> bool {
         let probe = std::mem::replace(&mut admission.probe, false);
         drop(admission);
         let mut b = self.lock();
@@ -730,7 +731,7 @@ impl CircuitBreaker {
             } else {
                 b.count(self.config.bucket_us(), now, false);
             }
-            return;
+            return false;
         }
         let trip = if probe {
             true
@@ -742,7 +743,7 @@ impl CircuitBreaker {
             false
         };
         if !trip {
-            return;
+            return false;
         }
         if probe {
             let max = self.config.max_backoff.as_micros() as u64;
@@ -760,6 +761,7 @@ impl CircuitBreaker {
         b.forget();
         self.tripped.store(true, Ordering::Release);
         self.trips.fetch_add(1, Ordering::Relaxed);
+        true
     }
 }
 

@@ -191,11 +191,11 @@ pub(crate) async fn round(shared: &Shared) {
     let returns = std::mem::take(&mut *shared.returns.lock().unwrap_or_else(|p| p.into_inner()));
     for chunk in returns.chunks(shared.config.load().batch_size) {
         let began = shared.time.precise_us();
-        let result = shared.store.give_back_batch(&shared.params, chunk).await;
+        let (result, cost) = shared.store.give_back_batch(&shared.params, chunk).await;
         if !matches!(&result, Err(e) if e.is_circuit_open()) {
             shared
                 .counters
-                .round_trip(shared.time.precise_us().saturating_sub(began));
+                .round_trip(cost, shared.time.precise_us().saturating_sub(began));
         }
         match result {
             Ok(results) => {
@@ -302,7 +302,7 @@ pub(crate) async fn round(shared: &Shared) {
         unsent.batch = pending;
         let t0 = shared.time.precise_us();
         unsent.sent_at = t0;
-        let results = shared.store.lease_batch(&shared.params, &calls).await;
+        let (results, cost) = shared.store.lease_batch(&shared.params, &calls).await;
         let t1 = shared.time.precise_us();
         let pending = std::mem::take(&mut unsent.batch);
         shared.counters.circuit(shared.store.circuit_state());
@@ -311,7 +311,7 @@ pub(crate) async fn round(shared: &Shared) {
         if !matches!(&results, Err(e) if e.is_circuit_open()) {
             let requested = calls.iter().filter(|c| c.want > 0).count() as u64;
             shared.counters.leases_requested.add(requested);
-            shared.counters.round_trip(t1.saturating_sub(t0));
+            shared.counters.round_trip(cost, t1.saturating_sub(t0));
             let rtt = t1.saturating_sub(t0);
             let old = shared.rtt_us.load(Ordering::Relaxed);
             shared.rtt_us.store(

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params, Store};
+use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params, Store, StoreCost};
 use crate::failure::{CircuitBreaker, CircuitConfig};
 use crate::{Clock, Error, ErrorKind};
 
@@ -223,18 +223,34 @@ impl FaultyStore {
         &self,
         params: &Params,
         calls: &[LeaseCall],
-    ) -> Result<Vec<Result<LeaseReply, Error>>, Error> {
-        self.run(|| self.inner.store.lease_batch(params, calls))
-            .await
+    ) -> (Result<Vec<Result<LeaseReply, Error>>, Error>, StoreCost) {
+        let result = self
+            .run(|| async { self.inner.store.lease_batch(params, calls).await.0 })
+            .await;
+        {
+            let cost = Self::cost(&result, calls.len());
+            (result, cost)
+        }
     }
 
     pub(crate) async fn give_back_batch(
         &self,
         params: &Params,
         calls: &[GiveBackCall],
-    ) -> Result<Vec<Result<u64, Error>>, Error> {
-        self.run(|| self.inner.store.give_back_batch(params, calls))
-            .await
+    ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
+        let result = self
+            .run(|| async { self.inner.store.give_back_batch(params, calls).await.0 })
+            .await;
+        let cost = Self::cost(&result, calls.len());
+        (result, cost)
+    }
+
+    /// One round trip per batch, unless the breaker refused it.
+    fn cost<T>(result: &Result<T, Error>, calls: usize) -> StoreCost {
+        match result {
+            Err(e) if e.is_circuit_open() => StoreCost::default(),
+            _ => StoreCost::one_trip(calls),
+        }
     }
 
     pub(crate) fn retry_hint(&self) -> Option<Duration> {
