@@ -248,16 +248,18 @@ async fn a_killed_primary_is_survived_through_the_policy_then_recovered_from() {
 }
 
 /// Keys `k0`, `k1`, … of namespace `ns`, sorted by the primary serving
-/// them: (keys on `victim`, keys elsewhere), at least `per` of each.
+/// them: (the primary serving `victim_of`, or `victim` if given; `per` keys
+/// on it, `2 × per` keys on the others).
 fn keys_around(
     cluster: &RedisCluster,
     ns: &str,
     victim_of: &str,
+    victim: Option<usize>,
     per: usize,
 ) -> (usize, Vec<String>, Vec<String>) {
     let owners = cluster.primaries_by_slot();
     let owner = |key: &str| owners[usize::from(support::cluster::slot(&format!("{{{ns}:{key}}}")))];
-    let victim = owner(victim_of).expect("an owner");
+    let victim = victim.unwrap_or_else(|| owner(victim_of).expect("an owner"));
     let (mut on_victim, mut elsewhere) = (Vec::new(), Vec::new());
     for i in 0..100_000 {
         if on_victim.len() >= per && elsewhere.len() >= 2 * per {
@@ -293,7 +295,18 @@ async fn a_stopped_primary_refuses_only_its_own_keys() {
         .on_store_error(FailurePolicy::FailClosed)
         .build()
         .unwrap();
-    let (victim, on_victim, elsewhere) = keys_around(&cluster, "shard", "k0", 10);
+    let (victim, on_victim, elsewhere) = keys_around(&cluster, "shard", "k0", None, 10);
+    // A hybrid limiter on the same store; its keys stay cold until the
+    // primary is stopped.
+    let hybrid = Limiter::builder(Quota::per_minute(1_000_000))
+        .store(store.clone())
+        .namespace("shard-h")
+        .on_store_error(FailurePolicy::FailClosed)
+        .hybrid(HybridConfig::strict())
+        .build()
+        .unwrap();
+    let (_, cold_on_victim, cold_elsewhere) =
+        keys_around(&cluster, "shard-h", "", Some(victim), 10);
     for key in on_victim.iter().chain(&elsewhere) {
         assert_eq!(limiter.check(key, 1).await.source(), Source::Store);
     }
@@ -334,6 +347,43 @@ async fn a_stopped_primary_refuses_only_its_own_keys() {
     assert_eq!(store.circuit_state(), CircuitState::HalfOpen);
     assert!(store.circuit_trips() >= 1);
     assert!(store.calls_refused() > 0, "the open breaker refused calls");
+    // Cold hybrid keys asked for together: their leases share batches that
+    // span every primary; only the stopped primary's fail.
+    let checks: Vec<_> = cold_on_victim
+        .iter()
+        .map(|k| (true, k))
+        .chain(cold_elsewhere.iter().map(|k| (false, k)))
+        .map(|(stopped, key)| {
+            let hybrid = hybrid.clone();
+            let key = key.clone();
+            tokio::spawn(
+                async move { (stopped, key.clone(), hybrid.check(&key, 1).await.source()) },
+            )
+        })
+        .collect();
+    for check in checks {
+        let (stopped, key, source) = check.await.unwrap();
+        let expected = if stopped {
+            Source::FailClosed
+        } else {
+            Source::Lease
+        };
+        assert_eq!(source, expected, "hybrid key {key}");
+    }
+    // The live primaries forget their scripts: each reloads what it needs
+    // alone (loading on every node would fail while one is stopped).
+    for (i, node) in cluster.nodes.iter().enumerate() {
+        if i != victim {
+            let _: String = node.cmd(&["SCRIPT", "FLUSH"]);
+        }
+    }
+    for key in &elsewhere {
+        assert_eq!(
+            limiter.check(key, 1).await.source(),
+            Source::Store,
+            "{key} after SCRIPT FLUSH"
+        );
+    }
 
     cluster.nodes[victim].thaw();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -351,11 +401,28 @@ async fn a_stopped_primary_refuses_only_its_own_keys() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // The hybrid keys whose leases failed are leased again once their
+    // refill is retried.
+    for key in cold_on_victim.iter().chain(&cold_elsewhere) {
+        loop {
+            let d = hybrid.check(key, 1).await;
+            if matches!(d.source(), Source::Lease | Source::Store) {
+                break;
+            }
+            assert_eq!(d.source(), Source::FailClosed);
+            assert!(
+                Instant::now() < deadline,
+                "hybrid key {key} never came back"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
     assert_eq!(store.circuit_state(), CircuitState::Closed);
     assert!(store
         .circuit_states()
         .iter()
         .all(|(_, s)| *s == CircuitState::Closed));
+    hybrid.shutdown().await;
 }
 
 /// 512 cold keys on a cluster: their leases go out as one pipeline per
@@ -373,7 +440,7 @@ async fn round_trips_count_pipelines_and_store_calls_count_scripts() {
         .unwrap();
     // Load the lease script on every primary first, so the batch below
     // meets no NOSCRIPT (a reload would be a round trip of its own).
-    let (_, warm_a, warm_b) = keys_around(&cluster, "cost", "k0", 1);
+    let (_, warm_a, warm_b) = keys_around(&cluster, "cost", "k0", None, 1);
     for key in warm_a.iter().chain(&warm_b) {
         assert_eq!(limiter.check(key, 1).await.source(), Source::Lease);
     }

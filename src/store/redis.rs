@@ -222,14 +222,12 @@ impl Drop for Refreshing {
 }
 
 /// Whether a failed call says the cluster's layout changed under the
-/// client: a redirection it could not follow, a node it has no connection
-/// to.
-fn is_redirection(e: &Error) -> bool {
-    let text = e.to_string();
-    text.contains("Moved")
-        || text.contains("MOVED")
-        || text.contains("ASK")
-        || text.contains("not found")
+/// client: a redirection it could not follow, a slot being migrated or
+/// without a primary, a node it has no connection to.
+fn is_layout_change(e: &redis::RedisError) -> bool {
+    e.is_cluster_error()
+        || e.redirect_node().is_some()
+        || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
 }
 
 /// Whether a reply says the server cannot serve: a demoted primary, a
@@ -706,14 +704,18 @@ impl RedisStore {
         let admission = breaker.admit()?;
         self.inner.calls.fetch_add(1, Ordering::Relaxed);
         let limit = batch_timeout(self.inner.options.response_timeout, calls);
+        let mut moved = false;
         let result = match tokio::time::timeout(limit, fut).await {
-            Ok(result) => result.map_err(Error::from),
+            Ok(result) => result.map_err(|e| {
+                moved = is_layout_change(&e);
+                Error::from(e)
+            }),
             Err(_) => Err(timeout_error(what, limit)),
         };
         let (unavailable, evidence) = match &result {
             Err(e) => (
                 e.is_timeout() || e.is_connection(),
-                e.is_connection() || is_redirection(e),
+                e.is_connection() || moved,
             ),
             Ok(reply) => (refused(reply), refused(reply)),
         };
