@@ -128,10 +128,11 @@ impl RedisOptions {
         self
     }
 
-    /// When the circuit breaker opens and for how long (default: once
-    /// failures have gone on for 200 ms, at least 3 of them and at least
-    /// half the calls since the first, within 1 s; open for 100 ms doubling
-    /// to at most 1 s, with jitter). See [`CircuitConfig`].
+    /// When the circuit breaker opens and for how long (default: once at
+    /// least 3 calls within 1 s failed and failures have gone on, most of
+    /// the time, for 200 ms; open for 100 ms doubling to at most 1 s, with
+    /// jitter). On a cluster each primary has a breaker of this
+    /// configuration. See [`CircuitConfig`].
     #[must_use]
     pub fn circuit_breaker(mut self, config: CircuitConfig) -> Self {
         self.circuit = config;
