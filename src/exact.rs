@@ -8,7 +8,7 @@ use crate::decision::Source;
 use crate::failure::Report;
 use crate::key::KeyEncoder;
 use crate::local::decision_from;
-use crate::store::{LeaseCall, Params, Store};
+use crate::store::{LeaseCall, Params, Store, StoreCost};
 use crate::{Decision, Error};
 
 pub(crate) struct ExactEngine {
@@ -43,11 +43,11 @@ impl ExactEngine {
     /// Records permits admitted elsewhere (the fallback, during an outage)
     /// as consumption of each key's current window or bucket, each report
     /// under its identity. One result per report: the permits the store
-    /// could not cover, or why it refused.
+    /// could not cover, or why it refused; and what sending them cost.
     pub(crate) async fn report(
         &self,
         reports: &[Report],
-    ) -> Result<Vec<Result<u64, Error>>, Error> {
+    ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
         let calls: Vec<LeaseCall> = reports
             .iter()
             .map(|r| {
@@ -58,10 +58,13 @@ impl ExactEngine {
                 )
             })
             .collect();
-        let replies = self.store.lease_batch(&self.params, &calls, 0).await?;
-        Ok(replies
-            .into_iter()
-            .map(|reply| reply.map(|r| r.uncovered))
-            .collect())
+        let (replies, cost) = self.store.lease_batch(&self.params, &calls, 0).await;
+        let uncovered = replies.map(|replies| {
+            replies
+                .into_iter()
+                .map(|reply| reply.map(|r| r.uncovered))
+                .collect()
+        });
+        (uncovered, cost)
     }
 }

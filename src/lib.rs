@@ -59,8 +59,9 @@
 //!
 //! - `quota`, `decision`, `error`, `clock`: value types and injected time;
 //! - `key`: injective store-key encoding with one Cluster hash tag per key;
-//! - `store`: the Redis store (scripts in `lua/`) and the embedded
-//!   [`MemoryStore`] with the same semantics;
+//! - `store`: the Redis store (scripts in `lua/`; on a cluster, a slot map
+//!   and a circuit breaker per primary) and the embedded [`MemoryStore`]
+//!   with the same semantics;
 //! - `exact`, `local`: one store call per decision, or none;
 //! - `hybrid`: slots, lease sizing, the sync task;
 //! - `failure`: what a limiter decides when its store cannot answer;

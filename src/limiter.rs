@@ -17,7 +17,7 @@ use crate::hybrid::{HybridConfig, HybridEngine, Wiring};
 use crate::key::KeyEncoder;
 use crate::local::LocalEngine;
 use crate::stats::{Counters, Stats};
-use crate::store::{MemoryStore, Params, Store};
+use crate::store::{MemoryStore, Params, Store, StoreCost};
 use crate::{Algorithm, Clock, Decision, Error, ErrorKind, FailurePolicy, Quota, SystemClock};
 
 /// The longest namespace accepted.
@@ -37,6 +37,8 @@ struct Inner {
     counters: Arc<Counters>,
     /// The shared store, for the failure policy's retry hint.
     store: Option<Store>,
+    /// Store keys, for the retry hint of a key's own shard on a cluster.
+    keys: KeyEncoder,
 }
 
 enum Engine {
@@ -56,7 +58,13 @@ enum Mode {
 impl Inner {
     fn policy_decision(&self, key: &str, cost: u64) -> Decision {
         self.counters.policy_decisions.add(1);
-        let hint = self.store.as_ref().and_then(Store::retry_hint);
+        let hint = self.store.as_ref().and_then(|store| {
+            if store.is_sharded() {
+                store.retry_hint_for(&self.keys.store_key(key, self.algorithm))
+            } else {
+                store.retry_hint()
+            }
+        });
         let decision = self.failure.decide(key, cost, hint);
         if decision.source() == Source::Fallback && decision.is_allowed() {
             self.counters.fallback_admitted.add(cost);
@@ -82,9 +90,13 @@ impl Inner {
             ledger,
             reports: Some(reports),
         };
-        self.counters.round_trips.add(1);
         let sent = guard.reports.as_deref().unwrap_or_default();
-        let replies = exact.report(sent).await;
+        let began = std::time::Instant::now();
+        let (replies, cost) = exact.report(sent).await;
+        if cost.round_trips > 0 {
+            self.counters
+                .round_trip(cost, began.elapsed().as_micros() as u64);
+        }
         let reports = guard.disarm();
         let replies = match replies {
             Ok(replies) => replies,
@@ -273,7 +285,7 @@ impl Limiter {
                 let result = exact.check_timed(key, cost).await;
                 let took = began.elapsed().as_micros() as u64;
                 if !matches!(&result, Err(e) if e.is_circuit_open()) {
-                    inner.counters.round_trip(took);
+                    inner.counters.round_trip(StoreCost::one_trip(1), took);
                 }
                 if let Some(store) = &inner.store {
                     inner.counters.circuit(store.circuit_state());
@@ -310,7 +322,7 @@ impl Limiter {
         match &self.inner.engine {
             Engine::Local(local) => Ok(local.check(key, cost)),
             Engine::Exact(exact) => {
-                self.inner.counters.round_trips.add(1);
+                self.inner.counters.one_call();
                 exact.check(key, cost).await
             }
             Engine::Hybrid(hybrid) => hybrid.check(key, cost).await,
@@ -477,6 +489,7 @@ impl Builder {
         ));
         let params = Params::new(&self.quota, self.algorithm);
         let keys = KeyEncoder::new(&self.namespace);
+        let hint_keys = keys.clone();
         let failure = FailureHandler::new(
             self.policy,
             self.algorithm,
@@ -521,6 +534,7 @@ impl Builder {
                 algorithm: self.algorithm,
                 counters,
                 store,
+                keys: hint_keys,
             }),
         })
     }

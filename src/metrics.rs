@@ -31,8 +31,11 @@ pub const LEASES_REQUESTED: &str = "slicelimit_leases_requested_total";
 pub const LEASES_GRANTED: &str = "slicelimit_leases_granted_total";
 /// Permits granted per lease.
 pub const LEASE_SIZE: &str = "slicelimit_lease_size_permits";
-/// Round trips to the store (a pipelined batch counts once).
+/// Round trips to the store: pipelines and single calls sent (on a
+/// cluster, a batch is one pipeline per hash slot).
 pub const ROUND_TRIPS: &str = "slicelimit_store_round_trips_total";
+/// Script calls sent to the store, each once whether alone or pipelined.
+pub const STORE_CALLS: &str = "slicelimit_store_calls_total";
 /// Store round-trip latency.
 pub const STORE_LATENCY: &str = "slicelimit_store_latency_seconds";
 /// Store errors, labelled `kind`.
@@ -92,7 +95,12 @@ pub fn describe() {
     describe_counter!(
         ROUND_TRIPS,
         Unit::Count,
-        "Round trips to the store; a pipelined batch counts once."
+        "Round trips to the store: pipelines and single calls sent."
+    );
+    describe_counter!(
+        STORE_CALLS,
+        Unit::Count,
+        "Script calls sent to the store, pipelined or not."
     );
     describe_histogram!(STORE_LATENCY, Unit::Seconds, "Store round-trip latency.");
     describe_counter!(STORE_ERRORS, Unit::Count, "Store errors by kind.");

@@ -11,6 +11,7 @@ use metrics::Counter;
 use crate::decision::Source;
 use crate::failure::CircuitState;
 use crate::metrics::{self as names, Meters};
+use crate::store::StoreCost;
 use crate::ErrorKind;
 
 /// One total: a local atomic and its metric.
@@ -53,6 +54,7 @@ pub(crate) struct Counters {
     pub(crate) allowed: Tally,
     pub(crate) denied: Tally,
     pub(crate) round_trips: Tally,
+    pub(crate) store_calls: Tally,
     store_errors: Tally,
     pub(crate) policy_decisions: Tally,
     pub(crate) credit_admitted: Tally,
@@ -75,6 +77,7 @@ impl Counters {
             allowed: Tally::unmetered(),
             denied: Tally::unmetered(),
             round_trips: Tally::new(limiter, names::ROUND_TRIPS),
+            store_calls: Tally::new(limiter, names::STORE_CALLS),
             store_errors: Tally::unmetered(),
             policy_decisions: Tally::unmetered(),
             credit_admitted: Tally::new(limiter, names::CREDIT),
@@ -109,10 +112,18 @@ impl Counters {
         self.meters.error(kind);
     }
 
-    /// A store round trip that took `micros`.
-    pub(crate) fn round_trip(&self, micros: u64) {
-        self.round_trips.add(1);
+    /// A store call, or a batch, that cost `cost` and took `micros` (one
+    /// latency sample however many pipelines it sent).
+    pub(crate) fn round_trip(&self, cost: StoreCost, micros: u64) {
+        self.round_trips.add(cost.round_trips);
+        self.store_calls.add(cost.calls);
         self.meters.store_latency.record(micros as f64 / 1e6);
+    }
+
+    /// One script call in one round trip, not timed.
+    pub(crate) fn one_call(&self) {
+        self.round_trips.add(1);
+        self.store_calls.add(1);
     }
 
     pub(crate) fn lease_granted(&self, permits: u64) {
@@ -130,6 +141,7 @@ impl Counters {
             allowed: self.allowed.get(),
             denied: self.denied.get(),
             round_trips: self.round_trips.get(),
+            store_calls: self.store_calls.get(),
             store_errors: self.store_errors.get(),
             policy_decisions: self.policy_decisions.get(),
             credit_admitted: self.credit_admitted.get(),
@@ -154,8 +166,13 @@ pub struct Stats {
     pub allowed: u64,
     /// Decisions that denied the request.
     pub denied: u64,
-    /// Calls to the store; one pipelined batch of many leases counts once.
+    /// Round trips to the store: pipelines and single calls sent (a batch
+    /// of leases is one pipeline on a single node, one per hash slot on a
+    /// cluster), script loads included.
     pub round_trips: u64,
+    /// Script calls sent to the store: each lease, give-back, report or
+    /// exact check once, whether it travelled alone or in a pipeline.
+    pub store_calls: u64,
     /// Store calls (or batch items) that failed.
     pub store_errors: u64,
     /// Decisions made by the failure policy.

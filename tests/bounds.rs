@@ -35,11 +35,12 @@ async fn a_dropped_probe_does_not_wedge_the_circuit_breaker() {
     let options = RedisOptions::default()
         .response_timeout(Duration::from_millis(30))
         .connect_timeout(Duration::from_secs(2))
-        .circuit_breaker(CircuitConfig {
-            failures: 5,
-            base_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_millis(200),
-        });
+        .circuit_breaker(
+            CircuitConfig::default()
+                .min_failures(5)
+                .min_span(Duration::ZERO)
+                .backoff(Duration::from_millis(100), Duration::from_millis(200)),
+        );
     let redis = RedisStore::connect_with(&server.url(), options)
         .await
         .unwrap();
@@ -201,11 +202,12 @@ async fn one_report_that_cannot_apply_holds_no_decision_hostage() {
     let options = RedisOptions::default()
         .response_timeout(Duration::from_millis(50))
         .connect_timeout(Duration::from_secs(2))
-        .circuit_breaker(CircuitConfig {
-            failures: 1,
-            base_backoff: Duration::from_millis(50),
-            max_backoff: Duration::from_millis(50),
-        });
+        .circuit_breaker(
+            CircuitConfig::default()
+                .min_failures(1)
+                .min_span(Duration::ZERO)
+                .backoff(Duration::from_millis(50), Duration::from_millis(50)),
+        );
     let redis = RedisStore::connect_with(&server.url(), options)
         .await
         .unwrap();
@@ -416,11 +418,8 @@ async fn absurd_durations_are_refused_at_build() {
             .unwrap_err();
         assert!(e.is_invalid_input(), "{e}");
     }
-    let options = RedisOptions::default().circuit_breaker(CircuitConfig {
-        failures: 5,
-        base_backoff: huge,
-        max_backoff: huge,
-    });
+    let options =
+        RedisOptions::default().circuit_breaker(CircuitConfig::default().backoff(huge, huge));
     let e = RedisStore::connect_lazy("redis://127.0.0.1:1/", options).unwrap_err();
     assert!(e.is_invalid_input(), "{e}");
 }

@@ -8,7 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use slicelimit::{FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore, Source};
+use slicelimit::{
+    CircuitState, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore, Source,
+};
 use support::cluster::RedisCluster;
 use support::load::{drive, wall_us, LoadSpec, Tally};
 
@@ -166,6 +168,16 @@ async fn a_killed_primary_is_survived_through_the_policy_then_recovered_from() {
         .map(|i| format!("k{i}"))
         .find(|k| cluster.primary_for(&format!("{{fo-h:{k}}}")) == victim)
         .expect("a key on the same primary");
+    // Fresh keys on the victim's slots: they move to its replica together,
+    // so a store decision on one says those slots are served again (keys
+    // on the other primaries never stopped being served).
+    let owners = cluster.primaries_by_slot();
+    let mut fresh_keys = (0..20_000)
+        .map(|i| format!("k0-{i}"))
+        .filter(|k| {
+            owners[usize::from(support::cluster::slot(&format!("{{fo:{k}}}")))] == Some(victim)
+        })
+        .take(2_000);
     assert!(exact.check("k0", 1).await.is_allowed());
     assert!(hybrid.check(&hybrid_key, 1).await.is_allowed());
     let killed_at = Instant::now();
@@ -188,7 +200,9 @@ async fn a_killed_primary_is_survived_through_the_policy_then_recovered_from() {
             }
         }
         // Back when a fresh key on the failed-over slots gets a store decision.
-        let fresh = format!("k0-{}", killed_at.elapsed().as_millis());
+        let fresh = fresh_keys
+            .next()
+            .expect("enough fresh keys on the victim's slots");
         let d = exact.check(&fresh, 1).await;
         if std::env::var("CLUSTER_DEBUG").is_ok() {
             eprintln!(
@@ -231,4 +245,244 @@ async fn a_killed_primary_is_survived_through_the_policy_then_recovered_from() {
     exact.shutdown().await;
     hybrid.shutdown().await;
     assert_eq!(cluster.immortal_keys(), Vec::<String>::new());
+}
+
+/// Keys `k0`, `k1`, … of namespace `ns`, sorted by the primary serving
+/// them: (the primary serving `victim_of`, or `victim` if given; `per` keys
+/// on it, `2 × per` keys on the others).
+fn keys_around(
+    cluster: &RedisCluster,
+    ns: &str,
+    victim_of: &str,
+    victim: Option<usize>,
+    per: usize,
+) -> (usize, Vec<String>, Vec<String>) {
+    let owners = cluster.primaries_by_slot();
+    let owner = |key: &str| owners[usize::from(support::cluster::slot(&format!("{{{ns}:{key}}}")))];
+    let victim = victim.unwrap_or_else(|| owner(victim_of).expect("an owner"));
+    let (mut on_victim, mut elsewhere) = (Vec::new(), Vec::new());
+    for i in 0..100_000 {
+        if on_victim.len() >= per && elsewhere.len() >= 2 * per {
+            break;
+        }
+        let key = format!("k{i}");
+        if owner(&key) == Some(victim) {
+            if on_victim.len() < per {
+                on_victim.push(key);
+            }
+        } else if elsewhere.len() < 2 * per {
+            elsewhere.push(key);
+        }
+    }
+    let mut others: Vec<usize> = elsewhere.iter().filter_map(|k| owner(k)).collect();
+    others.sort_unstable();
+    others.dedup();
+    assert_eq!(others.len(), 2, "keys on both other primaries");
+    (victim, on_victim, elsewhere)
+}
+
+/// One primary stops answering (SIGSTOP; no replica takes over): its keys
+/// follow the failure policy, keys on the two other primaries are still
+/// decided by Redis, and once it answers again everything is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_primary_refuses_only_its_own_keys() {
+    let cluster = RedisCluster::start_primaries_only();
+    let options = RedisOptions::default().connect_timeout(Duration::from_millis(500));
+    let store = connect(&cluster, options).await;
+    let limiter = Limiter::builder(Quota::per_minute(1_000_000))
+        .store(store.clone())
+        .namespace("shard")
+        .on_store_error(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    let (victim, on_victim, elsewhere) = keys_around(&cluster, "shard", "k0", None, 10);
+    // A hybrid limiter on the same store; its keys stay cold until the
+    // primary is stopped.
+    let hybrid = Limiter::builder(Quota::per_minute(1_000_000))
+        .store(store.clone())
+        .namespace("shard-h")
+        .on_store_error(FailurePolicy::FailClosed)
+        .hybrid(HybridConfig::strict())
+        .build()
+        .unwrap();
+    let (_, cold_on_victim, cold_elsewhere) =
+        keys_around(&cluster, "shard-h", "", Some(victim), 10);
+    for key in on_victim.iter().chain(&elsewhere) {
+        assert_eq!(limiter.check(key, 1).await.source(), Source::Store);
+    }
+    let states = store.circuit_states();
+    assert_eq!(states.len(), 3, "{states:?}");
+    assert!(states.iter().all(|(_, s)| *s == CircuitState::Closed));
+    let victim_address = format!("127.0.0.1:{}", cluster.nodes[victim].port());
+
+    cluster.nodes[victim].freeze();
+    // (store, policy) decisions on the stopped primary and elsewhere.
+    let (mut stopped, mut live) = ([0u64; 2], [0u64; 2]);
+    for _ in 0..20 {
+        for key in &on_victim {
+            let d = limiter.check(key, 1).await;
+            assert_ne!(d.source(), Source::Store, "{key} on the stopped primary");
+            assert_eq!(d.source(), Source::FailClosed);
+            stopped[1] += 1;
+        }
+        for key in &elsewhere {
+            let d = limiter.check(key, 1).await;
+            live[usize::from(d.source() != Source::Store)] += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let states = store.circuit_states();
+    println!("stopped primary: {stopped:?}, live primaries: {live:?}, breakers {states:?}");
+    assert_eq!(
+        live[1], 0,
+        "keys on the live primaries were decided by the policy: {live:?}"
+    );
+    for (address, state) in &states {
+        if *address == victim_address {
+            assert_ne!(*state, CircuitState::Closed, "{states:?}");
+        } else {
+            assert_eq!(*state, CircuitState::Closed, "{states:?}");
+        }
+    }
+    assert_eq!(store.circuit_state(), CircuitState::HalfOpen);
+    assert!(store.circuit_trips() >= 1);
+    assert!(store.calls_refused() > 0, "the open breaker refused calls");
+    // Cold hybrid keys asked for together: their leases share batches that
+    // span every primary; only the stopped primary's fail.
+    let checks: Vec<_> = cold_on_victim
+        .iter()
+        .map(|k| (true, k))
+        .chain(cold_elsewhere.iter().map(|k| (false, k)))
+        .map(|(stopped, key)| {
+            let hybrid = hybrid.clone();
+            let key = key.clone();
+            tokio::spawn(
+                async move { (stopped, key.clone(), hybrid.check(&key, 1).await.source()) },
+            )
+        })
+        .collect();
+    for check in checks {
+        let (stopped, key, source) = check.await.unwrap();
+        let expected = if stopped {
+            Source::FailClosed
+        } else {
+            Source::Lease
+        };
+        assert_eq!(source, expected, "hybrid key {key}");
+    }
+    // The live primaries forget their scripts: each reloads what it needs
+    // alone (loading on every node would fail while one is stopped).
+    for (i, node) in cluster.nodes.iter().enumerate() {
+        if i != victim {
+            let _: String = node.cmd(&["SCRIPT", "FLUSH"]);
+        }
+    }
+    for key in &elsewhere {
+        assert_eq!(
+            limiter.check(key, 1).await.source(),
+            Source::Store,
+            "{key} after SCRIPT FLUSH"
+        );
+    }
+
+    cluster.nodes[victim].thaw();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut all = true;
+        for key in on_victim.iter().chain(&elsewhere) {
+            all &= limiter.check(key, 1).await.source() == Source::Store;
+        }
+        if all {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the stopped primary never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The hybrid keys whose leases failed are leased again once their
+    // refill is retried.
+    for key in cold_on_victim.iter().chain(&cold_elsewhere) {
+        loop {
+            let d = hybrid.check(key, 1).await;
+            if matches!(d.source(), Source::Lease | Source::Store) {
+                break;
+            }
+            assert_eq!(d.source(), Source::FailClosed);
+            assert!(
+                Instant::now() < deadline,
+                "hybrid key {key} never came back"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert_eq!(store.circuit_state(), CircuitState::Closed);
+    assert!(store
+        .circuit_states()
+        .iter()
+        .all(|(_, s)| *s == CircuitState::Closed));
+    hybrid.shutdown().await;
+}
+
+/// 512 cold keys on a cluster: their leases go out as one pipeline per
+/// hash slot. Round trips count the pipelines actually sent, store calls
+/// count the 512 lease scripts (which Redis ran exactly 512 times).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_trips_count_pipelines_and_store_calls_count_scripts() {
+    let cluster = RedisCluster::start_primaries_only();
+    let store = connect(&cluster, generous()).await;
+    let limiter = Limiter::builder(Quota::per_minute(1_000_000))
+        .store(store.clone())
+        .namespace("cost")
+        .hybrid(HybridConfig::strict().max_wait(Duration::from_secs(2)))
+        .build()
+        .unwrap();
+    // Load the lease script on every primary first, so the batch below
+    // meets no NOSCRIPT (a reload would be a round trip of its own).
+    let (_, warm_a, warm_b) = keys_around(&cluster, "cost", "k0", None, 1);
+    for key in warm_a.iter().chain(&warm_b) {
+        assert_eq!(limiter.check(key, 1).await.source(), Source::Lease);
+    }
+    let primaries: Vec<&support::RedisServer> = cluster.nodes.iter().collect();
+    let evalsha = || -> u64 { primaries.iter().map(|n| n.command_calls("evalsha")).sum() };
+    let before = limiter.stats();
+    let sent_before = store.calls_sent();
+    let scripts_before = evalsha();
+
+    let keys: Vec<String> = (0..512).map(|i| format!("cold-{i}")).collect();
+    let mut slots: Vec<u16> = keys
+        .iter()
+        .map(|k| support::cluster::slot(&format!("{{cost:{k}}}")))
+        .collect();
+    slots.sort_unstable();
+    slots.dedup();
+    let checks: Vec<_> = keys
+        .iter()
+        .map(|key| {
+            let limiter = limiter.clone();
+            let key = key.clone();
+            tokio::spawn(async move { limiter.check(&key, 1).await })
+        })
+        .collect();
+    for check in checks {
+        assert_eq!(check.await.unwrap().source(), Source::Lease);
+    }
+    let after = limiter.stats();
+    let round_trips = after.round_trips - before.round_trips;
+    let calls = after.store_calls - before.store_calls;
+    let sent = store.calls_sent() - sent_before;
+    println!(
+        "512 cold keys over {} slots: {round_trips} round trips, {calls} store calls",
+        slots.len()
+    );
+    assert_eq!(calls, 512, "one lease script per key");
+    assert_eq!(evalsha() - scripts_before, 512, "Redis ran 512 scripts");
+    assert_eq!(round_trips, sent, "round trips are the pipelines sent");
+    assert!(
+        round_trips >= slots.len() as u64,
+        "at least one pipeline per slot: {round_trips} < {}",
+        slots.len()
+    );
+    limiter.shutdown().await;
 }

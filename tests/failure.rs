@@ -291,11 +291,12 @@ async fn client_pause_exact_times_out_within_the_bound_while_leased_keys_stay_lo
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_open_circuit_sends_nothing_and_probes_once_per_back_off() {
     let server = RedisServer::start();
-    let circuit = CircuitConfig {
-        failures: 3,
-        base_backoff: Duration::from_millis(300),
-        max_backoff: Duration::from_millis(600),
-    };
+    // Opens on 3 failures however close together, so three sequential
+    // timeouts open it.
+    let circuit = CircuitConfig::default()
+        .min_failures(3)
+        .min_span(Duration::ZERO)
+        .backoff(Duration::from_millis(300), Duration::from_millis(600));
     let store = RedisStore::connect_with(
         &server.url(),
         options()
@@ -562,5 +563,140 @@ async fn connecting_to_nothing_fails_fast_and_a_lazy_store_applies_the_policy() 
         began.elapsed() < Duration::from_millis(500) + MARGIN,
         "{:?}",
         began.elapsed()
+    );
+}
+
+/// One stall of a busy server (a 60 ms `DEBUG SLEEP` under 2,048
+/// concurrent callers) times out hundreds of queued calls at once; with
+/// the default breaker that is not an outage: the breaker stays closed and
+/// decisions after the stall come from Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_stall_under_two_thousand_callers_does_not_open_the_breaker() {
+    let server = RedisServer::start();
+    let store = RedisStore::connect_with(&server.url(), options())
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(Quota::per_minute(1_000_000_000))
+        .store(store.clone())
+        .namespace("stall")
+        .on_store_error(FailurePolicy::FailOpen)
+        .build()
+        .unwrap();
+    assert_eq!(limiter.check("warm", 1).await.source(), Source::Store);
+    const CALLERS: u64 = 2_048;
+    // Each caller checks every 500 ms (about 4,000 checks a second in
+    // all), starting spread over the first period.
+    let stop = Arc::new(AtomicBool::new(false));
+    let stalled = Arc::new(AtomicBool::new(false));
+    let resumed = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for c in 0..CALLERS {
+        let limiter = limiter.clone();
+        let (stop, stalled, resumed) = (stop.clone(), stalled.clone(), resumed.clone());
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_micros(c * 500_000 / CALLERS)).await;
+            // (decided before the stall, during it, after it) by the store,
+            // and by the policy.
+            let mut seen = [[0u64; 2]; 3];
+            while !stop.load(Ordering::Acquire) {
+                let phase = if resumed.load(Ordering::Acquire) {
+                    2
+                } else if stalled.load(Ordering::Acquire) {
+                    1
+                } else {
+                    0
+                };
+                let d = limiter.check(&format!("k{}", c % 64), 1).await;
+                seen[phase][usize::from(d.source() != Source::Store)] += 1;
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            seen
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let url = server.url();
+    stalled.store(true, Ordering::Release);
+    tokio::task::spawn_blocking(move || {
+        let mut conn = redis::Client::open(url)
+            .unwrap()
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .unwrap();
+        let _: () = redis::cmd("DEBUG")
+            .arg("SLEEP")
+            .arg("0.06")
+            .query(&mut conn)
+            .unwrap();
+    })
+    .await
+    .unwrap();
+    // Calls queued behind the stall drain within a few hundred ms; count
+    // what follows as after the stall.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    resumed.store(true, Ordering::Release);
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    stop.store(true, Ordering::Release);
+    let mut seen = [[0u64; 2]; 3];
+    for t in tasks {
+        let s = t.await.unwrap();
+        for (phase, counts) in s.iter().enumerate() {
+            seen[phase][0] += counts[0];
+            seen[phase][1] += counts[1];
+        }
+    }
+    println!("(store, policy) before / around / after the stall: {seen:?}");
+    let timed_out = seen[0][1] + seen[1][1];
+    assert!(
+        timed_out >= 20,
+        "the stall timed out {timed_out} calls: too few to test the breaker (a consecutive-failure rule opens on 5)"
+    );
+    assert_eq!(store.circuit_trips(), 0, "the breaker opened on one stall");
+    assert_eq!(store.circuit_state(), CircuitState::Closed);
+    // An open breaker would have answered everything by the policy for
+    // at least its back-off; a debug build on a loaded machine times out a
+    // few calls at any time.
+    assert!(seen[2][0] >= CALLERS, "{seen:?}");
+    assert!(
+        seen[2][1] * 10 <= seen[2][0],
+        "after the stall, decisions come from Redis: {seen:?}"
+    );
+}
+
+/// A killed server still opens the default breaker, even at one call per
+/// 100 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_server_opens_the_default_breaker_at_low_traffic() {
+    let mut server = RedisServer::start();
+    let store = RedisStore::connect_with(&server.url(), options())
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(Quota::per_minute(1_000))
+        .store(store.clone())
+        .namespace("dead")
+        .on_store_error(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    for _ in 0..5 {
+        assert_eq!(limiter.check("k", 1).await.source(), Source::Store);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    server.kill();
+    let mut calls = 0;
+    loop {
+        let d = limiter.check("k", 1).await;
+        assert_eq!(d.source(), Source::FailClosed);
+        calls += 1;
+        if store.circuit_trips() > 0 {
+            break;
+        }
+        assert!(calls < 8, "still closed after {calls} failed calls");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(calls >= 3, "opened after {calls} calls");
+    assert_eq!(store.circuit_state(), CircuitState::Open);
+    let d = limiter.check("k", 1).await;
+    assert_eq!(d.source(), Source::FailClosed);
+    assert!(
+        store.calls_refused() >= 1,
+        "the open breaker refused the call"
     );
 }

@@ -126,11 +126,11 @@ async fn shutdown_returns_promptly_against_a_frozen_server() {
 /// blackhole its connections, its first decision made by Redis.
 async fn behind_proxy(server: &RedisServer, ns: &str) -> (Proxy, Limiter) {
     let proxy = Proxy::start(server.port()).await;
-    let options = fast_options().circuit_breaker(CircuitConfig {
-        failures: 3,
-        base_backoff: Duration::from_millis(50),
-        max_backoff: Duration::from_millis(200),
-    });
+    let options = fast_options().circuit_breaker(
+        CircuitConfig::default()
+            .min_span(Duration::ZERO)
+            .backoff(Duration::from_millis(50), Duration::from_millis(200)),
+    );
     let redis = RedisStore::connect_with(&proxy.url(), options)
         .await
         .unwrap();

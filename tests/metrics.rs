@@ -119,6 +119,15 @@ async fn optimistic_overshoot_and_decisions_are_counted() {
         1
     );
     assert!(counter(&snapshot, "slicelimit_store_round_trips_total", &opt) >= 1);
+    // Script calls are counted too (the sync task may have sent more
+    // since the snapshot, never fewer).
+    let calls = counter(&snapshot, "slicelimit_store_calls_total", &opt);
+    let stats = limiter.stats();
+    assert!(
+        calls >= 1 && calls <= stats.store_calls,
+        "{calls} {stats:?}"
+    );
+    assert!(stats.store_calls >= stats.round_trips, "{stats:?}");
     // Labels stay fixed: no user key anywhere.
     for (key, _, _, _) in &snapshot {
         for label in key.key().labels() {

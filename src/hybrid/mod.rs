@@ -557,7 +557,7 @@ impl Shared {
     }
 
     async fn exact_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
-        self.counters.round_trips.add(1);
+        self.counters.one_call();
         self.exact.check(key, cost).await
     }
 

@@ -17,7 +17,7 @@ use futures_util::future::join_all;
 
 use super::{HybridConfig, Shared};
 use crate::failure::{Report, RESEND_FOR};
-use crate::store::{LeaseCall, LeaseOrigin, LeaseReply, OpId, MAX_REPORT};
+use crate::store::{LeaseCall, LeaseOrigin, LeaseReply, OpId, StoreCost, MAX_REPORT};
 use crate::{Algorithm, Error};
 
 /// Local clocks are assumed to run within this many parts per million of
@@ -327,15 +327,15 @@ pub(crate) async fn round(shared: &Shared) -> bool {
         let results = join_all(calls.iter().enumerate().map(|(i, batch)| {
             let ahead: usize = calls[..i].iter().map(Vec::len).sum();
             async move {
-                let result = shared.store.lease_batch(&shared.params, batch, ahead).await;
-                (result, shared.time.precise_us())
+                let (result, cost) = shared.store.lease_batch(&shared.params, batch, ahead).await;
+                (result, cost, shared.time.precise_us())
             }
         }))
         .await;
         let batches = std::mem::take(&mut unsent.batches);
         shared.counters.circuit(shared.store.circuit_state());
-        for ((pending, calls), (result, t1)) in batches.into_iter().zip(&calls).zip(results) {
-            settle(shared, &config, pending, calls, result, t0, t1);
+        for (pending, (result, cost, t1)) in batches.into_iter().zip(results) {
+            settle(shared, &config, pending, result, cost, t0, t1);
         }
         if sent >= BATCHES_PER_ROUND && !last {
             more = true;
@@ -410,18 +410,18 @@ fn settle(
     shared: &Shared,
     config: &HybridConfig,
     pending: Vec<Pending>,
-    calls: &[LeaseCall],
     results: Result<Vec<Result<LeaseReply, Error>>, Error>,
+    cost: StoreCost,
     t0: u64,
     t1: u64,
 ) {
     // A call the breaker refused never left the process: it is neither
     // a round trip nor a latency sample nor a lease requested.
     if !matches!(&results, Err(e) if e.is_circuit_open()) {
-        let requested = calls.iter().filter(|c| c.want > 0).count() as u64;
+        let requested = pending.iter().filter(|p| p.call.want > 0).count() as u64;
         shared.counters.leases_requested.add(requested);
         let rtt = t1.saturating_sub(t0);
-        shared.counters.round_trip(rtt);
+        shared.counters.round_trip(cost, rtt);
         let old = shared.rtt_us.load(Ordering::Relaxed);
         shared.rtt_us.store(
             if old == 0 { rtt } else { (old * 7 + rtt) / 8 },
@@ -450,11 +450,11 @@ async fn give_back_all(shared: &Shared) {
     let returns = std::mem::take(&mut *shared.returns.lock().unwrap_or_else(|p| p.into_inner()));
     for chunk in returns.chunks(shared.config.load().batch_size) {
         let began = shared.time.precise_us();
-        let result = shared.store.give_back_batch(&shared.params, chunk).await;
+        let (result, cost) = shared.store.give_back_batch(&shared.params, chunk).await;
         if !matches!(&result, Err(e) if e.is_circuit_open()) {
             shared
                 .counters
-                .round_trip(shared.time.precise_us().saturating_sub(began));
+                .round_trip(cost, shared.time.precise_us().saturating_sub(began));
         }
         match result {
             Ok(results) => {

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params, Store};
+use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params, Store, StoreCost};
 use crate::failure::{CircuitBreaker, CircuitConfig};
 use crate::{Clock, Error, ErrorKind};
 
@@ -109,11 +109,9 @@ impl FaultyStore {
                 faults: Mutex::new(faults),
                 rng: Mutex::new(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
                 breaker: CircuitBreaker::new(
-                    CircuitConfig {
-                        failures: 5,
-                        base_backoff: Duration::from_millis(50),
-                        max_backoff: Duration::from_millis(400),
-                    },
+                    CircuitConfig::default()
+                        .min_failures(5)
+                        .backoff(Duration::from_millis(50), Duration::from_millis(400)),
                     clock,
                 ),
                 counts: Mutex::new(FaultCounts::default()),
@@ -226,18 +224,34 @@ impl FaultyStore {
         params: &Params,
         calls: &[LeaseCall],
         ahead: usize,
-    ) -> Result<Vec<Result<LeaseReply, Error>>, Error> {
-        self.run(|| self.inner.store.lease_batch(params, calls, ahead))
-            .await
+    ) -> (Result<Vec<Result<LeaseReply, Error>>, Error>, StoreCost) {
+        let result = self
+            .run(|| async { self.inner.store.lease_batch(params, calls, ahead).await.0 })
+            .await;
+        {
+            let cost = Self::cost(&result, calls.len());
+            (result, cost)
+        }
     }
 
     pub(crate) async fn give_back_batch(
         &self,
         params: &Params,
         calls: &[GiveBackCall],
-    ) -> Result<Vec<Result<u64, Error>>, Error> {
-        self.run(|| self.inner.store.give_back_batch(params, calls))
-            .await
+    ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
+        let result = self
+            .run(|| async { self.inner.store.give_back_batch(params, calls).await.0 })
+            .await;
+        let cost = Self::cost(&result, calls.len());
+        (result, cost)
+    }
+
+    /// One round trip per batch, unless the breaker refused it.
+    fn cost<T>(result: &Result<T, Error>, calls: usize) -> StoreCost {
+        match result {
+            Err(e) if e.is_circuit_open() => StoreCost::default(),
+            _ => StoreCost::one_trip(calls),
+        }
     }
 
     pub(crate) fn retry_hint(&self) -> Option<Duration> {

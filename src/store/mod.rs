@@ -10,6 +10,7 @@
 pub(crate) mod faults;
 pub(crate) mod memory;
 pub(crate) mod redis;
+pub(crate) mod topology;
 
 #[cfg(feature = "test-support")]
 pub use self::faults::{FaultCounts, Faults, FaultyStore};
@@ -50,6 +51,26 @@ impl From<RedisStore> for Store {
 impl From<MemoryStore> for Store {
     fn from(store: MemoryStore) -> Self {
         Store::Memory(store)
+    }
+}
+
+/// What a batch cost the store: round trips (pipelines and script loads
+/// sent; on a cluster a batch is one pipeline per hash slot) and script
+/// calls (each call of the batch once, however often it was resent). A
+/// call the circuit breaker refused costs nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct StoreCost {
+    pub(crate) round_trips: u64,
+    pub(crate) calls: u64,
+}
+
+impl StoreCost {
+    /// One round trip carrying `calls` script calls.
+    pub(crate) fn one_trip(calls: usize) -> Self {
+        StoreCost {
+            round_trips: 1,
+            calls: calls as u64,
+        }
     }
 }
 
@@ -319,6 +340,20 @@ impl Store {
         }
     }
 
+    /// As [`retry_hint`](Self::retry_hint), for calls on `store_key` (on a
+    /// cluster, its primary's breaker).
+    pub(crate) fn retry_hint_for(&self, store_key: &str) -> Option<std::time::Duration> {
+        match self {
+            Store::Redis(s) => s.retry_hint_for(store_key),
+            _ => self.retry_hint(),
+        }
+    }
+
+    /// Whether calls on different keys may meet different breakers.
+    pub(crate) fn is_sharded(&self) -> bool {
+        matches!(self, Store::Redis(s) if s.is_cluster())
+    }
+
     /// The circuit breaker's state (an embedded store never trips).
     pub(crate) fn circuit_state(&self) -> crate::CircuitState {
         match self {
@@ -349,8 +384,8 @@ impl Store {
         }
     }
 
-    /// Runs many leases in one round trip where the store allows it; one
-    /// result per call, in order.
+    /// Runs many leases in as few round trips as the store allows; one
+    /// result per call, in order, and what the batch cost.
     ///
     /// `ahead`: calls already in flight before these (concurrent batches
     /// of one round), which a batch's timeout allows for.
@@ -359,33 +394,34 @@ impl Store {
         params: &Params,
         calls: &[LeaseCall],
         ahead: usize,
-    ) -> Result<Vec<Result<LeaseReply, Error>>, Error> {
+    ) -> (Result<Vec<Result<LeaseReply, Error>>, Error>, StoreCost) {
         match self {
             Store::Redis(s) => s.lease_batch(params, calls, ahead).await,
             Store::Memory(s) => {
                 s.half_trip().await;
                 let replies = calls.iter().map(|c| s.lease(params, c)).collect();
                 s.half_trip().await;
-                Ok(replies)
+                (Ok(replies), StoreCost::one_trip(calls.len()))
             }
             #[cfg(feature = "test-support")]
             Store::Faulty(s) => Box::pin(s.lease_batch(params, calls, ahead)).await,
         }
     }
 
-    /// Gives permits back; returns how many the store took back.
+    /// Gives permits back; returns how many the store took back, and what
+    /// the batch cost.
     pub(crate) async fn give_back_batch(
         &self,
         params: &Params,
         calls: &[GiveBackCall],
-    ) -> Result<Vec<Result<u64, Error>>, Error> {
+    ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
         match self {
             Store::Redis(s) => s.give_back_batch(params, calls).await,
             Store::Memory(s) => {
                 s.half_trip().await;
                 let replies = calls.iter().map(|c| s.give_back(params, c)).collect();
                 s.half_trip().await;
-                Ok(replies)
+                (Ok(replies), StoreCost::one_trip(calls.len()))
             }
             #[cfg(feature = "test-support")]
             Store::Faulty(s) => Box::pin(s.give_back_batch(params, calls)).await,

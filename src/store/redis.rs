@@ -4,8 +4,10 @@
 //! following `MOVED` / `ASK`), script loading and `NOSCRIPT` recovery, and
 //! pipelining of batched lease calls (on a cluster, one pipeline per hash
 //! slot, sent concurrently). Every call is bounded by the response timeout;
-//! nothing here waits longer. It makes no decisions and applies no failure
-//! policy: errors go back to the caller classified.
+//! nothing here waits longer. Calls pass a circuit breaker: the store's on a
+//! single node, their primary's on a cluster (see [`topology`](super::topology)),
+//! so one unavailable shard refuses only its own keys. It makes no decisions
+//! and applies no failure policy: errors go back to the caller classified.
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -16,35 +18,51 @@ use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::cluster_routing::Slot;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
-use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, OpId, Params};
+use super::topology::{slot_of, Node, Topology};
+use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, OpId, Params, StoreCost};
 use crate::failure::{CircuitBreaker, CircuitConfig, CircuitState};
 use crate::{Algorithm, Error, ErrorKind, SystemClock};
 
+/// A script and its source, which `SCRIPT LOAD` sends to one node.
+struct Lua {
+    script: Script,
+    source: &'static str,
+}
+
+impl Lua {
+    fn new(source: &'static str) -> Self {
+        Lua {
+            script: Script::new(source),
+            source,
+        }
+    }
+}
+
 struct Scripts {
-    fixed_window: Script,
-    token_bucket: Script,
-    gcra: Script,
-    lease_fixed_window: Script,
-    lease_token_bucket: Script,
-    lease_gcra: Script,
-    give_back: Script,
+    fixed_window: Lua,
+    token_bucket: Lua,
+    gcra: Lua,
+    lease_fixed_window: Lua,
+    lease_token_bucket: Lua,
+    lease_gcra: Lua,
+    give_back: Lua,
 }
 
 static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    fixed_window: Script::new(include_str!("../../lua/fixed_window.lua")),
-    token_bucket: Script::new(include_str!("../../lua/token_bucket.lua")),
-    gcra: Script::new(include_str!("../../lua/gcra.lua")),
-    lease_fixed_window: Script::new(include_str!("../../lua/lease_fixed_window.lua")),
-    lease_token_bucket: Script::new(include_str!("../../lua/lease_token_bucket.lua")),
-    lease_gcra: Script::new(include_str!("../../lua/lease_gcra.lua")),
-    give_back: Script::new(include_str!("../../lua/give_back.lua")),
+    fixed_window: Lua::new(include_str!("../../lua/fixed_window.lua")),
+    token_bucket: Lua::new(include_str!("../../lua/token_bucket.lua")),
+    gcra: Lua::new(include_str!("../../lua/gcra.lua")),
+    lease_fixed_window: Lua::new(include_str!("../../lua/lease_fixed_window.lua")),
+    lease_token_bucket: Lua::new(include_str!("../../lua/lease_token_bucket.lua")),
+    lease_gcra: Lua::new(include_str!("../../lua/lease_gcra.lua")),
+    give_back: Lua::new(include_str!("../../lua/give_back.lua")),
 });
 
 impl Scripts {
-    fn exact(&self, algorithm: Algorithm) -> &Script {
+    fn exact(&'static self, algorithm: Algorithm) -> &'static Lua {
         match algorithm {
             Algorithm::FixedWindow => &self.fixed_window,
             Algorithm::TokenBucket => &self.token_bucket,
@@ -52,7 +70,7 @@ impl Scripts {
         }
     }
 
-    fn lease(&self, algorithm: Algorithm) -> &Script {
+    fn lease(&'static self, algorithm: Algorithm) -> &'static Lua {
         match algorithm {
             Algorithm::FixedWindow => &self.lease_fixed_window,
             Algorithm::TokenBucket => &self.lease_token_bucket,
@@ -110,8 +128,11 @@ impl RedisOptions {
         self
     }
 
-    /// When the circuit breaker opens and for how long (default: after 5
-    /// consecutive failures, 100 ms doubling to at most 1 s, with jitter).
+    /// When the circuit breaker opens and for how long (default: once at
+    /// least 3 calls within 1 s failed and failures have gone on, most of
+    /// the time, for 200 ms; open for 100 ms doubling to at most 1 s, with
+    /// jitter). On a cluster each primary has a breaker of this
+    /// configuration. See [`CircuitConfig`].
     #[must_use]
     pub fn circuit_breaker(mut self, config: CircuitConfig) -> Self {
         self.circuit = config;
@@ -180,10 +201,47 @@ struct Inner {
     rebuild: Option<Rebuild>,
     options: RedisOptions,
     url: String,
-    /// Stops calls to a store that keeps failing.
+    /// Stops calls to a store that keeps failing: every call on a single
+    /// node; on a cluster, calls on slots whose primary is not known yet.
     breaker: CircuitBreaker,
+    /// Cluster only: each slot's primary and each primary's breaker.
+    topology: Option<Topology>,
     /// Calls sent to Redis (pipelines count once).
     calls: AtomicU64,
+}
+
+/// Clears the topology's refresh flag when the refresh task ends, however
+/// it ends.
+struct Refreshing(RedisStore);
+
+impl Drop for Refreshing {
+    fn drop(&mut self) {
+        if let Some(topology) = &self.0.inner.topology {
+            topology.end_refresh();
+        }
+    }
+}
+
+/// Whether a failed call says the cluster's layout changed under the
+/// client: a redirection it could not follow, a slot being migrated or
+/// without a primary, a node it has no connection to.
+fn is_layout_change(e: &redis::RedisError) -> bool {
+    e.is_cluster_error()
+        || e.redirect_node().is_some()
+        || e.kind() == redis::ErrorKind::ClusterConnectionNotFound
+}
+
+/// Whether a reply says the server cannot serve: a demoted primary, a
+/// restart loading its data, a cluster without a quorum.
+fn refuses(v: &Value) -> bool {
+    matches!(v, Value::ServerError(e) if matches!(
+        e.code(),
+        "READONLY" | "LOADING" | "MASTERDOWN" | "CLUSTERDOWN" | "TRYAGAIN"
+    ))
+}
+
+fn is_noscript(v: &Value) -> bool {
+    matches!(v, Value::ServerError(e) if e.code() == "NOSCRIPT")
 }
 
 /// Rebuilding a connection from scratch. Cluster: after a primary dies, the
@@ -354,8 +412,82 @@ impl RedisStore {
                     format!("cannot connect to the cluster at {urls:?}: {e}"),
                 )
             })?;
-        let store = Self::from_parts(Conn::Cluster(conn), options, &urls.join(","));
-        Ok(Self::with_rebuild(store, Client::Cluster(client)))
+        let mut store = Self::from_parts(Conn::Cluster(conn), options, &urls.join(","));
+        if let Some(inner) = Arc::get_mut(&mut store.inner) {
+            let seed_host = urls
+                .first()
+                .and_then(|u| redis::Client::open(*u).ok())
+                .map(|c| match &c.get_connection_info().addr() {
+                    redis::ConnectionAddr::Tcp(host, _) => host.clone(),
+                    redis::ConnectionAddr::TcpTls { host, .. } => host.clone(),
+                    _ => String::new(),
+                })
+                .unwrap_or_default();
+            inner.topology = Some(Topology::new(
+                inner.options.circuit,
+                Arc::new(SystemClock::new()),
+                &seed_host,
+            ));
+        }
+        let store = Self::with_rebuild(store, Client::Cluster(client));
+        // The slot map; without it every call uses the store-wide breaker
+        // until the first refresh.
+        let _ =
+            tokio::time::timeout(store.inner.options.connect_timeout, store.read_topology()).await;
+        Ok(store)
+    }
+
+    /// Reads the slot map again in the background (at most one refresh at
+    /// a time, one per 250 ms).
+    fn refresh_topology(&self) {
+        let Some(topology) = &self.inner.topology else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if !topology.begin_refresh() {
+            return;
+        }
+        let guard = Refreshing(self.clone());
+        runtime.spawn(async move {
+            let store = &guard.0;
+            let limit = store.inner.options.connect_timeout;
+            let _ = tokio::time::timeout(limit, store.read_topology()).await;
+        });
+    }
+
+    /// Asks the primaries, those whose breaker is closed first, for the
+    /// slot map, and installs the first answer.
+    async fn read_topology(&self) {
+        let Some(topology) = &self.inner.topology else {
+            return;
+        };
+        let Conn::Cluster(conn) = &**self.inner.conn.load() else {
+            return;
+        };
+        let mut nodes = topology.nodes();
+        nodes.sort_by_key(|n| n.breaker.state() != CircuitState::Closed);
+        let routes = nodes
+            .iter()
+            .map(|n| n.route())
+            .chain([RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random)]);
+        let each = (self.inner.options.response_timeout * 4).max(Duration::from_millis(100));
+        for route in routes {
+            let mut conn = conn.clone();
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("SLOTS");
+            let Ok(Ok(reply)) = tokio::time::timeout(each, conn.route_command(cmd, route)).await
+            else {
+                continue;
+            };
+            if let Ok(ranges) = topology.parse_slots(reply) {
+                if !ranges.is_empty() {
+                    topology.install(&ranges);
+                    return;
+                }
+            }
+        }
     }
 
     /// After an unavailability error, replaces the connection in the
@@ -443,24 +575,46 @@ impl RedisStore {
                 options,
                 url: url.to_owned(),
                 breaker,
+                topology: None,
                 calls: AtomicU64::new(0),
             }),
         }
     }
 
-    /// The circuit breaker's state.
+    /// The circuit breaker's state. On a cluster, where each primary has
+    /// its own breaker: `Open` when every primary's breaker is open,
+    /// `Closed` when every one is closed, `HalfOpen` otherwise (calls on
+    /// some slots are refused, the others go through); see
+    /// [`circuit_states`](Self::circuit_states) for each primary's.
     pub fn circuit_state(&self) -> CircuitState {
-        self.inner.breaker.state()
+        self.inner
+            .topology
+            .as_ref()
+            .and_then(Topology::state)
+            .unwrap_or_else(|| self.inner.breaker.state())
     }
 
-    /// Times the circuit breaker has opened.
+    /// Each primary's address and breaker state (a cluster; empty for a
+    /// single node).
+    pub fn circuit_states(&self) -> Vec<(String, CircuitState)> {
+        self.inner
+            .topology
+            .as_ref()
+            .map(Topology::states)
+            .unwrap_or_default()
+    }
+
+    /// Times a circuit breaker has opened (on a cluster, summed over its
+    /// primaries).
     pub fn circuit_trips(&self) -> u64 {
-        self.inner.breaker.trips()
+        let nodes = self.inner.topology.as_ref().map_or(0, |t| t.totals().0);
+        self.inner.breaker.trips() + nodes
     }
 
-    /// Calls refused by the open circuit breaker (never sent).
+    /// Calls refused by an open circuit breaker (never sent).
     pub fn calls_refused(&self) -> u64 {
-        self.inner.breaker.refused()
+        let nodes = self.inner.topology.as_ref().map_or(0, |t| t.totals().1);
+        self.inner.breaker.refused() + nodes
     }
 
     /// Calls sent to Redis; a pipeline counts once.
@@ -468,9 +622,46 @@ impl RedisStore {
         self.inner.calls.load(Ordering::Relaxed)
     }
 
-    /// While the breaker is open, the time until it next lets a call through.
+    /// While the breaker is open, the time until it next lets a call
+    /// through. On a cluster, the soonest probe of any open primary, and
+    /// only while every primary is open.
     pub(crate) fn retry_hint(&self) -> Option<Duration> {
-        self.inner.breaker.retry_hint()
+        match &self.inner.topology {
+            Some(t) if t.is_known() => t.nodes().iter().try_fold(None, |soonest, n| {
+                let hint = n.breaker.retry_hint()?;
+                Some(Some(soonest.map_or(hint, |s: Duration| s.min(hint))))
+            })?,
+            _ => self.inner.breaker.retry_hint(),
+        }
+    }
+
+    /// While the breaker guarding `store_key` is open, the time until it
+    /// next lets a call through.
+    pub(crate) fn retry_hint_for(&self, store_key: &str) -> Option<Duration> {
+        match self.node_for(store_key) {
+            Some(node) => node.breaker.retry_hint(),
+            None => self.retry_hint(),
+        }
+    }
+
+    /// The primary serving `key`'s slot, on a cluster whose map is known;
+    /// asks for the map when it is not.
+    fn node_for(&self, key: &str) -> Option<Arc<Node>> {
+        let topology = self.inner.topology.as_ref()?;
+        let node = topology.node_for(key);
+        if node.is_none() {
+            self.refresh_topology();
+        }
+        node
+    }
+
+    fn node_for_slot(&self, slot: u16) -> Option<Arc<Node>> {
+        let topology = self.inner.topology.as_ref()?;
+        let node = topology.node_for_slot(slot);
+        if node.is_none() {
+            self.refresh_topology();
+        }
+        node
     }
 
     /// The options this store was connected with.
@@ -481,39 +672,58 @@ impl RedisStore {
     async fn bounded<T>(
         &self,
         what: &str,
+        node: Option<&Node>,
         fut: impl std::future::Future<Output = Result<T, redis::RedisError>>,
     ) -> Result<T, Error> {
-        self.bounded_judged(what, 1, fut, |_| false).await
+        self.bounded_judged(what, node, 1, fut, |_| false).await
     }
 
-    /// As [`bounded`](Self::bounded); `refused` tells a reply that arrived
-    /// but says the server cannot serve (a pipeline whose calls answered
-    /// `READONLY`, `LOADING`, …): that is unavailability, not success.
+    /// Sends one call (a command or a pipeline) through the breaker of
+    /// `node`, or the store's when there is none, bounded by the response
+    /// timeout. `refused` tells a reply that arrived but says the server
+    /// cannot serve (a pipeline whose calls answered `READONLY`, `LOADING`,
+    /// …): that is unavailability, not success.
     ///
     /// A pipeline of `calls` scripts gets more time than one call: Redis
     /// runs them one after the other, and a timeout that cuts a large batch
     /// short loses every grant in it (Redis ran them all the same).
+    ///
+    /// The connection is rebuilt, and a cluster's slot map read again, only
+    /// on evidence that it is wrong: a connection error, a redirection, a
+    /// server refusing to serve, or a breaker opening (timeouts that went on
+    /// long enough). One timeout, or a stall that timed out many calls at
+    /// once, is not such evidence.
     async fn bounded_judged<T>(
         &self,
         what: &str,
+        node: Option<&Node>,
         calls: usize,
         fut: impl std::future::Future<Output = Result<T, redis::RedisError>>,
         refused: impl Fn(&T) -> bool,
     ) -> Result<T, Error> {
-        let admission = self.inner.breaker.admit()?;
+        let breaker = node.map_or(&self.inner.breaker, |n| &n.breaker);
+        let admission = breaker.admit()?;
         self.inner.calls.fetch_add(1, Ordering::Relaxed);
         let limit = batch_timeout(self.inner.options.response_timeout, calls);
+        let mut moved = false;
         let result = match tokio::time::timeout(limit, fut).await {
-            Ok(result) => result.map_err(Error::from),
+            Ok(result) => result.map_err(|e| {
+                moved = is_layout_change(&e);
+                Error::from(e)
+            }),
             Err(_) => Err(timeout_error(what, limit)),
         };
-        let unavailable = match &result {
-            Err(e) => e.is_timeout() || e.is_connection(),
-            Ok(reply) => refused(reply),
+        let (unavailable, evidence) = match &result {
+            Err(e) => (
+                e.is_timeout() || e.is_connection(),
+                e.is_connection() || moved,
+            ),
+            Ok(reply) => (refused(reply), refused(reply)),
         };
-        self.inner.breaker.record(admission, unavailable);
-        if unavailable || matches!(&result, Err(e) if e.to_string().contains("Moved")) {
+        let opened = breaker.record(admission, unavailable);
+        if opened || evidence {
             self.maybe_rebuild();
+            self.refresh_topology();
         }
         result
     }
@@ -524,64 +734,152 @@ impl RedisStore {
         p: &Params,
         cost: u64,
     ) -> Result<AcquireReply, Error> {
-        let script = SCRIPTS.exact(p.algorithm);
-        let mut invocation = script.key(key);
-        invocation.arg(p.limit).arg(p.period_us);
-        if p.algorithm != Algorithm::FixedWindow {
-            invocation.arg(p.burst);
-        }
-        invocation.arg(cost);
-        let mut conn = (**self.inner.conn.load()).clone();
-        let values: Vec<i64> = self
-            .bounded("check script", invocation.invoke_async(&mut conn))
-            .await?;
+        let lua = SCRIPTS.exact(p.algorithm);
+        let conn = (**self.inner.conn.load()).clone();
+        let values: Vec<i64> = match conn {
+            Conn::Single(_) => {
+                let mut conn = conn;
+                let mut invocation = lua.script.key(key);
+                invocation.arg(p.limit).arg(p.period_us);
+                if p.algorithm != Algorithm::FixedWindow {
+                    invocation.arg(p.burst);
+                }
+                invocation.arg(cost);
+                self.bounded("check script", None, invocation.invoke_async(&mut conn))
+                    .await?
+            }
+            Conn::Cluster(_) => {
+                let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
+                cmd.arg(p.limit).arg(p.period_us);
+                if p.algorithm != Algorithm::FixedWindow {
+                    cmd.arg(p.burst);
+                }
+                cmd.arg(cost);
+                let node = self.node_for(key);
+                let reply = self.call_on_node(lua, node.as_deref(), cmd).await?;
+                redis::from_redis_value::<Vec<i64>>(reply.extract_error().map_err(Error::from)?)
+                    .map_err(parse_error)?
+            }
+        };
         AcquireReply::from_values(&values)
+    }
+
+    /// One script call on a cluster, through the breaker of the key's
+    /// primary; on `NOSCRIPT`, loads the script on that primary alone and
+    /// sends the call once more.
+    async fn call_on_node(&self, lua: &Lua, node: Option<&Node>, cmd: Cmd) -> Result<Value, Error> {
+        let mut loaded = false;
+        loop {
+            let mut conn = (**self.inner.conn.load()).clone();
+            let reply = self
+                .bounded_judged(
+                    "check script",
+                    node,
+                    1,
+                    conn.req_packed_command(&cmd),
+                    refuses,
+                )
+                .await?;
+            if !is_noscript(&reply) || loaded {
+                return Ok(reply);
+            }
+            loaded = true;
+            self.load_script(lua, node).await?;
+        }
+    }
+
+    /// Loads a script where a call answered `NOSCRIPT`: the single node, or
+    /// on a cluster the primary serving the call's slot (every primary when
+    /// it is not known). A cluster-wide `SCRIPT LOAD` would fail while any
+    /// one primary is down.
+    async fn load_script(&self, lua: &Lua, node: Option<&Node>) -> Result<(), Error> {
+        let conn = (**self.inner.conn.load()).clone();
+        match (conn, node) {
+            (Conn::Cluster(mut conn), Some(node)) => {
+                let mut cmd = redis::cmd("SCRIPT");
+                cmd.arg("LOAD").arg(lua.source);
+                let reply = self
+                    .bounded(
+                        "SCRIPT LOAD",
+                        Some(node),
+                        conn.route_command(cmd, node.route()),
+                    )
+                    .await?;
+                reply.extract_error().map(drop).map_err(Error::from)
+            }
+            (mut conn, _) => self
+                .bounded("SCRIPT LOAD", node, lua.script.load_async(&mut conn))
+                .await
+                .map(drop),
+        }
     }
 
     /// Sends EVALSHA commands (with their keys) as pipelines: one on a
     /// single node, one per hash slot (concurrently) on a cluster, since a
-    /// pipeline cannot cross slots. Replies come back in call order.
+    /// pipeline cannot cross slots (the cluster client redirects a pipeline
+    /// whole). Each slot's pipeline passes its primary's breaker, so a
+    /// batch spanning a dead primary fails only that primary's calls.
+    /// Replies come back in call order, with what the batch cost.
     ///
     /// `ahead`: calls the caller has in flight before these on the same
     /// connection (concurrent pipelines); they count toward the timeout.
     async fn pipelined(
         &self,
-        script: &Script,
+        lua: &'static Lua,
         cmds: Vec<(String, Cmd)>,
         ahead: usize,
-    ) -> Result<Vec<Result<Value, Error>>, Error> {
+    ) -> (Result<Vec<Result<Value, Error>>, Error>, StoreCost) {
         if !self.is_cluster() {
+            let count = cmds.len() as u64;
             let cmds: Vec<Cmd> = cmds.into_iter().map(|(_, c)| c).collect();
-            return Ok(self
-                .pipeline_once(script, cmds, ahead)
-                .await?
-                .into_iter()
-                .map(Ok)
-                .collect());
+            let (result, round_trips) = self.pipeline_once(lua, cmds, None, ahead).await;
+            let cost = StoreCost {
+                round_trips,
+                calls: if round_trips > 0 { count } else { 0 },
+            };
+            return (
+                result.map(|values| values.into_iter().map(Ok).collect()),
+                cost,
+            );
         }
-        let mut groups: Vec<(Slot, Vec<usize>, Vec<Cmd>)> = Vec::new();
+        let mut groups: Vec<(u16, Vec<usize>, Vec<Cmd>)> = Vec::new();
+        let mut by_slot: std::collections::HashMap<u16, usize> = std::collections::HashMap::new();
         for (i, (key, cmd)) in cmds.into_iter().enumerate() {
-            let slot = Slot::for_key(key.as_bytes());
-            match groups.iter_mut().find(|(s, _, _)| *s == slot) {
-                Some((_, idx, group)) => {
-                    idx.push(i);
-                    group.push(cmd);
-                }
-                None => groups.push((slot, vec![i], vec![cmd])),
-            }
+            let slot = slot_of(key.as_bytes());
+            let g = *by_slot.entry(slot).or_insert_with(|| {
+                groups.push((slot, Vec::new(), Vec::new()));
+                groups.len() - 1
+            });
+            groups[g].1.push(i);
+            groups[g].2.push(cmd);
         }
         let total: usize = groups.iter().map(|(_, idx, _)| idx.len()).sum();
         let mut tasks = tokio::task::JoinSet::new();
-        for (_, idx, group) in groups {
+        for (slot, idx, group) in groups {
             let store = self.clone();
-            let script = script.clone();
-            tasks.spawn(async move { (idx, store.pipeline_once(&script, group, ahead).await) });
+            tasks.spawn(async move {
+                let node = store.node_for_slot(slot);
+                let (result, trips) = store
+                    .pipeline_once(lua, group, node.as_deref(), ahead)
+                    .await;
+                (idx, result, trips)
+            });
         }
         let mut out: Vec<Result<Value, Error>> = (0..total).map(|_| Ok(Value::Nil)).collect();
+        let mut cost = StoreCost::default();
         let mut first_error = None;
         while let Some(joined) = tasks.join_next().await {
-            let (idx, result) =
-                joined.map_err(|e| Error::new(ErrorKind::Store, format!("pipeline task: {e}")))?;
+            let (idx, result, trips) = match joined {
+                Ok(done) => done,
+                Err(e) => {
+                    let e = Error::new(ErrorKind::Store, format!("pipeline task: {e}"));
+                    return (Err(e), cost);
+                }
+            };
+            cost.round_trips += trips;
+            if trips > 0 {
+                cost.calls += idx.len() as u64;
+            }
             match result {
                 Ok(values) => {
                     for (i, v) in idx.into_iter().zip(values) {
@@ -597,21 +895,26 @@ impl RedisStore {
                 }
             }
         }
-        match first_error {
+        let result = match first_error {
             Some(e) if out.iter().all(Result::is_err) => Err(e),
             _ => Ok(out),
-        }
+        };
+        (result, cost)
     }
 
-    /// One pipeline; on `NOSCRIPT` (restart, failover, `SCRIPT FLUSH`)
-    /// loads the script (on every node of a cluster) and resends once.
+    /// One pipeline through `node`'s breaker; on `NOSCRIPT` (restart,
+    /// failover, `SCRIPT FLUSH`) loads the script where it is missing and
+    /// resends once. Returns the round trips it took (pipelines and script
+    /// loads sent; 0 if the breaker refused it).
     async fn pipeline_once(
         &self,
-        script: &Script,
+        lua: &Lua,
         cmds: Vec<Cmd>,
+        node: Option<&Node>,
         ahead: usize,
-    ) -> Result<Vec<Value>, Error> {
-        let mut attempt = 0;
+    ) -> (Result<Vec<Value>, Error>, u64) {
+        let mut trips = 0;
+        let mut loaded = false;
         loop {
             let mut pipe = redis::pipe();
             pipe.ignore_errors();
@@ -619,31 +922,38 @@ impl RedisStore {
                 pipe.add_command(cmd.clone());
             }
             let mut conn = (**self.inner.conn.load()).clone();
-            let values: Vec<Value> = self
+            let sent = self
                 .bounded_judged(
                     "pipelined scripts",
+                    node,
                     cmds.len() + ahead,
                     pipe.query_async(&mut conn),
-                    |values: &Vec<Value>| {
-                        values.iter().any(|v| {
-                            matches!(v, Value::ServerError(e) if matches!(
-                                e.code(),
-                                "READONLY" | "LOADING" | "MASTERDOWN" | "CLUSTERDOWN" | "TRYAGAIN"
-                            ))
-                        })
-                    },
+                    |values: &Vec<Value>| values.iter().any(refuses),
                 )
-                .await?;
-            let noscript = values
-                .iter()
-                .any(|v| matches!(v, Value::ServerError(e) if e.code() == "NOSCRIPT"));
-            if !noscript || attempt > 0 {
-                return Ok(values);
+                .await;
+            if !matches!(&sent, Err(e) if e.is_circuit_open()) {
+                trips += 1;
             }
-            attempt += 1;
-            let mut conn = (**self.inner.conn.load()).clone();
-            self.bounded("SCRIPT LOAD", script.load_async(&mut conn))
-                .await?;
+            let values = match sent {
+                Ok(values) => values,
+                Err(e) => return (Err(e), trips),
+            };
+            if !values.iter().any(is_noscript) {
+                return (Ok(values), trips);
+            }
+            if loaded {
+                // Still missing where it was loaded: the slot map is stale.
+                self.refresh_topology();
+                return (Ok(values), trips);
+            }
+            loaded = true;
+            let load = self.load_script(lua, node).await;
+            if !matches!(&load, Err(e) if e.is_circuit_open()) {
+                trips += 1;
+            }
+            if let Err(e) = load {
+                return (Err(e), trips);
+            }
         }
     }
 
@@ -664,8 +974,9 @@ impl RedisStore {
         p: &Params,
         calls: &[LeaseCall],
         ahead: usize,
-    ) -> Result<Vec<Result<LeaseReply, Error>>, Error> {
-        let script = SCRIPTS.lease(p.algorithm);
+    ) -> (Result<Vec<Result<LeaseReply, Error>>, Error>, StoreCost) {
+        let lua = SCRIPTS.lease(p.algorithm);
+        let script = &lua.script;
         let cmds = calls
             .iter()
             .map(|c| {
@@ -697,22 +1008,26 @@ impl RedisStore {
                 (key, cmd)
             })
             .collect();
-        let values = self.pipelined(script, cmds, ahead).await?;
-        Ok(values
-            .into_iter()
-            .map(|v| {
-                v.and_then(value_to_ints)
-                    .and_then(|ints| LeaseReply::from_values(&ints))
-            })
-            .collect())
+        let (values, cost) = self.pipelined(lua, cmds, ahead).await;
+        let replies = values.map(|values| {
+            values
+                .into_iter()
+                .map(|v| {
+                    v.and_then(value_to_ints)
+                        .and_then(|ints| LeaseReply::from_values(&ints))
+                })
+                .collect()
+        });
+        (replies, cost)
     }
 
     pub(crate) async fn give_back_batch(
         &self,
         p: &Params,
         calls: &[GiveBackCall],
-    ) -> Result<Vec<Result<u64, Error>>, Error> {
-        let script = &SCRIPTS.give_back;
+    ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
+        let lua = &SCRIPTS.give_back;
+        let script = &lua.script;
         let cmds = calls
             .iter()
             .map(|c| {
@@ -732,16 +1047,19 @@ impl RedisStore {
                 (key, cmd)
             })
             .collect();
-        let values = self.pipelined(script, cmds, 0).await?;
-        Ok(values
-            .into_iter()
-            .map(|v| match v? {
-                Value::ServerError(e) => Err(Error::from(redis::RedisError::from(e))),
-                v => redis::from_redis_value::<i64>(v)
-                    .map(|n| n.max(0) as u64)
-                    .map_err(parse_error),
-            })
-            .collect())
+        let (values, cost) = self.pipelined(lua, cmds, 0).await;
+        let replies = values.map(|values| {
+            values
+                .into_iter()
+                .map(|v| match v? {
+                    Value::ServerError(e) => Err(Error::from(redis::RedisError::from(e))),
+                    v => redis::from_redis_value::<i64>(v)
+                        .map(|n| n.max(0) as u64)
+                        .map_err(parse_error),
+                })
+                .collect()
+        });
+        (replies, cost)
     }
 }
 

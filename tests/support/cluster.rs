@@ -1,5 +1,7 @@
-//! A private Redis Cluster: three primaries and three replicas on free
-//! ports, created with `redis-cli --cluster create`, torn down on drop.
+//! A private Redis Cluster on free ports, created with `redis-cli --cluster
+//! create`, torn down on drop: three primaries with a replica each, or
+//! three primaries alone (a stopped primary then stays down, and the others
+//! go on serving their slots).
 #![allow(dead_code, unreachable_pub)]
 
 use std::process::Command;
@@ -16,7 +18,18 @@ impl RedisCluster {
     /// returns once every node reports the cluster up and every replica is
     /// in sync (a replica that never synced refuses to fail over).
     pub fn start() -> RedisCluster {
-        let nodes: Vec<RedisServer> = (0..6)
+        RedisCluster::start_with(1)
+    }
+
+    /// Three primaries and no replica. A primary that stops is never
+    /// replaced, and the others keep serving their own slots (full
+    /// coverage is not required).
+    pub fn start_primaries_only() -> RedisCluster {
+        RedisCluster::start_with(0)
+    }
+
+    fn start_with(replicas: usize) -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3 * (1 + replicas))
             .map(|_| {
                 RedisServer::start_with(&[
                     "--cluster-enabled",
@@ -27,6 +40,8 @@ impl RedisCluster {
                     "2000",
                     "--cluster-replica-validity-factor",
                     "0",
+                    "--cluster-require-full-coverage",
+                    "no",
                 ])
             })
             .collect();
@@ -38,7 +53,7 @@ impl RedisCluster {
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
-            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .unwrap_or_else(|e| panic!("{} (redis-cli: {e})", super::INSTALL_HINT));
         assert!(
@@ -83,11 +98,19 @@ impl RedisCluster {
         }
     }
 
-    /// The node currently serving `slot` as primary.
+    /// The node currently serving `key`'s slot as primary.
     pub fn primary_for(&self, key: &str) -> usize {
+        let slot = slot(key);
+        self.primaries_by_slot()[usize::from(slot)]
+            .unwrap_or_else(|| panic!("no primary serves slot {slot}"))
+    }
+
+    /// For each of the 16384 slots, the node serving it as primary, as a
+    /// live node sees the cluster now.
+    pub fn primaries_by_slot(&self) -> Vec<Option<usize>> {
         let node = self.live().next().expect("a live node");
-        let slot: i64 = node.cmd(&["CLUSTER", "KEYSLOT", key]);
         let nodes: String = node.cmd(&["CLUSTER", "NODES"]);
+        let mut owners = vec![None; 16_384];
         for line in nodes.lines() {
             let fields: Vec<&str> = line.split_whitespace().collect();
             if fields.len() < 9 || !fields[2].contains("master") || fields[2].contains("fail") {
@@ -98,24 +121,23 @@ impl RedisCluster {
                 .nth(1)
                 .and_then(|p| p.parse().ok())
                 .unwrap_or(0);
+            let Some(index) = self.nodes.iter().position(|n| n.port() == port) else {
+                continue;
+            };
             for range in &fields[8..] {
                 let (lo, hi) = match range.split_once('-') {
-                    Some((lo, hi)) => (lo.parse().unwrap_or(-1), hi.parse().unwrap_or(-1)),
+                    Some((lo, hi)) => (lo.parse().unwrap_or(1), hi.parse().unwrap_or(0)),
                     None => {
-                        let s = range.parse().unwrap_or(-1);
+                        let s = range.parse().unwrap_or(usize::MAX);
                         (s, s)
                     }
                 };
-                if (lo..=hi).contains(&slot) {
-                    return self
-                        .nodes
-                        .iter()
-                        .position(|n| n.port() == port)
-                        .expect("a known node");
+                for owner in owners.iter_mut().take(hi.saturating_add(1)).skip(lo) {
+                    *owner = Some(index);
                 }
             }
         }
-        panic!("no primary serves slot {slot}")
+        owners
     }
 
     /// Keys without a TTL on any live primary.
@@ -128,4 +150,27 @@ impl RedisCluster {
             .flat_map(|n| n.immortal_keys())
             .collect()
     }
+}
+
+/// A key's hash slot: CRC16/XMODEM of its first non-empty `{…}` (or of the
+/// whole key), modulo 16384, as `CLUSTER KEYSLOT` computes it.
+pub fn slot(key: &str) -> u16 {
+    let key = key.as_bytes();
+    let tag = key.iter().position(|&c| c == b'{').and_then(|open| {
+        let rest = &key[open + 1..];
+        let close = rest.iter().position(|&c| c == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    let mut crc: u16 = 0;
+    for &b in tag.unwrap_or(key) {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16_384
 }
