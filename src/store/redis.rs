@@ -690,9 +690,10 @@ impl RedisStore {
     ///
     /// The connection is rebuilt, and a cluster's slot map read again, only
     /// on evidence that it is wrong: a connection error, a redirection, a
-    /// server refusing to serve, or a breaker opening (timeouts that went on
-    /// long enough). One timeout, or a stall that timed out many calls at
-    /// once, is not such evidence.
+    /// server refusing to serve, a breaker opening (timeouts that went on
+    /// long enough), or a node that answered nothing for a while (see
+    /// [`CircuitBreaker::record`]). One timeout, or a stall that timed out
+    /// many calls at once, is not such evidence.
     async fn bounded_judged<T>(
         &self,
         what: &str,
@@ -720,8 +721,8 @@ impl RedisStore {
             ),
             Ok(reply) => (refused(reply), refused(reply)),
         };
-        let opened = breaker.record(admission, unavailable);
-        if opened || evidence {
+        let suspect = breaker.record(admission, unavailable);
+        if suspect || evidence {
             self.maybe_rebuild();
             self.refresh_topology();
         }
