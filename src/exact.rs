@@ -26,18 +26,27 @@ impl ExactEngine {
         }
     }
 
-    pub(crate) async fn check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
-        self.check_timed(key, cost).await.map(|(d, _)| d)
+    /// One decision by the store, and what asking cost.
+    pub(crate) async fn check(&self, key: &str, cost: u64) -> (Result<Decision, Error>, StoreCost) {
+        let (result, spent) = self.check_timed(key, cost).await;
+        (result.map(|(d, _)| d), spent)
     }
 
     /// As [`check`](Self::check), with the store's clock (µs) at the call.
-    pub(crate) async fn check_timed(&self, key: &str, cost: u64) -> Result<(Decision, u64), Error> {
+    pub(crate) async fn check_timed(
+        &self,
+        key: &str,
+        cost: u64,
+    ) -> (Result<(Decision, u64), Error>, StoreCost) {
         let store_key = self.keys.store_key(key, self.params.algorithm);
-        let reply = self.store.acquire(&store_key, &self.params, cost).await?;
-        Ok((
-            decision_from(&reply, self.params.limit, Source::Store),
-            reply.now_us,
-        ))
+        let (reply, spent) = self.store.acquire(&store_key, &self.params, cost).await;
+        let decided = reply.map(|reply| {
+            (
+                decision_from(&reply, self.params.limit, Source::Store),
+                reply.now_us,
+            )
+        });
+        (decided, spent)
     }
 
     /// Records permits admitted elsewhere (the fallback, during an outage)

@@ -520,6 +520,11 @@ struct Breaker {
     /// Recent outcomes while closed; cleared when the state changes, so
     /// failures from before an outage never count towards the next one.
     buckets: [Bucket; BUCKETS],
+    /// When the first failure since the last answer was recorded, and how
+    /// many failures followed it: a store that answers nothing for a while
+    /// is suspect even when too few calls reach it to open the breaker.
+    silent_since_us: Option<u64>,
+    silent_failures: u32,
     open_until_us: u64,
     backoff_us: u64,
     rng: u64,
@@ -629,6 +634,8 @@ impl CircuitBreaker {
             state: Mutex::new(Breaker {
                 state: CircuitState::Closed,
                 buckets: [Bucket::default(); BUCKETS],
+                silent_since_us: None,
+                silent_failures: 0,
                 open_until_us: 0,
                 backoff_us: config.base_backoff.as_micros() as u64,
                 rng: seed,
@@ -714,14 +721,22 @@ impl CircuitBreaker {
     }
 
     /// Reports a call's outcome. Only unavailability counts as failure: a
-    /// store that answers with an error is up. Returns whether this outcome
-    /// opened the breaker (a failed probe reopens it).
+    /// store that answers with an error is up.
+    ///
+    /// Returns whether the connection is now suspect: this outcome opened
+    /// the breaker (a failed probe reopens it), or nothing has answered for
+    /// at least `min_span` while two calls or more failed. The second case
+    /// catches a connection that silently stopped answering under traffic
+    /// too light to open the breaker; one stall, which some answers end,
+    /// never makes it suspect.
     pub(crate) fn record(&self, mut admission: Admission<'_>, failed: bool) -> bool {
         let probe = std::mem::replace(&mut admission.probe, false);
         drop(admission);
         let mut b = self.lock();
         let now = micros(&*self.clock);
         if !failed {
+            b.silent_since_us = None;
+            b.silent_failures = 0;
             if b.state != CircuitState::Closed || probe {
                 // Any answer is evidence the store is back.
                 b.state = CircuitState::Closed;
@@ -733,6 +748,15 @@ impl CircuitBreaker {
             }
             return false;
         }
+        let since = *b.silent_since_us.get_or_insert(now);
+        b.silent_failures = b.silent_failures.saturating_add(1);
+        let silent = b.silent_failures >= 2
+            && now.saturating_sub(since) >= self.config.min_span.as_micros() as u64;
+        if silent {
+            // Suspect once per stretch of silence: the next starts here.
+            b.silent_since_us = Some(now);
+            b.silent_failures = 1;
+        }
         let trip = if probe {
             true
         } else if b.state == CircuitState::Closed {
@@ -743,7 +767,7 @@ impl CircuitBreaker {
             false
         };
         if !trip {
-            return false;
+            return silent;
         }
         if probe {
             let max = self.config.max_backoff.as_micros() as u64;
@@ -785,9 +809,10 @@ mod tests {
         (CircuitBreaker::new(config, Arc::new(clock.clone())), clock)
     }
 
-    fn outcome(b: &CircuitBreaker, failed: bool) {
+    /// Whether the outcome made the connection suspect.
+    fn outcome(b: &CircuitBreaker, failed: bool) -> bool {
         let a = b.admit().expect("admitted");
-        b.record(a, failed);
+        b.record(a, failed)
     }
 
     #[test]
@@ -886,7 +911,7 @@ mod tests {
             // 150 ms (just under the 200 ms span), and nothing succeeds.
             for _ in 0..150 {
                 for _ in 0..20 {
-                    outcome(&b, true);
+                    assert!(!outcome(&b, true), "a stall makes no connection suspect");
                 }
                 clock.advance(Duration::from_millis(1));
             }
@@ -902,6 +927,24 @@ mod tests {
         }
         assert_eq!(b.state(), CircuitState::Closed);
         assert_eq!(b.trips(), 0);
+    }
+
+    #[test]
+    fn a_silent_store_at_one_call_a_second_is_suspect_though_it_stays_closed() {
+        let (b, clock) = with(CircuitConfig::default());
+        assert!(!outcome(&b, false));
+        clock.advance(Duration::from_secs(1));
+        assert!(!outcome(&b, true), "one timeout is not evidence");
+        clock.advance(Duration::from_secs(1));
+        assert!(outcome(&b, true), "nothing answered for a second");
+        assert_eq!(b.state(), CircuitState::Closed, "too few calls to open");
+        clock.advance(Duration::from_millis(100));
+        assert!(!outcome(&b, true), "suspect once per stretch of silence");
+        clock.advance(Duration::from_secs(1));
+        assert!(outcome(&b, true));
+        assert!(!outcome(&b, false));
+        clock.advance(Duration::from_secs(1));
+        assert!(!outcome(&b, true), "an answer ended the silence");
     }
 
     #[test]

@@ -17,7 +17,7 @@ use crate::hybrid::{HybridConfig, HybridEngine, Wiring};
 use crate::key::KeyEncoder;
 use crate::local::LocalEngine;
 use crate::stats::{Counters, Stats};
-use crate::store::{MemoryStore, Params, Store, StoreCost};
+use crate::store::{MemoryStore, Params, Store};
 use crate::{Algorithm, Clock, Decision, Error, ErrorKind, FailurePolicy, Quota, SystemClock};
 
 /// The longest namespace accepted.
@@ -282,10 +282,11 @@ impl Limiter {
                 }
                 let began = std::time::Instant::now();
                 let local_before = inner.failure.store_clock.local_us();
-                let result = exact.check_timed(key, cost).await;
+                let (result, spent) = exact.check_timed(key, cost).await;
                 let took = began.elapsed().as_micros() as u64;
-                if !matches!(&result, Err(e) if e.is_circuit_open()) {
-                    inner.counters.round_trip(StoreCost::one_trip(1), took);
+                // A call the breaker refused never left the process.
+                if spent.round_trips > 0 {
+                    inner.counters.round_trip(spent, took);
                 }
                 if let Some(store) = &inner.store {
                     inner.counters.circuit(store.circuit_state());
@@ -322,8 +323,9 @@ impl Limiter {
         match &self.inner.engine {
             Engine::Local(local) => Ok(local.check(key, cost)),
             Engine::Exact(exact) => {
-                self.inner.counters.one_call();
-                exact.check(key, cost).await
+                let (decision, spent) = exact.check(key, cost).await;
+                self.inner.counters.spent(spent);
+                decision
             }
             Engine::Hybrid(hybrid) => hybrid.check(key, cost).await,
         }

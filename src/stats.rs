@@ -120,10 +120,10 @@ impl Counters {
         self.meters.store_latency.record(micros as f64 / 1e6);
     }
 
-    /// One script call in one round trip, not timed.
-    pub(crate) fn one_call(&self) {
-        self.round_trips.add(1);
-        self.store_calls.add(1);
+    /// What a store call cost, not timed.
+    pub(crate) fn spent(&self, cost: StoreCost) {
+        self.round_trips.add(cost.round_trips);
+        self.store_calls.add(cost.calls);
     }
 
     pub(crate) fn lease_granted(&self, permits: u64) {

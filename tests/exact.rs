@@ -145,12 +145,18 @@ async fn scripts_are_reloaded_after_script_flush() {
         let limiter = exact(&server, daily(10), algorithm, "flush").await;
         assert!(limiter.try_check("k", 1).await.unwrap().is_allowed());
         let _: String = server.cmd(&["SCRIPT", "FLUSH"]);
+        let before = limiter.stats();
         let d = limiter
             .try_check("k", 1)
             .await
             .expect("reloaded transparently");
         assert!(d.is_allowed());
         assert_eq!(d.remaining(), 8);
+        // NOSCRIPT, SCRIPT LOAD, the call again: three round trips for
+        // one script call.
+        let after = limiter.stats();
+        assert_eq!(after.round_trips - before.round_trips, 3);
+        assert_eq!(after.store_calls - before.store_calls, 1);
     }
 }
 

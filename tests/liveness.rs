@@ -171,6 +171,42 @@ async fn a_blackholed_connection_is_replaced() {
     println!("back on Redis {back:?} after the blackhole");
 }
 
+/// A connection that silently stops answering is replaced even when too
+/// few calls reach it to open the breaker (one every 600 ms): answering
+/// nothing for a while is evidence enough.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blackholed_connection_is_replaced_at_low_traffic() {
+    let server = RedisServer::start();
+    let proxy = Proxy::start(server.port()).await;
+    let redis = RedisStore::connect_with(&proxy.url(), fast_options())
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(Quota::per_minute(10_000))
+        .store(redis.clone())
+        .namespace("quiet")
+        .on_store_error(FailurePolicy::FailClosed)
+        .build()
+        .unwrap();
+    assert_eq!(limiter.check("k", 1).await.source(), Source::Store);
+    proxy.blackhole_existing();
+    let mut calls = 0;
+    loop {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        calls += 1;
+        if limiter.check("k", 1).await.source() == Source::Store {
+            break;
+        }
+        assert!(calls < 8, "still no answer after {calls} calls");
+    }
+    assert!(calls >= 2, "one timeout alone replaced the connection");
+    assert_eq!(
+        redis.circuit_trips(),
+        0,
+        "too few calls to open the breaker"
+    );
+    assert!(proxy.connections() >= 2, "a new connection was made");
+}
+
 /// A hybrid limiter whose background task died with its runtime restarts
 /// it on the caller's runtime, and says so.
 #[test]

@@ -557,8 +557,9 @@ impl Shared {
     }
 
     async fn exact_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
-        self.counters.one_call();
-        self.exact.check(key, cost).await
+        let (decision, spent) = self.exact.check(key, cost).await;
+        self.counters.spent(spent);
+        decision
     }
 
     /// Queues a refill for the slot (at most one per slot at a time).

@@ -214,9 +214,12 @@ impl FaultyStore {
         key: &str,
         params: &Params,
         cost: u64,
-    ) -> Result<AcquireReply, Error> {
-        self.run(|| self.inner.store.acquire(key, params, cost))
-            .await
+    ) -> (Result<AcquireReply, Error>, StoreCost) {
+        let result = self
+            .run(|| async { self.inner.store.acquire(key, params, cost).await.0 })
+            .await;
+        let cost = Self::cost(&result, 1);
+        (result, cost)
     }
 
     pub(crate) async fn lease_batch(

@@ -364,20 +364,20 @@ impl Store {
         }
     }
 
-    /// Checks and counts one request.
+    /// Checks and counts one request; returns what that cost.
     pub(crate) async fn acquire(
         &self,
         key: &str,
         params: &Params,
         cost: u64,
-    ) -> Result<AcquireReply, Error> {
+    ) -> (Result<AcquireReply, Error>, StoreCost) {
         match self {
             Store::Redis(s) => s.acquire(key, params, cost).await,
             Store::Memory(s) => {
                 s.half_trip().await;
                 let reply = s.acquire(key, params, cost);
                 s.half_trip().await;
-                reply
+                (reply, StoreCost::one_trip(1))
             }
             #[cfg(feature = "test-support")]
             Store::Faulty(s) => Box::pin(s.acquire(key, params, cost)).await,

@@ -669,42 +669,29 @@ impl RedisStore {
         &self.inner.options
     }
 
-    async fn bounded<T>(
-        &self,
-        what: &str,
-        node: Option<&Node>,
-        fut: impl std::future::Future<Output = Result<T, redis::RedisError>>,
-    ) -> Result<T, Error> {
-        self.bounded_judged(what, node, 1, fut, |_| false).await
-    }
-
     /// Sends one call (a command or a pipeline) through the breaker of
-    /// `node`, or the store's when there is none, bounded by the response
-    /// timeout. `refused` tells a reply that arrived but says the server
-    /// cannot serve (a pipeline whose calls answered `READONLY`, `LOADING`,
-    /// …): that is unavailability, not success.
-    ///
-    /// A pipeline of `calls` scripts gets more time than one call: Redis
-    /// runs them one after the other, and a timeout that cuts a large batch
-    /// short loses every grant in it (Redis ran them all the same).
+    /// `node`, or the store's when there is none, for at most `limit` (see
+    /// [`batch_timeout`]). `refused` tells a reply that arrived but says
+    /// the server cannot serve (a pipeline whose calls answered `READONLY`,
+    /// `LOADING`, …): that is unavailability, not success.
     ///
     /// The connection is rebuilt, and a cluster's slot map read again, only
     /// on evidence that it is wrong: a connection error, a redirection, a
-    /// server refusing to serve, or a breaker opening (timeouts that went on
-    /// long enough). One timeout, or a stall that timed out many calls at
-    /// once, is not such evidence.
+    /// server refusing to serve, a breaker opening (timeouts that went on
+    /// long enough), or a node that answered nothing for a while (see
+    /// [`CircuitBreaker::record`]). One timeout, or a stall that timed out
+    /// many calls at once, is not such evidence.
     async fn bounded_judged<T>(
         &self,
         what: &str,
         node: Option<&Node>,
-        calls: usize,
+        limit: Duration,
         fut: impl std::future::Future<Output = Result<T, redis::RedisError>>,
         refused: impl Fn(&T) -> bool,
     ) -> Result<T, Error> {
         let breaker = node.map_or(&self.inner.breaker, |n| &n.breaker);
         let admission = breaker.admit()?;
         self.inner.calls.fetch_add(1, Ordering::Relaxed);
-        let limit = batch_timeout(self.inner.options.response_timeout, calls);
         let mut moved = false;
         let result = match tokio::time::timeout(limit, fut).await {
             Ok(result) => result.map_err(|e| {
@@ -720,71 +707,88 @@ impl RedisStore {
             ),
             Ok(reply) => (refused(reply), refused(reply)),
         };
-        let opened = breaker.record(admission, unavailable);
-        if opened || evidence {
+        let suspect = breaker.record(admission, unavailable);
+        if suspect || evidence {
             self.maybe_rebuild();
             self.refresh_topology();
         }
         result
     }
 
+    /// One exact check-and-count through the breaker of the key's primary
+    /// (the store's on a single node); returns what it cost.
     pub(crate) async fn acquire(
         &self,
         key: &str,
         p: &Params,
         cost: u64,
-    ) -> Result<AcquireReply, Error> {
+    ) -> (Result<AcquireReply, Error>, StoreCost) {
         let lua = SCRIPTS.exact(p.algorithm);
-        let conn = (**self.inner.conn.load()).clone();
-        let values: Vec<i64> = match conn {
-            Conn::Single(_) => {
-                let mut conn = conn;
-                let mut invocation = lua.script.key(key);
-                invocation.arg(p.limit).arg(p.period_us);
-                if p.algorithm != Algorithm::FixedWindow {
-                    invocation.arg(p.burst);
-                }
-                invocation.arg(cost);
-                self.bounded("check script", None, invocation.invoke_async(&mut conn))
-                    .await?
-            }
-            Conn::Cluster(_) => {
-                let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
-                cmd.arg(p.limit).arg(p.period_us);
-                if p.algorithm != Algorithm::FixedWindow {
-                    cmd.arg(p.burst);
-                }
-                cmd.arg(cost);
-                let node = self.node_for(key);
-                let reply = self.call_on_node(lua, node.as_deref(), cmd).await?;
-                redis::from_redis_value::<Vec<i64>>(reply.extract_error().map_err(Error::from)?)
-                    .map_err(parse_error)?
-            }
+        let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
+        cmd.arg(p.limit).arg(p.period_us);
+        if p.algorithm != Algorithm::FixedWindow {
+            cmd.arg(p.burst);
+        }
+        cmd.arg(cost);
+        let node = self.node_for(key);
+        let (reply, round_trips) = self.script_call(lua, node.as_deref(), cmd).await;
+        let reply = reply.and_then(|reply| {
+            let values = reply.extract_error().map_err(Error::from)?;
+            let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
+            AcquireReply::from_values(&values)
+        });
+        let cost = StoreCost {
+            round_trips,
+            calls: u64::from(round_trips > 0),
         };
-        AcquireReply::from_values(&values)
+        (reply, cost)
     }
 
-    /// One script call on a cluster, through the breaker of the key's
-    /// primary; on `NOSCRIPT`, loads the script on that primary alone and
-    /// sends the call once more.
-    async fn call_on_node(&self, lua: &Lua, node: Option<&Node>, cmd: Cmd) -> Result<Value, Error> {
+    /// One script call through `node`'s breaker (the store's when there is
+    /// none); on `NOSCRIPT`, loads the script where the call went (that
+    /// primary alone on a cluster) and sends the call once more, all within
+    /// one response timeout. Returns the round trips it took.
+    async fn script_call(
+        &self,
+        lua: &Lua,
+        node: Option<&Node>,
+        cmd: Cmd,
+    ) -> (Result<Value, Error>, u64) {
+        let budget = self.inner.options.response_timeout;
+        let deadline = tokio::time::Instant::now() + budget;
+        let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
+        let mut trips = 0;
         let mut loaded = false;
         loop {
+            if left().is_zero() {
+                // The reload took the whole budget: not the store's fault.
+                return (Err(timeout_error("check script", budget)), trips);
+            }
             let mut conn = (**self.inner.conn.load()).clone();
-            let reply = self
+            let sent = self
                 .bounded_judged(
                     "check script",
                     node,
-                    1,
+                    left(),
                     conn.req_packed_command(&cmd),
                     refuses,
                 )
-                .await?;
-            if !is_noscript(&reply) || loaded {
-                return Ok(reply);
+                .await;
+            if !matches!(&sent, Err(e) if e.is_circuit_open()) {
+                trips += 1;
+            }
+            match sent {
+                Ok(reply) if is_noscript(&reply) && !loaded => {}
+                other => return (other, trips),
             }
             loaded = true;
-            self.load_script(lua, node).await?;
+            let load = self.load_script(lua, node, left()).await;
+            if !matches!(&load, Err(e) if e.is_circuit_open()) {
+                trips += 1;
+            }
+            if let Err(e) = load {
+                return (Err(e), trips);
+            }
         }
     }
 
@@ -792,25 +796,29 @@ impl RedisStore {
     /// on a cluster the primary serving the call's slot (every primary when
     /// it is not known). A cluster-wide `SCRIPT LOAD` would fail while any
     /// one primary is down.
-    async fn load_script(&self, lua: &Lua, node: Option<&Node>) -> Result<(), Error> {
+    async fn load_script(
+        &self,
+        lua: &Lua,
+        node: Option<&Node>,
+        limit: Duration,
+    ) -> Result<(), Error> {
         let conn = (**self.inner.conn.load()).clone();
         match (conn, node) {
             (Conn::Cluster(mut conn), Some(node)) => {
                 let mut cmd = redis::cmd("SCRIPT");
                 cmd.arg("LOAD").arg(lua.source);
+                let fut = conn.route_command(cmd, node.route());
                 let reply = self
-                    .bounded(
-                        "SCRIPT LOAD",
-                        Some(node),
-                        conn.route_command(cmd, node.route()),
-                    )
+                    .bounded_judged("SCRIPT LOAD", Some(node), limit, fut, |_| false)
                     .await?;
                 reply.extract_error().map(drop).map_err(Error::from)
             }
-            (mut conn, _) => self
-                .bounded("SCRIPT LOAD", node, lua.script.load_async(&mut conn))
-                .await
-                .map(drop),
+            (mut conn, _) => {
+                let fut = lua.script.load_async(&mut conn);
+                self.bounded_judged("SCRIPT LOAD", node, limit, fut, |_| false)
+                    .await
+                    .map(drop)
+            }
         }
     }
 
@@ -926,7 +934,7 @@ impl RedisStore {
                 .bounded_judged(
                     "pipelined scripts",
                     node,
-                    cmds.len() + ahead,
+                    batch_timeout(self.inner.options.response_timeout, cmds.len() + ahead),
                     pipe.query_async(&mut conn),
                     |values: &Vec<Value>| values.iter().any(refuses),
                 )
@@ -947,7 +955,9 @@ impl RedisStore {
                 return (Ok(values), trips);
             }
             loaded = true;
-            let load = self.load_script(lua, node).await;
+            let load = self
+                .load_script(lua, node, self.inner.options.response_timeout)
+                .await;
             if !matches!(&load, Err(e) if e.is_circuit_open()) {
                 trips += 1;
             }
