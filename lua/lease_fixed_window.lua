@@ -73,6 +73,8 @@ local w = math.floor(now / period)
 if debt_window < 0 then debt_window = w end
 local newest = w
 local uncovered = 0
+-- A window field was created: the key's TTL may need to grow.
+local created = false
 if debt > 0 and KEYS[2] then
   local seen = redis.call('GET', KEYS[2])
   if seen then
@@ -86,6 +88,7 @@ if debt > 0 then
     local f = string.format('%d', debt_window)
     local before = tonumber(redis.call('HGET', KEYS[1], f) or '0')
     local after = redis.call('HINCRBY', KEYS[1], f, debt)
+    if before == 0 then created = true end
     uncovered = math.max(0, after - limit) - math.max(0, before - limit)
     if debt_window > newest then newest = debt_window end
   else
@@ -94,72 +97,87 @@ if debt > 0 then
 end
 
 local tw = math.min(math.max(w, min_window), w + 1)
-local recorded = holder ~= nil and holder ~= '' and lease_id ~= '0' and want > 0
+local tf = string.format('%d', tw)
+local has_holder = holder ~= nil and holder ~= '' and want > 0
+local recorded = has_holder and lease_id ~= '0'
+-- One read for every field this call may need (fewer calls into Redis
+-- are most of a script's cost): the target window's count, the holder's
+-- last window and last grant, the holder counts of this window and the
+-- one before.
+local pf = 'p' .. (holder or '')
+local gf = 'g' .. (holder or '')
+local hf = 'h' .. tf
+local got = redis.call('HMGET', KEYS[1], tf, pf, gf, hf, 'h' .. string.format('%d', tw - 1))
+local used = tonumber(got[1] or '0')
 local replayed = false
-if recorded then
-  local g = redis.call('HGET', KEYS[1], 'g' .. holder)
-  if g then
-    local id, g_granted, g_window = string.match(g, '^(%d+) (%d+) (-?%d+)$')
-    if id == lease_id and tonumber(g_window) >= w then
-      -- A second delivery: the first one's grant, not another.
-      replayed = true
+local granted = 0
+if recorded and got[3] then
+  local id, g_granted, g_window = string.match(got[3], '^(%d+) (%d+) (-?%d+)$')
+  if id == lease_id and tonumber(g_window) >= w then
+    -- A second delivery: the first one's grant, not another.
+    replayed = true
+    granted = tonumber(g_granted)
+    if tonumber(g_window) ~= tw then
       tw = tonumber(g_window)
+      tf = string.format('%d', tw)
+      used = tonumber(redis.call('HGET', KEYS[1], tf) or '0')
     end
   end
 end
-local tf = string.format('%d', tw)
-local used = tonumber(redis.call('HGET', KEYS[1], tf) or '0')
 local available = math.max(0, limit - used)
-local cap = math.max(1, math.floor(available * share), math.min(available, tail))
-local granted = math.min(want, available, cap)
 local first_in_window = false
-if replayed then
-  local _, g_granted = string.match(redis.call('HGET', KEYS[1], 'g' .. holder), '^(%d+) (%d+)')
-  granted = tonumber(g_granted)
-elseif holder ~= nil and holder ~= '' and want > 0 then
-  local pf = 'p' .. holder
-  local hf = 'h' .. tf
-  local last = tonumber(redis.call('HGET', KEYS[1], pf) or '-1')
-  local here = tonumber(redis.call('HGET', KEYS[1], hf) or '0')
-  local before = tonumber(redis.call('HGET', KEYS[1], 'h' .. string.format('%d', tw - 1)) or '0')
-  local expected = math.max(here, before)
-  local fair
-  if last < tw then
-    first_in_window = true
-    fair = math.floor(available / math.max(1, expected - here))
-  else
-    fair = math.floor(available / math.max(1, expected))
+if not replayed then
+  local cap = math.max(1, math.floor(available * share), math.min(available, tail))
+  granted = math.min(want, available, cap)
+  if has_holder then
+    local last = tonumber(got[2] or '-1')
+    local here = tonumber(got[4] or '0')
+    local expected = math.max(here, tonumber(got[5] or '0'))
+    local fair
+    if last < tw then
+      first_in_window = true
+      fair = math.floor(available / math.max(1, expected - here))
+    else
+      fair = math.floor(available / math.max(1, expected))
+    end
+    fair = math.min(fair, math.floor(available * share), ceiling)
+    if fair > granted then granted = math.min(fair, available) end
   end
-  fair = math.min(fair, math.floor(available * share), ceiling)
-  if fair > granted then granted = math.min(fair, available) end
 end
 if first_in_window then
   -- Every process that asks counts as a holder, granted or not: a fleet
   -- of a thousand thin processes shares the budget a thousand ways.
-  redis.call('HSET', KEYS[1], 'p' .. holder, tf)
-  redis.call('HINCRBY', KEYS[1], 'h' .. tf, 1)
+  redis.call('HINCRBY', KEYS[1], hf, 1)
 end
-if granted > 0 and not replayed then
+local fresh = granted > 0 and not replayed
+if fresh then
   used = redis.call('HINCRBY', KEYS[1], tf, granted)
   if tw > newest then newest = tw end
-  if recorded then
-    redis.call('HSET', KEYS[1], 'g' .. holder,
-      lease_id .. ' ' .. string.format('%d', granted) .. ' ' .. tf)
-  end
+end
+if first_in_window and fresh and recorded then
+  redis.call('HSET', KEYS[1], pf, tf,
+    gf, lease_id .. ' ' .. string.format('%d', granted) .. ' ' .. tf)
+elseif first_in_window then
+  redis.call('HSET', KEYS[1], pf, tf)
+elseif fresh and recorded then
+  redis.call('HSET', KEYS[1], gf, lease_id .. ' ' .. string.format('%d', granted) .. ' ' .. tf)
 end
 
-if (granted > 0 and not replayed) or debt > 0 then
-  -- Forget ended windows once per window: when this call opened one.
-  if used == granted and granted > 0 and not replayed then
-    for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+if fresh or debt > 0 then
+  -- Forget ended windows once per window: when this call opened one (and
+  -- the key holds more than one window's fields).
+  if fresh and used == granted and redis.call('HLEN', KEYS[1]) > 4 then
+    local all = redis.call('HGETALL', KEYS[1])
+    for i = 1, #all, 2 do
+      local f = all[i]
       local c = string.sub(f, 1, 1)
       local fw
       if c == 'h' then
         fw = tonumber(string.sub(f, 2))
       elseif c == 'p' then
-        fw = tonumber(redis.call('HGET', KEYS[1], f))
+        fw = tonumber(all[i + 1])
       elseif c == 'g' then
-        fw = tonumber(string.match(redis.call('HGET', KEYS[1], f), ' (-?%d+)$'))
+        fw = tonumber(string.match(all[i + 1], ' (-?%d+)$'))
       else
         fw = tonumber(f)
       end
@@ -168,9 +186,13 @@ if (granted > 0 and not replayed) or debt > 0 then
       end
     end
   end
-  local ttl_ms = math.ceil(((newest + 2) * period - now) / 1000)
-  if redis.call('PTTL', KEYS[1]) < ttl_ms then
-    redis.call('PEXPIRE', KEYS[1], ttl_ms)
+  -- The TTL outlives the newest window counted by one period; it only
+  -- has to grow when a window's field was created.
+  if created or (fresh and used == granted) then
+    local ttl_ms = math.ceil(((newest + 2) * period - now) / 1000)
+    if redis.call('PTTL', KEYS[1]) < ttl_ms then
+      redis.call('PEXPIRE', KEYS[1], ttl_ms)
+    end
   end
 end
 
