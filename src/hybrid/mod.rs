@@ -262,6 +262,21 @@ impl HybridEngine {
                 Some(s.lease_decision(slot, left, now))
             }
             Take::Empty => {
+                // A pre-lease of the window that has just begun: put it in
+                // place and spend from it. (The coarse clock may lag, which
+                // only delays the promotion: a pre-lease never starts early.)
+                if slot.has_next.load(Ordering::Acquire) {
+                    if let Some(replaced) = slot.promote(s.time.now_us()) {
+                        s.counters.stranded.add(replaced as u64);
+                        if let Take::Taken(left, now, _) = slot.take(cost, &s.time) {
+                            slot.touch(now);
+                            if slot.wants_refill(left, now, s.early_lead()) {
+                                s.request_refill(slot, false);
+                            }
+                            return Some(s.lease_decision(slot, left, now));
+                        }
+                    }
+                }
                 // Known exhausted: answer from the denied-until time. The
                 // coarse clock may lag, which only lengthens the denial.
                 let until = slot.denied_until.load(Ordering::Acquire);

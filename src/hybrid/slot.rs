@@ -87,6 +87,9 @@ pub(crate) struct Slot {
     /// A request waits on the queued refill and the slot has an entry in
     /// the waiters' queue (it may also sit in the other one).
     pub(crate) promoted: AtomicBool,
+    /// Fixed window: maintenance found the key active near its window's
+    /// end and queued a pre-lease of the next window.
+    pub(crate) swept_ahead: AtomicBool,
     /// The last refill failed: the failure policy applies once local
     /// permits are gone.
     pub(crate) refill_failed: AtomicBool,
@@ -180,6 +183,7 @@ impl Slot {
             refill_pending: AtomicBool::new(false),
             in_flight: AtomicBool::new(false),
             promoted: AtomicBool::new(false),
+            swept_ahead: AtomicBool::new(false),
             refill_failed: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
             need: AtomicU32::new(0),

@@ -497,3 +497,31 @@ async fn a_round_ends_after_its_batches_so_maintenance_and_stop_get_a_turn() {
     assert_eq!(r.round_trips(), 40);
     assert!(r.slot("k39").permits.load(Ordering::Acquire) > 0);
 }
+
+#[tokio::test]
+async fn an_active_key_is_preleased_by_the_sweep_before_its_window_ends() {
+    let r = rig(
+        Quota::new(100, Duration::from_secs(10)).unwrap(),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(10, 10),
+    );
+    assert!(r.check("k", 1).await.is_allowed());
+    assert!(r.check("idle", 1).await.is_allowed());
+    assert_eq!(r.round_trips(), 2);
+    // "k" is used again late in the window; "idle" is not. Neither is
+    // near enough to the end for a request to pre-lease.
+    r.clock.set(ORIGIN + Duration::from_secs(5));
+    assert_eq!(r.check("k", 1).await.source(), Source::Lease);
+    r.clock.set(ORIGIN + Duration::from_millis(8_950));
+    r.maintain();
+    r.sync().await;
+    assert_eq!(r.round_trips(), 3, "one pre-lease, for the active key only");
+    assert!(r.slot("k").has_next.load(Ordering::Acquire));
+    assert!(!r.slot("idle").has_next.load(Ordering::Acquire));
+    // After the boundary the active key decides at once from its pre-lease.
+    r.clock.set(ORIGIN + Duration::from_millis(10_050));
+    let d = r.check("k", 1).await;
+    assert!(d.is_allowed());
+    assert_eq!(d.source(), Source::Lease);
+    assert_eq!(r.round_trips(), 3, "no wait at the boundary");
+}
