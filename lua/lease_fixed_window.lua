@@ -54,7 +54,7 @@
 -- Debt for a window older than the previous one can no longer be checked and
 -- is returned as wholly uncovered. Time comes from Redis TIME only.
 -- Complexity: O(1), and once per window O(fields) to forget ended windows
--- (three windows, two holder counts and one field per holder process).
+-- (three windows, two holder counts and two fields per holder process).
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local limit = tonumber(ARGV[1])
@@ -140,6 +140,9 @@ if not replayed then
     else
       fair = math.floor(available / math.max(1, expected))
     end
+    -- Many holders: the rate's lease is cut to one holder's share, so thin
+    -- processes do not strand what the others wait for.
+    granted = math.min(granted, math.max(1, fair))
     fair = math.min(fair, math.floor(available * share), ceiling)
     if fair > granted then granted = math.min(fair, available) end
   end

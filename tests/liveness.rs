@@ -340,3 +340,44 @@ async fn grants_lost_to_a_timeout_are_recovered() {
         limiter.stats()
     );
 }
+
+/// Limiters sharing one `RedisStore` share its connection: each one's
+/// pipelines queue behind the others'. A pipeline's timeout allows for
+/// every call in flight on the store, so a burst of new keys on two
+/// limiters at once times nothing out on a healthy Redis (it used to turn
+/// up to every decision into a policy decision).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limiters_sharing_a_store_do_not_time_each_other_out() {
+    let server = RedisServer::start();
+    let store = store(&server).await;
+    let limiters: Vec<Limiter> = (0..2)
+        .map(|i| {
+            Limiter::builder(Quota::per_minute(1_000_000))
+                .store(store.clone())
+                .namespace(&format!("shared{i}"))
+                .on_store_error(FailurePolicy::FailClosed)
+                .hybrid(HybridConfig::strict().max_wait(Duration::from_secs(2)))
+                .build()
+                .unwrap()
+        })
+        .collect();
+    for l in &limiters {
+        assert!(l.check("warm", 1).await.is_allowed());
+    }
+    for round in 0..3 {
+        let mut tasks = tokio::task::JoinSet::new();
+        for l in &limiters {
+            for i in 0..2_048 {
+                let l = l.clone();
+                tasks.spawn(async move { l.check(&format!("r{round}-{i}"), 1).await });
+            }
+        }
+        let mut not_leased = 0;
+        while let Some(d) = tasks.join_next().await {
+            not_leased += usize::from(d.unwrap().source() != Source::Lease);
+        }
+        assert_eq!(not_leased, 0, "round {round}");
+    }
+    let errors: u64 = limiters.iter().map(|l| l.stats().store_errors).sum();
+    assert_eq!(errors, 0);
+}

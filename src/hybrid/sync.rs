@@ -798,11 +798,27 @@ fn apply(
                     }
                 }
                 // Refill before the lease runs dry: at half of what the
-                // rate asked for, or a quarter of a headroom grant.
+                // rate asked for, or a quarter of a headroom grant. Not when
+                // the store cut the lease below half the ask (a contested
+                // key: many holders, little left): a permit fetched ahead
+                // of need would wait idle in every holder, and at the
+                // window's end a thousand holders' one permit each is a
+                // thousand stranded.
+                let contested = shared.params.algorithm == Algorithm::FixedWindow
+                    && r.granted < p.call.want / 2;
+                if contested {
+                    // Nor a pre-lease of the next window: spread over every
+                    // holder whatever its rate, it strands the same way.
+                    slot.early_refill.store(false, Ordering::Relaxed);
+                }
                 slot.low_water.store(
-                    (p.call.want / 2)
-                        .max(r.granted / 4)
-                        .min(u64::from(u32::MAX)) as u32,
+                    if contested {
+                        0
+                    } else {
+                        (p.call.want / 2)
+                            .max(r.granted / 4)
+                            .min(u64::from(u32::MAX)) as u32
+                    },
                     Ordering::Relaxed,
                 );
             } else if p.call.want > 0 {
@@ -811,6 +827,14 @@ fn apply(
                     // the store surely has something again.
                     slot.denied_until
                         .store(t1 + r.retry_after_us + margin, Ordering::Release);
+                } else if now >= slot.deadline.load(Ordering::Acquire) {
+                    // Nothing left of the next window, which has not begun
+                    // in the store, while this process's permits of the
+                    // current one are void: nothing can be admitted here
+                    // before the next window starts. Denied until then
+                    // (asking again at once would spin on the store).
+                    slot.denied_until
+                        .store(t1 + r.start_after_us + margin, Ordering::Release);
                 }
                 // Nothing to be had: spend what is held, then ask again (the
                 // denied-until time keeps that from costing round trips).

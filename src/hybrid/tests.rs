@@ -525,3 +525,51 @@ async fn an_active_key_is_preleased_by_the_sweep_before_its_window_ends() {
     assert_eq!(d.source(), Source::Lease);
     assert_eq!(r.round_trips(), 3, "no wait at the boundary");
 }
+
+/// A waiter whose window is over locally while the store is still in it,
+/// and whose key has nothing left in the next window (another process
+/// pre-leased all of it): denied until that window begins, not asking the
+/// store again and again meanwhile.
+#[tokio::test]
+async fn an_exhausted_next_window_is_waited_for_not_asked_for_in_a_loop() {
+    let r = rig(
+        Quota::per_second(3),
+        Algorithm::FixedWindow,
+        strict()
+            .lease_bounds(1, 1)
+            .prelease_lead(Duration::ZERO)
+            .max_wait(Duration::from_millis(100)),
+    );
+    assert!(r.check("k", 1).await.is_allowed());
+    assert_eq!(r.round_trips(), 1);
+    // Another process takes all of the next window ahead of the boundary.
+    let next = (ORIGIN.as_micros() as u64 / r.params.period_us) as i64 + 1;
+    let taken = r
+        .store
+        .lease(
+            &r.params,
+            &LeaseCall {
+                key: r.keys.store_key("k", Algorithm::FixedWindow),
+                want: 3,
+                share_cap: 1.0,
+                debt: 0,
+                debt_window: -1,
+                min_window: next,
+                need: 3,
+                patience: 1,
+                op: None,
+                holder: None,
+                ceiling: 0,
+                lease_id: 0,
+            },
+        )
+        .unwrap();
+    assert_eq!((taken.granted, taken.window), (3, next));
+    // 1.5 ms before the boundary: this slot's window is over locally (its
+    // deadline is the end minus the margin), the store's is not.
+    r.clock.set(ORIGIN + Duration::from_micros(998_500));
+    let d = r.check("k", 1).await;
+    assert!(!d.is_allowed());
+    let asked = r.round_trips() - 1;
+    assert!(asked <= 2, "{asked} lease calls for one denied request");
+}

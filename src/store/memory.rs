@@ -682,6 +682,8 @@ fn lease_fixed_window(
         } else {
             available / expected.max(1)
         };
+        // Many holders: the rate's lease is cut to one holder's share.
+        granted = granted.min(fair.max(1));
         let fair = fair
             .min((available as f64 * call.share_cap).floor() as i64)
             .min(call.ceiling.min(i64::MAX as u64) as i64);

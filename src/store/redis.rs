@@ -208,6 +208,31 @@ struct Inner {
     topology: Option<Topology>,
     /// Calls sent to Redis (pipelines count once).
     calls: AtomicU64,
+    /// Script calls in pipelines now in flight on this store (all its
+    /// clones: they share the connection). Redis runs them one after the
+    /// other, so a pipeline's timeout allows for every call queued with it.
+    queued: AtomicU64,
+}
+
+/// A pipeline's calls, counted in `Inner::queued` while it is in flight.
+struct Queued<'a> {
+    counter: &'a AtomicU64,
+    calls: u64,
+}
+
+impl<'a> Queued<'a> {
+    /// Counts `calls` in; returns the guard and the calls now in flight.
+    fn enter(counter: &'a AtomicU64, calls: usize) -> (Queued<'a>, u64) {
+        let calls = calls as u64;
+        let total = counter.fetch_add(calls, Ordering::AcqRel) + calls;
+        (Queued { counter, calls }, total)
+    }
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        self.counter.fetch_sub(self.calls, Ordering::AcqRel);
+    }
 }
 
 /// Clears the topology's refresh flag when the refresh task ends, however
@@ -577,6 +602,7 @@ impl RedisStore {
                 breaker,
                 topology: None,
                 calls: AtomicU64::new(0),
+                queued: AtomicU64::new(0),
             }),
         }
     }
@@ -930,11 +956,13 @@ impl RedisStore {
                 pipe.add_command(cmd.clone());
             }
             let mut conn = (**self.inner.conn.load()).clone();
+            let (_queued, in_flight) = Queued::enter(&self.inner.queued, cmds.len());
+            let calls = (cmds.len() + ahead).max(in_flight as usize);
             let sent = self
                 .bounded_judged(
                     "pipelined scripts",
                     node,
-                    batch_timeout(self.inner.options.response_timeout, cmds.len() + ahead),
+                    batch_timeout(self.inner.options.response_timeout, calls),
                     pipe.query_async(&mut conn),
                     |values: &Vec<Value>| values.iter().any(refuses),
                 )
@@ -1073,10 +1101,11 @@ impl RedisStore {
     }
 }
 
-/// How long a pipeline of `calls` scripts may take: the response timeout,
-/// plus a quarter of it per 128 calls, at most four times it.
+/// How long a pipeline may take with `calls` scripts queued up to its own
+/// (those in flight before it, on this store, and its own): the response
+/// timeout, plus a quarter of it per 128 calls, at most eight times it.
 fn batch_timeout(response: Duration, calls: usize) -> Duration {
-    response + (response / 4) * (calls / 128).min(12) as u32
+    response + (response / 4) * (calls / 128).min(28) as u32
 }
 
 fn value_to_ints(v: Value) -> Result<Vec<i64>, Error> {
