@@ -580,12 +580,13 @@ async fn long_tail(backend: &Backend, args: &Args, rate_per_key: f64) {
         args.duration
     );
     println!(
-        "{:<20} {:>12} {:>10} {:>10} {:>10} {:>9} {:>14} {:>11} {:>12} {:>10}",
+        "{:<20} {:>12} {:>10} {:>10} {:>10} {:>10} {:>9} {:>14} {:>11} {:>12} {:>10}",
         "mode",
         "decisions/s",
         "p50",
         "p99",
         "p99.9",
+        "max",
         "waited",
         "scripts/1000",
         "RT/1000",
@@ -602,12 +603,13 @@ async fn long_tail(backend: &Backend, args: &Args, rate_per_key: f64) {
         let o = run_long_tail(backend, args, mode, rate_per_key).await;
         let per_1000 = |n: u64| n as f64 * 1000.0 / o.decisions.max(1) as f64;
         println!(
-            "{:<20} {:>12.0} {:>10} {:>10} {:>10} {:>8.2}% {:>14.2} {:>11.2} {:>11.3}s {:>9.1}%",
+            "{:<20} {:>12.0} {:>10} {:>10} {:>10} {:>10} {:>8.2}% {:>14.2} {:>11.2} {:>11.3}s {:>9.1}%",
             o.name,
             o.decisions as f64 / o.seconds,
             ns(o.latency.value_at_quantile(0.5)),
             ns(o.latency.value_at_quantile(0.99)),
             ns(o.latency.value_at_quantile(0.999)),
+            ns(o.latency.max()),
             o.waited as f64 * 100.0 / o.decisions.max(1) as f64,
             per_1000(o.scripts),
             per_1000(o.round_trips),
