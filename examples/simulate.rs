@@ -53,13 +53,8 @@ fn parse_args() -> Args {
         processes: vec![1, 4, 16, 64, 256, 1000],
         plot: None,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        let n = || {
-            v.parse::<u64>()
-                .unwrap_or_else(|_| panic!("{flag}: not a number: {v}"))
-        };
+    for (flag, v) in support::load::flag_pairs() {
+        let n = || support::load::number(&flag, &v);
         match flag.as_str() {
             "--keys" => a.keys = n() as usize,
             "--limit" => a.limit = n(),

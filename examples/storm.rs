@@ -38,13 +38,8 @@ fn parse_args() -> Args {
         rtt: Duration::ZERO,
         rate: 50_000.0,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
-        let n = || {
-            v.parse::<u64>()
-                .unwrap_or_else(|_| panic!("{flag}: not a number: {v}"))
-        };
+    for (flag, v) in support::load::flag_pairs() {
+        let n = || support::load::number(&flag, &v);
         match flag.as_str() {
             "--keys" => a.keys = n() as usize,
             "--rtt-ms" => a.rtt = Duration::from_millis(n()),

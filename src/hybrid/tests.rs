@@ -91,6 +91,25 @@ impl Rig {
     }
 }
 
+/// A lease taken directly from the store, as another process would: all
+/// of `want` (share cap 1, taken whole), from window `min_window` on.
+fn raw_lease(key: String, want: u64, min_window: i64) -> LeaseCall {
+    LeaseCall {
+        key,
+        want,
+        share_cap: 1.0,
+        debt: 0,
+        debt_window: -1,
+        min_window,
+        need: want,
+        patience: 1,
+        op: None,
+        holder: None,
+        ceiling: 0,
+        lease_id: 0,
+    }
+}
+
 fn strict() -> HybridConfig {
     HybridConfig::strict().max_wait(Duration::from_millis(200))
 }
@@ -450,23 +469,7 @@ async fn the_lease_script_shape_is_what_the_engine_expects() {
     let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict());
     let reply = r
         .store
-        .lease(
-            &r.params,
-            &LeaseCall {
-                key: "x".into(),
-                want: 10,
-                share_cap: 1.0,
-                debt: 0,
-                debt_window: -1,
-                min_window: i64::MAX,
-                need: 1,
-                patience: 1,
-                op: None,
-                holder: None,
-                ceiling: 0,
-                lease_id: 0,
-            },
-        )
+        .lease(&r.params, &raw_lease("x".into(), 10, i64::MAX))
         .unwrap();
     assert_eq!(reply.granted, 10);
     assert_eq!(reply.start_after_us, 1_000_000);
@@ -548,20 +551,7 @@ async fn an_exhausted_next_window_is_waited_for_not_asked_for_in_a_loop() {
         .store
         .lease(
             &r.params,
-            &LeaseCall {
-                key: r.keys.store_key("k", Algorithm::FixedWindow),
-                want: 3,
-                share_cap: 1.0,
-                debt: 0,
-                debt_window: -1,
-                min_window: next,
-                need: 3,
-                patience: 1,
-                op: None,
-                holder: None,
-                ceiling: 0,
-                lease_id: 0,
-            },
+            &raw_lease(r.keys.store_key("k", Algorithm::FixedWindow), 3, next),
         )
         .unwrap();
     assert_eq!((taken.granted, taken.window), (3, next));

@@ -211,3 +211,21 @@ pub async fn drive(
     }
     tally
 }
+
+/// The command line's `--flag value` pairs, for the examples.
+pub fn flag_pairs() -> Vec<(String, String)> {
+    let mut pairs = Vec::new();
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let value = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        pairs.push((flag, value));
+    }
+    pairs
+}
+
+/// A flag's value as a whole number, or a panic naming the flag.
+pub fn number(flag: &str, value: &str) -> u64 {
+    value
+        .parse()
+        .unwrap_or_else(|_| panic!("{flag}: not a number: {value}"))
+}
