@@ -142,7 +142,12 @@ if not replayed then
     end
     -- Many holders: the rate's lease is cut to one holder's share, so thin
     -- processes do not strand what the others wait for.
-    granted = math.min(granted, math.max(1, fair))
+    -- (A remainder of at most `tail` permits still goes whole to a
+    -- process that can use it: its ceiling says how many it spends before
+    -- the window ends.)
+    local whole = 0
+    if available <= tail then whole = math.min(available, ceiling) end
+    granted = math.min(granted, math.max(1, fair, whole))
     fair = math.min(fair, math.floor(available * share), ceiling)
     if fair > granted then granted = math.min(fair, available) end
   end

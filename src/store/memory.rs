@@ -683,7 +683,14 @@ fn lease_fixed_window(
             available / expected.max(1)
         };
         // Many holders: the rate's lease is cut to one holder's share.
-        granted = granted.min(fair.max(1));
+        // (The last `need` permits still go whole to a process whose
+        // ceiling says it can use them.)
+        let whole = if available <= call.need.max(1) as i64 {
+            available.min(call.ceiling.min(i64::MAX as u64) as i64)
+        } else {
+            0
+        };
+        granted = granted.min(fair.max(1).max(whole));
         let fair = fair
             .min((available as f64 * call.share_cap).floor() as i64)
             .min(call.ceiling.min(i64::MAX as u64) as i64);
