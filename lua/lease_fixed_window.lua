@@ -171,7 +171,7 @@ elseif fresh and recorded then
   redis.call('HSET', KEYS[1], gf, lease_id .. ' ' .. string.format('%d', granted) .. ' ' .. tf)
 end
 
-if fresh or debt > 0 then
+if fresh or debt > 0 or first_in_window then
   -- Forget ended windows once per window: when this call opened one (and
   -- the key holds more than one window's fields).
   if fresh and used == granted and redis.call('HLEN', KEYS[1]) > 4 then
@@ -195,8 +195,8 @@ if fresh or debt > 0 then
     end
   end
   -- The TTL outlives the newest window counted by one period; it only
-  -- has to grow when a window's field was created.
-  if created or (fresh and used == granted) then
+  -- has to grow when a field was created (a window's, or a holder's).
+  if created or (fresh and used == granted) or first_in_window then
     local ttl_ms = math.ceil(((newest + 2) * period - now) / 1000)
     if redis.call('PTTL', KEYS[1]) < ttl_ms then
       redis.call('PEXPIRE', KEYS[1], ttl_ms)

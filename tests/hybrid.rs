@@ -117,12 +117,14 @@ fn watch_counts(
             let done = stop.load(Ordering::Acquire);
             let keys: Vec<String> = redis::cmd("KEYS").arg("sl:*").query(&mut conn).unwrap();
             for key in keys {
-                let fields: HashMap<String, i64> = redis::cmd("HGETALL")
+                // Values as text: besides window counts the hash holds
+                // holder records ("g<holder>" = "id granted window").
+                let fields: HashMap<String, String> = redis::cmd("HGETALL")
                     .arg(&key)
                     .query(&mut conn)
                     .unwrap_or_default();
                 for (field, count) in fields {
-                    if let Ok(window) = field.parse::<i64>() {
+                    if let (Ok(window), Ok(count)) = (field.parse::<i64>(), count.parse::<i64>()) {
                         let cell = seen.entry((key.clone(), window)).or_insert(0);
                         *cell = (*cell).max(count);
                     }
