@@ -1,4 +1,4 @@
-//! Schedules an adversarial review found breaking a published property,
+//! Schedules that once broke a published property,
 //! kept as regressions: a dropped `shutdown`, a report resent after its
 //! identity expired, a fallback counting windows on a skewed clock, a peek
 //! under fail-closed. All on a virtual clock over the embedded store.
