@@ -256,10 +256,7 @@ impl HybridEngine {
                     s.contended.store(true, Ordering::Relaxed);
                 }
                 slot.touch(now);
-                if slot.wants_refill(left, now, s.early_lead()) {
-                    s.request_refill(slot, false);
-                }
-                Some(s.lease_decision(slot, left, now))
+                Some(s.spent(slot, left, now))
             }
             Take::Empty => {
                 // A pre-lease of the window that has just begun: put it in
@@ -270,10 +267,7 @@ impl HybridEngine {
                         s.counters.stranded.add(replaced as u64);
                         if let Take::Taken(left, now, _) = slot.take(cost, &s.time) {
                             slot.touch(now);
-                            if slot.wants_refill(left, now, s.early_lead()) {
-                                s.request_refill(slot, false);
-                            }
-                            return Some(s.lease_decision(slot, left, now));
+                            return Some(s.spent(slot, left, now));
                         }
                     }
                 }
@@ -365,12 +359,7 @@ impl HybridEngine {
                 s.counters.stranded.add(replaced as u64);
             }
             match slot.take(cost, &s.time) {
-                Take::Taken(left, ..) => {
-                    if slot.wants_refill(left, now, s.early_lead()) {
-                        s.request_refill(&slot, false);
-                    }
-                    return Ok(s.lease_decision(&slot, left, now));
-                }
+                Take::Taken(left, ..) => return Ok(s.spent(&slot, left, now)),
                 Take::Late(lost) => s.counters.stranded.add(lost as u64),
                 Take::Empty => {}
             }
@@ -584,14 +573,7 @@ impl Shared {
         if urgent {
             self.urgent.store(true, Ordering::Release);
         }
-        let fresh = !slot.refill_pending.swap(true, Ordering::AcqRel);
-        // A refill queued ahead of need (low water, pre-lease) that a
-        // request now waits on moves up: a second entry in the waiters'
-        // queue, the first one taken wins (see `RefillQueue::pop`).
-        let promote = urgent
-            && !slot.in_flight.load(Ordering::Acquire)
-            && !slot.promoted.swap(true, Ordering::AcqRel);
-        if fresh || promote {
+        if slot.enqueue(urgent) {
             self.queue
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -622,6 +604,16 @@ impl Shared {
         let wait = Duration::from_micros(until - now);
         let reset = self.reset_after(slot, now).max(wait);
         Decision::deny(self.params.limit, 0, reset, Some(wait), Source::DeniedCache)
+    }
+
+    /// Permits were just taken, `left` remain: a refill if one is due,
+    /// and the decision.
+    #[inline]
+    fn spent(&self, slot: &Arc<Slot>, left: i64, now: u64) -> Decision {
+        if slot.wants_refill(left, now, self.early_lead()) {
+            self.request_refill(slot, false);
+        }
+        self.lease_decision(slot, left, now)
     }
 
     fn lease_decision(&self, slot: &Slot, left: i64, now: u64) -> Decision {

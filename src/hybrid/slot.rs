@@ -339,6 +339,19 @@ impl Slot {
         left < i64::from(self.low_water.load(Ordering::Relaxed)) || self.near_end(now, lead)
     }
 
+    /// A refill is asked for (`waiting`: by a request that waits on it).
+    /// Whether the slot gets a new entry in the refill queue: when none is
+    /// pending, or when a request now waits on one queued ahead of need
+    /// (low water, pre-lease) and not yet sent — a second entry, in the
+    /// waiters' queue; the first one taken wins (`RefillQueue::pop`).
+    pub(crate) fn enqueue(&self, waiting: bool) -> bool {
+        let fresh = !self.refill_pending.swap(true, Ordering::AcqRel);
+        let promote = waiting
+            && !self.in_flight.load(Ordering::Acquire)
+            && !self.promoted.swap(true, Ordering::AcqRel);
+        fresh || promote
+    }
+
     /// The refill is settled (applied, failed, or put back): the slot may
     /// queue another. `in_flight` clears first, so a queue entry seen
     /// after `refill_pending` is set again is never taken for the old one.

@@ -988,11 +988,7 @@ mod tests {
 
     /// Queues `slot` the way `request_refill` does.
     fn queue(q: &mut RefillQueue, slot: &Arc<Slot>, waiting: bool) {
-        let fresh = !slot.refill_pending.swap(true, Ordering::AcqRel);
-        let promote = waiting
-            && !slot.in_flight.load(Ordering::Acquire)
-            && !slot.promoted.swap(true, Ordering::AcqRel);
-        if fresh || promote {
+        if slot.enqueue(waiting) {
             q.push(slot.clone(), waiting);
         }
     }
