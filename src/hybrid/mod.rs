@@ -104,7 +104,14 @@ pub(crate) struct Shared {
     /// (buckets); 0 turns early refills off. Kept out of the `ArcSwap`d
     /// config so the request path reads one atomic.
     early_lead_us: AtomicU64,
+    /// Runs once between a failed try and the wait for a refill: lets a
+    /// test land a refill in exactly that gap.
+    #[cfg(test)]
+    before_wait: Mutex<Option<BeforeWait>>,
 }
+
+#[cfg(test)]
+type BeforeWait = Box<dyn FnOnce(&Shared, &Arc<Slot>) + Send>;
 
 /// Stops the sync task when the last limiter clone is dropped.
 struct StopGuard(Arc<Shared>);
@@ -195,6 +202,8 @@ impl HybridEngine {
             reconciler,
             fallback_clock,
             early_lead_us: AtomicU64::new(0),
+            #[cfg(test)]
+            before_wait: Mutex::new(None),
         });
         shared.set_early_lead(&shared.config.load());
         let task = runtime.spawn(sync::run(shared.clone()));
@@ -373,6 +382,10 @@ impl HybridEngine {
             }
             slot.need
                 .fetch_max(cost.min(u64::from(u32::MAX)) as u32, Ordering::AcqRel);
+            #[cfg(test)]
+            if let Some(land) = s.before_wait.lock().unwrap().take() {
+                land(s, &slot);
+            }
             if notified.as_mut().enable() && !retried {
                 // A refill (of this slot or one sharing its stripe) was
                 // applied since the try: try again before asking for more

@@ -563,3 +563,27 @@ async fn an_exhausted_next_window_is_waited_for_not_asked_for_in_a_loop() {
     let asked = r.round_trips() - 1;
     assert!(asked <= 2, "{asked} lease calls for one denied request");
 }
+
+#[tokio::test]
+async fn a_refill_landing_between_the_try_and_the_wait_is_used_not_asked_for_again() {
+    let r = rig(
+        Quota::per_second(100),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(10, 10),
+    );
+    let period = r.params.period_us;
+    // Another request's refill lands after this one found the slot empty
+    // and before it started waiting.
+    *r.engine.shared.before_wait.lock().unwrap() = Some(Box::new(move |s, slot| {
+        let now = s.time.precise_us();
+        let window = (now / period) as i64;
+        let end = (window as u64 + 1) * period;
+        slot.install(5, window, end, end, now, false);
+        s.refilled(slot).notify_waiters();
+    }));
+    let d = r.check("k", 1).await;
+    assert!(d.is_allowed());
+    assert_eq!(d.source(), Source::Lease);
+    assert_eq!(r.slot("k").permits.load(Ordering::Acquire), 4);
+    assert_eq!(r.round_trips(), 0, "the landed refill was asked for again");
+}
