@@ -19,6 +19,8 @@
 #[path = "../tests/support/mod.rs"]
 mod support;
 
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -85,7 +87,8 @@ impl Phase {
         println!(
             "{what}: {} decisions in {:.0} ms; denied {:.1} %, waited {:.1} %; \
              p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms; {} round trips, {} leases; \
-             {} store errors, {} decided by the failure policy",
+             {} store errors, {} decided by the failure policy; \
+             {} polled past {BOUND:?} and still undecided",
             self.decisions,
             self.drained.as_secs_f64() * 1e3,
             pct(self.denied),
@@ -97,6 +100,7 @@ impl Phase {
             after.leases - before.leases,
             after.store_errors - before.store_errors,
             after.policy_decisions - before.policy_decisions,
+            LATE_BY_LIMITER.swap(0, Ordering::Relaxed),
         );
     }
 }
@@ -104,12 +108,39 @@ impl Phase {
 /// One decision, timed: (latency ns, denied, waited, done since `began`).
 type Sample = (u64, bool, bool, Duration);
 
+/// The longest a decision may take once it runs: `max_wait` (50 ms) plus
+/// the store's response timeout (25 ms), and 5 ms for the timer wheel.
+const BOUND: Duration = Duration::from_millis(80);
+
+/// Decisions that were polled after `BOUND` and still not made: the
+/// limiter's own lateness, as opposed to the runtime's (a decision made
+/// late because its task was not polled in time).
+static LATE_BY_LIMITER: AtomicU64 = AtomicU64::new(0);
+
+/// Runs a decision, checking at every poll whether it is overdue.
+async fn watched<F: Future>(decision: F) -> F::Output {
+    let mut decision = std::pin::pin!(decision);
+    let mut first: Option<Instant> = None;
+    let mut late = false;
+    std::future::poll_fn(move |cx| {
+        let now = Instant::now();
+        let first = *first.get_or_insert(now);
+        let poll = decision.as_mut().poll(cx);
+        if poll.is_pending() && !late && now.duration_since(first) > BOUND {
+            late = true;
+            LATE_BY_LIMITER.fetch_add(1, Ordering::Relaxed);
+        }
+        poll
+    })
+    .await
+}
+
 /// One decision; `waited` if the limiter could not answer locally.
 async fn decide(limiter: &Limiter, key: &str, began: Instant) -> Sample {
     let at = Instant::now();
     let (d, waited) = match limiter.check_now(key, 1) {
         Some(d) => (d, false),
-        None => (limiter.check(key, 1).await, true),
+        None => (watched(limiter.check(key, 1)).await, true),
     };
     (
         at.elapsed().as_nanos().max(1) as u64,
@@ -181,7 +212,7 @@ async fn paced(limiter: &Limiter, keys: usize, rate: f64, until: u64, measure_fr
                         None => {
                             let limiter = limiter.clone();
                             waiting.spawn(async move {
-                                let d = limiter.check(&key, 1).await;
+                                let d = watched(limiter.check(&key, 1)).await;
                                 (
                                     at.elapsed().as_nanos().max(1) as u64,
                                     !d.is_allowed(),
