@@ -150,10 +150,18 @@ impl Backend {
 
     /// EVALSHA calls and the µs Redis spent in them (summed over nodes).
     fn script_stats(&self) -> (u64, u64) {
+        self.command_stats()
+            .get("evalsha")
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// Command → (calls, µs in Redis), summed over nodes.
+    fn command_stats(&self) -> HashMap<String, (u64, u64)> {
+        let mut total = HashMap::new();
         let Backend::Redis { urls, .. } = self else {
-            return (0, 0);
+            return total;
         };
-        let mut total = (0, 0);
         for url in urls {
             let Ok(mut conn) = redis::Client::open(url.as_str()).and_then(|c| c.get_connection())
             else {
@@ -163,11 +171,15 @@ impl Backend {
                 .arg("commandstats")
                 .query(&mut conn)
                 .unwrap_or_default();
-            if let Some(line) = info.lines().find(|l| l.starts_with("cmdstat_evalsha:")) {
-                for part in line.trim_start_matches("cmdstat_evalsha:").split(',') {
+            for line in info.lines().filter_map(|l| l.strip_prefix("cmdstat_")) {
+                let Some((name, fields)) = line.split_once(':') else {
+                    continue;
+                };
+                let entry: &mut (u64, u64) = total.entry(name.to_owned()).or_default();
+                for part in fields.split(',') {
                     match part.split_once('=') {
-                        Some(("calls", v)) => total.0 += v.parse::<u64>().unwrap_or(0),
-                        Some(("usec", v)) => total.1 += v.parse::<u64>().unwrap_or(0),
+                        Some(("calls", v)) => entry.0 += v.parse::<u64>().unwrap_or(0),
+                        Some(("usec", v)) => entry.1 += v.parse::<u64>().unwrap_or(0),
                         _ => {}
                     }
                 }
@@ -325,6 +337,7 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
     let names: Arc<Vec<String>> = Arc::new((0..args.keys).map(key_name).collect());
     let cpu_before = backend.cpu_seconds();
     let scripts_before = backend.script_stats();
+    let commands_before = backend.command_stats();
     let started = Instant::now();
     let stop_at = wall_us() + args.duration.as_micros() as u64;
     let shared = Arc::new(Mutex::new((
@@ -399,6 +412,20 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
     if std::env::var("COMPARE_DEBUG").is_ok() {
         let after = backend.script_stats();
         let calls = after.0 - scripts_before.0;
+        let mut commands: Vec<_> = backend
+            .command_stats()
+            .into_iter()
+            .map(|(name, (n, us))| {
+                let (n0, us0) = commands_before.get(&name).copied().unwrap_or_default();
+                (name, n - n0, us - us0)
+            })
+            .filter(|c| c.1 > 0)
+            .collect();
+        commands.sort_by_key(|c| std::cmp::Reverse(c.2));
+        println!(
+            "  {}: commands (name, calls, µs): {commands:?}",
+            mode.name()
+        );
         println!(
             "  {}: {calls} scripts, {:.1} µs each in Redis; {:?}",
             mode.name(),

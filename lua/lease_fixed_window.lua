@@ -152,30 +152,39 @@ if not replayed then
     if fair > granted then granted = math.min(fair, available) end
   end
 end
+-- Every write of this call in one HSET (each call into Redis costs more
+-- than the Lua around it). The script runs atomically, so setting a count
+-- read above plus what this call adds is an increment.
+local fresh = granted > 0 and not replayed
+local writes = {}
 if first_in_window then
   -- Every process that asks counts as a holder, granted or not: a fleet
   -- of a thousand thin processes shares the budget a thousand ways.
-  redis.call('HINCRBY', KEYS[1], hf, 1)
+  writes[#writes + 1] = hf
+  writes[#writes + 1] = string.format('%d', tonumber(got[4] or '0') + 1)
+  writes[#writes + 1] = pf
+  writes[#writes + 1] = tf
 end
-local fresh = granted > 0 and not replayed
 if fresh then
-  used = redis.call('HINCRBY', KEYS[1], tf, granted)
+  used = used + granted
+  writes[#writes + 1] = tf
+  writes[#writes + 1] = string.format('%d', used)
   if tw > newest then newest = tw end
+  if recorded then
+    writes[#writes + 1] = gf
+    writes[#writes + 1] = lease_id .. ' ' .. string.format('%d', granted) .. ' ' .. tf
+  end
 end
-if first_in_window and fresh and recorded then
-  redis.call('HSET', KEYS[1], pf, tf,
-    gf, lease_id .. ' ' .. string.format('%d', granted) .. ' ' .. tf)
-elseif first_in_window then
-  redis.call('HSET', KEYS[1], pf, tf)
-elseif fresh and recorded then
-  redis.call('HSET', KEYS[1], gf, lease_id .. ' ' .. string.format('%d', granted) .. ' ' .. tf)
+if #writes > 0 then
+  redis.call('HSET', KEYS[1], unpack(writes))
 end
 
-if fresh or debt > 0 or first_in_window then
+if fresh or debt > 0 then
   -- Forget ended windows once per window: when this call opened one (and
   -- the key holds more than one window's fields).
   if fresh and used == granted and redis.call('HLEN', KEYS[1]) > 4 then
     local all = redis.call('HGETALL', KEYS[1])
+    local dead = {}
     for i = 1, #all, 2 do
       local f = all[i]
       local c = string.sub(f, 1, 1)
@@ -189,14 +198,15 @@ if fresh or debt > 0 or first_in_window then
       else
         fw = tonumber(f)
       end
-      if fw == nil or fw < w - 1 then
-        redis.call('HDEL', KEYS[1], f)
-      end
+      if fw == nil or fw < w - 1 then dead[#dead + 1] = f end
     end
+    if #dead > 0 then redis.call('HDEL', KEYS[1], unpack(dead)) end
   end
   -- The TTL outlives the newest window counted by one period; it only
-  -- has to grow when a field was created (a window's, or a holder's).
-  if created or (fresh and used == granted) or first_in_window then
+  -- has to grow when a window's count was created. (A holder's fields
+  -- belong to a window whose count exists: a first ask that is granted
+  -- nothing finds the window full.)
+  if created or (fresh and used == granted) then
     local ttl_ms = math.ceil(((newest + 2) * period - now) / 1000)
     if redis.call('PTTL', KEYS[1]) < ttl_ms then
       redis.call('PEXPIRE', KEYS[1], ttl_ms)

@@ -104,6 +104,12 @@ pub(crate) struct Shared {
     /// (buckets); 0 turns early refills off. Kept out of the `ArcSwap`d
     /// config so the request path reads one atomic.
     early_lead_us: AtomicU64,
+    /// Fixed window: the end of a window as the last lease reply showed
+    /// it (local µs; 0 = none yet). Windows share their boundaries, so
+    /// this places every later one.
+    window_end_hint: AtomicU64,
+    /// The boundary whose pre-leases maintenance last sent.
+    preleased_for: AtomicU64,
     /// Runs once between a failed try and the wait for a refill: lets a
     /// test land a refill in exactly that gap.
     #[cfg(test)]
@@ -202,6 +208,8 @@ impl HybridEngine {
             reconciler,
             fallback_clock,
             early_lead_us: AtomicU64::new(0),
+            window_end_hint: AtomicU64::new(0),
+            preleased_for: AtomicU64::new(0),
             #[cfg(test)]
             before_wait: Mutex::new(None),
         });

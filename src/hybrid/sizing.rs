@@ -57,6 +57,21 @@ impl Sizing {
         need: u64,
         time_left_us: Option<u64>,
     ) -> u64 {
+        self.want_to_the_end(rule, permits_now, now, need, time_left_us)
+            .0
+    }
+
+    /// [`Sizing::want`], and whether the lease was cut to what the rate
+    /// spends before its window ends (the window's last lease: one to
+    /// spend, not to refill ahead of need).
+    pub(crate) fn want_to_the_end(
+        &mut self,
+        rule: SizingRule,
+        permits_now: i64,
+        now: u64,
+        need: u64,
+        time_left_us: Option<u64>,
+    ) -> (u64, bool) {
         let by_rate = (self.rate * rule.horizon_us as f64).ceil();
         let mut want = if by_rate.is_finite() {
             by_rate as u64
@@ -71,15 +86,19 @@ impl Sizing {
         if quick {
             want = want.max(u64::from(self.last_want).saturating_mul(2));
         }
+        let mut to_the_end = false;
         if let Some(left) = time_left_us {
             if self.rate > 0.0 {
                 let usable = (self.rate * left as f64 * 1.2).ceil() as u64;
-                want = want.min(usable.max(rule.min_lease));
+                if usable.max(rule.min_lease) < want {
+                    want = usable.max(rule.min_lease);
+                    to_the_end = true;
+                }
             }
         }
         let want = want.clamp(rule.min_lease, rule.max_lease).max(need);
         self.last_want = want.min(u64::from(u32::MAX)) as u32;
-        want
+        (want, to_the_end)
     }
 
     /// Records the local level after a refill was applied.
@@ -88,7 +107,7 @@ impl Sizing {
         self.at = now;
     }
 
-    #[cfg(test)]
+    /// Permits consumed per µs, smoothed.
     pub(crate) fn rate_per_us(&self) -> f64 {
         self.rate
     }
@@ -167,8 +186,12 @@ mod tests {
             rate: 1.0, // a million per second
             last_want: 0,
         };
-        assert_eq!(s.want(RULE, 0, 10, 1, None), 10_000);
-        assert_eq!(s.want(RULE, 0, 10, 1, Some(100)), 120);
+        assert_eq!(s.want_to_the_end(RULE, 0, 10, 1, None), (10_000, false));
+        assert_eq!(
+            s.want_to_the_end(RULE, 0, 10, 1, Some(100)),
+            (120, true),
+            "cut to what the rest of the window uses"
+        );
         // a pending request larger than the lease is still served
         let mut cold = Sizing::default();
         assert_eq!(cold.want(RULE, 0, 10, 50, None), 50);

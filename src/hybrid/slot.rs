@@ -336,7 +336,8 @@ impl Slot {
     /// Whether the permits just spent leave the slot wanting a refill.
     #[inline]
     pub(crate) fn wants_refill(&self, left: i64, now: u64, lead: u64) -> bool {
-        left < i64::from(self.low_water.load(Ordering::Relaxed)) || self.near_end(now, lead)
+        left < i64::from(self.low_water.load(Ordering::Relaxed))
+            || (self.near_end(now, lead) && !self.has_next.load(Ordering::Acquire))
     }
 
     /// A refill is asked for (`waiting`: by a request that waits on it).

@@ -205,6 +205,10 @@ struct Pending {
     renew: bool,
     /// What the call reports, if it is a report rather than a lease.
     report: Option<Reported>,
+    /// The lease is sized to last until its window ends: no refill ahead
+    /// of need when it runs low (each would be cut smaller again by the
+    /// time left, a trickle of ever smaller leases to the boundary).
+    to_the_end: bool,
 }
 
 /// A report in flight, to be settled or resent as it was.
@@ -369,6 +373,7 @@ fn next_batch(
             ),
             renew: false,
             report: Some(Reported::Fallback(report)),
+            to_the_end: false,
         });
     }
     while pending.len() < config.batch_size {
@@ -384,6 +389,7 @@ fn next_batch(
             },
             renew: false,
             report: Some(Reported::Debt(report)),
+            to_the_end: false,
         });
     }
     let room = config.batch_size.saturating_sub(pending.len());
@@ -535,9 +541,10 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         Algorithm::TokenBucket | Algorithm::Gcra => (-1, valid && near_end, None),
     };
     let ahead = min_window > slot.window.load(Ordering::Acquire) && valid;
-    let want = books
-        .sizing
-        .want(rule, if ahead { 0 } else { permits }, now, need, time_left);
+    let (want, to_the_end) =
+        books
+            .sizing
+            .want_to_the_end(rule, if ahead { 0 } else { permits }, now, need, time_left);
     let ceiling = books.sizing.ceiling(
         want,
         time_left.unwrap_or(config.lease_ttl.as_micros() as u64),
@@ -577,6 +584,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         call,
         renew,
         report: None,
+        to_the_end,
     }
 }
 
@@ -704,6 +712,11 @@ fn apply(
                 slot.window_end
                     .store(t0 + r.reset_after_us, Ordering::Relaxed);
             }
+            if shared.params.algorithm == Algorithm::FixedWindow {
+                shared
+                    .window_end_hint
+                    .store(t0 + r.reset_after_us, Ordering::Relaxed);
+            }
             // Fixed window: the deadline is the window's end, `reset_after`
             // ahead. Buckets: the lease horizon, drift added below.
             let margin = config.clock_margin.as_micros() as u64
@@ -806,21 +819,33 @@ fn apply(
                 // thousand stranded.
                 let contested = shared.params.algorithm == Algorithm::FixedWindow
                     && r.granted < p.call.want / 2;
+                // Nor for a thin holder (a few permits a window): what it
+                // fetched ahead would wait idle for its next request, and
+                // with many such holders, a window's budget with it.
+                // (A key whose rate is not known yet is not thin: its
+                // first lease says nothing about it.)
+                let thin = shared.params.algorithm == Algorithm::FixedWindow
+                    && slot.books().sizing.rate_per_us() > 0.0
+                    && !uses_a_share(shared, &slot);
                 if contested {
                     // Nor a pre-lease of the next window: spread over every
                     // holder whatever its rate, it strands the same way.
                     slot.early_refill.store(false, Ordering::Relaxed);
                 }
-                slot.low_water.store(
-                    if contested {
-                        0
-                    } else {
-                        (p.call.want / 2)
-                            .max(r.granted / 4)
-                            .min(u64::from(u32::MAX)) as u32
-                    },
-                    Ordering::Relaxed,
-                );
+                let low_water = if contested || thin {
+                    0
+                } else if p.to_the_end {
+                    // Sized to last until the window ends: refill only if
+                    // demand outruns it, when what is left would be spent
+                    // within two round trips (and a millisecond).
+                    let rtt = shared.rtt_us.load(Ordering::Relaxed) as f64;
+                    let rate = slot.books().sizing.rate_per_us();
+                    (rate * (2.0 * rtt + 1_000.0)).ceil().max(1.0) as u64
+                } else {
+                    (p.call.want / 2).max(r.granted / 4)
+                };
+                slot.low_water
+                    .store(low_water.min(u64::from(u32::MAX)) as u32, Ordering::Relaxed);
             } else if p.call.want > 0 {
                 if r.start_after_us == 0 {
                     // Redis answered before t1: from t1 + retry_after on,
@@ -883,7 +908,7 @@ fn prelease_if_active(shared: &Shared, slot: &Arc<Slot>, now: u64, idle_ms: u64,
         || now >= deadline
         || deadline - now > lead
         || !active
-        || !slot.early_refill.load(Ordering::Relaxed)
+        || !uses_a_share(shared, slot)
         || slot.has_next.load(Ordering::Acquire)
         || slot.refill_pending.load(Ordering::Acquire)
     {
@@ -891,6 +916,30 @@ fn prelease_if_active(shared: &Shared, slot: &Arc<Slot>, now: u64, idle_ms: u64,
     }
     slot.swept_ahead.store(true, Ordering::Release);
     shared.request_refill(slot, false);
+}
+
+/// The first window boundary after `now`, from `known`, the end of some
+/// window (0: none known yet).
+fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
+    if known == 0 || period == 0 {
+        return None;
+    }
+    Some(if known > now {
+        known - (known - now - 1) / period * period
+    } else {
+        known + ((now - known) / period + 1) * period
+    })
+}
+
+/// A key is pre-leased only where this process spends several permits a
+/// window: its share of the next window then surely gets used. A thin
+/// holder's would often strand (a process expecting one request a window
+/// sees none about a third of the time), and a thousand thin holders'
+/// pre-leases can take a whole window's budget that then sits idle, so a
+/// thin holder waits for a request instead.
+fn uses_a_share(shared: &Shared, slot: &Slot) -> bool {
+    const THICK: f64 = 4.0;
+    slot.books().sizing.rate_per_us() * shared.params.period_us as f64 >= THICK
 }
 
 /// Expires leases, evicts idle slots and enforces `max_keys`, on one slice
@@ -905,21 +954,36 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
     let mut all: Vec<(u64, Arc<str>)> = Vec::new();
     let over = shared.slots.len().saturating_sub(config.max_keys);
     let slice = slice.filter(|_| over == 0);
-    // How close to its window's end a visited key is pre-leased: within
-    // the time until the sweep comes back, plus the pre-lease lead, plus
+    // Fixed window: once per window, shortly before its end, every key
+    // used in it is pre-leased for the next one, all in the same rounds
+    // (a few pipelines, not one round trip per key). Early enough for the
+    // next tick to be too late: a tick, the pre-lease lead, 50 ms, and
     // what leasing every key in the map takes Redis (`LEASE_COST_US`
-    // each), at most half a window.
-    let sweep_lead = (shared.params.algorithm == Algorithm::FixedWindow
+    // each); at most half a window.
+    let period = shared.params.period_us;
+    let prelease_lead = (shared.params.algorithm == Algorithm::FixedWindow
         && !config.prelease_lead.is_zero())
     .then(|| {
-        let sweep = MAINTENANCE.as_micros() as u64 * SWEEP_SLICES as u64;
         let leasing = shared.slots.len() as u64 * LEASE_COST_US;
-        (sweep + config.prelease_lead.as_micros() as u64 + 100_000 + leasing)
-            .min(shared.params.period_us / 2)
+        (MAINTENANCE.as_micros() as u64
+            + config.prelease_lead.as_micros() as u64
+            + 50_000
+            + leasing)
+            .min(period / 2)
+    })
+    .and_then(|lead| {
+        let end = next_boundary(shared.window_end_hint.load(Ordering::Relaxed), now, period)?;
+        let due = end - now <= lead && shared.preleased_for.swap(end, Ordering::AcqRel) != end;
+        // Every key whose window ends by then (its deadline is the end
+        // less a margin).
+        due.then_some(end - now + 1)
     });
     for entry in shared.slots.iter() {
         let slot = entry.value();
         if slice.is_some_and(|s| slice_of(slot) != s) {
+            if let Some(lead) = prelease_lead {
+                prelease_if_active(shared, slot, now, slot.idle_ms(now), lead);
+            }
             continue;
         }
         let expired = slot.expire(now);
@@ -943,7 +1007,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
             }
         }
         let idle_for = slot.idle_ms(now);
-        if let Some(lead) = sweep_lead {
+        if let Some(lead) = prelease_lead {
             prelease_if_active(shared, slot, now, idle_for, lead);
         }
         if idle_for * 1_000 >= idle_us && !slot.refill_pending.load(Ordering::Acquire) {
@@ -981,6 +1045,16 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_next_boundary_is_found_from_any_known_window_end() {
+        assert_eq!(next_boundary(0, 5, 10), None);
+        for known in [3, 13, 23, 103] {
+            assert_eq!(next_boundary(known, 5, 10), Some(13), "{known}");
+            assert_eq!(next_boundary(known, 13, 10), Some(23), "{known}");
+            assert_eq!(next_boundary(known, 12, 10), Some(13), "{known}");
+        }
+    }
 
     fn slot(name: &str) -> Arc<Slot> {
         Arc::new(Slot::new(Arc::from(name), 0))
