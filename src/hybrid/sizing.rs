@@ -49,6 +49,7 @@ impl Sizing {
     /// The size of the next lease. `time_left_us` caps it at what the
     /// observed rate can use before the lease ends (fixed window), so few
     /// permits strand at the boundary. `need` is the largest pending cost.
+    #[cfg(test)]
     pub(crate) fn want(
         &mut self,
         rule: SizingRule,
