@@ -256,9 +256,9 @@ impl Limiter {
                 state: CheckState::Ready(Some(decision)),
             },
             None => Check {
-                state: CheckState::Pending(Box::pin(async move {
-                    self.check_slow(&key, cost).await
-                })),
+                state: CheckState::Pending(Box::pin(
+                    async move { self.check_slow(&key, cost).await },
+                )),
             },
         }
     }
@@ -526,7 +526,9 @@ impl Builder {
         if let FailurePolicy::LocalFallback(fallback) = &self.policy {
             self.algorithm.check_quota(fallback)?;
         }
-        let namespace = self.namespace.unwrap_or_else(|| default_namespace(&self.quota));
+        let namespace = self
+            .namespace
+            .unwrap_or_else(|| default_namespace(&self.quota));
         if namespace.len() > MAX_NAMESPACE_LEN {
             return Err(Error::invalid(format!(
                 "namespace is {} bytes; the maximum is {MAX_NAMESPACE_LEN}",
@@ -535,9 +537,7 @@ impl Builder {
         }
         let injected = self.clock.clone();
         let clock = self.clock.unwrap_or_else(|| Arc::new(SystemClock::new()));
-        let counters = Arc::new(Counters::new(
-            self.name.as_deref().unwrap_or(&namespace),
-        ));
+        let counters = Arc::new(Counters::new(self.name.as_deref().unwrap_or(&namespace)));
         let params = Params::new(&self.quota, self.algorithm);
         let keys = KeyEncoder::new(&namespace);
         let hint_keys = keys.clone();

@@ -119,7 +119,12 @@ async fn a_grpc_client_of_a_fail_closed_limiter_sees_unavailable() {
         lost_before: 1.0,
         ..Faults::default()
     };
-    let store = FaultyStore::new(MemoryStore::with_clock(clock.clone()), faults, 1, clock.clone());
+    let store = FaultyStore::new(
+        MemoryStore::with_clock(clock.clone()),
+        faults,
+        1,
+        clock.clone(),
+    );
     let limiter = Limiter::builder(Quota::per_minute(10))
         .store(store)
         .clock(clock)
@@ -128,6 +133,8 @@ async fn a_grpc_client_of_a_fail_closed_limiter_sees_unavailable() {
         .unwrap();
     let layer = RateLimitLayer::new(limiter).key(KeyExtractor::client_ip());
     let addr = serve(layer).await;
-    let status = check(&mut client(addr).await).await.expect_err("fail closed");
+    let status = check(&mut client(addr).await)
+        .await
+        .expect_err("fail closed");
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
 }

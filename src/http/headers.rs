@@ -247,7 +247,10 @@ mod tests {
     #[test]
     fn problem_bodies_list_every_violated_policy() {
         let body = quota_problem(["\"a\"", "\"b\""].into_iter(), Some(3));
-        assert!(body.contains("\"violated-policies\":[\"a\",\"b\"]"), "{body}");
+        assert!(
+            body.contains("\"violated-policies\":[\"a\",\"b\"]"),
+            "{body}"
+        );
         let body = unavailable_problem(std::iter::empty(), None);
         assert!(body.contains("temporary-reduced-capacity"), "{body}");
         assert!(body.contains("\"status\":503"), "{body}");

@@ -102,7 +102,9 @@ fn address_bits(ip: IpAddr) -> u8 {
 fn mask(ip: IpAddr, prefix: u8) -> IpAddr {
     match ip {
         IpAddr::V4(v4) => {
-            let keep = u32::MAX.checked_shl(32 - u32::from(prefix.min(32))).unwrap_or(0);
+            let keep = u32::MAX
+                .checked_shl(32 - u32::from(prefix.min(32)))
+                .unwrap_or(0);
             IpAddr::V4(Ipv4Addr::from(u32::from(v4) & keep))
         }
         IpAddr::V6(v6) => {
@@ -383,7 +385,10 @@ mod tests {
         assert!(nets[1].contains("2001:db8:ffff::1".parse().unwrap()));
         assert!(nets[2].contains("192.0.2.7".parse().unwrap()));
         assert!(!nets[2].contains("192.0.2.8".parse().unwrap()));
-        assert_eq!("10.9.9.9/8".parse::<Cidr>().unwrap().to_string(), "10.0.0.0/8");
+        assert_eq!(
+            "10.9.9.9/8".parse::<Cidr>().unwrap().to_string(),
+            "10.0.0.0/8"
+        );
         assert!("10.0.0.0/33".parse::<Cidr>().is_err());
         assert!("example.com".parse::<Cidr>().is_err());
         assert!("0.0.0.0/0"
@@ -397,7 +402,9 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.append(
             "forwarded",
-            "for=192.0.2.60;proto=http, For=\"[2001:db8:cafe::17]:4711\"".parse().unwrap(),
+            "for=192.0.2.60;proto=http, For=\"[2001:db8:cafe::17]:4711\""
+                .parse()
+                .unwrap(),
         );
         headers.append("forwarded", "for=unknown, by=10.0.0.1".parse().unwrap());
         headers.append("forwarded", "for=\"198.51.100.1:80\"".parse().unwrap());

@@ -98,7 +98,13 @@ pub(crate) fn conclude(
     let violated: Vec<(&str, &str, &Decision)> = config
         .policies(route)
         .zip(&decisions)
-        .filter(|(_, d)| if quota_denied { over(d) } else { !d.is_allowed() })
+        .filter(|(_, d)| {
+            if quota_denied {
+                over(d)
+            } else {
+                !d.is_allowed()
+            }
+        })
         .map(|(p, d)| (p.headers.name(), p.headers.quoted(), d))
         .collect();
     // The request can pass once every violated policy lets it; never if
