@@ -1025,3 +1025,40 @@ async fn a_hybrid_limiter_behind_the_layer() {
     }
     assert_eq!((ok, limited), (5, 3));
 }
+
+#[test]
+fn the_grafana_dashboard_prompts_for_a_data_source_and_charts_the_layer() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/grafana/slicelimit.json"
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let inputs = dashboard["__inputs"].as_array().expect("an __inputs list");
+    assert!(inputs
+        .iter()
+        .any(|i| i["type"] == "datasource" && i["pluginId"] == "prometheus"));
+    let name = inputs[0]["name"].as_str().unwrap();
+    assert!(text.contains(&format!("${{{name}}}")), "the prompt is used");
+    let exprs: Vec<&str> = dashboard["panels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["targets"].as_array().unwrap())
+        .map(|t| t["expr"].as_str().unwrap())
+        .collect();
+    use slicelimit::metrics::*;
+    for metric in [
+        DECISIONS,
+        CREDIT,
+        RECONCILED,
+        REPORTS_DROPPED,
+        SHADOW_DENIALS,
+        FALLBACK_ADMISSIONS,
+    ] {
+        assert!(
+            exprs.iter().any(|e| e.contains(metric)),
+            "{metric} is charted"
+        );
+    }
+}
