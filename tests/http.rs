@@ -656,6 +656,12 @@ async fn client_ip_reads_axum_connect_info() {
         get_from(addr, "127.0.0.7", &[]).await.status,
         StatusCode::OK
     );
+    // An IPv6 peer, keyed by its /64.
+    let layer = RateLimitLayer::new(limiter_near_window_end(1)).key(KeyExtractor::client_ip());
+    let addr = serve_router("[::1]:0", app(layer)).await;
+    let from_v6 = async || send(addr, Some("::1"), Method::GET, "/coupons/redeem", &[]).await;
+    assert_eq!(from_v6().await.status, StatusCode::OK);
+    assert_eq!(from_v6().await.status, StatusCode::TOO_MANY_REQUESTS);
 }
 
 // 9. Headers that tell the truth.
