@@ -16,19 +16,17 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use sfv::{BareItem, ListEntry, Parser};
 use slicelimit::http::{
     Cidr, ClientIp, KeyExtractor, MissingKey, PolicyHeaders, ProxyHeader, RateLimitLayer,
     RejectionKind,
 };
-use slicelimit::{
-    Algorithm, FailurePolicy, FakeClock, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore,
-    Quota,
-};
+use slicelimit::{Algorithm, FailurePolicy, FakeClock, HybridConfig, Limiter, MemoryStore, Quota};
 use tower::{Layer, Service, ServiceExt};
 
-/// A whole minute, so per-minute windows start here.
-const ORIGIN: Duration = Duration::from_secs(1_700_000_040);
+use support::http::{per_minute, sf_items, unavailable, Item, ORIGIN};
+
+/// 300 ms before the end of a minute window.
+const NEAR_END: Duration = Duration::from_millis(59_700);
 
 fn app(layer: RateLimitLayer) -> Router {
     Router::new()
@@ -123,59 +121,18 @@ async fn get_from(addr: SocketAddr, from: &str, headers: &[(&str, &str)]) -> Rep
     send(addr, Some(from), Method::GET, "/coupons/redeem", headers).await
 }
 
-fn clock_near_window_end() -> FakeClock {
-    FakeClock::new(ORIGIN + Duration::from_millis(59_700))
-}
-
 /// An exact limiter on the embedded store, its clock 300 ms before the end
 /// of a minute window.
 fn limiter_near_window_end(limit: u32) -> Limiter {
-    let clock = clock_near_window_end();
-    Limiter::builder(Quota::per_minute(limit))
-        .store(MemoryStore::with_clock(clock.clone()))
-        .clock(clock)
-        .name("coupons")
-        .build()
-        .unwrap()
+    per_minute(limit, NEAR_END, None)
 }
 
-type Item = (String, Vec<(String, i64)>);
-
-/// Parses every line of a Structured-Field list header as one list (as
-/// RFC 9651 combines them): (name, integer params) per item.
+/// Every line of a Structured-Field list header, parsed as one list.
 fn items(headers: &HeaderMap, name: &str) -> Vec<Item> {
-    let joined = headers
-        .get_all(name)
-        .iter()
-        .map(|v| v.to_str().unwrap())
-        .collect::<Vec<_>>()
-        .join(", ");
-    if joined.is_empty() {
-        return Vec::new();
-    }
-    let list = Parser::parse_list(joined.as_bytes()).unwrap_or_else(|e| panic!("{name}: {e}"));
-    list.iter()
-        .map(|entry| {
-            let ListEntry::Item(item) = entry else {
-                panic!("{name}: an inner list")
-            };
-            let BareItem::String(policy) = &item.bare_item else {
-                panic!(
-                    "{name}: the item must be an sf-string, got {:?}",
-                    item.bare_item
-                )
-            };
-            let params = item
-                .params
-                .iter()
-                .map(|(k, v)| match v {
-                    BareItem::Integer(n) => (k.clone(), *n),
-                    other => panic!("{name}: {k} is not an integer: {other:?}"),
-                })
-                .collect();
-            (policy.clone(), params)
-        })
-        .collect()
+    sf_items(
+        name,
+        headers.get_all(name).iter().map(|v| v.to_str().unwrap()),
+    )
 }
 
 /// The one item of a list header.
@@ -252,7 +209,7 @@ async fn retry_after_is_whole_seconds_and_at_least_one() {
 #[tokio::test]
 async fn routes_with_default_namespaces_never_share_counters() {
     // One store, two limiters built without a namespace.
-    let clock = clock_near_window_end();
+    let clock = FakeClock::new(ORIGIN + NEAR_END);
     let store = MemoryStore::with_clock(clock.clone());
     let build = |quota| {
         Limiter::builder(quota)
@@ -692,27 +649,6 @@ async fn a_bucket_denial_has_t_and_retry_after_agree() {
     }
 }
 
-/// A limiter whose store never answers.
-fn unavailable(policy: FailurePolicy) -> Limiter {
-    let clock = FakeClock::new(ORIGIN);
-    let faults = Faults {
-        lost_before: 1.0,
-        ..Faults::default()
-    };
-    let store = FaultyStore::new(
-        MemoryStore::with_clock(clock.clone()),
-        faults,
-        1,
-        clock.clone(),
-    );
-    Limiter::builder(Quota::per_minute(10))
-        .store(store)
-        .clock(clock)
-        .on_store_error(policy)
-        .build()
-        .unwrap()
-}
-
 #[tokio::test]
 async fn fail_closed_answers_503_with_the_reduced_capacity_problem() {
     let layer = RateLimitLayer::new(unavailable(FailurePolicy::FailClosed)).policy_name("api");
@@ -758,11 +694,7 @@ async fn fail_open_does_not_advertise_a_made_up_remaining() {
 
 #[tokio::test]
 async fn several_policies_make_one_list_and_a_complete_violated_policies() {
-    let burst = Limiter::builder(Quota::per_minute(1))
-        .store(MemoryStore::with_clock(clock_near_window_end()))
-        .clock(clock_near_window_end())
-        .build()
-        .unwrap();
+    let burst = per_minute(1, NEAR_END, Some("burst"));
     let layer = RateLimitLayer::new(limiter_near_window_end(2))
         .policy_name("minute")
         .also("burst", burst);
@@ -802,12 +734,7 @@ async fn several_policies_make_one_list_and_a_complete_violated_policies() {
 #[tokio::test]
 async fn stacked_layers_append_items_and_keep_the_handlers() {
     let inner = RateLimitLayer::new(limiter_near_window_end(1)).policy_name("inner");
-    let outer_limiter = Limiter::builder(Quota::per_minute(10))
-        .store(MemoryStore::with_clock(clock_near_window_end()))
-        .clock(clock_near_window_end())
-        .namespace("outer")
-        .build()
-        .unwrap();
+    let outer_limiter = per_minute(10, NEAR_END, Some("outer"));
     let outer = RateLimitLayer::new(outer_limiter).policy_name("outer");
     let addr = serve_router("127.0.0.1:0", app(inner).layer(outer)).await;
     let reply = get_with(addr, "/upstream", &[("x-api-key", "k")]).await;
@@ -895,12 +822,7 @@ async fn routes_match_whole_path_segments() {
 
 #[tokio::test]
 async fn methods_filters_and_exemptions() {
-    let post = Limiter::builder(Quota::per_minute(1))
-        .store(MemoryStore::with_clock(clock_near_window_end()))
-        .clock(clock_near_window_end())
-        .namespace("post")
-        .build()
-        .unwrap();
+    let post = per_minute(1, NEAR_END, Some("post"));
     let layer = RateLimitLayer::new(limiter_near_window_end(10))
         .route_methods(&[Method::POST], "/coupons", "redeem-post", post)
         .exempt(|r| r.uri.path() == "/healthz");

@@ -4,20 +4,19 @@
 //! HTTP 429 the client would report as `UNAVAILABLE`, and the client's
 //! address comes from tonic's `TcpConnectInfo`.
 
+mod support;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use sfv::{BareItem, ListEntry, Parser};
 use slicelimit::http::{KeyExtractor, RateLimitLayer};
-use slicelimit::{FailurePolicy, FakeClock, Faults, FaultyStore, Limiter, MemoryStore, Quota};
+use slicelimit::{FailurePolicy, Limiter};
+use support::http::{per_minute, sf_items, unavailable};
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};
 use tonic::Code;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
-
-/// A whole minute, so per-minute windows start here.
-const ORIGIN: Duration = Duration::from_secs(1_700_000_040);
 
 async fn serve(layer: RateLimitLayer) -> SocketAddr {
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -57,34 +56,21 @@ async fn check(client: &mut HealthClient<Channel>) -> Result<(), tonic::Status> 
         .map(|_| ())
 }
 
+/// Half a minute into a window: time enough for every call of a test.
 fn limiter(limit: u32) -> Limiter {
-    let clock = FakeClock::new(ORIGIN + Duration::from_millis(30_000));
-    Limiter::builder(Quota::per_minute(limit))
-        .store(MemoryStore::with_clock(clock.clone()))
-        .clock(clock)
-        .build()
-        .unwrap()
+    per_minute(limit, Duration::from_secs(30), None)
 }
 
 /// The names of a Structured-Field list in the status' metadata.
 fn policy_names(status: &tonic::Status, name: &str) -> Vec<String> {
-    let raw = status
+    let values = status
         .metadata()
-        .get(name)
-        .unwrap_or_else(|| panic!("no {name} in {status:?}"))
-        .to_str()
-        .unwrap()
-        .to_owned();
-    Parser::parse_list(raw.as_bytes())
-        .unwrap()
+        .get_all(name)
         .iter()
-        .map(|entry| match entry {
-            ListEntry::Item(item) => match &item.bare_item {
-                BareItem::String(s) => s.to_string(),
-                other => panic!("{other:?}"),
-            },
-            ListEntry::InnerList(_) => panic!("an inner list"),
-        })
+        .map(|v| v.to_str().unwrap());
+    sf_items(name, values)
+        .into_iter()
+        .map(|(policy, _)| policy)
         .collect()
 }
 
@@ -114,23 +100,7 @@ async fn a_grpc_client_without_a_key_is_unauthenticated() {
 
 #[tokio::test]
 async fn a_grpc_client_of_a_fail_closed_limiter_sees_unavailable() {
-    let clock = FakeClock::new(ORIGIN);
-    let faults = Faults {
-        lost_before: 1.0,
-        ..Faults::default()
-    };
-    let store = FaultyStore::new(
-        MemoryStore::with_clock(clock.clone()),
-        faults,
-        1,
-        clock.clone(),
-    );
-    let limiter = Limiter::builder(Quota::per_minute(10))
-        .store(store)
-        .clock(clock)
-        .on_store_error(FailurePolicy::FailClosed)
-        .build()
-        .unwrap();
+    let limiter = unavailable(FailurePolicy::FailClosed);
     let layer = RateLimitLayer::new(limiter).key(KeyExtractor::client_ip());
     let addr = serve(layer).await;
     let status = check(&mut client(addr).await)
