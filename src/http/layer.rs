@@ -231,7 +231,10 @@ impl RateLimitLayer {
         }
     }
 
-    /// How the key is found (default: the `x-api-key` header).
+    /// How the key is found (default: the `x-api-key` header). A key
+    /// longer than 64 bytes is hashed by the limiter before it reaches any
+    /// per-process map, so a client sending huge keys costs a bounded
+    /// number of bytes per key.
     pub fn key(mut self, key: KeyExtractor) -> Self {
         self.key = key;
         self
