@@ -1,9 +1,18 @@
-//! A coupon-redemption API rate-limited per `x-api-key`.
+//! A coupon-redemption API rate-limited per `x-api-key` or per client IP.
 //!
 //! ```text
 //! cargo run --release --example axum_server -- --port 3000 --metrics-port 9000 --mode hybrid
 //! curl -i -H 'x-api-key: alice' localhost:3000/coupons/redeem
 //! curl -s localhost:9000/metrics | grep slicelimit_
+//! ```
+//!
+//! Keyed by IP behind a trusted proxy on 127.0.0.1 (a forged
+//! `X-Forwarded-For` from any other peer is ignored; the rightmost address
+//! the proxy did not vouch for is the client; IPv6 clients count per /64):
+//!
+//! ```text
+//! cargo run --release --example axum_server -- --key-by ip --trusted-proxies 127.0.0.1/32,::1/128
+//! curl -i -H 'x-forwarded-for: 1.2.3.4, 203.0.113.9' localhost:3000/coupons/redeem
 //! ```
 //!
 //! Four copies on four ports sharing one Redis (`--redis` or `REDIS_URL`)
@@ -13,7 +22,9 @@
 //! Flags: `--port`, `--metrics-port`, `--mode exact|hybrid|hybrid-optimistic|local`,
 //! `--algorithm fixed-window|token-bucket|gcra`, `--limit`, `--period-secs`,
 //! `--redis URL`, `--on-store-error open|closed|fallback`, `--max-debt N`,
-//! `--shadow`.
+//! `--shadow`, `--key-by api-key|ip` (default api-key),
+//! `--trusted-proxies CIDR[,CIDR...]` (default none: the peer address is
+//! the client).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,7 +32,7 @@ use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
-use slicelimit::http::{MissingKey, RateLimitLayer};
+use slicelimit::http::{Cidr, ClientIp, KeyExtractor, MissingKey, RateLimitLayer};
 use slicelimit::{
     Algorithm, FailurePolicy, HybridConfig, Limiter, MemoryStore, Quota, RedisStore, Store,
 };
@@ -37,10 +48,12 @@ struct Args {
     on_store_error: String,
     max_debt: u64,
     shadow: bool,
+    key_by: String,
+    trusted_proxies: Vec<Cidr>,
 }
 
 fn usage(problem: &str) -> ! {
-    eprintln!("{problem}\nusage: axum_server [--port N] [--metrics-port N] [--mode exact|hybrid|hybrid-optimistic|local] [--algorithm fixed-window|token-bucket|gcra] [--limit N] [--period-secs N] [--redis URL] [--on-store-error open|closed|fallback] [--max-debt N] [--shadow]");
+    eprintln!("{problem}\nusage: axum_server [--port N] [--metrics-port N] [--mode exact|hybrid|hybrid-optimistic|local] [--algorithm fixed-window|token-bucket|gcra] [--limit N] [--period-secs N] [--redis URL] [--on-store-error open|closed|fallback] [--max-debt N] [--shadow] [--key-by api-key|ip] [--trusted-proxies CIDR[,CIDR...]]");
     std::process::exit(2)
 }
 
@@ -56,6 +69,8 @@ fn parse_args() -> Args {
         on_store_error: "open".into(),
         max_debt: 5,
         shadow: false,
+        key_by: "api-key".into(),
+        trusted_proxies: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -87,6 +102,11 @@ fn parse_args() -> Args {
             "--redis" => args.redis = Some(value),
             "--on-store-error" => args.on_store_error = value,
             "--max-debt" => args.max_debt = number(&value),
+            "--key-by" => args.key_by = value,
+            "--trusted-proxies" => {
+                args.trusted_proxies = Cidr::parse_list(&value)
+                    .unwrap_or_else(|e| usage(&format!("--trusted-proxies: {e}")))
+            }
             other => usage(&format!("unknown flag {other}")),
         }
     }
@@ -142,8 +162,14 @@ async fn main() {
         other => usage(&format!("unknown mode {other}")),
     };
     let limiter = builder.build().unwrap_or_else(|e| usage(&e.to_string()));
+    let key = match args.key_by.as_str() {
+        "api-key" => KeyExtractor::header("x-api-key"),
+        "ip" => KeyExtractor::ip(ClientIp::behind(args.trusted_proxies.iter().copied())),
+        other => usage(&format!("unknown --key-by {other}")),
+    };
     let layer = RateLimitLayer::new(limiter.clone())
         .policy_name("coupons")
+        .key(key)
         .on_missing_key(MissingKey::Reject(http::StatusCode::UNAUTHORIZED))
         .shadow(args.shadow);
     let app = Router::new()
@@ -155,20 +181,27 @@ async fn main() {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .unwrap_or_else(|e| usage(&format!("cannot listen on {addr}: {e}")));
+    let proxies: Vec<String> = args.trusted_proxies.iter().map(Cidr::to_string).collect();
     println!(
-        "coupons on http://{addr}/coupons/redeem ({} {}, {} per {} s, store: {}), metrics on http://{metrics_addr}/metrics",
+        "coupons on http://{addr}/coupons/redeem ({} {}, {} per {} s, store: {}, key: {}, trusted proxies: {}), metrics on http://{metrics_addr}/metrics",
         args.mode,
         args.algorithm.as_str(),
         args.limit,
         args.period_secs,
-        args.redis.as_deref().unwrap_or("embedded")
+        args.redis.as_deref().unwrap_or("embedded"),
+        args.key_by,
+        if proxies.is_empty() { "none".to_owned() } else { proxies.join(",") },
     );
     let shutdown = async {
         let _ = tokio::signal::ctrl_c().await;
     };
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .expect("server");
+    // The peer address, for `--key-by ip`.
+    axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
+    .expect("server");
     limiter.shutdown().await;
 }

@@ -102,6 +102,9 @@ impl Clock for SharedAligned {
 pub(crate) struct Reconciler {
     pending: Mutex<Ledger>,
     has_pending: AtomicBool,
+    /// Permits admitted for keys that found the ledger full, not yet
+    /// added to `Stats::reports_dropped`.
+    dropped: AtomicU64,
     ops: OpIds,
     /// Times resends (see `RESEND_FOR`).
     clock: Arc<dyn Clock>,
@@ -139,11 +142,17 @@ pub(crate) struct Report {
 /// unsent by then is dropped and counted instead (`Stats::reports_dropped`).
 pub(crate) const RESEND_FOR: Duration = Duration::from_secs(50);
 
+/// The most keys the ledger holds between two reports. Keys reach it
+/// through `local_key`, so this bounds its bytes too; what a key beyond it
+/// admitted is dropped and counted rather than remembered.
+pub(crate) const MAX_LEDGER_KEYS: usize = 100_000;
+
 impl Reconciler {
     pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
         Reconciler {
             pending: Mutex::new(Ledger::default()),
             has_pending: AtomicBool::new(false),
+            dropped: AtomicU64::new(0),
             ops: OpIds::default(),
             clock,
         }
@@ -154,9 +163,23 @@ impl Reconciler {
             return;
         }
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
-        let n = pending.fresh.entry(key.to_owned()).or_insert(0);
-        *n = n.saturating_add(cost);
+        let full = pending.fresh.len() >= MAX_LEDGER_KEYS;
+        match pending.fresh.get_mut(key) {
+            Some(n) => *n = n.saturating_add(cost),
+            None if full => {
+                self.dropped.fetch_add(cost, Ordering::Relaxed);
+                return;
+            }
+            None => {
+                pending.fresh.insert(key.to_owned(), cost);
+            }
+        }
         self.has_pending.store(true, Ordering::Release);
+    }
+
+    /// Permits dropped because the ledger was full, since the last call.
+    pub(crate) fn take_dropped(&self) -> u64 {
+        self.dropped.swap(0, Ordering::Relaxed)
     }
 
     pub(crate) fn has_pending(&self) -> bool {
@@ -793,6 +816,21 @@ impl CircuitBreaker {
 mod tests {
     use super::*;
     use crate::FakeClock;
+
+    #[test]
+    fn the_reconciliation_ledger_is_bounded_and_counts_what_it_drops() {
+        let ledger = Reconciler::new(Arc::new(FakeClock::new(Duration::ZERO)));
+        for i in 0..MAX_LEDGER_KEYS + 10 {
+            ledger.record(&format!("k{i}"), 2);
+        }
+        ledger.record("k0", 1); // a key already held still adds up
+        assert_eq!(ledger.take_dropped(), 20);
+        assert_eq!(ledger.take_dropped(), 0);
+        let reports = ledger.drain();
+        assert_eq!(reports.len(), MAX_LEDGER_KEYS);
+        let k0 = reports.iter().find(|r| r.key == "k0").map(|r| r.permits);
+        assert_eq!(k0, Some(3));
+    }
 
     /// Opens on 3 failures however close together: the old consecutive
     /// rule, for the tests about probes and back-off.

@@ -6,6 +6,13 @@
 //! a user key containing braces can neither move its slot nor collide with
 //! another key. Long keys are replaced by their SHA-256, so a 1 MB key costs
 //! a 64-byte store key.
+//!
+//! Before a key reaches any per-process map (hybrid slots, the per-process
+//! limiter, the fallback and its reconciliation ledger), [`local_key`]
+//! replaces a long one by a fixed-size digest, so what a client sends in a
+//! header cannot make those maps grow by its own length.
+
+use std::borrow::Cow;
 
 use sha2::{Digest, Sha256};
 
@@ -16,6 +23,28 @@ pub(crate) const MAX_TAG_LEN: usize = 128;
 
 /// The prefix of every store key this crate writes.
 pub(crate) const PREFIX: &str = "sl";
+
+/// Keys up to this many bytes are used as they are; longer ones are
+/// replaced by [`local_key`]'s digest form, one byte longer than this.
+pub(crate) const MAX_LOCAL_KEY_LEN: usize = 64;
+
+/// The key a limiter works with: `key` itself when it is at most
+/// [`MAX_LOCAL_KEY_LEN`] bytes, else `~` and the hex SHA-256 of `key`
+/// (65 bytes). The digest form is longer than any key kept as it is, so
+/// the mapping stays injective: no short key can equal a digest form.
+pub(crate) fn local_key(key: &str) -> Cow<'_, str> {
+    if key.len() <= MAX_LOCAL_KEY_LEN {
+        return Cow::Borrowed(key);
+    }
+    let digest = Sha256::digest(key.as_bytes());
+    let mut out = String::with_capacity(MAX_LOCAL_KEY_LEN + 1);
+    out.push('~');
+    for byte in digest {
+        out.push(char::from(HEX[(byte >> 4) as usize]));
+        out.push(char::from(HEX[(byte & 15) as usize]));
+    }
+    Cow::Owned(out)
+}
 
 /// Builds store keys for one namespace.
 #[derive(Debug, Clone)]
@@ -28,6 +57,11 @@ impl KeyEncoder {
         KeyEncoder {
             namespace: namespace.to_owned(),
         }
+    }
+
+    /// The namespace these keys live in.
+    pub(crate) fn namespace(&self) -> &str {
+        &self.namespace
     }
 
     /// The hash tag body (without braces) for a user key.
@@ -132,7 +166,24 @@ mod tests {
         );
     }
 
+    #[test]
+    fn long_keys_are_bounded_before_any_local_map() {
+        let short = "k".repeat(MAX_LOCAL_KEY_LEN);
+        assert!(matches!(local_key(&short), Cow::Borrowed(_)));
+        let header_sized = "x".repeat(64 << 10);
+        let compact = local_key(&header_sized);
+        assert_eq!(compact.len(), MAX_LOCAL_KEY_LEN + 1);
+        assert_eq!(local_key(&"x".repeat(1 << 20)).len(), MAX_LOCAL_KEY_LEN + 1);
+        assert_ne!(compact, local_key(&"x".repeat((64 << 10) + 1)));
+    }
+
     proptest! {
+        #[test]
+        fn local_keys_are_injective(k1 in ".{0,80}", k2 in ".{0,80}") {
+            prop_assume!(k1 != k2);
+            prop_assert_ne!(local_key(&k1), local_key(&k2));
+        }
+
         #[test]
         fn encoding_is_injective(
             ns1 in ".{0,12}", k1 in ".{0,40}",

@@ -14,7 +14,7 @@ use crate::decision::Source;
 use crate::exact::ExactEngine;
 use crate::failure::FailureHandler;
 use crate::hybrid::{HybridConfig, HybridEngine, Wiring};
-use crate::key::KeyEncoder;
+use crate::key::{local_key, KeyEncoder};
 use crate::local::LocalEngine;
 use crate::stats::{Counters, Stats};
 use crate::store::{MemoryStore, Params, Store};
@@ -68,6 +68,10 @@ impl Inner {
         let decision = self.failure.decide(key, cost, hint);
         if decision.source() == Source::Fallback && decision.is_allowed() {
             self.counters.fallback_admitted.add(cost);
+            let dropped = self.failure.reconciler.take_dropped();
+            if dropped > 0 {
+                self.counters.reports_dropped.add(dropped);
+            }
         }
         decision
     }
@@ -224,7 +228,7 @@ impl Limiter {
             store: None,
             algorithm: Algorithm::default(),
             mode: Mode::Exact,
-            namespace: "default".to_owned(),
+            namespace: None,
             policy: FailurePolicy::default(),
             clock: None,
             fast_clock: None,
@@ -238,16 +242,23 @@ impl Limiter {
     /// `cost` 0 asks without consuming; a cost above the limit (burst for
     /// token bucket and GCRA) is denied with no `retry_after`.
     ///
+    /// A key longer than 64 bytes is replaced by its SHA-256 before it
+    /// reaches any per-process map or the store, so a client-chosen key
+    /// costs this process a bounded number of bytes.
+    ///
     /// A hybrid key holding local permits (and every `local()` decision) is
     /// decided right here, before the returned future is first polled; only
     /// a decision that needs the store builds a (boxed) future.
     pub fn check<'a>(&'a self, key: &'a str, cost: u64) -> Check<'a> {
-        match self.check_now(key, cost) {
+        let key = local_key(key);
+        match self.check_local_key(&key, cost) {
             Some(decision) => Check {
                 state: CheckState::Ready(Some(decision)),
             },
             None => Check {
-                state: CheckState::Pending(Box::pin(self.check_slow(key, cost))),
+                state: CheckState::Pending(Box::pin(
+                    async move { self.check_slow(&key, cost).await },
+                )),
             },
         }
     }
@@ -258,6 +269,13 @@ impl Limiter {
     /// was counted or consumed then.
     #[inline]
     pub fn check_now(&self, key: &str, cost: u64) -> Option<Decision> {
+        self.check_local_key(&local_key(key), cost)
+    }
+
+    /// [`check_now`](Limiter::check_now) for a key already through
+    /// [`local_key`].
+    #[inline]
+    fn check_local_key(&self, key: &str, cost: u64) -> Option<Decision> {
         let inner = &*self.inner;
         let decision = match &inner.engine {
             Engine::Local(local) => Some(local.check(key, cost)),
@@ -320,6 +338,7 @@ impl Limiter {
     /// # Errors
     /// The store's error, classified (see [`Error::kind`]).
     pub async fn try_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
+        let key = &*local_key(key);
         match &self.inner.engine {
             Engine::Local(local) => Ok(local.check(key, cost)),
             Engine::Exact(exact) => {
@@ -370,6 +389,28 @@ impl Limiter {
         self.inner.quota
     }
 
+    /// How this limiter counts.
+    pub fn algorithm(&self) -> Algorithm {
+        self.inner.algorithm
+    }
+
+    /// The namespace of this limiter's store keys (see
+    /// [`Builder::namespace`]).
+    pub fn namespace(&self) -> &str {
+        self.inner.keys.namespace()
+    }
+
+    /// Whether `other` is this limiter or a clone of it (one budget).
+    pub fn same_as(&self, other: &Limiter) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Whether this limiter and `other`, built separately, would count in
+    /// the same store keys: same namespace and algorithm.
+    pub fn shares_keys_with(&self, other: &Limiter) -> bool {
+        self.namespace() == other.namespace() && self.algorithm() == other.algorithm()
+    }
+
     /// Counters since the limiter was built.
     pub fn stats(&self) -> Stats {
         self.inner.counters.snapshot()
@@ -383,7 +424,8 @@ pub struct Builder {
     store: Option<Store>,
     algorithm: Algorithm,
     mode: Mode,
-    namespace: String,
+    /// `None`: derived from the quota (see [`Builder::namespace`]).
+    namespace: Option<String>,
     policy: FailurePolicy,
     clock: Option<Arc<dyn Clock>>,
     /// A fast clock lagging `clock` by up to the duration (simulation).
@@ -431,11 +473,17 @@ impl Builder {
         self
     }
 
-    /// Prefix separating this limiter's keys from others' (default
-    /// `"default"`). Two limiters with the same namespace and algorithm
-    /// share budgets.
+    /// Prefix separating this limiter's keys from others'. Two limiters
+    /// with the same namespace and algorithm share budgets, so give each
+    /// route or policy its own.
+    ///
+    /// The default is derived from the quota (`q{limit}.{period}ms.b{burst}`):
+    /// limiters of the same quota share budgets (the processes of one
+    /// fleet), limiters of different quotas never do, so a 5-per-minute
+    /// login limit and a 100-per-minute default cannot count the same
+    /// requests or reset each other's windows.
     pub fn namespace(mut self, namespace: &str) -> Self {
-        self.namespace = namespace.to_owned();
+        self.namespace = Some(namespace.to_owned());
         self
     }
 
@@ -478,19 +526,20 @@ impl Builder {
         if let FailurePolicy::LocalFallback(fallback) = &self.policy {
             self.algorithm.check_quota(fallback)?;
         }
-        if self.namespace.len() > MAX_NAMESPACE_LEN {
+        let namespace = self
+            .namespace
+            .unwrap_or_else(|| default_namespace(&self.quota));
+        if namespace.len() > MAX_NAMESPACE_LEN {
             return Err(Error::invalid(format!(
                 "namespace is {} bytes; the maximum is {MAX_NAMESPACE_LEN}",
-                self.namespace.len()
+                namespace.len()
             )));
         }
         let injected = self.clock.clone();
         let clock = self.clock.unwrap_or_else(|| Arc::new(SystemClock::new()));
-        let counters = Arc::new(Counters::new(
-            self.name.as_deref().unwrap_or(&self.namespace),
-        ));
+        let counters = Arc::new(Counters::new(self.name.as_deref().unwrap_or(&namespace)));
         let params = Params::new(&self.quota, self.algorithm);
-        let keys = KeyEncoder::new(&self.namespace);
+        let keys = KeyEncoder::new(&namespace);
         let hint_keys = keys.clone();
         let failure = FailureHandler::new(
             self.policy,
@@ -540,4 +589,15 @@ impl Builder {
             }),
         })
     }
+}
+
+/// The namespace of a limiter built without one: distinct for distinct
+/// quotas, so differently limited routes never share a counter.
+fn default_namespace(quota: &Quota) -> String {
+    format!(
+        "q{}.{}ms.b{}",
+        quota.limit(),
+        quota.period().as_millis(),
+        quota.burst()
+    )
 }

@@ -51,7 +51,8 @@ pub const CREDIT: &str = "slicelimit_credit_permits_total";
 /// Fallback admissions reported to the store after an outage.
 pub const RECONCILED: &str = "slicelimit_reconciled_permits_total";
 /// Permits of debt or reconciliation reports the store refused for good
-/// (e.g. a key of the wrong type): dropped rather than retried forever.
+/// (e.g. a key of the wrong type), or that found the reconciliation ledger
+/// full: dropped rather than retried forever or held without bound.
 pub const REPORTS_DROPPED: &str = "slicelimit_dropped_report_permits_total";
 /// Times a hybrid limiter's background task was found gone and restarted.
 pub const SYNC_RESTARTS: &str = "slicelimit_sync_restarts_total";

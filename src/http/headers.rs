@@ -1,16 +1,18 @@
-//! Header values and problem bodies, formatted once per response.
+//! Header values and problem bodies.
 //!
 //! `RateLimit-Policy` and `RateLimit` follow
 //! draft-ietf-httpapi-ratelimit-headers-11: Structured-Field lists whose
 //! items are the policy name (an sf-string) with parameters `q` (quota) and
-//! `w` (window, seconds), or `r` (remaining) and `t` (seconds until reset).
-//! `Retry-After` is whole seconds rounded up, never 0 while denied.
+//! `w` (window, seconds), or `r` (remaining) and `t` (seconds until the
+//! client can expect quota again). Items are appended, never replaced, so
+//! stacked layers, several policies and a handler's own items make one
+//! list. `Retry-After` is whole seconds rounded up, never 0 while denied.
 
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
-use crate::{Decision, Quota};
+use crate::{Decision, Quota, Source};
 
 /// `RateLimit-Policy`.
 pub const RATELIMIT_POLICY: &str = "ratelimit-policy";
@@ -18,6 +20,10 @@ pub const RATELIMIT_POLICY: &str = "ratelimit-policy";
 pub const RATELIMIT: &str = "ratelimit";
 /// The problem type of a 429 body.
 pub const PROBLEM_TYPE: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
+/// The problem type of a 503 body, when the limiter cannot decide and its
+/// policy is to fail closed.
+pub const PROBLEM_TYPE_UNAVAILABLE: &str =
+    "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
 
 /// Whole seconds, rounded up.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
@@ -25,7 +31,8 @@ pub(crate) fn ceil_secs(d: Duration) -> u64 {
 }
 
 /// An sf-string: quoted, with `"` and `\` escaped; other characters outside
-/// visible ASCII are replaced, since sf-strings cannot carry them.
+/// visible ASCII are replaced, since sf-strings cannot carry them. The
+/// result is a valid JSON string too.
 pub(crate) fn sf_string(raw: &str) -> String {
     let mut out = String::with_capacity(raw.len() + 2);
     out.push('"');
@@ -43,71 +50,171 @@ pub(crate) fn sf_string(raw: &str) -> String {
     out
 }
 
-/// The headers every response of a limited route carries.
-pub(crate) struct PolicyHeaders {
-    /// `"name";q=100;w=60`, formatted once.
+/// When a denied request may be retried, whole seconds (at least 1);
+/// `None` if it never can.
+pub(crate) fn retry_secs(decision: &Decision) -> Option<u64> {
+    decision.retry_after().map(|wait| ceil_secs(wait).max(1))
+}
+
+/// The rate-limit headers of one policy: its name and quota formatted
+/// once, then one call per decision.
+///
+/// The layer uses this for every response; use it to send the same
+/// headers when you call [`Limiter::check`](crate::Limiter::check)
+/// yourself:
+///
+/// ```
+/// # async fn demo() {
+/// use slicelimit::http::PolicyHeaders;
+/// use slicelimit::{Limiter, Quota};
+///
+/// let limiter = Limiter::builder(Quota::per_minute(10)).build().unwrap();
+/// let headers = PolicyHeaders::new("search", &limiter.quota());
+/// let decision = limiter.check("alice", 1).await;
+/// let mut response = http::Response::new(());
+/// headers.append_to(response.headers_mut(), &decision);
+/// assert!(response.headers().contains_key("ratelimit"));
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct PolicyHeaders {
+    /// `"name";q=100;w=60`.
     policy: HeaderValue,
+    /// The name as an sf-string (also a JSON string).
+    quoted: String,
     name: String,
     legacy: bool,
 }
 
 impl PolicyHeaders {
-    pub(crate) fn new(name: &str, quota: &Quota, legacy: bool) -> Self {
+    /// The headers of the policy `name` enforcing `quota`.
+    pub fn new(name: &str, quota: &Quota) -> Self {
+        let quoted = sf_string(name);
         let value = format!(
-            "{};q={};w={}",
-            sf_string(name),
+            "{quoted};q={};w={}",
             quota.limit(),
             ceil_secs(quota.period()).max(1)
         );
         PolicyHeaders {
+            // sf_string leaves only visible ASCII, so this cannot fail.
             policy: HeaderValue::from_str(&value)
                 .unwrap_or_else(|_| HeaderValue::from_static("\"default\"")),
-            name: sf_string(name),
-            legacy,
+            quoted,
+            name: name.to_owned(),
+            legacy: false,
         }
     }
 
-    /// Adds `RateLimit-Policy`, `RateLimit` and (optionally) the legacy
-    /// `X-RateLimit-*` headers for `decision`.
-    pub(crate) fn apply(&self, headers: &mut HeaderMap, decision: &Decision) {
-        let reset = ceil_secs(decision.reset_after());
-        headers.insert(
+    /// Also send the legacy `X-RateLimit-Limit`, `-Remaining` and `-Reset`
+    /// (single values: with several policies, the one with the fewest
+    /// permits left).
+    #[must_use]
+    pub fn legacy(mut self, on: bool) -> Self {
+        self.legacy = on;
+        self
+    }
+
+    /// The policy's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The name as it appears in headers and problem bodies (quoted).
+    pub(crate) fn quoted(&self) -> &str {
+        &self.quoted
+    }
+
+    /// Appends this policy's item to `RateLimit-Policy` and, unless the
+    /// decision was made up by a fail-open policy (nothing is known about
+    /// what remains), to `RateLimit`. When denied, sets `Retry-After`
+    /// unless one already there asks for a longer wait. Items already in
+    /// `headers` (another layer's, the handler's) are kept.
+    pub fn append_to(&self, headers: &mut HeaderMap, decision: &Decision) {
+        headers.append(
             HeaderName::from_static(RATELIMIT_POLICY),
             self.policy.clone(),
         );
-        let value = format!("{};r={};t={}", self.name, decision.remaining(), reset);
+        if decision.source() == Source::FailOpen {
+            return;
+        }
+        let retry = retry_secs(decision);
+        let reset = ceil_secs(decision.reset_after());
+        // On a denial the quota the client can use comes back when the
+        // request can be retried (for a bucket, long before it is full).
+        let t = match (decision.is_allowed(), retry) {
+            (false, Some(retry)) => retry,
+            _ => reset,
+        };
+        let value = format!("{};r={};t={t}", self.quoted, decision.remaining());
         if let Ok(value) = HeaderValue::from_str(&value) {
-            headers.insert(HeaderName::from_static(RATELIMIT), value);
+            headers.append(HeaderName::from_static(RATELIMIT), value);
         }
         if self.legacy {
-            headers.insert("x-ratelimit-limit", HeaderValue::from(decision.limit()));
-            headers.insert(
-                "x-ratelimit-remaining",
-                HeaderValue::from(decision.remaining()),
-            );
-            headers.insert("x-ratelimit-reset", HeaderValue::from(reset));
-        }
-        if !decision.is_allowed() {
-            if let Some(wait) = decision.retry_after() {
+            let fewer = headers
+                .get("x-ratelimit-remaining")
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                .is_none_or(|left| decision.remaining() < left);
+            if fewer {
+                headers.insert("x-ratelimit-limit", HeaderValue::from(decision.limit()));
                 headers.insert(
-                    http::header::RETRY_AFTER,
-                    HeaderValue::from(ceil_secs(wait).max(1)),
+                    "x-ratelimit-remaining",
+                    HeaderValue::from(decision.remaining()),
                 );
+                headers.insert("x-ratelimit-reset", HeaderValue::from(t));
+            }
+        }
+        if let (false, Some(retry)) = (decision.is_allowed(), retry) {
+            let longer = headers
+                .get(http::header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+                .is_none_or(|there| retry > there);
+            if longer {
+                headers.insert(http::header::RETRY_AFTER, HeaderValue::from(retry));
             }
         }
     }
+}
 
-    /// A problem+json body for a denial.
-    pub(crate) fn problem(&self, decision: &Decision) -> String {
-        let detail = match decision.retry_after() {
-            Some(wait) => format!("retry in {} s", ceil_secs(wait).max(1)),
-            None => "the request costs more than the quota allows".to_owned(),
-        };
-        format!(
-            "{{\"type\":\"{PROBLEM_TYPE}\",\"title\":\"Request cannot be satisfied as assigned quota has been exceeded\",\"status\":429,\"detail\":\"{detail}\",\"violated-policies\":[{}]}}",
-            self.name
-        )
+/// A JSON array of the quoted names.
+fn policy_array<'a>(names: impl Iterator<Item = &'a str>) -> String {
+    let mut out = String::from("[");
+    for (i, name) in names.enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push_str(name);
     }
+    out.push(']');
+    out
+}
+
+/// A problem+json body for a request over its quota; `violated` are the
+/// quoted names of every policy that denied it.
+pub(crate) fn quota_problem<'a>(
+    violated: impl Iterator<Item = &'a str>,
+    retry: Option<u64>,
+) -> String {
+    let detail = match retry {
+        Some(secs) => format!("retry in {secs} s"),
+        None => "the request costs more than the quota allows".to_owned(),
+    };
+    format!(
+        "{{\"type\":\"{PROBLEM_TYPE}\",\"title\":\"Request cannot be satisfied as assigned quota has been exceeded\",\"status\":429,\"detail\":\"{detail}\",\"violated-policies\":{}}}",
+        policy_array(violated)
+    )
+}
+
+/// A problem+json body for a request denied because the limiter could not
+/// decide and fails closed.
+pub(crate) fn unavailable_problem<'a>(
+    policies: impl Iterator<Item = &'a str>,
+    retry: Option<u64>,
+) -> String {
+    let retry = retry.unwrap_or(1);
+    format!(
+        "{{\"type\":\"{PROBLEM_TYPE_UNAVAILABLE}\",\"title\":\"Request cannot be satisfied due to temporary reduced capacity\",\"status\":503,\"detail\":\"the rate limiter cannot decide; retry in {retry} s\",\"violated-policies\":{}}}",
+        policy_array(policies)
+    )
 }
 
 /// A problem+json body for a request without a key.
@@ -135,5 +242,17 @@ mod tests {
         assert_eq!(sf_string("default"), "\"default\"");
         assert_eq!(sf_string("a\"b\\c"), "\"a\\\"b\\\\c\"");
         assert_eq!(sf_string("é"), "\"_\"");
+    }
+
+    #[test]
+    fn problem_bodies_list_every_violated_policy() {
+        let body = quota_problem(["\"a\"", "\"b\""].into_iter(), Some(3));
+        assert!(
+            body.contains("\"violated-policies\":[\"a\",\"b\"]"),
+            "{body}"
+        );
+        let body = unavailable_problem(std::iter::empty(), None);
+        assert!(body.contains("temporary-reduced-capacity"), "{body}");
+        assert!(body.contains("\"status\":503"), "{body}");
     }
 }

@@ -1,10 +1,11 @@
 //! Which key a request counts against, and what it costs.
 
 use std::fmt;
-use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use http::{Extensions, HeaderMap, Method, Uri};
+
+use super::ip::ClientIp;
 
 /// The parts of a request an extractor may look at.
 #[derive(Debug, Clone, Copy)]
@@ -20,6 +21,18 @@ pub struct RequestView<'a> {
     pub extensions: &'a Extensions,
 }
 
+impl<'a> RequestView<'a> {
+    /// The view of `request`.
+    pub fn new<B>(request: &'a http::Request<B>) -> Self {
+        RequestView {
+            method: request.method(),
+            uri: request.uri(),
+            headers: request.headers(),
+            extensions: request.extensions(),
+        }
+    }
+}
+
 type KeyFn = dyn Fn(&RequestView<'_>) -> Option<String> + Send + Sync;
 
 /// Finds the rate-limit key of a request.
@@ -27,6 +40,8 @@ type KeyFn = dyn Fn(&RequestView<'_>) -> Option<String> + Send + Sync;
 pub struct KeyExtractor {
     extract: Arc<KeyFn>,
     describe: &'static str,
+    /// The header read, named in the 401's challenge.
+    header: Option<&'static str>,
 }
 
 impl fmt::Debug for KeyExtractor {
@@ -49,44 +64,34 @@ impl KeyExtractor {
                     .map(str::to_owned)
             }),
             describe: "header",
+            header: Some(name),
         }
     }
 
-    /// The client's IP address, from a `SocketAddr` or `IpAddr` request
-    /// extension (put there by your server; with axum, use
-    /// [`from_fn`](KeyExtractor::from_fn) and `ConnectInfo`).
+    /// The client's IP address as the connection reports it (axum's
+    /// `ConnectInfo<SocketAddr>` with the `axum` feature, tonic's
+    /// `TcpConnectInfo` with the `tonic` feature, or a `SocketAddr` /
+    /// `IpAddr` extension); forwarding headers are ignored. IPv6 clients
+    /// are keyed per /64. See [`ip`](KeyExtractor::ip) for clients behind
+    /// proxies.
     pub fn client_ip() -> Self {
-        KeyExtractor {
-            extract: Arc::new(|r: &RequestView<'_>| {
-                client_ip(r.extensions).map(|ip| ip.to_string())
-            }),
-            describe: "client_ip",
-        }
+        KeyExtractor::ip(ClientIp::peer())
     }
 
-    /// The client IP from `X-Forwarded-For`, trusting `trusted_proxies`
-    /// proxies in front of this server: the address that many entries from
-    /// the right. Entries further left are set by the client and can be
-    /// forged. Falls back to the connection's address without the header.
-    pub fn forwarded_for(trusted_proxies: usize) -> Self {
+    /// The client's IP address behind exactly `hops` proxies, from
+    /// `X-Forwarded-For` (see [`ClientIp::hops`]). `forwarded_for(0)`
+    /// ignores the header. Prefer [`ip`](KeyExtractor::ip) with
+    /// [`ClientIp::behind`], which checks the proxies' addresses.
+    pub fn forwarded_for(hops: usize) -> Self {
+        KeyExtractor::ip(ClientIp::hops(hops))
+    }
+
+    /// The client's IP address (or network) found as `ip` says.
+    pub fn ip(ip: ClientIp) -> Self {
         KeyExtractor {
-            extract: Arc::new(move |r: &RequestView<'_>| {
-                let hops: Vec<&str> = r
-                    .headers
-                    .get_all("x-forwarded-for")
-                    .iter()
-                    .filter_map(|v| v.to_str().ok())
-                    .flat_map(|v| v.split(','))
-                    .map(str::trim)
-                    .filter(|v| !v.is_empty())
-                    .collect();
-                if hops.is_empty() {
-                    return client_ip(r.extensions).map(|ip| ip.to_string());
-                }
-                let index = hops.len().saturating_sub(trusted_proxies.max(1));
-                hops[index].parse::<IpAddr>().ok().map(|ip| ip.to_string())
-            }),
-            describe: "forwarded_for",
+            extract: Arc::new(move |r: &RequestView<'_>| ip.key(r)),
+            describe: "ip",
+            header: None,
         }
     }
 
@@ -95,19 +100,22 @@ impl KeyExtractor {
         KeyExtractor {
             extract: Arc::new(f),
             describe: "custom",
+            header: None,
         }
     }
 
     pub(crate) fn extract(&self, request: &RequestView<'_>) -> Option<String> {
         (self.extract)(request)
     }
-}
 
-fn client_ip(extensions: &Extensions) -> Option<IpAddr> {
-    extensions
-        .get::<SocketAddr>()
-        .map(SocketAddr::ip)
-        .or_else(|| extensions.get::<IpAddr>().copied())
+    /// The `WWW-Authenticate` challenge of a 401 for a request without
+    /// this key.
+    pub(crate) fn challenge(&self) -> String {
+        match self.header {
+            Some(name) => format!("ApiKey header=\"{name}\""),
+            None => "ApiKey".to_owned(),
+        }
+    }
 }
 
 /// What to do with a request that has no key.

@@ -4,16 +4,21 @@
 use std::fmt;
 use std::sync::Arc;
 
+use bytes::Bytes;
+use http::{HeaderValue, Method, Response};
 use tower::Layer;
 
 use super::headers::PolicyHeaders;
 use super::key::{KeyExtractor, MissingKey, RequestView};
+use super::reject::Rejection;
 use super::service::RateLimit;
-use crate::Limiter;
+use crate::{Decision, Limiter};
 
 type CostFn = dyn Fn(&RequestView<'_>) -> u64 + Send + Sync;
+type ExemptFn = dyn Fn(&RequestView<'_>) -> bool + Send + Sync;
+type RejectFn = dyn Fn(&Rejection, Response<Bytes>) -> Response<Bytes> + Send + Sync;
 
-/// Rate-limits HTTP requests with a [`Limiter`].
+/// Rate-limits HTTP (and gRPC) requests with one or more [`Limiter`]s.
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), slicelimit::Error> {
@@ -22,74 +27,179 @@ type CostFn = dyn Fn(&RequestView<'_>) -> u64 + Send + Sync;
 ///
 /// let limiter = Limiter::builder(Quota::per_minute(100))
 ///     .hybrid(HybridConfig::strict())
+///     .namespace("api")
 ///     .build()?;
+/// let login = Limiter::builder(Quota::per_minute(5)).namespace("login").build()?;
 /// let layer = RateLimitLayer::new(limiter)
 ///     .key(KeyExtractor::header("x-api-key"))
 ///     .on_missing_key(MissingKey::Reject(http::StatusCode::UNAUTHORIZED))
-///     .policy_name("coupons");
+///     .policy_name("api")
+///     .route("/login", "login", login);
 /// // axum::Router::new().route(...).layer(layer)
 /// # Ok(())
 /// # }
 /// ```
+///
+/// Every limiter of one layer counts in its own store keys: adding a
+/// limiter built separately with the same namespace and algorithm as one
+/// already in the layer panics, since the two would silently count the
+/// same requests (give each its own [`namespace`](crate::Builder::namespace),
+/// or pass clones of one limiter to share a budget on purpose).
 #[derive(Clone)]
 #[must_use]
 pub struct RateLimitLayer {
     default: RouteSpec,
     routes: Vec<RouteSpec>,
+    /// Policies every limited request counts against, besides its route's.
+    also: Vec<PolicySpec>,
     key: KeyExtractor,
     missing: MissingKey,
     cost: Arc<CostFn>,
+    allow_zero_cost: bool,
+    methods: Option<Vec<Method>>,
+    exempt: Option<Arc<ExemptFn>>,
+    on_reject: Option<Arc<RejectFn>>,
+    challenge: Option<HeaderValue>,
     shadow: bool,
     legacy: bool,
 }
 
 #[derive(Clone)]
-struct RouteSpec {
-    prefix: String,
-    limiter: Limiter,
+struct PolicySpec {
     name: String,
+    limiter: Limiter,
 }
 
-/// A route's limiter with its headers formatted.
-pub(crate) struct Route {
+#[derive(Clone)]
+struct RouteSpec {
+    prefix: String,
+    methods: Option<Vec<Method>>,
+    policy: PolicySpec,
+}
+
+/// A limiter with its headers formatted.
+pub(crate) struct Policy {
     pub(crate) limiter: Limiter,
     pub(crate) headers: PolicyHeaders,
-    pub(crate) name: String,
+}
+
+/// A route: which requests, and the policy they count against.
+pub(crate) struct Route {
     prefix: String,
+    methods: Option<Vec<Method>>,
+    policy: Policy,
+}
+
+impl Route {
+    /// Matches by whole path segments: `/admin` matches `/admin` and
+    /// `/admin/x`, never `/administrator`.
+    fn matches(&self, method: &Method, path: &str) -> bool {
+        let segment = path == self.prefix
+            || path
+                .strip_prefix(self.prefix.as_str())
+                .is_some_and(|rest| rest.starts_with('/'));
+        segment
+            && self
+                .methods
+                .as_ref()
+                .is_none_or(|methods| methods.contains(method))
+    }
 }
 
 /// What every service built by one `layer()` call shares.
 pub(crate) struct Prepared {
-    default: Route,
-    /// Longest prefix first.
+    /// Most specific first; the default route (matching everything) last.
     routes: Vec<Route>,
+    also: Vec<Policy>,
     pub(crate) key: KeyExtractor,
     pub(crate) missing: MissingKey,
-    pub(crate) cost: Arc<CostFn>,
+    cost: Arc<CostFn>,
+    allow_zero_cost: bool,
+    methods: Option<Vec<Method>>,
+    exempt: Option<Arc<ExemptFn>>,
+    on_reject: Option<Arc<RejectFn>>,
+    pub(crate) challenge: HeaderValue,
     pub(crate) shadow: bool,
 }
 
 impl Prepared {
-    pub(crate) fn route(&self, path: &str) -> &Route {
+    /// Whether the request is limited at all.
+    pub(crate) fn limits(&self, request: &RequestView<'_>) -> bool {
+        self.methods
+            .as_ref()
+            .is_none_or(|methods| methods.contains(request.method))
+            && !self.exempt.as_ref().is_some_and(|exempt| exempt(request))
+    }
+
+    /// The index of the request's route.
+    pub(crate) fn route(&self, method: &Method, path: &str) -> usize {
         self.routes
             .iter()
-            .find(|r| path.starts_with(&r.prefix))
-            .unwrap_or(&self.default)
+            .position(|r| r.matches(method, path))
+            .unwrap_or(self.routes.len() - 1)
+    }
+
+    /// The policies a request of route `route` counts against, in the
+    /// order of its decisions.
+    pub(crate) fn policies(&self, route: usize) -> impl Iterator<Item = &Policy> {
+        std::iter::once(&self.routes[route].policy).chain(&self.also)
+    }
+
+    /// What the request costs: never 0 unless allowed, since a cost of 0
+    /// asks without counting.
+    pub(crate) fn cost(&self, request: &RequestView<'_>) -> u64 {
+        let cost = (self.cost)(request);
+        if cost == 0 && !self.allow_zero_cost {
+            1
+        } else {
+            cost
+        }
+    }
+
+    /// Adds every policy's headers for `decisions` (one per policy, in
+    /// order) to `headers`.
+    pub(crate) fn append_headers(
+        &self,
+        route: usize,
+        decisions: &[Decision],
+        headers: &mut http::HeaderMap,
+    ) {
+        for (policy, decision) in self.policies(route).zip(decisions) {
+            policy.headers.append_to(headers, decision);
+        }
+    }
+
+    /// The layer's answer, through the user's hook if there is one.
+    pub(crate) fn reject(
+        &self,
+        rejection: &Rejection,
+        quoted: &[&str],
+        headers: http::HeaderMap,
+    ) -> Response<Bytes> {
+        let response = rejection.respond(quoted, headers, &self.challenge);
+        match &self.on_reject {
+            Some(hook) => hook(rejection, response),
+            None => response,
+        }
     }
 }
 
 impl fmt::Debug for RateLimitLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
-            .field("policy", &self.default.name)
+            .field("policy", &self.default.policy.name)
             .field(
                 "routes",
                 &self.routes.iter().map(|r| &r.prefix).collect::<Vec<_>>(),
             )
+            .field(
+                "also",
+                &self.also.iter().map(|p| &p.name).collect::<Vec<_>>(),
+            )
             .field("key", &self.key)
             .field("missing", &self.missing)
             .field("shadow", &self.shadow)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -100,56 +210,148 @@ impl RateLimitLayer {
         RateLimitLayer {
             default: RouteSpec {
                 prefix: String::new(),
-                limiter,
-                name: "default".to_owned(),
+                methods: None,
+                policy: PolicySpec {
+                    name: "default".to_owned(),
+                    limiter,
+                },
             },
             routes: Vec::new(),
+            also: Vec::new(),
             key: KeyExtractor::header("x-api-key"),
             missing: MissingKey::default(),
             cost: Arc::new(|_| 1),
+            allow_zero_cost: false,
+            methods: None,
+            exempt: None,
+            on_reject: None,
+            challenge: None,
             shadow: false,
             legacy: false,
         }
     }
 
-    /// How the key is found (default: the `x-api-key` header).
+    /// How the key is found (default: the `x-api-key` header). A key
+    /// longer than 64 bytes is hashed by the limiter before it reaches any
+    /// per-process map, so a client sending huge keys costs a bounded
+    /// number of bytes per key.
     pub fn key(mut self, key: KeyExtractor) -> Self {
         self.key = key;
         self
     }
 
-    /// What a request without a key gets (default: 401).
+    /// What a request without a key gets (default: 401 with a
+    /// `WWW-Authenticate` challenge).
     pub fn on_missing_key(mut self, missing: MissingKey) -> Self {
         self.missing = missing;
         self
     }
 
-    /// What a request costs, in permits (default 1).
+    /// The `WWW-Authenticate` challenge sent with a 401 for a request
+    /// without a key (default: `ApiKey header="x-api-key"` for a header
+    /// key, `ApiKey` otherwise).
+    pub fn challenge(mut self, challenge: HeaderValue) -> Self {
+        self.challenge = Some(challenge);
+        self
+    }
+
+    /// What a request costs, in permits (default 1). A cost of 0 is
+    /// counted as 1 unless [`allow_zero_cost`](RateLimitLayer::allow_zero_cost)
+    /// is set, so a cost read from client input cannot be a free pass.
     pub fn cost(mut self, cost: impl Fn(&RequestView<'_>) -> u64 + Send + Sync + 'static) -> Self {
         self.cost = Arc::new(cost);
         self
     }
 
-    /// The policy name in `RateLimit-Policy` / `RateLimit` (default
-    /// `"default"`).
-    pub fn policy_name(mut self, name: &str) -> Self {
-        self.default.name = name.to_owned();
+    /// Let a cost of 0 through as 0: the request is admitted while the
+    /// quota has a permit left, and takes none.
+    pub fn allow_zero_cost(mut self, on: bool) -> Self {
+        self.allow_zero_cost = on;
         self
     }
 
-    /// Requests whose path starts with `prefix` use `limiter` (and the
-    /// policy `name`) instead; the longest matching prefix wins.
-    pub fn route(mut self, prefix: &str, name: &str, limiter: Limiter) -> Self {
-        self.routes.push(RouteSpec {
-            prefix: prefix.to_owned(),
-            limiter,
+    /// The name of the default policy in headers and problem bodies
+    /// (default `"default"`).
+    pub fn policy_name(mut self, name: &str) -> Self {
+        self.default.policy.name = name.to_owned();
+        self
+    }
+
+    /// Requests whose path is `prefix` or below it (whole segments:
+    /// `/admin` matches `/admin/x`, not `/administrator`) use `limiter`
+    /// and the policy `name` instead of the default; the longest matching
+    /// prefix wins.
+    ///
+    /// # Panics
+    /// If `limiter` was built separately from a limiter already in this
+    /// layer yet has the same namespace and algorithm (they would count
+    /// the same requests).
+    pub fn route(self, prefix: &str, name: &str, limiter: Limiter) -> Self {
+        self.route_spec(prefix, None, name, limiter)
+    }
+
+    /// [`route`](RateLimitLayer::route) for the requests of `methods` only;
+    /// it wins over a route of the same prefix for every method.
+    ///
+    /// # Panics
+    /// As [`route`](RateLimitLayer::route).
+    pub fn route_methods(
+        self,
+        methods: &[Method],
+        prefix: &str,
+        name: &str,
+        limiter: Limiter,
+    ) -> Self {
+        self.route_spec(prefix, Some(methods.to_vec()), name, limiter)
+    }
+
+    /// Every limited request also counts against `limiter` (policy
+    /// `name`), whatever its route: for instance a per-second burst limit
+    /// beside a per-hour quota. A request is admitted only if every policy
+    /// admits it; each policy counts it either way, and a denial lists
+    /// every policy that denied it.
+    ///
+    /// # Panics
+    /// As [`route`](RateLimitLayer::route).
+    pub fn also(mut self, name: &str, limiter: Limiter) -> Self {
+        self.refuse_shared_keys(&limiter);
+        self.also.push(PolicySpec {
             name: name.to_owned(),
+            limiter,
         });
         self
     }
 
+    /// Only requests of these methods are limited; others pass untouched.
+    pub fn methods(mut self, methods: &[Method]) -> Self {
+        self.methods = Some(methods.to_vec());
+        self
+    }
+
+    /// Requests for which `exempt` is true pass untouched (health checks,
+    /// CORS preflights, internal callers).
+    pub fn exempt(
+        mut self,
+        exempt: impl Fn(&RequestView<'_>) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.exempt = Some(Arc::new(exempt));
+        self
+    }
+
+    /// Shapes the layer's own answers (429, 503, missing key): `hook` gets
+    /// what happened and the default response (rate-limit headers
+    /// included) and returns the response to send.
+    pub fn on_reject(
+        mut self,
+        hook: impl Fn(&Rejection, Response<Bytes>) -> Response<Bytes> + Send + Sync + 'static,
+    ) -> Self {
+        self.on_reject = Some(Arc::new(hook));
+        self
+    }
+
     /// Shadow (dry-run) mode: decide and record, but let every request
-    /// through unchanged. For trying a limit on live traffic.
+    /// through unchanged — a request without a key too. For trying a
+    /// limit on live traffic.
     pub fn shadow(mut self, on: bool) -> Self {
         self.shadow = on;
         self
@@ -162,21 +364,75 @@ impl RateLimitLayer {
         self
     }
 
+    fn route_spec(
+        mut self,
+        prefix: &str,
+        methods: Option<Vec<Method>>,
+        name: &str,
+        limiter: Limiter,
+    ) -> Self {
+        self.refuse_shared_keys(&limiter);
+        self.routes.push(RouteSpec {
+            prefix: prefix.trim_end_matches('/').to_owned(),
+            methods,
+            policy: PolicySpec {
+                name: name.to_owned(),
+                limiter,
+            },
+        });
+        self
+    }
+
+    fn limiters(&self) -> impl Iterator<Item = &Limiter> {
+        std::iter::once(&self.default.policy.limiter)
+            .chain(self.routes.iter().map(|r| &r.policy.limiter))
+            .chain(self.also.iter().map(|p| &p.limiter))
+    }
+
+    fn refuse_shared_keys(&self, limiter: &Limiter) {
+        if let Some(other) = self
+            .limiters()
+            .find(|other| !other.same_as(limiter) && other.shares_keys_with(limiter))
+        {
+            panic!(
+                "two limiters of one RateLimitLayer share the namespace {:?} and algorithm {}: \
+                 they would count the same requests; give each its own namespace \
+                 (or pass clones of one limiter to share a budget)",
+                other.namespace(),
+                other.algorithm().as_str()
+            );
+        }
+    }
+
     fn prepare(&self) -> Prepared {
-        let route = |spec: &RouteSpec| Route {
-            headers: PolicyHeaders::new(&spec.name, &spec.limiter.quota(), self.legacy),
+        let policy = |spec: &PolicySpec| Policy {
+            headers: PolicyHeaders::new(&spec.name, &spec.limiter.quota()).legacy(self.legacy),
             limiter: spec.limiter.clone(),
-            name: spec.name.clone(),
+        };
+        let route = |spec: &RouteSpec| Route {
             prefix: spec.prefix.clone(),
+            methods: spec.methods.clone(),
+            policy: policy(&spec.policy),
         };
         let mut routes: Vec<Route> = self.routes.iter().map(route).collect();
-        routes.sort_by_key(|r| std::cmp::Reverse(r.prefix.len()));
+        // Longest prefix first; at equal length, a method filter first.
+        routes.sort_by_key(|r| (std::cmp::Reverse(r.prefix.len()), r.methods.is_none()));
+        routes.push(route(&self.default));
+        let challenge = self.challenge.clone().unwrap_or_else(|| {
+            HeaderValue::from_str(&self.key.challenge())
+                .unwrap_or_else(|_| HeaderValue::from_static("ApiKey"))
+        });
         Prepared {
-            default: route(&self.default),
             routes,
+            also: self.also.iter().map(policy).collect(),
             key: self.key.clone(),
             missing: self.missing.clone(),
             cost: self.cost.clone(),
+            allow_zero_cost: self.allow_zero_cost,
+            methods: self.methods.clone(),
+            exempt: self.exempt.clone(),
+            on_reject: self.on_reject.clone(),
+            challenge,
             shadow: self.shadow,
         }
     }

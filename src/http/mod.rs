@@ -1,20 +1,42 @@
-//! HTTP integration: a tower [`Layer`](tower::Layer) that rate-limits
-//! requests, answers denials with `429 Too Many Requests`, `Retry-After`
-//! and the IETF `RateLimit-Policy` / `RateLimit` headers, and always
-//! returns a response (a denial is a response, never an error).
+//! HTTP and gRPC integration: a tower [`Layer`](tower::Layer) that
+//! rate-limits requests and always returns a response (a denial is a
+//! response, never an error):
+//!
+//! - over quota: `429 Too Many Requests` with `Retry-After`, the IETF
+//!   `RateLimit-Policy` / `RateLimit` headers and a problem+json body
+//!   listing every violated policy; gRPC requests get a trailers-only
+//!   answer with `grpc-status: 8` (`RESOURCE_EXHAUSTED`);
+//! - limiter unavailable under fail-closed: `503` with the
+//!   `temporary-reduced-capacity` problem type (gRPC `UNAVAILABLE`);
+//! - no key: the configured status (401 with `WWW-Authenticate` by
+//!   default), or a shared key.
+//!
+//! Keys a client cannot choose: [`ClientIp`] reads forwarding headers only
+//! from trusted proxies (rightmost-untrusted rule, `X-Forwarded-For` or
+//! RFC 7239 `Forwarded`) and keys IPv6 clients per /64.
 //!
 //! Files: `layer` (configuration, shared by every clone through an `Arc`),
 //! `service` (the per-request path), `future` (its response future),
-//! `headers` (header and body formatting), `key` (key and cost extraction).
+//! `body` (the response body), `reject` (the layer's own answers),
+//! `headers` (header and body formatting), `key` (key and cost
+//! extraction), `ip` (client addresses and trusted proxies).
 
+mod body;
 mod future;
 mod headers;
+mod ip;
 mod key;
 mod layer;
+mod reject;
 mod service;
 
+pub use self::body::RateLimitBody;
 pub use self::future::ResponseFuture;
-pub use self::headers::{PROBLEM_TYPE, RATELIMIT, RATELIMIT_POLICY};
+pub use self::headers::{
+    PolicyHeaders, PROBLEM_TYPE, PROBLEM_TYPE_UNAVAILABLE, RATELIMIT, RATELIMIT_POLICY,
+};
+pub use self::ip::{Cidr, ClientIp, ProxyHeader};
 pub use self::key::{KeyExtractor, MissingKey, RequestView};
 pub use self::layer::RateLimitLayer;
+pub use self::reject::{Rejection, RejectionKind};
 pub use self::service::RateLimit;

@@ -3,14 +3,16 @@
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use http::{HeaderMap, HeaderValue, Request, Response, StatusCode};
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response};
 use tower::Service;
 
-use super::future::ResponseFuture;
-use super::headers::missing_key_problem;
+use super::body::RateLimitBody;
+use super::future::{Admitted, ResponseFuture};
 use super::key::{MissingKey, RequestView};
-use super::layer::{Prepared, Route};
-use crate::Decision;
+use super::layer::Prepared;
+use super::reject::{Rejection, RejectionKind};
+use crate::{Decision, Source};
 
 /// A service rate-limited by a [`RateLimitLayer`](super::RateLimitLayer).
 #[derive(Clone)]
@@ -29,47 +31,104 @@ impl<S> RateLimit<S> {
     pub(crate) fn new(inner: S, config: Arc<Prepared>) -> Self {
         RateLimit { inner, config }
     }
-}
 
-fn problem_response<B: From<String>>(
-    status: StatusCode,
-    headers: HeaderMap,
-    body: String,
-) -> Response<B> {
-    let mut response = Response::new(B::from(body));
-    *response.status_mut() = status;
-    *response.headers_mut() = headers;
-    response.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    response
-}
-
-/// The 429 for a denial.
-fn denial<B: From<String>>(route: &Route, decision: &Decision) -> Response<B> {
-    let mut headers = HeaderMap::new();
-    route.headers.apply(&mut headers, decision);
-    problem_response(
-        StatusCode::TOO_MANY_REQUESTS,
-        headers,
-        route.headers.problem(decision),
-    )
-}
-
-/// Headers for an admitted response; none in shadow mode, which must not
-/// change what clients see.
-fn admitted_headers(config: &Prepared, route: &Route, decision: &Decision) -> Option<HeaderMap> {
-    if config.shadow {
-        if !decision.is_allowed() {
-            metrics::counter!(crate::metrics::SHADOW_DENIALS, "limiter" => route.name.clone())
-                .increment(1);
-        }
-        return None;
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
     }
+
+    /// The wrapped service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+/// What the layer makes of a request once every policy decided.
+pub(crate) enum Verdict {
+    /// Call the inner service; add these headers (none in shadow mode).
+    Admit(Option<Admitted>),
+    /// Answer with this.
+    Reject(Response<Bytes>),
+}
+
+/// Whether a request is gRPC, so it gets a gRPC status, not an HTTP one.
+fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/grpc"))
+}
+
+fn shadow_denial(name: &str) {
+    metrics::counter!(crate::metrics::SHADOW_DENIALS, "limiter" => name.to_owned()).increment(1);
+}
+
+/// Turns one decision per policy into the layer's verdict.
+pub(crate) fn conclude(
+    config: &Arc<Prepared>,
+    route: usize,
+    decisions: Vec<Decision>,
+    grpc: bool,
+) -> Verdict {
+    let denied = decisions.iter().any(|d| !d.is_allowed());
+    if config.shadow {
+        for (policy, decision) in config.policies(route).zip(&decisions) {
+            if !decision.is_allowed() {
+                shadow_denial(policy.headers.name());
+            }
+        }
+        return Verdict::Admit(None);
+    }
+    if !denied {
+        return Verdict::Admit(Some(Admitted {
+            config: config.clone(),
+            route,
+            decisions,
+        }));
+    }
+    // Over quota if any policy denied on its own count; otherwise every
+    // denial is a store that could not decide, under fail-closed.
+    let over = |d: &Decision| !d.is_allowed() && d.source() != Source::FailClosed;
+    let quota_denied = decisions.iter().any(over);
+    let violated: Vec<(&str, &str, &Decision)> = config
+        .policies(route)
+        .zip(&decisions)
+        .filter(|(_, d)| {
+            if quota_denied {
+                over(d)
+            } else {
+                !d.is_allowed()
+            }
+        })
+        .map(|(p, d)| (p.headers.name(), p.headers.quoted(), d))
+        .collect();
+    // The request can pass once every violated policy lets it; never if
+    // one never will.
+    let retry_after = violated
+        .iter()
+        .map(|(_, _, d)| d.retry_after())
+        .try_fold(std::time::Duration::ZERO, |longest, wait| {
+            wait.map(|w| longest.max(w))
+        });
+    let rejection = Rejection {
+        kind: if quota_denied {
+            RejectionKind::QuotaExceeded
+        } else {
+            RejectionKind::Unavailable
+        },
+        grpc,
+        violated_policies: violated.iter().map(|(n, _, _)| (*n).to_owned()).collect(),
+        retry_after,
+    };
     let mut headers = HeaderMap::new();
-    route.headers.apply(&mut headers, decision);
-    Some(headers)
+    config.append_headers(route, &decisions, &mut headers);
+    let quoted: Vec<&str> = violated.iter().map(|(_, q, _)| *q).collect();
+    Verdict::Reject(config.reject(&rejection, &quoted, headers))
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S>
@@ -78,9 +137,9 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ReqBody: Send + 'static,
-    ResBody: From<String> + Send + 'static,
+    ResBody: Send + 'static,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<RateLimitBody<ResBody>>;
     type Error = S::Error;
     type Future = ResponseFuture<S::Future, ResBody, S::Error>;
 
@@ -90,48 +149,67 @@ where
 
     fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
         let config = self.config.clone();
-        let view = RequestView {
-            method: request.method(),
-            uri: request.uri(),
-            headers: request.headers(),
-            extensions: request.extensions(),
-        };
+        let view = RequestView::new(&request);
+        if !config.limits(&view) {
+            return ResponseFuture::inner(self.inner.call(request), None);
+        }
+        let grpc = is_grpc(request.headers());
+        let route = config.route(request.method(), request.uri().path());
         let key = match (config.key.extract(&view), &config.missing) {
             (Some(key), _) => key,
             (None, MissingKey::Shared(shared)) => shared.clone(),
+            // Dry run: the request passes as it would without the layer.
+            (None, MissingKey::Reject(_)) if config.shadow => {
+                for policy in config.policies(route) {
+                    shadow_denial(policy.headers.name());
+                }
+                return ResponseFuture::inner(self.inner.call(request), None);
+            }
             (None, MissingKey::Reject(status)) => {
-                return ResponseFuture::ready(problem_response(
-                    *status,
-                    HeaderMap::new(),
-                    missing_key_problem(*status),
-                ));
+                let rejection = Rejection {
+                    kind: RejectionKind::MissingKey(*status),
+                    grpc,
+                    violated_policies: Vec::new(),
+                    retry_after: None,
+                };
+                let response = config.reject(&rejection, &[], HeaderMap::new());
+                return ResponseFuture::ready(response.map(RateLimitBody::full));
             }
         };
-        let cost = (config.cost)(&view);
-        let route = config.route(request.uri().path());
-        if let Some(decision) = route.limiter.check_now(&key, cost) {
-            if decision.is_allowed() || config.shadow {
-                let headers = admitted_headers(&config, route, &decision);
-                return ResponseFuture::inner(self.inner.call(request), headers);
-            }
-            return ResponseFuture::ready(denial(route, &decision));
+        let cost = config.cost(&view);
+        let now: Vec<Option<Decision>> = config
+            .policies(route)
+            .map(|policy| policy.limiter.check_now(&key, cost))
+            .collect();
+        if now.iter().all(Option::is_some) {
+            let decisions = now.into_iter().flatten().collect();
+            return match conclude(&config, route, decisions, grpc) {
+                Verdict::Admit(admitted) => {
+                    ResponseFuture::inner(self.inner.call(request), admitted)
+                }
+                Verdict::Reject(response) => {
+                    ResponseFuture::ready(response.map(RateLimitBody::full))
+                }
+            };
         }
-        // The decision needs the store: take the service that was polled
+        // Some decision needs the store: take the service that was polled
         // ready, leave a clone in its place.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         ResponseFuture::waiting(Box::pin(async move {
-            let route = config.route(request.uri().path());
-            let decision = route.limiter.check(&key, cost).await;
-            if decision.is_allowed() || config.shadow {
-                let headers = admitted_headers(&config, route, &decision);
-                let mut response = inner.call(request).await?;
-                if let Some(headers) = headers {
-                    response.headers_mut().extend(headers);
+            let mut decisions = Vec::with_capacity(now.len());
+            for (policy, decided) in config.policies(route).zip(now) {
+                decisions.push(match decided {
+                    Some(decision) => decision,
+                    None => policy.limiter.check(&key, cost).await,
+                });
+            }
+            match conclude(&config, route, decisions, grpc) {
+                Verdict::Admit(admitted) => {
+                    let response = inner.call(request).await?;
+                    Ok(Admitted::finish(admitted, response))
                 }
-                Ok(response)
-            } else {
-                Ok(denial(route, &decision))
+                Verdict::Reject(response) => Ok(response.map(RateLimitBody::full)),
             }
         }))
     }

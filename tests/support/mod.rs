@@ -275,5 +275,6 @@ impl slicelimit::Clock for VirtualClock {
 }
 
 pub mod cluster;
+pub mod http;
 pub mod load;
 pub mod proxy;
