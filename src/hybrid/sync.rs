@@ -570,7 +570,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         min_window,
         need: match shared.params.algorithm {
             // The last ~1.5 % of a window goes in one lease.
-            Algorithm::FixedWindow => need.max(shared.params.limit / 64).max(1),
+            Algorithm::FixedWindow => need.max(shared.params.limit / 16).max(1),
             Algorithm::TokenBucket | Algorithm::Gcra => need.max(1),
         },
         patience: need.max(want / 4).max(1),
