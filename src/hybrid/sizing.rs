@@ -49,22 +49,8 @@ impl Sizing {
     /// The size of the next lease. `time_left_us` caps it at what the
     /// observed rate can use before the lease ends (fixed window), so few
     /// permits strand at the boundary. `need` is the largest pending cost.
-    #[cfg(test)]
-    pub(crate) fn want(
-        &mut self,
-        rule: SizingRule,
-        permits_now: i64,
-        now: u64,
-        need: u64,
-        time_left_us: Option<u64>,
-    ) -> u64 {
-        self.want_to_the_end(rule, permits_now, now, need, time_left_us)
-            .0
-    }
-
-    /// [`Sizing::want`], and whether the lease was cut to what the rate
-    /// spends before its window ends (the window's last lease: one to
-    /// spend, not to refill ahead of need).
+    /// Also whether that cap cut it: then it is the window's last lease,
+    /// one to spend, not to refill ahead of need.
     pub(crate) fn want_to_the_end(
         &mut self,
         rule: SizingRule,
@@ -143,7 +129,7 @@ mod tests {
     #[test]
     fn a_cold_key_leases_the_minimum() {
         let mut s = Sizing::default();
-        assert_eq!(s.want(RULE, 0, 1_000, 1, None), 1);
+        assert_eq!(s.want_to_the_end(RULE, 0, 1_000, 1, None).0, 1);
     }
 
     #[test]
@@ -151,13 +137,13 @@ mod tests {
         // 10 000 permits/s, a refill whenever the lease runs out.
         let mut s = Sizing::default();
         let mut now = 1_000_000u64;
-        let mut want = s.want(RULE, 0, now, 1, None);
+        let mut want = s.want_to_the_end(RULE, 0, now, 1, None).0;
         s.applied(want as i64, now);
         let mut round_trips = 0;
         for _ in 0..200 {
             now += want * 100; // 100 µs per permit
             s.observe(0, 0, now);
-            want = s.want(RULE, 0, now, 1, None);
+            want = s.want_to_the_end(RULE, 0, now, 1, None).0;
             s.applied(want as i64, now);
             round_trips += 1;
             if want >= 2_000 {
@@ -169,7 +155,7 @@ mod tests {
         for _ in 0..100 {
             now += want / 2 * 100;
             s.observe(want as i64 / 2, 0, now);
-            want = s.want(RULE, want as i64 / 2, now, 1, None);
+            want = s.want_to_the_end(RULE, want as i64 / 2, now, 1, None).0;
             s.applied(want as i64, now);
         }
         let ideal = 10_000.0 * 0.25;
@@ -195,7 +181,7 @@ mod tests {
         );
         // a pending request larger than the lease is still served
         let mut cold = Sizing::default();
-        assert_eq!(cold.want(RULE, 0, 10, 50, None), 50);
+        assert_eq!(cold.want_to_the_end(RULE, 0, 10, 50, None).0, 50);
     }
 
     #[test]
