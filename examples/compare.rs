@@ -16,7 +16,8 @@
 //! Flags: `--servers N` (4), `--tasks N` per server (4), `--keys N` (20),
 //! `--limit N` per key per period (1000), `--period-ms N` (1000),
 //! `--demand X` × the limit (2.0), `--duration-s N` (4), `--json PATH`,
-//! `--plot PATH`, `--ramp`, `--cluster URL,URL,…`. `COMPARE_DEBUG=1` also
+//! `--plot PATH`, `--ramp`, `--cluster URL,URL,…`, `--modes NAME,…` (only
+//! these rows; the ratios, JSON and plot need every mode). `COMPARE_DEBUG=1` also
 //! prints per-mode script counts, limiter counters and the busiest windows.
 //!
 //! The long tail: `--demand-per-key R` (requests per second per key) picks
@@ -57,6 +58,8 @@ struct Args {
     cluster: Option<Vec<String>>,
     /// Long tail: requests per second per key, keys picked uniformly.
     demand_per_key: Option<f64>,
+    /// Run only these modes (by name); all when empty.
+    modes: Vec<String>,
 }
 
 fn parse_args() -> Args {
@@ -73,6 +76,7 @@ fn parse_args() -> Args {
         ramp: false,
         cluster: None,
         demand_per_key: None,
+        modes: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -96,6 +100,7 @@ fn parse_args() -> Args {
             "--json" => a.json = Some(v),
             "--plot" => a.plot = Some(v),
             "--cluster" => a.cluster = Some(v.split(',').map(str::to_owned).collect()),
+            "--modes" => a.modes = v.split(',').map(str::to_owned).collect(),
             "--demand-per-key" => {
                 a.demand_per_key = Some(v.parse().expect("--demand-per-key: a number"))
             }
@@ -934,7 +939,9 @@ async fn main() {
         Mode::Exact(Algorithm::Gcra),
         Mode::HybridStrict,
         Mode::HybridOptimistic,
-    ];
+    ]
+    .into_iter()
+    .filter(|m| args.modes.is_empty() || args.modes.iter().any(|n| *n == m.name()));
     let mut outcomes = Vec::new();
     println!(
         "{:<20} {:>12} {:>10} {:>10} {:>10} {:>12} {:>11} {:>10} {:>10}",
@@ -964,9 +971,14 @@ async fn main() {
         );
         outcomes.push(o);
     }
-    let by = |name: &str| outcomes.iter().find(|o| o.name == name).expect("mode ran");
-    let exact = by("exact-fixed-window");
-    let hybrid = by("hybrid-strict");
+    let by = |name: &str| outcomes.iter().find(|o| o.name == name);
+    let (Some(exact), Some(hybrid), Some(optimistic)) = (
+        by("exact-fixed-window"),
+        by("hybrid-strict"),
+        by("hybrid-optimistic"),
+    ) else {
+        return;
+    };
     let per_core = |o: &Outcome| o.decisions as f64 / o.redis_cpu.max(1e-9);
     println!(
         "\nexact ÷ hybrid p50 latency: {:.0}×; round trips per 1000 decisions: hybrid {:.2} vs exact {:.0}",
@@ -984,7 +996,7 @@ async fn main() {
         println!(
             "bounds: strict worst overshoot {} (bound 0); optimistic worst {} (bound {} × {MAX_DEBT} = {})",
             hybrid.worst_overshoot(args.limit),
-            by("hybrid-optimistic").worst_overshoot(args.limit),
+            optimistic.worst_overshoot(args.limit),
             args.servers,
             args.servers as u64 * MAX_DEBT
         );

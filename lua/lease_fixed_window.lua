@@ -45,7 +45,8 @@
 -- window ("h<window>", every process that asked) and the last ("p<holder>" =
 -- the last window a holder asked in); a holder's first lease in the window gets available divided
 -- by the holders expected and not yet served, a later one available divided
--- by all holders, both at most share_cap * available and `ceiling`.
+-- by all holders, both at most `ceiling` and, except for the last holder
+-- expected (which takes what is left), share_cap * available.
 -- grant = min(available, max(by_rate, by_headroom)): a key far under its
 -- limit is served in about one lease per process per window, a key near it
 -- in leases that shrink toward one permit, so strict stays exact.
@@ -134,9 +135,13 @@ if not replayed then
     local here = tonumber(got[4] or '0')
     local expected = math.max(here, tonumber(got[5] or '0'))
     local fair
+    -- The last holder expected takes the rest of its share whole: capping
+    -- it at share_cap would leave a remainder for a trickle of small leases.
+    local last_expected = false
     if last < tw then
       first_in_window = true
       fair = math.floor(available / math.max(1, expected - here))
+      last_expected = expected - here == 1
     else
       fair = math.floor(available / math.max(1, expected))
     end
@@ -148,7 +153,8 @@ if not replayed then
     local whole = 0
     if available <= tail then whole = math.min(available, ceiling) end
     granted = math.min(granted, math.max(1, fair, whole))
-    fair = math.min(fair, math.floor(available * share), ceiling)
+    if not last_expected then fair = math.min(fair, math.floor(available * share)) end
+    fair = math.min(fair, ceiling)
     if fair > granted then granted = math.min(fair, available) end
   end
 end

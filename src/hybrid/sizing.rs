@@ -41,6 +41,14 @@ impl Sizing {
         let consumed = (i64::from(self.level) - permits_now.max(0)).max(0) as f64 + debt as f64;
         let dt = (now - self.at) as f64;
         let instant = consumed / dt;
+        if self.rate == 0.0 {
+            // The first measure of a key's demand seeds the average:
+            // smoothing it up from zero would size the next leases of a
+            // key at thousands a second as if it saw a few, and cost a
+            // round trip per doubling until the estimate caught up.
+            self.rate = instant;
+            return self.rate;
+        }
         let alpha = 1.0 - (-dt / TAU_US).exp();
         self.rate += alpha * (instant - self.rate);
         self.rate
@@ -92,6 +100,18 @@ impl Sizing {
     pub(crate) fn applied(&mut self, level: i64, now: u64) {
         self.level = level.clamp(0, i64::from(u32::MAX)) as u32;
         self.at = now;
+    }
+
+    /// The local permits changed by something other than spending: a
+    /// pre-lease put in place (`added`, replacing `removed`) or a lease
+    /// voided at its deadline (`removed`). The level moves with them, so
+    /// the next observation counts only what requests spent: a voided
+    /// lease is not demand, and permits spent from a promoted pre-lease
+    /// are (without this, a key whose every window starts from a
+    /// pre-lease looks idle, and its next pre-lease is sized too small).
+    pub(crate) fn moved(&mut self, added: i64, removed: i64) {
+        let level = i64::from(self.level) + added.max(0) - removed.max(0);
+        self.level = level.clamp(0, i64::from(u32::MAX)) as u32;
     }
 
     /// Permits consumed per µs, smoothed.

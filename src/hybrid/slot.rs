@@ -41,6 +41,10 @@ pub(crate) struct NextLease {
     pub(crate) deadline: u64,
     /// Local µs by which the window has surely ended.
     pub(crate) window_end: u64,
+    /// The low-water mark for these permits once they are in place. (A
+    /// pre-lease does not move the current lease's mark: that one is for
+    /// the permits of the window still running.)
+    pub(crate) low_water: u32,
 }
 
 /// Permits admitted on credit and not yet reported.
@@ -429,7 +433,11 @@ impl Slot {
         if now < self.deadline.load(Ordering::Acquire) {
             return 0;
         }
-        self.permits.swap(0, Ordering::AcqRel).max(0)
+        let voided = self.permits.swap(0, Ordering::AcqRel).max(0);
+        if voided > 0 {
+            self.books().sizing.moved(0, voided);
+        }
+        voided
     }
 
     /// Moves a due pre-leased slice of the next window into place; returns
@@ -445,6 +453,7 @@ impl Slot {
         }
         *next = None;
         self.has_next.store(false, Ordering::Release);
+        self.low_water.store(lease.low_water, Ordering::Relaxed);
         let installed = self.install_locked(
             lease.permits,
             lease.window,
@@ -455,7 +464,11 @@ impl Slot {
         );
         drop(next);
         Some(match installed {
-            Installed::Replaced(n) | Installed::Stale(n) => n,
+            Installed::Replaced(n) => {
+                self.books().sizing.moved(lease.permits, n);
+                n
+            }
+            Installed::Stale(n) => n,
         })
     }
 
@@ -604,6 +617,7 @@ mod tests {
             start: 106,
             deadline: 200,
             window_end: 203,
+            low_water: 0,
         }));
         slot.has_next.store(true, Ordering::Release);
         assert_eq!(slot.promote(105), None);

@@ -753,6 +753,7 @@ fn apply(
                                 start: t1 + r.start_after_us + margin,
                                 deadline,
                                 window_end,
+                                low_water: 0,
                             };
                             let mut next = slot.next.lock().unwrap_or_else(|p| p.into_inner());
                             let merged = match next.as_deref().copied() {
@@ -832,9 +833,26 @@ fn apply(
                     // holder whatever its rate, it strands the same way.
                     slot.early_refill.store(false, Ordering::Relaxed);
                 }
+                // A fixed-window lease that, with what is held, covers what
+                // the rate spends until its window ends is that window's
+                // last: refilled only if demand outruns it, not at half
+                // (a refill at half would ask a window that is often fully
+                // leased by then, for permits this process will not use).
+                let covers = shared.params.algorithm == Algorithm::FixedWindow && {
+                    let rate = slot.books().sizing.rate_per_us();
+                    let serves = r.reset_after_us.saturating_sub(r.start_after_us) as f64;
+                    // After the install a current lease's permits include
+                    // the grant; a pre-lease's are its grant alone.
+                    let lasting = if r.start_after_us > 0 {
+                        r.granted as i64
+                    } else {
+                        slot.permits.load(Ordering::Acquire)
+                    };
+                    rate > 0.0 && lasting.max(0) as f64 >= rate * serves * 1.2
+                };
                 let low_water = if contested || thin {
                     0
-                } else if p.to_the_end {
+                } else if p.to_the_end || covers {
                     // Sized to last until the window ends: refill only if
                     // demand outruns it, when what is left would be spent
                     // within two round trips (and a millisecond).
@@ -844,8 +862,21 @@ fn apply(
                 } else {
                     (p.call.want / 2).max(r.granted / 4)
                 };
-                slot.low_water
-                    .store(low_water.min(u64::from(u32::MAX)) as u32, Ordering::Relaxed);
+                let low_water = low_water.min(u64::from(u32::MAX)) as u32;
+                let ahead =
+                    shared.params.algorithm == Algorithm::FixedWindow && r.start_after_us > 0;
+                if ahead {
+                    // A pre-lease: its mark applies once it is in place; the
+                    // current window's permits keep theirs (a mark sized
+                    // from the next window's grant would ask the current
+                    // one, often already fully leased, for more).
+                    let mut next = slot.next.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Some(n) = next.as_mut().filter(|n| n.window == r.window) {
+                        n.low_water = low_water;
+                    }
+                } else {
+                    slot.low_water.store(low_water, Ordering::Relaxed);
+                }
             } else if p.call.want > 0 {
                 if r.start_after_us == 0 {
                     // Redis answered before t1: from t1 + retry_after on,

@@ -691,9 +691,13 @@ fn lease_fixed_window(
             0
         };
         granted = granted.min(fair.max(1).max(whole));
-        let fair = fair
-            .min((available as f64 * call.share_cap).floor() as i64)
-            .min(call.ceiling.min(i64::MAX as u64) as i64);
+        // The last holder expected takes what is left, not share_cap of it.
+        let capped = if joined && expected - here == 1 {
+            fair
+        } else {
+            fair.min((available as f64 * call.share_cap).floor() as i64)
+        };
+        let fair = capped.min(call.ceiling.min(i64::MAX as u64) as i64);
         if fair > granted {
             granted = fair.min(available);
         }
