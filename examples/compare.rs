@@ -195,25 +195,42 @@ impl Backend {
 
     /// CPU seconds Redis has used (user + sys, summed over nodes).
     fn cpu_seconds(&self) -> f64 {
-        let Backend::Redis { urls, .. } = self else {
-            return 0.0;
-        };
-        urls.iter()
-            .map(|url| {
-                let mut conn = redis::Client::open(url.as_str())
-                    .and_then(|c| c.get_connection())
-                    .expect("an INFO connection");
-                let info: String = redis::cmd("INFO")
-                    .arg("cpu")
-                    .query(&mut conn)
-                    .unwrap_or_default();
-                info.lines()
-                    .filter(|l| l.starts_with("used_cpu_sys:") || l.starts_with("used_cpu_user:"))
-                    .filter_map(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok())
-                    .sum::<f64>()
-            })
-            .sum()
+        match self {
+            Backend::Redis { urls, .. } => redis_cpu_seconds(urls),
+            Backend::Embedded(_) => 0.0,
+        }
     }
+
+    /// The same reading, taken when the returned future is polled.
+    fn cpu_probe(&self) -> impl std::future::Future<Output = f64> + Send + 'static {
+        let urls = match self {
+            Backend::Redis { urls, .. } => urls.clone(),
+            Backend::Embedded(_) => Vec::new(),
+        };
+        async move {
+            tokio::task::spawn_blocking(move || redis_cpu_seconds(&urls))
+                .await
+                .unwrap_or_default()
+        }
+    }
+}
+
+fn redis_cpu_seconds(urls: &[String]) -> f64 {
+    urls.iter()
+        .map(|url| {
+            let mut conn = redis::Client::open(url.as_str())
+                .and_then(|c| c.get_connection())
+                .expect("an INFO connection");
+            let info: String = redis::cmd("INFO")
+                .arg("cpu")
+                .query(&mut conn)
+                .unwrap_or_default();
+            info.lines()
+                .filter(|l| l.starts_with("used_cpu_sys:") || l.starts_with("used_cpu_user:"))
+                .filter_map(|l| l.split(':').nth(1)?.trim().parse::<f64>().ok())
+                .sum::<f64>()
+        })
+        .sum()
 }
 
 fn redis_server_available() -> bool {
@@ -255,6 +272,10 @@ struct Outcome {
     /// (key, window) → arrived
     demand: HashMap<(usize, i64), u64>,
     redis_cpu: f64,
+    /// Steady state: Redis CPU from the start of the second window to the
+    /// end of the load (no first leases, no shutdown), and the decisions
+    /// made in that span.
+    steady: (f64, u64),
 }
 
 impl Outcome {
@@ -345,6 +366,16 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
     let commands_before = backend.command_stats();
     let started = Instant::now();
     let stop_at = wall_us() + args.duration.as_micros() as u64;
+    // The second window's start, when every key has had its first lease.
+    let steady_window = (wall_us() / period_us) as i64 + 1;
+    let steady_from = {
+        let wait = (steady_window as u64 * period_us).saturating_sub(wall_us());
+        let backend_cpu = backend.cpu_probe();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_micros(wait)).await;
+            backend_cpu.await
+        })
+    };
     let shared = Arc::new(Mutex::new((
         Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap(),
         HashMap::<(usize, i64), u64>::new(),
@@ -399,6 +430,7 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
         t.await.unwrap();
     }
     let seconds = started.elapsed().as_secs_f64();
+    let steady_cpu = backend.cpu_seconds() - steady_from.await.unwrap();
     let round_trips = limiters.iter().map(|l| l.stats().round_trips).sum();
     let limiters_stats: Vec<_> = limiters.iter().map(|l| l.stats()).collect();
     let policy: u64 = limiters.iter().map(|l| l.stats().policy_decisions).sum();
@@ -414,6 +446,11 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
     let redis_cpu = backend.cpu_seconds() - cpu_before;
     let (latency, admitted, demand, decisions) =
         Arc::try_unwrap(shared).ok().unwrap().into_inner().unwrap();
+    let steady_decisions = demand
+        .iter()
+        .filter(|((_, w), _)| *w >= steady_window)
+        .map(|(_, n)| n)
+        .sum();
     if std::env::var("COMPARE_DEBUG").is_ok() {
         let after = backend.script_stats();
         let calls = after.0 - scripts_before.0;
@@ -454,6 +491,7 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
         admitted,
         demand,
         redis_cpu,
+        steady: (steady_cpu, steady_decisions),
     }
 }
 
@@ -992,6 +1030,13 @@ async fn main() {
             per_core(exact),
             per_core(hybrid),
             per_core(hybrid) / per_core(exact)
+        );
+        let steady = |o: &Outcome| o.steady.1 as f64 / o.steady.0.max(1e-9);
+        println!(
+            "  steady state (from the second window to the end of the load: no first leases, no shutdown): exact {:.0}, hybrid {:.0} ({:.0}×)",
+            steady(exact),
+            steady(hybrid),
+            steady(hybrid) / steady(exact)
         );
         println!(
             "bounds: strict worst overshoot {} (bound 0); optimistic worst {} (bound {} × {MAX_DEBT} = {})",
