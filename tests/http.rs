@@ -412,6 +412,55 @@ async fn rfc7239_forwarded_is_read_when_the_proxies_write_it() {
     );
 }
 
+/// A proxy may append its hop to the line the client sent. Whatever the
+/// client wrote to the left (an unterminated quote) must not change how
+/// the proxy's hop is read: the limit stays on the real client.
+#[tokio::test]
+async fn a_client_written_prefix_cannot_swallow_the_proxys_hop() {
+    let trusted = Cidr::parse_list("127.0.0.1").unwrap();
+    let addr = serve_ip(ClientIp::behind(trusted.clone()).header(ProxyHeader::Forwarded)).await;
+    let mut statuses = Vec::new();
+    for i in 1..=3 {
+        // The client wrote `for=203.0.113.i;x="`; the proxy appended
+        // `, for=198.51.100.8` (the client's real address).
+        let forwarded = format!("for=203.0.113.{i};x=\", for=198.51.100.8");
+        statuses.push(
+            get_from(addr, "127.0.0.1", &[("forwarded", &forwarded)])
+                .await
+                .status,
+        );
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS
+        ],
+        "each forged prefix must still count against 198.51.100.8"
+    );
+    // X-Forwarded-For has no quoting: a quote the client wrote spoils
+    // nothing to its right.
+    let addr = serve_ip(ClientIp::behind(trusted)).await;
+    let mut statuses = Vec::new();
+    for i in 1..=3 {
+        let xff = format!("\"10.9.9.{i}, 198.51.100.9");
+        statuses.push(
+            get_from(addr, "127.0.0.1", &[("x-forwarded-for", &xff)])
+                .await
+                .status,
+        );
+    }
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS
+        ]
+    );
+}
+
 #[tokio::test]
 async fn forwarded_for_zero_ignores_the_header_and_short_chains_key_by_the_peer() {
     let addr = serve_ip(ClientIp::hops(0)).await;
@@ -848,6 +897,35 @@ async fn methods_filters_and_exemptions() {
     }
     let reply = send(addr, None, Method::POST, "/coupons/redeem", &[]).await;
     assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+}
+
+/// Servers answer HEAD with the GET handler: a filter on GET covers HEAD,
+/// or a client would reach that handler unlimited by asking with HEAD.
+#[tokio::test]
+async fn a_get_filter_also_limits_head() {
+    let key = [("x-api-key", "k")];
+    let layer = RateLimitLayer::new(limiter_near_window_end(1)).methods(&[Method::GET]);
+    let addr = serve(layer).await;
+    assert_eq!(
+        send(addr, None, Method::GET, "/coupons/redeem", &key)
+            .await
+            .status,
+        StatusCode::OK
+    );
+    for _ in 0..2 {
+        let reply = send(addr, None, Method::HEAD, "/coupons/redeem", &key).await;
+        assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS);
+    }
+    let get_only = per_minute(1, NEAR_END, Some("get-only"));
+    let layer = RateLimitLayer::new(limiter_near_window_end(100)).route_methods(
+        &[Method::GET],
+        "/coupons",
+        "get-only",
+        get_only,
+    );
+    let addr = serve(layer).await;
+    let reply = send(addr, None, Method::HEAD, "/coupons/redeem", &key).await;
+    assert_eq!(parse(&reply.headers, "ratelimit-policy").0, "get-only");
 }
 
 #[tokio::test]

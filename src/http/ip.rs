@@ -310,19 +310,24 @@ pub(crate) fn peer_ip(extensions: &Extensions) -> Option<IpAddr> {
 
 /// The hops a forwarding header lists, leftmost (furthest) first; `None`
 /// for a hop that names no address.
+///
+/// Each header line is split from its right end, where the proxies write:
+/// a proxy may append its hop to the line the client sent (RFC 9110 §5.3
+/// makes that the same as a line of its own), so whatever the client put
+/// to the left (an unterminated quote, bytes that are not text) must not
+/// change how the proxies' hops to its right are read. `X-Forwarded-For`
+/// has no quoting at all: only `Forwarded` splits around quoted strings.
 fn hops(headers: &HeaderMap, header: ProxyHeader) -> Vec<Option<IpAddr>> {
     let mut out = Vec::new();
     for value in headers.get_all(header.name()) {
-        let Ok(value) = value.to_str() else {
-            // Not text: nothing in it can be believed.
-            out.push(None);
-            continue;
-        };
-        for element in split_unquoted(value, ',') {
-            let node = match header {
-                ProxyHeader::XForwardedFor => Some(element.trim()),
-                ProxyHeader::Forwarded => forwarded_for(element),
-            };
+        let quoted = header == ProxyHeader::Forwarded;
+        for element in split_from_right(value.as_bytes(), b',', quoted) {
+            let node = std::str::from_utf8(element)
+                .ok()
+                .and_then(|e| match header {
+                    ProxyHeader::XForwardedFor => Some(e.trim()),
+                    ProxyHeader::Forwarded => forwarded_for(e),
+                });
             out.push(node.and_then(node_ip));
         }
     }
@@ -331,30 +336,41 @@ fn hops(headers: &HeaderMap, header: ProxyHeader) -> Vec<Option<IpAddr>> {
 
 /// The `for=` value of one RFC 7239 forwarded-element.
 fn forwarded_for(element: &str) -> Option<&str> {
-    split_unquoted(element, ';').find_map(|pair| {
-        let (name, value) = pair.split_once('=')?;
-        name.trim()
-            .eq_ignore_ascii_case("for")
-            .then(|| value.trim())
-    })
+    split_from_right(element.as_bytes(), b';', true)
+        .into_iter()
+        .find_map(|pair| {
+            let pair = std::str::from_utf8(pair).ok()?;
+            let (name, value) = pair.split_once('=')?;
+            name.trim()
+                .eq_ignore_ascii_case("for")
+                .then(|| value.trim())
+        })
 }
 
-/// Splits on `sep` outside double quotes.
-fn split_unquoted(s: &str, sep: char) -> impl Iterator<Item = &str> {
-    let mut quoted = false;
-    let mut escaped = false;
-    s.split(move |c: char| {
-        if escaped {
-            escaped = false;
-        } else if quoted && c == '\\' {
-            escaped = true;
-        } else if c == '"' {
-            quoted = !quoted;
-        } else if c == sep && !quoted {
-            return true;
+/// Splits `s` on `sep`, scanning from the right; with `quoted`, not
+/// inside double-quoted strings (a quote preceded by an odd run of
+/// backslashes is escaped). Pieces come back left to right. Scanning from
+/// the right means text to the left of a piece never changes that piece:
+/// an unbalanced quote only swallows what lies to its left.
+fn split_from_right(s: &[u8], sep: u8, quoted: bool) -> Vec<&[u8]> {
+    let mut pieces = Vec::new();
+    let mut inside = false;
+    let mut end = s.len();
+    for i in (0..s.len()).rev() {
+        let c = s[i];
+        if quoted && c == b'"' {
+            let backslashes = s[..i].iter().rev().take_while(|&&b| b == b'\\').count();
+            if backslashes % 2 == 0 {
+                inside = !inside;
+            }
+        } else if c == sep && !inside {
+            pieces.push(&s[i + 1..end]);
+            end = i;
         }
-        false
-    })
+    }
+    pieces.push(&s[..end]);
+    pieces.reverse();
+    pieces
 }
 
 /// An address from a node: `192.0.2.1`, `192.0.2.1:80`, `2001:db8::1`,
@@ -395,6 +411,35 @@ mod tests {
             .parse::<Cidr>()
             .unwrap()
             .contains("8.8.8.8".parse().unwrap()));
+    }
+
+    #[test]
+    fn a_client_prefix_cannot_change_the_hops_a_proxy_appended() {
+        // The client leaves a quote open; the proxy appends its hop to the
+        // same line. The proxy's hop is still read as written.
+        let mut headers = HeaderMap::new();
+        headers.append(
+            "forwarded",
+            "for=203.0.113.9;x=\", for=198.51.100.8".parse().unwrap(),
+        );
+        let read = hops(&headers, ProxyHeader::Forwarded);
+        assert_eq!(read.last(), Some(&Some("198.51.100.8".parse().unwrap())));
+        // X-Forwarded-For has no quoting; bytes that are not text spoil
+        // only their own entry.
+        let mut headers = HeaderMap::new();
+        headers.append(
+            "x-forwarded-for",
+            http::HeaderValue::from_bytes(b"\"1.2.3.4, \xff\xfe, 198.51.100.8").unwrap(),
+        );
+        let read = hops(&headers, ProxyHeader::XForwardedFor);
+        assert_eq!(
+            read,
+            [
+                Some("1.2.3.4".parse().unwrap()),
+                None,
+                Some("198.51.100.8".parse().unwrap())
+            ]
+        );
     }
 
     #[test]

@@ -102,8 +102,15 @@ impl Route {
             && self
                 .methods
                 .as_ref()
-                .is_none_or(|methods| methods.contains(method))
+                .is_none_or(|methods| listed(methods, method))
     }
+}
+
+/// Whether a method filter names `method`. HEAD counts as GET: servers
+/// (axum, hyper) answer a HEAD with the GET handler, so a filter on GET
+/// that let HEAD through would leave that handler unlimited.
+fn listed(methods: &[Method], method: &Method) -> bool {
+    methods.contains(method) || (*method == Method::HEAD && methods.contains(&Method::GET))
 }
 
 /// What every service built by one `layer()` call shares.
@@ -127,7 +134,7 @@ impl Prepared {
     pub(crate) fn limits(&self, request: &RequestView<'_>) -> bool {
         self.methods
             .as_ref()
-            .is_none_or(|methods| methods.contains(request.method))
+            .is_none_or(|methods| listed(methods, request.method))
             && !self.exempt.as_ref().is_some_and(|exempt| exempt(request))
     }
 
