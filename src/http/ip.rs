@@ -334,17 +334,26 @@ fn hops(headers: &HeaderMap, header: ProxyHeader) -> Vec<Option<IpAddr>> {
     out
 }
 
-/// The `for=` value of one RFC 7239 forwarded-element.
+/// The `for=` value of one RFC 7239 forwarded-element; `None` when it
+/// names `for` twice (RFC 7239 §4 forbids it, and which one a proxy wrote
+/// depends on where it put the text it copied from the client).
 fn forwarded_for(element: &str) -> Option<&str> {
-    split_from_right(element.as_bytes(), b';', true)
-        .into_iter()
-        .find_map(|pair| {
-            let pair = std::str::from_utf8(pair).ok()?;
-            let (name, value) = pair.split_once('=')?;
-            name.trim()
-                .eq_ignore_ascii_case("for")
-                .then(|| value.trim())
-        })
+    let mut found = None;
+    for pair in split_from_right(element.as_bytes(), b';', true) {
+        let Some((name, value)) = std::str::from_utf8(pair)
+            .ok()
+            .and_then(|p| p.split_once('='))
+        else {
+            continue;
+        };
+        if name.trim().eq_ignore_ascii_case("for") {
+            if found.is_some() {
+                return None;
+            }
+            found = Some(value.trim());
+        }
+    }
+    found
 }
 
 /// Splits `s` on `sep`, scanning from the right; with `quoted`, not
@@ -424,6 +433,13 @@ mod tests {
         );
         let read = hops(&headers, ProxyHeader::Forwarded);
         assert_eq!(read.last(), Some(&Some("198.51.100.8".parse().unwrap())));
+        // `for` twice in one element: neither is believed.
+        let mut headers = HeaderMap::new();
+        headers.append(
+            "forwarded",
+            "host=x;for=6.6.6.6;for=203.0.113.5".parse().unwrap(),
+        );
+        assert_eq!(hops(&headers, ProxyHeader::Forwarded), [None]);
         // X-Forwarded-For has no quoting; bytes that are not text spoil
         // only their own entry.
         let mut headers = HeaderMap::new();

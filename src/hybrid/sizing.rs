@@ -9,6 +9,9 @@
 /// The EWMA time constant: one second.
 pub(crate) const TAU_US: f64 = 1_000_000.0;
 
+/// A first measure of at least this many permits seeds the rate.
+const SEED_PERMITS: f64 = 8.0;
+
 /// Per-key sizing state, owned by the sync task.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Sizing {
@@ -41,11 +44,14 @@ impl Sizing {
         let consumed = (i64::from(self.level) - permits_now.max(0)).max(0) as f64 + debt as f64;
         let dt = (now - self.at) as f64;
         let instant = consumed / dt;
-        if self.rate == 0.0 {
+        if self.rate == 0.0 && consumed >= SEED_PERMITS {
             // The first measure of a key's demand seeds the average:
             // smoothing it up from zero would size the next leases of a
             // key at thousands a second as if it saw a few, and cost a
-            // round trip per doubling until the estimate caught up.
+            // round trip per doubling until the estimate caught up. Only
+            // a measure of several permits: two requests a moment apart
+            // say nothing of a thin key's rate, and a thin key taken for a
+            // hot one fetches ahead and strands permits.
             self.rate = instant;
             return self.rate;
         }
