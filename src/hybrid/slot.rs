@@ -700,6 +700,7 @@ mod model {
                 start: 60,
                 deadline: 200,
                 window_end: 203,
+                low_water: 0,
             }));
             slot.has_next.store(true, Ordering::Release);
             let promoter = {
