@@ -417,48 +417,36 @@ async fn rfc7239_forwarded_is_read_when_the_proxies_write_it() {
 /// the proxy's hop is read: the limit stays on the real client.
 #[tokio::test]
 async fn a_client_written_prefix_cannot_swallow_the_proxys_hop() {
+    // Three requests, each with a forged prefix of its own; the third must
+    // be over the real client's limit of 2.
+    let three = async |addr: SocketAddr, header: &str, value: &dyn Fn(u32) -> String| {
+        let mut statuses = Vec::new();
+        for i in 1..=3 {
+            let v = value(i);
+            statuses.push(get_from(addr, "127.0.0.1", &[(header, &v)]).await.status);
+        }
+        statuses
+    };
+    let limited = [
+        StatusCode::OK,
+        StatusCode::OK,
+        StatusCode::TOO_MANY_REQUESTS,
+    ];
     let trusted = Cidr::parse_list("127.0.0.1").unwrap();
     let addr = serve_ip(ClientIp::behind(trusted.clone()).header(ProxyHeader::Forwarded)).await;
-    let mut statuses = Vec::new();
-    for i in 1..=3 {
-        // The client wrote `for=203.0.113.i;x="`; the proxy appended
-        // `, for=198.51.100.8` (the client's real address).
-        let forwarded = format!("for=203.0.113.{i};x=\", for=198.51.100.8");
-        statuses.push(
-            get_from(addr, "127.0.0.1", &[("forwarded", &forwarded)])
-                .await
-                .status,
-        );
-    }
+    // The client wrote `for=203.0.113.i;x="`; the proxy appended
+    // `, for=198.51.100.8` (the client's real address).
+    let forged = |i| format!("for=203.0.113.{i};x=\", for=198.51.100.8");
     assert_eq!(
-        statuses,
-        [
-            StatusCode::OK,
-            StatusCode::OK,
-            StatusCode::TOO_MANY_REQUESTS
-        ],
+        three(addr, "forwarded", &forged).await,
+        limited,
         "each forged prefix must still count against 198.51.100.8"
     );
     // X-Forwarded-For has no quoting: a quote the client wrote spoils
     // nothing to its right.
     let addr = serve_ip(ClientIp::behind(trusted)).await;
-    let mut statuses = Vec::new();
-    for i in 1..=3 {
-        let xff = format!("\"10.9.9.{i}, 198.51.100.9");
-        statuses.push(
-            get_from(addr, "127.0.0.1", &[("x-forwarded-for", &xff)])
-                .await
-                .status,
-        );
-    }
-    assert_eq!(
-        statuses,
-        [
-            StatusCode::OK,
-            StatusCode::OK,
-            StatusCode::TOO_MANY_REQUESTS
-        ]
-    );
+    let forged = |i| format!("\"10.9.9.{i}, 198.51.100.9");
+    assert_eq!(three(addr, "x-forwarded-for", &forged).await, limited);
 }
 
 #[tokio::test]

@@ -319,8 +319,8 @@ pub(crate) fn peer_ip(extensions: &Extensions) -> Option<IpAddr> {
 /// has no quoting at all: only `Forwarded` splits around quoted strings.
 fn hops(headers: &HeaderMap, header: ProxyHeader) -> Vec<Option<IpAddr>> {
     let mut out = Vec::new();
+    let quoted = header == ProxyHeader::Forwarded;
     for value in headers.get_all(header.name()) {
-        let quoted = header == ProxyHeader::Forwarded;
         for element in split_from_right(value.as_bytes(), b',', quoted) {
             let node = std::str::from_utf8(element)
                 .ok()

@@ -838,12 +838,15 @@ fn apply(
                 // last: refilled only if demand outruns it, not at half
                 // (a refill at half would ask a window that is often fully
                 // leased by then, for permits this process will not use).
+                // A fixed-window pre-lease: held apart until its window starts.
+                let ahead =
+                    shared.params.algorithm == Algorithm::FixedWindow && r.start_after_us > 0;
                 let covers = shared.params.algorithm == Algorithm::FixedWindow && {
                     let rate = slot.books().sizing.rate_per_us();
                     let serves = r.reset_after_us.saturating_sub(r.start_after_us) as f64;
                     // After the install a current lease's permits include
                     // the grant; a pre-lease's are its grant alone.
-                    let lasting = if r.start_after_us > 0 {
+                    let lasting = if ahead {
                         r.granted as i64
                     } else {
                         slot.permits.load(Ordering::Acquire)
@@ -863,8 +866,6 @@ fn apply(
                     (p.call.want / 2).max(r.granted / 4)
                 };
                 let low_water = low_water.min(u64::from(u32::MAX)) as u32;
-                let ahead =
-                    shared.params.algorithm == Algorithm::FixedWindow && r.start_after_us > 0;
                 if ahead {
                     // A pre-lease: its mark applies once it is in place; the
                     // current window's permits keep theirs (a mark sized
