@@ -386,3 +386,54 @@ impl slicelimit::Clock for OffsetClock {
         BASE.get_or_init(std::time::Instant::now).elapsed() + self.0
     }
 }
+
+/// A lease of the current window that finds it spent, with a
+/// `next_ceiling`, leases the next window in the same call (as
+/// `MemoryStore`'s `a_spent_window_leases_the_next_in_the_same_call`).
+#[tokio::test]
+async fn a_spent_window_leases_the_next_in_the_same_call() {
+    let server = RedisServer::start();
+    let lease = redis::Script::new(include_str!("../lua/lease_fixed_window.lua"));
+    let key = "sl:{t:next}:fw";
+    // A window of about an hour that Redis is in the first half of, so
+    // the calls below all land in one window.
+    let t: Vec<String> = server.cmd(&["TIME"]);
+    let now = t[0].parse::<u64>().unwrap() * 1_000_000;
+    let period = (0..)
+        .map(|k| 3_600_000_000u64 + k * 1_000_000)
+        .find(|p| now % p < p / 2)
+        .unwrap();
+    let call = |want: u64, next_ceiling: u64| -> Vec<i64> {
+        lease
+            .key(key)
+            .arg(100)
+            .arg(period)
+            .arg(want)
+            .arg(1.0)
+            .arg(0)
+            .arg(-1)
+            .arg(-1)
+            .arg(1)
+            .arg("")
+            .arg(0)
+            .arg(0)
+            .arg(next_ceiling)
+            .invoke(&mut server.conn())
+            .unwrap()
+    };
+    let spent = call(100, 0);
+    let w = spent[7];
+    assert_eq!((spent[0], spent[2]), (100, 0));
+    assert_eq!(call(10, 0)[..1], [0], "no fall-through asked");
+    let r = call(10, 40);
+    assert_eq!((r[0], r[7]), (10, w + 1), "granted from the next window");
+    assert!(r[2] > 0, "usable from the next window's start");
+    assert_eq!(r[1], 90);
+    let counts: HashMap<String, String> = server.cmd(&["HGETALL", key]);
+    assert_eq!(counts.get(&w.to_string()).map(String::as_str), Some("100"));
+    assert_eq!(
+        counts.get(&(w + 1).to_string()).map(String::as_str),
+        Some("10")
+    );
+    assert!(server.immortal_keys().is_empty());
+}

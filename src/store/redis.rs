@@ -1031,7 +1031,8 @@ impl RedisStore {
                             .arg(c.need.max(1))
                             .arg(c.holder.as_deref().unwrap_or(""))
                             .arg(c.ceiling)
-                            .arg(c.lease_id);
+                            .arg(c.lease_id)
+                            .arg(c.next_ceiling);
                     }
                     Algorithm::TokenBucket | Algorithm::Gcra => {
                         cmd.arg(p.burst)
