@@ -28,11 +28,6 @@
 --                       window"); a call carrying the same id again (its
 --                       reply was lost) gets that grant back, not a new one,
 --                       while its window is current or ahead.
--- ARGV[12] next_ceiling when this call leases the current window and finds
---                       it spent, it leases the next one instead (a
---                       pre-lease, at most this many: `ceiling` for it),
---                       so a process that runs out mid-window pays one
---                       call for the denial and its next share; 0: no.
 --
 -- Returns  {granted, remaining (unleased in the target window after this
 --          grant), start_after_us (0, or until the target window starts),
@@ -74,7 +69,6 @@ local tail = tonumber(ARGV[8] or '1')
 local holder = ARGV[9]
 local ceiling = tonumber(ARGV[10] or '0')
 local lease_id = ARGV[11] or '0'
-local next_ceiling = tonumber(ARGV[12] or '0')
 
 local w = math.floor(now / period)
 if debt_window < 0 then debt_window = w end
@@ -130,20 +124,6 @@ if recorded and got[3] then
       used = tonumber(redis.call('HGET', KEYS[1], tf) or '0')
     end
   end
-end
-if not replayed and next_ceiling > 0 and tw == w and used >= limit then
-  -- The current window is spent: lease the next one in this call. The
-  -- holder's fields read above stay valid; the counts are the next
-  -- window's, and the spent window's holders are its "last window".
-  tw = w + 1
-  tf = string.format('%d', tw)
-  hf = 'h' .. tf
-  local nxt = redis.call('HMGET', KEYS[1], tf, hf)
-  got[5] = got[4]
-  got[1] = nxt[1]
-  got[4] = nxt[2]
-  used = tonumber(got[1] or '0')
-  ceiling = next_ceiling
 end
 local available = math.max(0, limit - used)
 local first_in_window = false

@@ -551,25 +551,6 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         (shared.params.limit.max(shared.params.burst) / 32).max(1),
         config.max_lease,
     );
-    // Fixed window, a lease of the current window for a key this process
-    // would pre-lease anyway: should that window be spent, the same call
-    // takes the next window's share (see `LeaseCall::next_ceiling`).
-    let next_ceiling = if shared.params.algorithm == Algorithm::FixedWindow
-        && !config.prelease_lead.is_zero()
-        && valid
-        && min_window == slot.window.load(Ordering::Acquire)
-        && !slot.has_next.load(Ordering::Acquire)
-        && thick(books.sizing.rate_per_us(), period)
-    {
-        books.sizing.ceiling(
-            want,
-            period,
-            (shared.params.limit / 32).max(1),
-            config.max_lease,
-        )
-    } else {
-        0
-    };
     // Fixed window: each lease has an identity; after a lost reply the
     // next one reuses it (see `LeaseCall::lease_id`).
     let lease_id = match shared.params.algorithm {
@@ -597,7 +578,6 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         holder: Some(shared.holder.clone()),
         ceiling,
         lease_id,
-        next_ceiling,
     };
     Pending {
         slot: Some(slot),
@@ -789,14 +769,6 @@ fn apply(
                             };
                             *next = Some(Box::new(merged));
                             slot.has_next.store(true, Ordering::Release);
-                            if p.call.next_ceiling > 0 {
-                                // Asked of the current window, granted from
-                                // the next: the current one is spent, and
-                                // nothing is admitted here before the next
-                                // begins (its share is already in hand).
-                                slot.denied_until
-                                    .store(t1 + r.start_after_us + margin, Ordering::Release);
-                            }
                         } else {
                             match slot.install(granted, r.window, deadline, window_end, now, false)
                             {
@@ -912,14 +884,12 @@ fn apply(
                     // the store surely has something again.
                     slot.denied_until
                         .store(t1 + r.retry_after_us + margin, Ordering::Release);
-                } else if now >= slot.deadline.load(Ordering::Acquire) || p.call.next_ceiling > 0 {
+                } else if now >= slot.deadline.load(Ordering::Acquire) {
                     // Nothing left of the next window, which has not begun
                     // in the store, while this process's permits of the
-                    // current one are void (or the current one is spent:
-                    // the call fell through to the next): nothing can be
-                    // admitted here before the next window starts. Denied
-                    // until then (asking again at once would spin on the
-                    // store).
+                    // current one are void: nothing can be admitted here
+                    // before the next window starts. Denied until then
+                    // (asking again at once would spin on the store).
                     slot.denied_until
                         .store(t1 + r.start_after_us + margin, Ordering::Release);
                 }
@@ -1000,13 +970,8 @@ fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
 /// pre-leases can take a whole window's budget that then sits idle, so a
 /// thin holder waits for a request instead.
 fn uses_a_share(shared: &Shared, slot: &Slot) -> bool {
-    thick(slot.books().sizing.rate_per_us(), shared.params.period_us)
-}
-
-/// Whether a holder at this rate spends enough permits a window (4) to
-/// refill ahead of need and pre-lease; a thin one does neither.
-fn thick(rate_per_us: f64, period_us: u64) -> bool {
-    rate_per_us * period_us as f64 >= 4.0
+    const THICK: f64 = 4.0;
+    slot.books().sizing.rate_per_us() * shared.params.period_us as f64 >= THICK
 }
 
 /// Expires leases, evicts idle slots and enforces `max_keys`, on one slice

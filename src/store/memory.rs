@@ -659,14 +659,6 @@ fn lease_fixed_window(
         tw = window;
     }
     let mut used = count_in(windows(entry, &call.key)?, tw);
-    let mut ceiling = call.ceiling;
-    if replay.is_none() && call.next_ceiling > 0 && tw == w && used >= limit {
-        // The current window is spent: lease the next one in this call.
-        tw = w + 1;
-        used = count_in(windows(entry, &call.key)?, tw);
-        ceiling = call.next_ceiling;
-    }
-    let ceiling = ceiling.min(i64::MAX as u64) as i64;
     let available = (limit - used).max(0);
     let cap = ((available as f64 * call.share_cap).floor() as i64)
         .max(1)
@@ -694,7 +686,7 @@ fn lease_fixed_window(
         // (The last `need` permits still go whole to a process whose
         // ceiling says it can use them.)
         let whole = if available <= call.need.max(1) as i64 {
-            available.min(ceiling)
+            available.min(call.ceiling.min(i64::MAX as u64) as i64)
         } else {
             0
         };
@@ -705,7 +697,7 @@ fn lease_fixed_window(
         } else {
             fair.min((available as f64 * call.share_cap).floor() as i64)
         };
-        let fair = capped.min(ceiling);
+        let fair = capped.min(call.ceiling.min(i64::MAX as u64) as i64);
         if fair > granted {
             granted = fair.min(available);
         }
@@ -1054,7 +1046,6 @@ mod tests {
             holder: None,
             ceiling: 0,
             lease_id: 0,
-            next_ceiling: 0,
         };
         let r = s.lease(&p, &call).unwrap();
         assert_eq!((r.granted, r.remaining), (50, 50));
@@ -1065,42 +1056,5 @@ mod tests {
         call.debt_window = r.window;
         let r = s.lease(&p, &call).unwrap();
         assert_eq!((r.granted, r.uncovered, r.remaining), (0, 15, 0));
-    }
-
-    /// The same shape as `tests/hybrid.rs`' test of the Lua script.
-    #[test]
-    fn a_spent_window_leases_the_next_in_the_same_call() {
-        let (s, clock) = store();
-        clock.advance(Duration::from_millis(300));
-        let p = Params::new(&Quota::per_second(100), Algorithm::FixedWindow);
-        let mut call = LeaseCall {
-            key: "k".into(),
-            want: 100,
-            share_cap: 1.0,
-            debt: 0,
-            debt_window: 0,
-            min_window: -1,
-            need: 1,
-            patience: 1,
-            op: None,
-            holder: None,
-            ceiling: 0,
-            lease_id: 0,
-            next_ceiling: 0,
-        };
-        let spent = s.lease(&p, &call).unwrap();
-        assert_eq!((spent.granted, spent.start_after_us), (100, 0));
-        call.want = 10;
-        let r = s.lease(&p, &call).unwrap();
-        assert_eq!(
-            (r.granted, r.window),
-            (0, spent.window),
-            "no fall-through asked"
-        );
-        call.next_ceiling = 40;
-        let r = s.lease(&p, &call).unwrap();
-        assert_eq!((r.granted, r.window), (10, spent.window + 1));
-        assert_eq!(r.start_after_us, 700_000);
-        assert_eq!(r.remaining, 90);
     }
 }

@@ -220,12 +220,6 @@ pub(crate) struct LeaseCall {
     /// gets that grant back instead of a second one, while its window
     /// lasts.
     pub(crate) lease_id: u64,
-    /// Fixed window, a lease of the current window: when that window has
-    /// nothing left, the same call leases the next one instead (a
-    /// pre-lease), taking at most this many; 0: it does not. A process
-    /// that finds its key spent mid-window then pays one call for the
-    /// answer and its next window's share, not one for each.
-    pub(crate) next_ceiling: u64,
 }
 
 impl LeaseCall {
@@ -245,7 +239,6 @@ impl LeaseCall {
             holder: None,
             ceiling: 0,
             lease_id: 0,
-            next_ceiling: 0,
         }
     }
 }

@@ -1031,8 +1031,7 @@ impl RedisStore {
                             .arg(c.need.max(1))
                             .arg(c.holder.as_deref().unwrap_or(""))
                             .arg(c.ceiling)
-                            .arg(c.lease_id)
-                            .arg(c.next_ceiling);
+                            .arg(c.lease_id);
                     }
                     Algorithm::TokenBucket | Algorithm::Gcra => {
                         cmd.arg(p.burst)
