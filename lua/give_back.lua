@@ -7,12 +7,13 @@
 --          written with a 60 s TTL. A second delivery of the same give-back
 --          (a client retry, a pipeline resent after NOSCRIPT) finds it and
 --          returns the first answer without changing anything.
--- ARGV[1]  algorithm  "fw", "tb" or "gc"
+-- ARGV[1]  layout     "w" (a window hash: fixed or sliding window), "tb"
+--                      or "gc"
 -- ARGV[2]  limit      permits per period
 -- ARGV[3]  period_us  the period in microseconds
 -- ARGV[4]  burst      bucket capacity (tb, gc)
 -- ARGV[5]  returned   permits to give back (>= 1)
--- ARGV[6]  fw: the window index they were leased from; tb, gc: the lease's
+-- ARGV[6]  w: the window index they were leased from; tb, gc: the lease's
 --          origin time (its reply's now_us)
 -- ARGV[7]  tb, gc: the bucket's level right after that lease (its reply's
 --          level), rounded up
@@ -52,7 +53,7 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
   return done(0)
 end
 
-if algorithm == 'fw' then
+if algorithm == 'w' then
   local window = tonumber(ARGV[6])
   if window < math.floor(now / period) then return done(0) end
   local f = string.format('%d', window)

@@ -68,6 +68,7 @@
 //! - `limiter`: the [`Limiter`] front door and its [`Builder`];
 //! - `stats`: counters readable with [`Limiter::stats`].
 
+mod algorithm;
 mod clock;
 mod decision;
 mod error;
@@ -84,13 +85,14 @@ mod quota;
 mod stats;
 mod store;
 
+pub use algorithm::Algorithm;
 pub use clock::{Clock, FakeClock, SystemClock};
 pub use decision::{Decision, Source};
 pub use error::{Error, ErrorKind};
 pub use failure::{CircuitConfig, CircuitState, FailurePolicy};
 pub use hybrid::{Consistency, HybridConfig};
 pub use limiter::{Builder, Check, Limiter};
-pub use quota::{Algorithm, Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};
+pub use quota::{Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};
 pub use stats::Stats;
 #[cfg(feature = "test-support")]
 pub use store::{FaultCounts, Faults, FaultyStore};

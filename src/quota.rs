@@ -135,78 +135,6 @@ impl Quota {
     }
 }
 
-/// How permits are counted over time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-#[non_exhaustive]
-pub enum Algorithm {
-    /// `limit` permits per epoch-aligned window of `period`; the count resets
-    /// at each window boundary.
-    #[default]
-    FixedWindow,
-    /// A bucket of `burst` tokens refilled continuously at `limit / period`.
-    TokenBucket,
-    /// The generic cell rate algorithm: one theoretical arrival time per key,
-    /// the same admissions as a token bucket with one number of state.
-    Gcra,
-}
-
-impl Algorithm {
-    /// A short, stable name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Algorithm::FixedWindow => "fixed-window",
-            Algorithm::TokenBucket => "token-bucket",
-            Algorithm::Gcra => "gcra",
-        }
-    }
-
-    pub(crate) fn key_suffix(self) -> &'static str {
-        match self {
-            Algorithm::FixedWindow => "fw",
-            Algorithm::TokenBucket => "tb",
-            Algorithm::Gcra => "gc",
-        }
-    }
-
-    /// Checks what only this algorithm requires of a quota: a bucket must
-    /// refill from empty within [`MAX_PERIOD`], so every time and TTL its
-    /// scripts compute stays an exact integer (far below 2^53 µs) and no key
-    /// is ever written without a TTL.
-    ///
-    /// # Errors
-    /// An [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) error
-    /// naming the fill time.
-    pub(crate) fn check_quota(self, quota: &Quota) -> Result<(), Error> {
-        match self {
-            Algorithm::FixedWindow => Ok(()),
-            Algorithm::TokenBucket | Algorithm::Gcra => {
-                let fill_us = u128::from(quota.burst()) * u128::from(quota.period_us())
-                    / u128::from(quota.limit().max(1));
-                if fill_us > MAX_PERIOD.as_micros() {
-                    return Err(Error::invalid(format!(
-                        "a {} bucket of burst {} refilled at {} per {:?} takes {:?} to fill; \
-                         the maximum is {MAX_PERIOD:?} (lower the burst or raise the rate)",
-                        self.as_str(),
-                        quota.burst(),
-                        quota.limit(),
-                        quota.period(),
-                        Duration::from_micros(fill_us.min(u128::from(u64::MAX)) as u64),
-                    )));
-                }
-                Ok(())
-            }
-        }
-    }
-
-    /// The most a single request can cost and still be admissible.
-    pub(crate) fn max_cost(self, quota: &Quota) -> u64 {
-        match self {
-            Algorithm::FixedWindow => quota.limit(),
-            Algorithm::TokenBucket | Algorithm::Gcra => quota.burst(),
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,6 +154,8 @@ mod tests {
         assert!(Quota::per_minute(0).validate().is_err());
         assert!(Quota::per_hour(10).with_burst(20).validate().is_ok());
     }
+
+    use crate::Algorithm;
 
     #[test]
     fn buckets_that_would_take_longer_than_the_longest_period_to_fill_are_refused() {

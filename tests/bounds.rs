@@ -357,7 +357,10 @@ async fn a_peek_is_allowed_after_debt_pushed_the_count_past_the_limit() {
 async fn reports_delivered_twice_are_applied_once() {
     let server = RedisServer::start();
     let give_back = redis::Script::new(include_str!("../lua/give_back.lua"));
-    let lease = redis::Script::new(include_str!("../lua/lease_fixed_window.lua"));
+    let lease = redis::Script::new(concat!(
+        include_str!("../lua/carry_fixed_window.lua"),
+        include_str!("../lua/lease_window.lua")
+    ));
     let key = "sl:{t:dup}:fw";
     let period = 3_600_000_000u64;
     let w = redis_now_us(&server) / period;
@@ -367,7 +370,7 @@ async fn reports_delivered_twice_are_applied_once() {
         let back: i64 = give_back
             .key(key)
             .key(format!("{key}:op:gb1"))
-            .arg("fw")
+            .arg("w")
             .arg(100)
             .arg(period)
             .arg(100)

@@ -29,14 +29,15 @@ use tokio::task::JoinHandle;
 
 use self::slot::{Retired, Slot, Take, UNKNOWN_WINDOW};
 pub(crate) use self::sync::DebtReport;
+use crate::algorithm::{GiveBackCall, LeaseKind, LeaseOrigin, OpIds, Params};
 use crate::clock::TimeSource;
 use crate::decision::Source;
 use crate::exact::ExactEngine;
 use crate::failure::Reconciler;
 use crate::key::KeyEncoder;
 use crate::stats::Counters;
-use crate::store::{GiveBackCall, LeaseOrigin, OpIds, Params, Store};
-use crate::{Algorithm, Decision, Error, ErrorKind};
+use crate::store::Store;
+use crate::{Decision, Error, ErrorKind};
 
 /// State shared by the request path and the sync task.
 pub(crate) struct Shared {
@@ -49,6 +50,8 @@ pub(crate) struct Shared {
     store: Store,
     keys: KeyEncoder,
     params: Params,
+    /// How the algorithm's leases live and end (its spec's).
+    leases: LeaseKind,
     time: TimeSource,
     counters: Arc<Counters>,
     /// Slots waiting for a refill, those with a request waiting first.
@@ -187,6 +190,7 @@ impl HybridEngine {
             store,
             keys,
             params,
+            leases: params.algorithm.spec().leases,
             time,
             counters,
             queue: Mutex::new(sync::RefillQueue::default()),
@@ -543,11 +547,11 @@ impl Shared {
 
     fn set_early_lead(&self, config: &HybridConfig) {
         let lead = config.prelease_lead.as_micros() as u64;
-        let lead = match self.params.algorithm {
-            Algorithm::FixedWindow => lead,
-            Algorithm::TokenBucket | Algorithm::Gcra => {
-                lead.min(config.lease_ttl.as_micros() as u64 / 2)
-            }
+        // A bucket lease is renewed ahead of its horizon, at most half-way.
+        let lead = if self.leases.windowed() {
+            lead
+        } else {
+            lead.min(config.lease_ttl.as_micros() as u64 / 2)
         };
         self.early_lead_us.store(lead, Ordering::Relaxed);
     }
@@ -672,36 +676,34 @@ impl Shared {
     /// Optimistic mode: admit on credit if this process's unreported debt
     /// for the key stays within `max_debt` and belongs to one window.
     fn try_credit(&self, slot: &Slot, cost: u64, now: u64, max_debt: u64) -> bool {
-        let window = match self.params.algorithm {
-            // Near a boundary the debt could land in either window: no
-            // credit there, so each window's overshoot stays attributable.
-            // Near a boundary the debt could land in either window: no
-            // credit there, so each window's overshoot stays attributable.
-            // Before the key's first lease, the window comes from the
-            // store's clock as the last reply of any key showed it; with
-            // no reply yet, no credit (debt charged to whatever window the
-            // store is in when the report lands would hide overshoot).
-            Algorithm::FixedWindow => match slot.window_at(now, self.params.period_us) {
+        // Window leases: near a boundary the debt could land in either
+        // window, so no credit there, and each window's overshoot stays
+        // attributable. Before the key's first lease, the window comes
+        // from the store's clock as the last reply of any key showed it;
+        // with no reply yet, no credit (debt charged to whatever window
+        // the store is in when the report lands would hide overshoot).
+        let windowed = self.leases.windowed();
+        let window = if windowed {
+            match slot.window_at(now, self.params.period_us) {
                 Some(UNKNOWN_WINDOW) => match self.store_window(now) {
                     Some(window) => window,
                     None => return false,
                 },
                 Some(window) => window,
                 None => return false,
-            },
-            Algorithm::TokenBucket | Algorithm::Gcra => 0,
+            }
+        } else {
+            0
         };
         let queued = if self.outstanding.is_empty() {
             0
         } else {
             match self.outstanding.get(&self.store_key(slot)) {
                 None => 0,
-                Some(ledger) => match self.params.algorithm {
-                    Algorithm::FixedWindow if window <= ledger.closed_through => return false,
-                    Algorithm::FixedWindow if window == ledger.window => ledger.used,
-                    Algorithm::FixedWindow => 0,
-                    Algorithm::TokenBucket | Algorithm::Gcra => ledger.pending,
-                },
+                Some(ledger) if !windowed => ledger.pending,
+                Some(ledger) if window <= ledger.closed_through => return false,
+                Some(ledger) if window == ledger.window => ledger.used,
+                Some(_) => 0,
             }
         };
         if !slot.take_credit(window, cost, max_debt.saturating_sub(queued)) {
@@ -769,7 +771,7 @@ impl Shared {
         {
             let mut ledger = self.outstanding.entry(report.key.clone()).or_default();
             ledger.pending += report.debt;
-            if self.params.algorithm == Algorithm::FixedWindow {
+            if self.leases.windowed() {
                 if report.window > ledger.window {
                     ledger.window = report.window;
                     ledger.used = 0;
@@ -792,8 +794,8 @@ impl Shared {
             ledger.pending = ledger.pending.saturating_sub(report.debt);
         }
         // Buckets have no window to remember: a settled ledger is done.
-        // Fixed-window ledgers are pruned once their window has passed.
-        let bucket = self.params.algorithm != Algorithm::FixedWindow;
+        // Window ledgers are pruned once their window has passed.
+        let bucket = !self.leases.windowed();
         self.outstanding
             .remove_if(&report.key, |_, l| l.pending == 0 && bucket);
     }
@@ -815,9 +817,7 @@ impl Shared {
     }
 
     fn give_back(&self, store_key: &str, permits: u64, window: i64, origin: LeaseOrigin) {
-        if permits == 0
-            || (window == UNKNOWN_WINDOW && self.params.algorithm == Algorithm::FixedWindow)
-        {
+        if permits == 0 || (window == UNKNOWN_WINDOW && self.leases.windowed()) {
             return;
         }
         let call = GiveBackCall {

@@ -16,9 +16,12 @@ use super::slot::{Credit, Installed, NextLease, Slot};
 use futures_util::future::join_all;
 
 use super::{HybridConfig, Shared};
+use crate::algorithm::{
+    LeaseCall, LeaseKind, LeaseOrigin, LeaseReply, LeaseTarget, LeaseView, OpId, MAX_REPORT,
+};
 use crate::failure::{Report, RESEND_FOR};
-use crate::store::{LeaseCall, LeaseOrigin, LeaseReply, OpId, StoreCost, MAX_REPORT};
-use crate::{Algorithm, Error};
+use crate::store::StoreCost;
+use crate::Error;
 
 /// Local clocks are assumed to run within this many parts per million of
 /// Redis' clock (NTP keeps servers within tens of ppm; an undisciplined
@@ -509,37 +512,27 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         horizon_us: config.refill_horizon.as_micros() as u64,
     };
     books.sizing.observe(permits, u64::from(credit.debt), now);
-    let (min_window, renew, time_left) = match shared.params.algorithm {
-        Algorithm::FixedWindow => {
-            let window = slot.window.load(Ordering::Acquire);
-            let deadline = slot.deadline.load(Ordering::Acquire);
-            // Permits that would arrive void (their window ends within a
-            // round trip and the margin) are not worth asking for.
-            let rtt = shared.rtt_us.load(Ordering::Relaxed) + shared.time.tick_us();
-            let ending = now + rtt >= deadline;
-            let swept = slot.swept_ahead.swap(false, Ordering::AcqRel);
-            let prelease = !config.prelease_lead.is_zero() && ((near_end && permits > 0) || swept);
-            if window == super::slot::UNKNOWN_WINDOW {
-                (-1, false, None)
-            } else if valid && !ending && !prelease {
-                (window, false, Some(deadline - now))
-            } else if valid {
-                // Ask for the next window ahead of the boundary.
-                if slot.has_next.load(Ordering::Acquire) {
-                    (window, false, Some(deadline.saturating_sub(now)))
-                } else {
-                    (window + 1, false, Some(period))
-                }
-            } else {
-                // The window we knew is over, or about to be: ask for the
-                // first one that can still be current by the time the
-                // reply arrives.
-                let since = now.saturating_sub(deadline);
-                (window + 1 + (since / period) as i64, false, Some(period))
-            }
-        }
-        Algorithm::TokenBucket | Algorithm::Gcra => (-1, valid && near_end, None),
-    };
+    let window = slot.window.load(Ordering::Acquire);
+    let deadline = slot.deadline.load(Ordering::Acquire);
+    // Permits that would arrive void (they end within a round trip and
+    // the margin) are not worth asking for.
+    let rtt = shared.rtt_us.load(Ordering::Relaxed) + shared.time.tick_us();
+    let swept = slot.swept_ahead.swap(false, Ordering::AcqRel);
+    let LeaseTarget {
+        min_window,
+        renew,
+        time_left_us: time_left,
+    } = shared.leases.target(&LeaseView {
+        window: (window != super::slot::UNKNOWN_WINDOW).then_some(window),
+        valid,
+        near_end,
+        ending: now + rtt >= deadline,
+        prelease: !config.prelease_lead.is_zero() && ((near_end && permits > 0) || swept),
+        has_next: slot.has_next.load(Ordering::Acquire),
+        left_us: deadline.saturating_sub(now),
+        since_us: now.saturating_sub(deadline),
+        period_us: period,
+    });
     let ahead = min_window > slot.window.load(Ordering::Acquire) && valid;
     let (want, to_the_end) =
         books
@@ -551,14 +544,15 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         (shared.params.limit.max(shared.params.burst) / 32).max(1),
         config.max_lease,
     );
-    // Fixed window: each lease has an identity; after a lost reply the
-    // next one reuses it (see `LeaseCall::lease_id`).
-    let lease_id = match shared.params.algorithm {
-        Algorithm::FixedWindow => match std::mem::take(&mut books.lost_lease) {
+    // Window leases have an identity; after a lost reply the next one
+    // reuses it (see `LeaseCall::lease_id`).
+    let lease_id = if shared.leases.identified() {
+        match std::mem::take(&mut books.lost_lease) {
             0 => shared.ops.next_lease(),
             lost => lost,
-        },
-        Algorithm::TokenBucket | Algorithm::Gcra => 0,
+        }
+    } else {
+        0
     };
     drop(books);
     let call = LeaseCall {
@@ -568,11 +562,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         debt: u64::from(credit.debt).min(MAX_REPORT),
         debt_window: credit.window,
         min_window,
-        need: match shared.params.algorithm {
-            // The last ~1.5 % of a window goes in one lease.
-            Algorithm::FixedWindow => need.max(shared.params.limit / 16).max(1),
-            Algorithm::TokenBucket | Algorithm::Gcra => need.max(1),
-        },
+        need: shared.leases.need(need, shared.params.limit),
         patience: need.max(want / 4).max(1),
         op: (credit.debt > 0).then(|| shared.ops.next()),
         holder: Some(shared.holder.clone()),
@@ -696,7 +686,8 @@ fn apply(
                     at_us: t1,
                 });
             counters.overshoot.add(r.uncovered);
-            if r.uncovered > 0 && shared.params.algorithm == Algorithm::FixedWindow {
+            let windowed = shared.leases.windowed();
+            if r.uncovered > 0 && windowed {
                 // The window the debt went to (the store's current one when
                 // the process did not know it) is closed to credit.
                 let current = r.window - i64::from(r.start_after_us > 0);
@@ -707,23 +698,24 @@ fn apply(
                 r.remaining.min(u64::from(u32::MAX)) as u32,
                 Ordering::Relaxed,
             );
-            if shared.params.algorithm != Algorithm::FixedWindow {
+            if windowed {
+                shared
+                    .window_end_hint
+                    .store(t0 + r.reset_after_us, Ordering::Relaxed);
+            } else {
                 // Buckets have no window: the field holds when they are full.
                 slot.window_end
                     .store(t0 + r.reset_after_us, Ordering::Relaxed);
             }
-            if shared.params.algorithm == Algorithm::FixedWindow {
-                shared
-                    .window_end_hint
-                    .store(t0 + r.reset_after_us, Ordering::Relaxed);
-            }
-            // Fixed window: the deadline is the window's end, `reset_after`
-            // ahead. Buckets: the lease horizon, drift added below.
+            // Window leases: the deadline is the window's end,
+            // `reset_after` ahead. Buckets: the lease horizon, drift added
+            // below.
             let margin = config.clock_margin.as_micros() as u64
                 + shared.time.tick_us()
-                + match shared.params.algorithm {
-                    Algorithm::FixedWindow => drift_us(r.reset_after_us),
-                    Algorithm::TokenBucket | Algorithm::Gcra => 0,
+                + if windowed {
+                    drift_us(r.reset_after_us)
+                } else {
+                    0
                 };
             let now = shared.time.precise_us();
             if r.granted > 0 && slot.evicted.load(Ordering::Acquire) {
@@ -739,8 +731,8 @@ fn apply(
             } else if r.granted > 0 {
                 counters.lease_granted(r.granted);
                 let granted = r.granted as i64;
-                match shared.params.algorithm {
-                    Algorithm::FixedWindow => {
+                match shared.leases {
+                    LeaseKind::Window => {
                         // Redis evaluated somewhere in [t0, t1] locally: the
                         // window ends no earlier than t0 + reset and starts
                         // no later than t1 + start_after.
@@ -778,7 +770,7 @@ fn apply(
                             }
                         }
                     }
-                    Algorithm::TokenBucket | Algorithm::Gcra => {
+                    LeaseKind::Bucket => {
                         let horizon = config.lease_ttl.as_micros() as u64;
                         let deadline = (t0 + horizon).saturating_sub(margin + drift_us(horizon));
                         let full_at = t0 + r.reset_after_us;
@@ -818,14 +810,13 @@ fn apply(
                 // of need would wait idle in every holder, and at the
                 // window's end a thousand holders' one permit each is a
                 // thousand stranded.
-                let contested = shared.params.algorithm == Algorithm::FixedWindow
-                    && r.granted < p.call.want / 2;
+                let contested = windowed && r.granted < p.call.want / 2;
                 // Nor for a thin holder (a few permits a window): what it
                 // fetched ahead would wait idle for its next request, and
                 // with many such holders, a window's budget with it.
                 // (A key whose rate is not known yet is not thin: its
                 // first lease says nothing about it.)
-                let thin = shared.params.algorithm == Algorithm::FixedWindow
+                let thin = windowed
                     && slot.books().sizing.rate_per_us() > 0.0
                     && !uses_a_share(shared, &slot);
                 if contested {
@@ -833,15 +824,14 @@ fn apply(
                     // holder whatever its rate, it strands the same way.
                     slot.early_refill.store(false, Ordering::Relaxed);
                 }
-                // A fixed-window lease that, with what is held, covers what
-                // the rate spends until its window ends is that window's
-                // last: refilled only if demand outruns it, not at half
-                // (a refill at half would ask a window that is often fully
-                // leased by then, for permits this process will not use).
-                // A fixed-window pre-lease: held apart until its window starts.
-                let ahead =
-                    shared.params.algorithm == Algorithm::FixedWindow && r.start_after_us > 0;
-                let covers = shared.params.algorithm == Algorithm::FixedWindow && {
+                // A window lease that, with what is held, covers what the
+                // rate spends until its window ends is that window's last:
+                // refilled only if demand outruns it, not at half (a refill
+                // at half would ask a window that is often fully leased by
+                // then, for permits this process will not use).
+                // A pre-lease: held apart until its window starts.
+                let ahead = windowed && r.start_after_us > 0;
+                let covers = windowed && {
                     let rate = slot.books().sizing.rate_per_us();
                     let serves = r.reset_after_us.saturating_sub(r.start_after_us) as f64;
                     // After the install a current lease's permits include
@@ -993,23 +983,22 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
     // what leasing every key in the map takes Redis (`LEASE_COST_US`
     // each); at most half a window.
     let period = shared.params.period_us;
-    let prelease_lead = (shared.params.algorithm == Algorithm::FixedWindow
-        && !config.prelease_lead.is_zero())
-    .then(|| {
-        let leasing = shared.slots.len() as u64 * LEASE_COST_US;
-        (MAINTENANCE.as_micros() as u64
-            + config.prelease_lead.as_micros() as u64
-            + 50_000
-            + leasing)
-            .min(period / 2)
-    })
-    .and_then(|lead| {
-        let end = next_boundary(shared.window_end_hint.load(Ordering::Relaxed), now, period)?;
-        let due = end - now <= lead && shared.preleased_for.swap(end, Ordering::AcqRel) != end;
-        // Every key whose window ends by then (its deadline is the end
-        // less a margin).
-        due.then_some(end - now + 1)
-    });
+    let prelease_lead = (shared.leases.windowed() && !config.prelease_lead.is_zero())
+        .then(|| {
+            let leasing = shared.slots.len() as u64 * LEASE_COST_US;
+            (MAINTENANCE.as_micros() as u64
+                + config.prelease_lead.as_micros() as u64
+                + 50_000
+                + leasing)
+                .min(period / 2)
+        })
+        .and_then(|lead| {
+            let end = next_boundary(shared.window_end_hint.load(Ordering::Relaxed), now, period)?;
+            let due = end - now <= lead && shared.preleased_for.swap(end, Ordering::AcqRel) != end;
+            // Every key whose window ends by then (its deadline is the end
+            // less a margin).
+            due.then_some(end - now + 1)
+        });
     for entry in shared.slots.iter() {
         let slot = entry.value();
         if slice.is_some_and(|s| slice_of(slot) != s) {
@@ -1020,9 +1009,10 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
         }
         let expired = slot.expire(now);
         if expired > 0 {
-            match shared.params.algorithm {
-                Algorithm::FixedWindow => shared.counters.stranded.add(expired as u64),
-                Algorithm::TokenBucket | Algorithm::Gcra => {
+            match shared.leases {
+                // The window they belong to is over.
+                LeaseKind::Window => shared.counters.stranded.add(expired as u64),
+                LeaseKind::Bucket => {
                     let origin = slot.books().origin;
                     shared.give_back(&shared.store_key(slot), expired as u64, 0, origin)
                 }

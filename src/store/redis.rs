@@ -23,8 +23,9 @@ use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 
 use super::topology::{slot_of, Node, Topology};
 use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, OpId, Params, StoreCost};
+use crate::algorithm::{self, Arg};
 use crate::failure::{CircuitBreaker, CircuitConfig, CircuitState};
-use crate::{Algorithm, Error, ErrorKind, SystemClock};
+use crate::{Error, ErrorKind, SystemClock};
 
 /// A script and its source, which `SCRIPT LOAD` sends to one node.
 struct Lua {
@@ -41,41 +42,26 @@ impl Lua {
     }
 }
 
-struct Scripts {
-    fixed_window: Lua,
-    token_bucket: Lua,
-    gcra: Lua,
-    lease_fixed_window: Lua,
-    lease_token_bucket: Lua,
-    lease_gcra: Lua,
-    give_back: Lua,
-}
-
-static SCRIPTS: LazyLock<Scripts> = LazyLock::new(|| Scripts {
-    fixed_window: Lua::new(include_str!("../../lua/fixed_window.lua")),
-    token_bucket: Lua::new(include_str!("../../lua/token_bucket.lua")),
-    gcra: Lua::new(include_str!("../../lua/gcra.lua")),
-    lease_fixed_window: Lua::new(include_str!("../../lua/lease_fixed_window.lua")),
-    lease_token_bucket: Lua::new(include_str!("../../lua/lease_token_bucket.lua")),
-    lease_gcra: Lua::new(include_str!("../../lua/lease_gcra.lua")),
-    give_back: Lua::new(include_str!("../../lua/give_back.lua")),
+/// Every script of `lua/`, by name, hashed once.
+static SCRIPTS: LazyLock<std::collections::HashMap<&'static str, Lua>> = LazyLock::new(|| {
+    algorithm::scripts()
+        .map(|s| (s.name, Lua::new(s.source)))
+        .collect()
 });
 
-impl Scripts {
-    fn exact(&'static self, algorithm: Algorithm) -> &'static Lua {
-        match algorithm {
-            Algorithm::FixedWindow => &self.fixed_window,
-            Algorithm::TokenBucket => &self.token_bucket,
-            Algorithm::Gcra => &self.gcra,
-        }
-    }
+fn script(lua: &algorithm::Lua) -> &'static Lua {
+    &SCRIPTS[lua.name]
+}
 
-    fn lease(&'static self, algorithm: Algorithm) -> &'static Lua {
-        match algorithm {
-            Algorithm::FixedWindow => &self.lease_fixed_window,
-            Algorithm::TokenBucket => &self.lease_token_bucket,
-            Algorithm::Gcra => &self.lease_gcra,
-        }
+/// Appends a script's arguments to a command.
+fn with_args(cmd: &mut Cmd, args: &[Arg]) {
+    for arg in args {
+        match arg {
+            Arg::Uint(n) => cmd.arg(*n),
+            Arg::Int(n) => cmd.arg(*n),
+            Arg::Float(x) => cmd.arg(*x),
+            Arg::Text(s) => cmd.arg(s.as_ref()),
+        };
     }
 }
 
@@ -749,13 +735,12 @@ impl RedisStore {
         p: &Params,
         cost: u64,
     ) -> (Result<AcquireReply, Error>, StoreCost) {
-        let lua = SCRIPTS.exact(p.algorithm);
+        let spec = p.algorithm.spec();
+        let lua = script(&spec.exact);
         let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
-        cmd.arg(p.limit).arg(p.period_us);
-        if p.algorithm != Algorithm::FixedWindow {
-            cmd.arg(p.burst);
-        }
-        cmd.arg(cost);
+        let mut args = Vec::with_capacity(4);
+        (spec.exact_args)(p, cost, &mut args);
+        with_args(&mut cmd, &args);
         let node = self.node_for(key);
         let (reply, round_trips) = self.script_call(lua, node.as_deref(), cmd).await;
         let reply = reply.and_then(|reply| {
@@ -1013,36 +998,18 @@ impl RedisStore {
         calls: &[LeaseCall],
         ahead: usize,
     ) -> (Result<Vec<Result<LeaseReply, Error>>, Error>, StoreCost) {
-        let lua = SCRIPTS.lease(p.algorithm);
+        let spec = p.algorithm.spec();
+        let lua = script(&spec.lease);
         let script = &lua.script;
+        let mut args = Vec::with_capacity(12);
         let cmds = calls
             .iter()
             .map(|c| {
                 let op = c.op.filter(|_| c.debt > 0);
                 let (key, mut cmd) = Self::evalsha(script, &c.key, op);
-                cmd.arg(p.limit).arg(p.period_us);
-                match p.algorithm {
-                    Algorithm::FixedWindow => {
-                        cmd.arg(c.want)
-                            .arg(c.share_cap)
-                            .arg(c.debt)
-                            .arg(c.debt_window)
-                            .arg(c.min_window)
-                            .arg(c.need.max(1))
-                            .arg(c.holder.as_deref().unwrap_or(""))
-                            .arg(c.ceiling)
-                            .arg(c.lease_id);
-                    }
-                    Algorithm::TokenBucket | Algorithm::Gcra => {
-                        cmd.arg(p.burst)
-                            .arg(c.want)
-                            .arg(c.share_cap)
-                            .arg(c.debt)
-                            .arg(c.need.max(1))
-                            .arg(c.patience)
-                            .arg(c.ceiling);
-                    }
-                }
+                args.clear();
+                (spec.lease_args)(p, c, &mut args);
+                with_args(&mut cmd, &args);
                 (key, cmd)
             })
             .collect();
@@ -1064,24 +1031,17 @@ impl RedisStore {
         p: &Params,
         calls: &[GiveBackCall],
     ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
-        let lua = &SCRIPTS.give_back;
+        let give_back_args = p.algorithm.spec().give_back_args;
+        let lua = script(&algorithm::GIVE_BACK);
         let script = &lua.script;
+        let mut args = Vec::with_capacity(8);
         let cmds = calls
             .iter()
             .map(|c| {
                 let (key, mut cmd) = Self::evalsha(script, &c.key, Some(c.op));
-                cmd.arg(p.algorithm.key_suffix())
-                    .arg(p.limit)
-                    .arg(p.period_us)
-                    .arg(p.burst)
-                    .arg(c.returned);
-                match p.algorithm {
-                    Algorithm::FixedWindow => cmd.arg(c.window),
-                    Algorithm::TokenBucket | Algorithm::Gcra => cmd
-                        .arg(c.origin.at_us)
-                        .arg(c.origin.level)
-                        .arg(c.origin.given_back),
-                };
+                args.clear();
+                give_back_args(p, c, &mut args);
+                with_args(&mut cmd, &args);
                 (key, cmd)
             })
             .collect();

@@ -1,12 +1,22 @@
--- lease_fixed_window.lua: lease a slice of a fixed-window budget to one
--- process, and record the permits it admitted on credit.
+-- lease_window.lua: lease a slice of a window budget (fixed or sliding
+-- window) to one process, and record the permits it admitted on credit.
+--
+-- Sent with a carry file in front of it (lua/carry_fixed_window.lua or
+-- lua/carry_sliding_window.lua), which defines
+--   carry(before, after, target, now, period): permits outside
+--     the target window that count against it (`before`, `after`: the
+--     counts of the windows either side of it);
+--   wait_for(n, used, before, after, target, now, period, limit):
+--     µs until n more permits fit in the target window, all else equal.
+-- The fixed window carries nothing; the sliding window carries the
+-- previous window's weighted count (see its file).
 --
 -- KEYS[1]  hash; field = window index, value = permits granted or admitted
 --          in that window (the same key as fixed_window.lua).
 -- KEYS[2]  optional, only when debt > 0: the report's identity (a string key
 --          in the same hash slot). A second delivery of the same report
 --          finds it and does not record the debt again; it still leases.
--- ARGV[1]  limit        permits per window
+-- ARGV[1]  limit        permits per window (per trailing period: sliding)
 -- ARGV[2]  period_us    window length in microseconds
 -- ARGV[3]  want         permits asked for (>= 0)
 -- ARGV[4]  share_cap    fraction (0, 1] of what remains that one lease may take
@@ -87,10 +97,13 @@ local reported = debt
 if debt > 0 then
   if debt_window >= w - 1 and debt_window <= w + 1 then
     local f = string.format('%d', debt_window)
-    local before = tonumber(redis.call('HGET', KEYS[1], f) or '0')
+    local near = redis.call('HMGET', KEYS[1], f, string.format('%d', debt_window - 1),
+      string.format('%d', debt_window + 1))
+    local extra = carry(tonumber(near[2] or '0'), tonumber(near[3] or '0'), debt_window, now, period)
+    local before = tonumber(near[1] or '0')
     local after = redis.call('HINCRBY', KEYS[1], f, debt)
     if before == 0 then created = true end
-    uncovered = math.max(0, after - limit) - math.max(0, before - limit)
+    uncovered = math.max(0, after + extra - limit) - math.max(0, before + extra - limit)
     if debt_window > newest then newest = debt_window end
   else
     uncovered = debt
@@ -108,8 +121,11 @@ local recorded = has_holder and lease_id ~= '0'
 local pf = 'p' .. (holder or '')
 local gf = 'g' .. (holder or '')
 local hf = 'h' .. tf
-local got = redis.call('HMGET', KEYS[1], tf, pf, gf, hf, 'h' .. string.format('%d', tw - 1))
+local got = redis.call('HMGET', KEYS[1], tf, pf, gf, hf, 'h' .. string.format('%d', tw - 1),
+  string.format('%d', tw - 1), string.format('%d', tw + 1))
 local used = tonumber(got[1] or '0')
+local before_n = tonumber(got[6] or '0')
+local after_n = tonumber(got[7] or '0')
 local replayed = false
 local granted = 0
 if recorded and got[3] then
@@ -121,11 +137,17 @@ if recorded and got[3] then
     if tonumber(g_window) ~= tw then
       tw = tonumber(g_window)
       tf = string.format('%d', tw)
-      used = tonumber(redis.call('HGET', KEYS[1], tf) or '0')
+      local near = redis.call('HMGET', KEYS[1], tf, string.format('%d', tw - 1), string.format('%d', tw + 1))
+      used = tonumber(near[1] or '0')
+      before_n = tonumber(near[2] or '0')
+      after_n = tonumber(near[3] or '0')
     end
   end
 end
-local available = math.max(0, limit - used)
+-- What outside the target window counts against it: its count is
+-- `used`, its load `used + extra`.
+local extra = carry(before_n, after_n, tw, now, period)
+local available = math.max(0, limit - used - extra)
 local first_in_window = false
 if not replayed then
   local cap = math.max(1, math.floor(available * share), math.min(available, tail))
@@ -228,5 +250,5 @@ local start_after = tw * period - now
 if start_after < 0 then start_after = 0 end
 local reset = (tw + 1) * period - now
 local retry = 0
-if granted == 0 then retry = reset end
-return {granted, math.max(0, limit - used), start_after, reset, retry, now, uncovered, tw, 0, 0}
+if granted == 0 then retry = wait_for(1, used, before_n, after_n, tw, now, period, limit) end
+return {granted, math.max(0, limit - used - extra), start_after, reset, retry, now, uncovered, tw, 0, 0}

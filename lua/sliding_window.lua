@@ -1,0 +1,76 @@
+-- sliding_window.lua: exact sliding-window counter check-and-count, one
+-- call per decision. Sent with lua/carry_sliding_window.lua in front of it
+-- (carry, wait_for).
+--
+-- KEYS[1]  hash; field = window index (floor(redis_now_us / period_us)),
+--          value = permits counted in that window (the fixed window's
+--          layout, under its own key).
+-- ARGV[1]  limit      permits per trailing period (integer >= 1)
+-- ARGV[2]  period_us  the period in microseconds (integer >= 1000)
+-- ARGV[3]  cost       permits this request takes (integer >= 0; 0 = peek)
+--
+-- Returns  {allowed (0|1), remaining, reset_after_us, retry_after_us, now_us}
+--          remaining: limit minus the load after this call; reset_after_us:
+--          until the load is zero if nothing more is admitted; retry_after_us
+--          is 0 when allowed, -1 when cost > limit (never), else how long
+--          until the load has room for cost.
+--
+-- The load is count(current) + carry (see carry_sliding_window.lua).
+-- Time comes from Redis TIME only. Windows older than the previous one are
+-- deleted; the key expires one period after the end of its newest window.
+-- Complexity: O(1), and once per window O(fields) to forget ended windows.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local limit = tonumber(ARGV[1])
+local period = tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
+
+local w = math.floor(now / period)
+local field = string.format('%d', w)
+local got = redis.call('HMGET', KEYS[1], field, string.format('%d', w - 1), string.format('%d', w + 1))
+local used = tonumber(got[1] or '0')
+local before = tonumber(got[2] or '0')
+local after = tonumber(got[3] or '0')
+local extra = carry(before, after, w, now, period)
+
+local allowed = 0
+local retry = 0
+if cost == 0 or used + extra + cost <= limit then
+  allowed = 1
+  if cost > 0 then
+    used = redis.call('HINCRBY', KEYS[1], field, cost)
+    -- Forget ended windows once per window, when this call opened one.
+    -- Only window counts: the lease script's fields ("h…", "p…", "g…")
+    -- are its own to trim.
+    if used == cost then
+      for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+        local fw = tonumber(f)
+        if fw ~= nil and fw < w - 1 then
+          redis.call('HDEL', KEYS[1], f)
+        end
+      end
+    end
+    local ttl_ms = math.ceil(((w + 2) * period - now) / 1000)
+    if redis.call('PTTL', KEYS[1]) < ttl_ms then
+      redis.call('PEXPIRE', KEYS[1], ttl_ms)
+    end
+  end
+elseif cost > limit then
+  retry = -1
+elseif used + cost + after > limit then
+  -- No room in this window: from the next one on, this window's count is
+  -- the one that fades.
+  retry = wait_for(cost, 0, used, 0, w + 1, now, period, limit)
+else
+  retry = wait_for(cost, used, before, after, w, now, period, limit)
+end
+
+local reset = 0
+if used > 0 then
+  reset = (w + 2) * period - now
+elseif before > 0 then
+  reset = (w + 1) * period - now
+end
+local remaining = limit - used - extra
+if remaining < 0 then remaining = 0 end
+return {allowed, remaining, reset, retry, now}

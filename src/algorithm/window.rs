@@ -1,0 +1,295 @@
+//! What the two window algorithms (fixed and sliding) share: a budget
+//! counted per epoch-aligned window in one hash (field = window index),
+//! leases that belong to one window and end with it, and give-backs to
+//! the window they came from.
+//!
+//! The lease script (`lua/lease_window.lua`) and its mirror here differ
+//! between the two only by the *carry*: permits outside the target
+//! window that count against it (none for the fixed window; the previous
+//! window's weighted count, or the next window's pre-leases, for the
+//! sliding one). Nothing here knows which algorithm it serves.
+
+use super::calls::{GiveBackCall, LeaseCall, LeaseReply, Params};
+use super::state::{ceil_ms_to_us, count_in, incr_window, trim_and_expire, windows, Entry, State};
+use super::{Arg, LeaseTarget, LeaseView};
+use crate::Error;
+
+/// What a carry is computed from: the counts next to the target window.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Neighbours {
+    /// Permits counted in the window before the target.
+    pub(crate) before: i64,
+    /// Permits counted in the window after the target.
+    pub(crate) after: i64,
+    /// The target window's index.
+    pub(crate) target: i64,
+    /// Store time (µs).
+    pub(crate) now: u64,
+    pub(crate) period: u64,
+}
+
+/// What makes one window algorithm differ from another (the carry file
+/// in front of `lua/lease_window.lua`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rule {
+    /// Permits outside the target window that count against it.
+    pub(crate) carry: fn(&Neighbours) -> i64,
+    /// µs from now until `n` more permits fit in the target window, whose
+    /// own count is `used`, with the limit `limit`, all else equal.
+    pub(crate) wait_for: fn(n: i64, used: i64, near: &Neighbours, limit: i64) -> u64,
+}
+
+impl Neighbours {
+    /// µs from now until the target window ends.
+    pub(crate) fn until_end(&self) -> u64 {
+        ((self.target + 1) as u64 * self.period).saturating_sub(self.now)
+    }
+}
+
+/// The lease script's arguments after KEYS (see its header).
+pub(crate) fn lease_args(p: &Params, c: &LeaseCall, args: &mut Vec<Arg>) {
+    args.extend([
+        Arg::Uint(p.limit),
+        Arg::Uint(p.period_us),
+        Arg::Uint(c.want),
+        Arg::Float(c.share_cap),
+        Arg::Uint(c.debt),
+        Arg::Int(c.debt_window),
+        Arg::Int(c.min_window),
+        Arg::Uint(c.need.max(1)),
+        Arg::Text(c.holder.as_deref().unwrap_or("").to_owned().into()),
+        Arg::Uint(c.ceiling),
+        Arg::Uint(c.lease_id),
+    ]);
+}
+
+/// `give_back.lua`'s arguments for a window's permits.
+pub(crate) fn give_back_args(p: &Params, c: &GiveBackCall, args: &mut Vec<Arg>) {
+    args.extend([
+        Arg::Text("w".into()),
+        Arg::Uint(p.limit),
+        Arg::Uint(p.period_us),
+        Arg::Uint(p.burst),
+        Arg::Uint(c.returned),
+        Arg::Int(c.window),
+    ]);
+}
+
+fn neighbours(
+    entry: &mut Option<Entry>,
+    key: &str,
+    target: i64,
+    now: u64,
+    period: u64,
+) -> Result<Neighbours, Error> {
+    Ok(Neighbours {
+        before: count_in(windows(entry, key)?, target - 1),
+        after: count_in(windows(entry, key)?, target + 1),
+        target,
+        now,
+        period,
+    })
+}
+
+/// The mirror of `lua/lease_window.lua`, step for step.
+pub(crate) fn lease(
+    entry: &mut Option<Entry>,
+    p: &Params,
+    now: u64,
+    call: &LeaseCall,
+    rule: Rule,
+) -> Result<LeaseReply, Error> {
+    let limit = p.limit as i64;
+    let period = p.period_us;
+    let w = (now / period) as i64;
+    windows(entry, &call.key)?;
+    let mut newest = w;
+    let mut uncovered = 0i64;
+    let debt = call.debt as i64;
+    let debt_window = if call.debt_window < 0 {
+        w
+    } else {
+        call.debt_window
+    };
+    if debt > 0 {
+        if debt_window >= w - 1 && debt_window <= w + 1 {
+            let extra = (rule.carry)(&neighbours(entry, &call.key, debt_window, now, period)?);
+            let before = count_in(windows(entry, &call.key)?, debt_window) + extra;
+            let after = incr_window(entry, debt_window, debt) + extra;
+            uncovered = (after - limit).max(0) - (before - limit).max(0);
+            newest = newest.max(debt_window);
+        } else {
+            uncovered = debt;
+        }
+    }
+    let mut tw = w.max(call.min_window).min(w + 1);
+    let recorded = call.want > 0 && call.lease_id != 0 && call.holder.is_some();
+    // A second delivery of a lease whose reply was lost: its grant again.
+    let replay = call
+        .holder
+        .as_deref()
+        .filter(|_| recorded)
+        .and_then(|h| entry.as_ref()?.holders.as_deref()?.grant(h))
+        .filter(|&(id, _, window)| id == call.lease_id && window >= w);
+    if let Some((_, _, window)) = replay {
+        tw = window;
+    }
+    let near = neighbours(entry, &call.key, tw, now, period)?;
+    let extra = (rule.carry)(&near);
+    let mut used = count_in(windows(entry, &call.key)?, tw) + extra;
+    let available = (limit - used).max(0);
+    let cap = ((available as f64 * call.share_cap).floor() as i64)
+        .max(1)
+        .max(available.min(call.need.max(1) as i64));
+    let mut granted = (call.want as i64).min(available).min(cap);
+    // The fair share of what remains, as the script computes it.
+    let mut joined = false;
+    // Asked with nothing left, the key exists (and has its TTL): the asker
+    // is counted all the same, so holders reflect demand.
+    if let Some((_, permits, _)) = replay {
+        granted = permits;
+    } else if let (Some(holder), true) = (&call.holder, call.want > 0) {
+        let holders = entry.as_ref().and_then(|e| e.holders.as_deref());
+        let last = holders.map_or(-1, |h| h.last(holder));
+        let here = holders.map_or(0, |h| h.count(tw)) as i64;
+        let before = holders.map_or(0, |h| h.count(tw - 1)) as i64;
+        let expected = here.max(before);
+        joined = last < tw;
+        let fair = if joined {
+            available / (expected - here).max(1)
+        } else {
+            available / expected.max(1)
+        };
+        // Many holders: the rate's lease is cut to one holder's share.
+        // (The last `need` permits still go whole to a process whose
+        // ceiling says it can use them.)
+        let whole = if available <= call.need.max(1) as i64 {
+            available.min(call.ceiling.min(i64::MAX as u64) as i64)
+        } else {
+            0
+        };
+        granted = granted.min(fair.max(1).max(whole));
+        // The last holder expected takes what is left, not share_cap of it.
+        let capped = if joined && expected - here == 1 {
+            fair
+        } else {
+            fair.min((available as f64 * call.share_cap).floor() as i64)
+        };
+        let fair = capped.min(call.ceiling.min(i64::MAX as u64) as i64);
+        if fair > granted {
+            granted = fair.min(available);
+        }
+    }
+    if joined {
+        if let Some(holder) = &call.holder {
+            // Counted when it asks, granted or not (as the script does);
+            // the holders live in the entry, created here if need be.
+            let e = entry.get_or_insert(Entry {
+                state: State::Window(Vec::new()),
+                expires_us: 0,
+                holders: None,
+            });
+            e.holders
+                .get_or_insert_with(Default::default)
+                .joined(holder, tw);
+        }
+    }
+    let fresh = granted > 0 && replay.is_none();
+    if fresh {
+        let count = incr_window(entry, tw, granted);
+        if count == granted {
+            if let Some(h) = entry.as_mut().and_then(|e| e.holders.as_mut()) {
+                h.forget_before(w - 1);
+            }
+        }
+        used = count + extra;
+        newest = newest.max(tw);
+    }
+    if let (true, true, Some(holder)) = (fresh, recorded, &call.holder) {
+        if let Some(e) = entry.as_mut() {
+            e.holders
+                .get_or_insert_with(Default::default)
+                .granted(holder, (call.lease_id, granted, tw));
+        }
+    }
+    if fresh || debt > 0 {
+        let ttl = ((newest as u64 + 2) * period - now) as f64;
+        trim_and_expire(entry, w, now, ceil_ms_to_us(ttl));
+    }
+    let start_after = (tw as u64 * period).saturating_sub(now);
+    let reset = (tw as u64 + 1) * period - now;
+    Ok(LeaseReply {
+        granted: granted as u64,
+        remaining: (limit - used).max(0) as u64,
+        start_after_us: start_after,
+        reset_after_us: reset,
+        retry_after_us: if granted == 0 {
+            (rule.wait_for)(1, used - extra, &near, limit)
+        } else {
+            0
+        },
+        now_us: now,
+        uncovered: uncovered as u64,
+        window: tw,
+        level: 0,
+        given_back: 0,
+    })
+}
+
+/// The window branch of `give_back.lua`: permits count back only to the
+/// current window or the next (an ended window's are worthless).
+pub(crate) fn give_back(
+    entry: &mut Option<Entry>,
+    p: &Params,
+    now: u64,
+    call: &GiveBackCall,
+) -> Result<u64, Error> {
+    if entry.is_none() {
+        return Ok(0);
+    }
+    let w = windows(entry, &call.key)?;
+    if call.window < (now / p.period_us) as i64 {
+        return Ok(0);
+    }
+    let used = count_in(w, call.window);
+    let back = used.min(call.returned.min(i64::MAX as u64) as i64);
+    if back > 0 {
+        incr_window(entry, call.window, -back);
+    }
+    Ok(back.max(0) as u64)
+}
+
+/// Which window a lease call asks for: the slot's own while it lasts; the
+/// next one ahead of the boundary (a pre-lease), unless it is held
+/// already; once the slot's window is over (or about to be), the first
+/// one that can still be current when the reply arrives.
+pub(crate) fn target(v: &LeaseView) -> LeaseTarget {
+    let at = |min_window, time_left_us| LeaseTarget {
+        min_window,
+        renew: false,
+        time_left_us,
+    };
+    let Some(window) = v.window else {
+        return at(-1, None);
+    };
+    if v.valid && !v.ending && !v.prelease {
+        at(window, Some(v.left_us))
+    } else if v.valid {
+        if v.has_next {
+            at(window, Some(v.left_us))
+        } else {
+            at(window + 1, Some(v.period_us))
+        }
+    } else {
+        at(
+            window + 1 + (v.since_us / v.period_us) as i64,
+            Some(v.period_us),
+        )
+    }
+}
+
+/// The `need` a window lease sends: the last ~1.5 % of a window goes in
+/// one lease rather than a trickle of ever smaller ones.
+pub(crate) fn need(need: u64, limit: u64) -> u64 {
+    need.max(limit / 16).max(1)
+}
