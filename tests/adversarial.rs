@@ -10,7 +10,8 @@ use std::task::Poll;
 use std::time::Duration;
 
 use slicelimit::{
-    Clock, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota, Source,
+    Algorithm, Clock, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore,
+    Quota, Source,
 };
 use support::VirtualClock;
 
@@ -95,7 +96,9 @@ async fn a_dropped_shutdown_keeps_its_debt_reports() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     let st = a.stats();
     let w = window(&clock, period);
-    let counted = memory.fixed_window_count(NS, "k", w).unwrap_or(0);
+    let counted = memory
+        .window_count(NS, "k", Algorithm::FixedWindow, w)
+        .unwrap_or(0);
     let total = 2 + admitted;
     assert_eq!(counted as u64, total, "the store counted every admission");
     assert!(
@@ -151,7 +154,9 @@ async fn a_report_is_not_resent_after_its_identity_may_have_expired() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let st = a.stats();
     let w = window(&clock, period);
-    let counted = memory.fixed_window_count(NS, "k", w).unwrap_or(0);
+    let counted = memory
+        .window_count(NS, "k", Algorithm::FixedWindow, w)
+        .unwrap_or(0);
     assert_eq!(counted, 2, "the debt was recorded {} times", counted - 1);
     assert!(st.overshoot <= st.credit_admitted);
 }

@@ -15,8 +15,9 @@ use slicelimit::{
 };
 use support::{store, RedisServer};
 
-const ALGORITHMS: [Algorithm; 3] = [
+const ALGORITHMS: [Algorithm; 4] = [
     Algorithm::FixedWindow,
+    Algorithm::SlidingWindow,
     Algorithm::TokenBucket,
     Algorithm::Gcra,
 ];
@@ -333,7 +334,7 @@ async fn a_peek_is_allowed_after_debt_pushed_the_count_past_the_limit() {
         let now = redis_now_us(&server);
         // Overdrawn, as optimistic debt leaves a key.
         match algorithm {
-            Algorithm::FixedWindow => {
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => {
                 let w = (now / 60_000_000).to_string();
                 let _: i64 = server.cmd(&["HSET", &key, &w, "13"]);
             }

@@ -9,8 +9,9 @@ use std::time::Duration;
 use slicelimit::{Algorithm, FailurePolicy, FakeClock, Limiter, MemoryStore, Quota, Source};
 use support::{store, RedisServer};
 
-const ALGORITHMS: [Algorithm; 3] = [
+const ALGORITHMS: [Algorithm; 4] = [
     Algorithm::FixedWindow,
+    Algorithm::SlidingWindow,
     Algorithm::TokenBucket,
     Algorithm::Gcra,
 ];
@@ -92,7 +93,7 @@ async fn every_key_written_has_a_ttl() {
         }
     }
     let keys = server.keys();
-    assert_eq!(keys.len(), 3 * 6, "{keys:?}");
+    assert_eq!(keys.len(), ALGORITHMS.len() * 6, "{keys:?}");
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
 }
 
@@ -284,7 +285,7 @@ async fn memory_store_and_redis_decide_alike() {
                     m.retry_after().is_some(),
                     "{step}"
                 );
-                if algorithm != Algorithm::FixedWindow {
+                if algorithm != Algorithm::FixedWindow && algorithm != Algorithm::SlidingWindow {
                     // Both clocks run in real time; allow for the gap between calls.
                     let gap = r.reset_after().abs_diff(m.reset_after());
                     assert!(gap < Duration::from_secs(2), "{step}: {gap:?}");
@@ -296,12 +297,26 @@ async fn memory_store_and_redis_decide_alike() {
 }
 
 /// Random sequences of (key, cost, time step) across many short windows:
-/// the fixed window decides the same on the embedded store (system clock)
-/// and on Redis (its TIME), decision by decision. Both read this machine's
-/// wall clock; steps that would land within 10 ms of a window boundary
-/// wait past it, so the two calls, microseconds apart, see the same window.
+/// the window algorithms decide the same on the embedded store (system
+/// clock) and on Redis (its TIME), decision by decision. Both read this
+/// machine's wall clock; steps that would land within 10 ms of a window
+/// boundary wait past it, so the two calls, microseconds apart, see the
+/// same window.
 #[tokio::test]
 async fn fixed_window_decides_alike_on_both_stores_across_time_steps() {
+    decides_alike_across_time_steps(Algorithm::FixedWindow).await;
+}
+
+/// As above, for the sliding window, which also weighs the previous
+/// window by the microsecond: the two calls, microseconds apart, may
+/// round its weight differently, so their remainders may differ by one,
+/// and their decisions only where one of them had at most one permit left.
+#[tokio::test]
+async fn sliding_window_decides_alike_on_both_stores_across_time_steps() {
+    decides_alike_across_time_steps(Algorithm::SlidingWindow).await;
+}
+
+async fn decides_alike_across_time_steps(algorithm: Algorithm) {
     use proptest::prelude::*;
     use proptest::strategy::ValueTree;
     use proptest::test_runner::TestRunner;
@@ -310,9 +325,10 @@ async fn fixed_window_decides_alike_on_both_stores_across_time_steps() {
     let period = Duration::from_millis(100);
     let quota = Quota::new(8, period).unwrap();
     let ns = format!("steps-{}", std::process::id());
-    let redis = exact(&server, quota, Algorithm::FixedWindow, &ns).await;
+    let redis = exact(&server, quota, algorithm, &ns).await;
     let memory = Limiter::builder(quota)
         .store(MemoryStore::new())
+        .algorithm(algorithm)
         .namespace(&ns)
         .build()
         .unwrap();
@@ -346,14 +362,29 @@ async fn fixed_window_decides_alike_on_both_stores_across_time_steps() {
             // A stall carried the pair across a boundary: the stores may
             // have counted it in different windows. Compare again from
             // the next window on, where both start afresh.
-            resync_from = after + 1;
+            resync_from = after + 1 + u64::from(algorithm == Algorithm::SlidingWindow);
         }
         if before < resync_from {
             skipped += 1;
             continue;
         }
         compared += 1;
-        let step = format!("step {i} ({key}, cost {cost}, after {step_ms} ms)");
+        let step = format!("{algorithm:?} step {i} ({key}, cost {cost}, after {step_ms} ms)");
+        if algorithm == Algorithm::SlidingWindow {
+            assert!(
+                r.remaining().abs_diff(m.remaining()) <= 1,
+                "{step}: {r:?} {m:?}"
+            );
+            assert!(
+                r.is_allowed() == m.is_allowed() || r.remaining().min(m.remaining()) <= 1,
+                "{step}: {r:?} {m:?}"
+            );
+            if r.is_allowed() != m.is_allowed() {
+                // The pair now differs by a permit: start again afresh.
+                resync_from = after + 2;
+            }
+            continue;
+        }
         assert_eq!(r.is_allowed(), m.is_allowed(), "{step}");
         assert_eq!(r.remaining(), m.remaining(), "{step}");
         // The two clocks are read microseconds apart, unless the machine

@@ -108,13 +108,16 @@ impl Scenario {
     fn draw(seed: u64) -> Scenario {
         let mut r = Rng::new(seed);
         let algorithm = match r.below(3) {
+            // Half the window seeds run the sliding window, drawn apart so
+            // every other seed keeps the scenario it always had.
+            0 if Rng::new(seed ^ 0x51_1D_E5).chance(0.5) => Algorithm::SlidingWindow,
             0 => Algorithm::FixedWindow,
             1 => Algorithm::TokenBucket,
             _ => Algorithm::Gcra,
         };
         let limit = [1, 3, 10, 25, 100][r.below(5) as usize];
         let period = Duration::from_millis([100, 250, 1000, 2000][r.below(4) as usize]);
-        let burst = if algorithm == Algorithm::FixedWindow {
+        let burst = if windowed(algorithm) {
             limit
         } else {
             (limit / 2 + r.below(limit * 2)).max(1)
@@ -170,9 +173,10 @@ impl Scenario {
 
     fn quota(&self) -> Quota {
         let q = Quota::new(self.limit, self.period).expect("a valid quota");
-        match self.algorithm {
-            Algorithm::FixedWindow => q,
-            _ => q.with_burst(self.burst as u32),
+        if windowed(self.algorithm) {
+            q
+        } else {
+            q.with_burst(self.burst as u32)
         }
     }
 
@@ -239,9 +243,10 @@ fn key_name(k: usize) -> String {
 }
 
 fn draw_cost(r: &mut Rng, s: &Scenario) -> u64 {
-    let max = match s.algorithm {
-        Algorithm::FixedWindow => s.limit,
-        _ => s.burst,
+    let max = if windowed(s.algorithm) {
+        s.limit
+    } else {
+        s.burst
     };
     match r.below(100) {
         0..=79 => 1,
@@ -433,7 +438,9 @@ async fn control(
                 let mut log = log.lock().unwrap();
                 let forgotten = log.restarts_us.iter().any(|&r| r >= w as u64 * period_us);
                 for k in (0..s.keys).filter(|_| !forgotten) {
-                    let n = m.fixed_window_count(NS, &key_name(k), w).unwrap_or(0);
+                    let n = m
+                        .window_count(NS, &key_name(k), s.algorithm, w)
+                        .unwrap_or(0);
                     log.counts.insert((k, w), n);
                 }
                 next_sample_us += period_us;
@@ -471,7 +478,7 @@ async fn run(
     let controller = tokio::spawn(control(
         s.clone(),
         fleet.clone(),
-        if s.algorithm == Algorithm::FixedWindow {
+        if windowed(s.algorithm) {
             memory.clone()
         } else {
             None
@@ -552,14 +559,80 @@ fn judge(
     // restart or the lease horizon after it (leases granted before the
     // restart are still spent then).
     let h_us = s.horizon.as_micros() as u64;
+    // A sliding window's load counts the window before too: exempt if
+    // the restart fell in that one or the one before it.
     let restarted = |from_us: u64, to_us: u64| {
         log.restarts_us.iter().any(|&r| match s.algorithm {
             Algorithm::FixedWindow => r + period_us >= from_us && r < to_us,
+            Algorithm::SlidingWindow => r + 2 * period_us >= from_us && r < to_us,
             _ => from_us < r + h_us && to_us >= r,
         })
     };
     let mut summary = String::new();
+    if windowed(s.algorithm) && s.max_debt.is_none() {
+        // What the store counted in a window covers what was admitted in it.
+        let mut per: HashMap<(usize, i64), u64> = HashMap::new();
+        for d in &admitted {
+            *per.entry((d.key, (d.at_us / period_us) as i64))
+                .or_default() += d.cost;
+        }
+        for (&(key, w), &count) in &per {
+            let start = w as u64 * period_us;
+            if restarted(start, start + period_us) {
+                continue;
+            }
+            if let Some(&stored) = log.counts.get(&(key, w)) {
+                if (stored as u64) < count {
+                    return Err(format!(
+                        "key {key} window {w}: admitted {count} but the store counted {stored}"
+                    ));
+                }
+            }
+        }
+    }
     match s.algorithm {
+        Algorithm::SlidingWindow => {
+            // At every admission, the window's admissions so far plus the
+            // previous window's, weighted by what the trailing period still
+            // covers of it, stay within the limit (strict), or within the
+            // limit plus two windows' unreported credit (optimistic).
+            let cap = s.limit + 2 * n * debt;
+            let mut per: HashMap<(usize, i64), u64> = HashMap::new();
+            for d in &admitted {
+                *per.entry((d.key, (d.at_us / period_us) as i64))
+                    .or_default() += d.cost;
+            }
+            let mut ordered = admitted.clone();
+            ordered.sort_by_key(|d| d.at_us);
+            let mut so_far: HashMap<(usize, i64), u64> = HashMap::new();
+            let mut worst = 0;
+            let slack = s.attribution_slack.as_micros() as u64;
+            for d in ordered {
+                let w = (d.at_us / period_us) as i64;
+                let count = so_far.entry((d.key, w)).or_default();
+                *count += d.cost;
+                let start = w as u64 * period_us;
+                if restarted(start, start + period_us) {
+                    continue;
+                }
+                let before = per.get(&(d.key, w - 1)).copied().unwrap_or(0);
+                // Real time: the store may have seen the admission a little
+                // later than it was recorded, when the weight was lower.
+                let left = (start + period_us).saturating_sub(d.at_us + slack);
+                let weighted = (before as f64 * left as f64 / period_us as f64).ceil() as u64;
+                let load = *count + weighted;
+                worst = worst.max(load);
+                if load > cap {
+                    return Err(format!(
+                        "key {key} at {at} µs: load {load} ({count} + {weighted} of {before}) > {cap}",
+                        key = d.key,
+                        at = d.at_us,
+                        count = *count,
+                    ));
+                }
+            }
+            summary += &format!("worst load {worst}/{}", s.limit);
+        }
         Algorithm::FixedWindow => {
             let mut per: HashMap<(usize, i64), u64> = HashMap::new();
             for d in &admitted {
@@ -578,15 +651,6 @@ fn judge(
                 excess += count.saturating_sub(s.limit);
                 if count > cap {
                     return Err(format!("key {key} window {w}: admitted {count} > {cap}"));
-                }
-                if s.max_debt.is_none() {
-                    if let Some(&stored) = log.counts.get(&(key, w)) {
-                        if (stored as u64) < count {
-                            return Err(format!(
-                                "key {key} window {w}: admitted {count} but the store counted {stored}"
-                            ));
-                        }
-                    }
                 }
             }
             if log.restarts_us.is_empty() && excess > overshoot {
@@ -695,6 +759,11 @@ fn simulate(seed: u64) -> Result<String, String> {
     })
 }
 
+/// Whether the algorithm counts per window (fixed or sliding).
+fn windowed(algorithm: Algorithm) -> bool {
+    matches!(algorithm, Algorithm::FixedWindow | Algorithm::SlidingWindow)
+}
+
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
@@ -768,7 +837,7 @@ async fn the_lua_scripts_meet_the_same_oracle_on_redis() {
         let period_us = s.period.as_micros() as u64;
         log.decisions.retain(|d| {
             let into = d.at_us % period_us;
-            into > 20_000 && into + 20_000 < period_us || s.algorithm != Algorithm::FixedWindow
+            into > 20_000 && into + 20_000 < period_us || !windowed(s.algorithm)
         });
         let immortal = server.immortal_keys();
         assert!(

@@ -86,7 +86,7 @@ impl Rig {
         let now = self.clock.now().as_micros() as u64;
         let window = (now / self.params.period_us) as i64;
         self.store
-            .window_count(&self.keys.store_key(key, Algorithm::FixedWindow), window)
+            .count_in_window(&self.keys.store_key(key, Algorithm::FixedWindow), window)
             .unwrap_or(0)
     }
 }

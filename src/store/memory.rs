@@ -226,13 +226,18 @@ impl MemoryStore {
         self.longest_ttl_us().map(std::time::Duration::from_micros)
     }
 
-    /// Permits counted in fixed window `window` for `key` under
-    /// `namespace`, as a test would `HGET` the Redis key.
+    /// Permits counted in window `window` for `key` under `namespace` by
+    /// a window algorithm, as a test would `HGET` the Redis key.
     #[cfg(feature = "test-support")]
-    pub fn fixed_window_count(&self, namespace: &str, key: &str, window: i64) -> Option<i64> {
-        let store_key =
-            crate::key::KeyEncoder::new(namespace).store_key(key, Algorithm::FixedWindow);
-        self.window_count(&store_key, window)
+    pub fn window_count(
+        &self,
+        namespace: &str,
+        key: &str,
+        algorithm: Algorithm,
+        window: i64,
+    ) -> Option<i64> {
+        let store_key = crate::key::KeyEncoder::new(namespace).store_key(key, algorithm);
+        self.count_in_window(&store_key, window)
     }
 
     #[cfg(feature = "test-support")]
@@ -270,7 +275,7 @@ impl MemoryStore {
 
     /// Permits counted in a fixed window for a store key, if the key lives.
     #[cfg(any(test, feature = "test-support"))]
-    pub(crate) fn window_count(&self, key: &str, window: i64) -> Option<i64> {
+    pub(crate) fn count_in_window(&self, key: &str, window: i64) -> Option<i64> {
         let now = micros(&*self.shared.clock);
         let entry = self.shared.entries.get(key)?;
         if entry.expires_us <= now {
