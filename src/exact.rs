@@ -4,25 +4,35 @@
 //! store's clock) at the price of a round trip per request. It owns nothing
 //! but the call; failures go back to the limiter, which applies the policy.
 
+use std::sync::Arc;
+
 use crate::decision::Source;
-use crate::failure::Report;
 use crate::key::KeyEncoder;
 use crate::local::decision_from;
-use crate::store::{LeaseCall, Params, Store, StoreCost};
+use crate::stats::Counters;
+use crate::store::{Params, Store, StoreCost};
 use crate::{Decision, Error};
 
 pub(crate) struct ExactEngine {
     store: Store,
     keys: KeyEncoder,
     params: Params,
+    /// Where its store calls are counted.
+    counters: Arc<Counters>,
 }
 
 impl ExactEngine {
-    pub(crate) fn new(store: Store, keys: KeyEncoder, params: Params) -> Self {
+    pub(crate) fn new(
+        store: Store,
+        keys: KeyEncoder,
+        params: Params,
+        counters: Arc<Counters>,
+    ) -> Self {
         ExactEngine {
             store,
             keys,
             params,
+            counters,
         }
     }
 
@@ -39,7 +49,10 @@ impl ExactEngine {
         cost: u64,
     ) -> (Result<(Decision, u64), Error>, StoreCost) {
         let store_key = self.keys.store_key(key, self.params.algorithm);
-        let (reply, spent) = self.store.acquire(&store_key, &self.params, cost).await;
+        let (reply, spent) = self
+            .store
+            .acquire(&store_key, &self.params, cost, &self.counters)
+            .await;
         let decided = reply.map(|reply| {
             (
                 decision_from(&reply, self.params.limit, Source::Store),
@@ -47,33 +60,5 @@ impl ExactEngine {
             )
         });
         (decided, spent)
-    }
-
-    /// Records permits admitted elsewhere (the fallback, during an outage)
-    /// as consumption of each key's current window or bucket, each report
-    /// under its identity. One result per report: the permits the store
-    /// could not cover, or why it refused; and what sending them cost.
-    pub(crate) async fn report(
-        &self,
-        reports: &[Report],
-    ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
-        let calls: Vec<LeaseCall> = reports
-            .iter()
-            .map(|r| {
-                LeaseCall::report(
-                    self.keys.store_key(&r.key, self.params.algorithm),
-                    r.permits,
-                    r.op,
-                )
-            })
-            .collect();
-        let (replies, cost) = self.store.lease_batch(&self.params, &calls, 0).await;
-        let uncovered = replies.map(|replies| {
-            replies
-                .into_iter()
-                .map(|reply| reply.map(|r| r.uncovered))
-                .collect()
-        });
-        (uncovered, cost)
     }
 }

@@ -69,6 +69,7 @@
 //! - `stats`: counters readable with [`Limiter::stats`].
 
 mod algorithm;
+mod breaker;
 mod clock;
 mod decision;
 mod error;
@@ -86,10 +87,11 @@ mod stats;
 mod store;
 
 pub use algorithm::Algorithm;
+pub use breaker::{CircuitConfig, CircuitState};
 pub use clock::{Clock, FakeClock, SystemClock};
 pub use decision::{Decision, Source};
 pub use error::{Error, ErrorKind};
-pub use failure::{CircuitConfig, CircuitState, FailurePolicy};
+pub use failure::FailurePolicy;
 pub use hybrid::{Consistency, HybridConfig};
 pub use limiter::{Builder, Check, Limiter};
 pub use quota::{Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};

@@ -12,7 +12,7 @@ use std::task::{Context, Poll};
 
 use crate::decision::Source;
 use crate::exact::ExactEngine;
-use crate::failure::FailureHandler;
+use crate::failure::{FailureLayer, LayerParts};
 use crate::hybrid::{HybridConfig, HybridEngine, Wiring};
 use crate::key::{local_key, KeyEncoder};
 use crate::local::LocalEngine;
@@ -31,13 +31,13 @@ pub struct Limiter {
 
 struct Inner {
     engine: Engine,
-    failure: FailureHandler,
+    failure: FailureLayer,
     quota: Quota,
     algorithm: Algorithm,
     counters: Arc<Counters>,
-    /// The shared store, for the failure policy's retry hint.
+    /// The shared store, whose breaker state the metrics follow.
     store: Option<Store>,
-    /// Store keys, for the retry hint of a key's own shard on a cluster.
+    /// This limiter's namespace.
     keys: KeyEncoder,
 }
 
@@ -56,115 +56,10 @@ enum Mode {
 }
 
 impl Inner {
-    fn policy_decision(&self, key: &str, cost: u64) -> Decision {
-        self.counters.policy_decisions.add(1);
-        let hint = self.store.as_ref().and_then(|store| {
-            if store.is_sharded() {
-                store.retry_hint_for(&self.keys.store_key(key, self.algorithm))
-            } else {
-                store.retry_hint()
-            }
-        });
-        let decision = self.failure.decide(key, cost, hint);
-        if decision.source() == Source::Fallback && decision.is_allowed() {
-            self.counters.fallback_admitted.add(cost);
-            let dropped = self.failure.reconciler.take_dropped();
-            if dropped > 0 {
-                self.counters.reports_dropped.add(dropped);
-            }
-        }
-        decision
-    }
-
-    /// After an outage, reports what the fallback admitted meanwhile;
-    /// `false` if the store is still unavailable. Each report stands alone:
-    /// one the store refuses for good (a key of the wrong type, a value out
-    /// of range) is dropped and counted, never retried before every
-    /// decision; one that timed out is resent later under the same
-    /// identity, so it is counted once even if the store had applied it.
-    /// A dropped future loses nothing: reports leave the ledger only here,
-    /// after the store answered, and go back otherwise.
-    async fn reconcile(&self, exact: &ExactEngine) -> bool {
-        let reports = self.failure.reconciler.drain();
-        if reports.is_empty() {
-            return true;
-        }
-        let ledger = &self.failure.reconciler;
-        let guard = RestoreOnDrop {
-            ledger,
-            reports: Some(reports),
-        };
-        let sent = guard.reports.as_deref().unwrap_or_default();
-        let began = std::time::Instant::now();
-        let (replies, cost) = exact.report(sent).await;
-        if cost.round_trips > 0 {
-            self.counters
-                .round_trip(cost, began.elapsed().as_micros() as u64);
-        }
-        let reports = guard.disarm();
-        let replies = match replies {
-            Ok(replies) => replies,
-            Err(e) => {
-                self.counters.store_error(e.kind());
-                let available = !e.is_unavailable();
-                if available {
-                    let total: u64 = reports.iter().map(|r| r.permits).sum();
-                    self.counters.reports_dropped.add(total);
-                } else {
-                    let dropped = ledger.restore(reports);
-                    self.counters.reports_dropped.add(dropped);
-                }
-                return available;
-            }
-        };
-        let mut available = true;
-        for (report, reply) in reports.into_iter().zip(replies) {
-            match reply {
-                Ok(uncovered) => {
-                    self.counters.reconciled.add(report.permits);
-                    self.counters.overshoot.add(uncovered);
-                }
-                Err(e) if e.is_unavailable() => {
-                    self.counters.store_error(e.kind());
-                    available = false;
-                    let dropped = ledger.restore([report]);
-                    self.counters.reports_dropped.add(dropped);
-                }
-                Err(e) => {
-                    self.counters.store_error(e.kind());
-                    self.counters.reports_dropped.add(report.permits);
-                }
-            }
-        }
-        available
-    }
-
     #[inline]
     fn count(&self, decision: &Decision) {
         self.counters
             .decision(decision.is_allowed(), decision.source());
-    }
-}
-
-/// Puts reconciliation reports back in the ledger if the future sending
-/// them is dropped before the store answered.
-struct RestoreOnDrop<'a> {
-    ledger: &'a crate::failure::Reconciler,
-    reports: Option<Vec<crate::failure::Report>>,
-}
-
-impl RestoreOnDrop<'_> {
-    fn disarm(mut self) -> Vec<crate::failure::Report> {
-        self.reports.take().unwrap_or_default()
-    }
-}
-
-impl Drop for RestoreOnDrop<'_> {
-    fn drop(&mut self) {
-        if let Some(reports) = self.reports.take() {
-            // Not sent: nothing to drop for age here.
-            let _ = self.ledger.restore(reports);
-        }
     }
 }
 
@@ -293,19 +188,15 @@ impl Limiter {
             Engine::Exact(exact) => {
                 // After an outage, what the fallback admitted is reported
                 // before anything new is decided.
-                if inner.failure.reconciler.has_pending() && !inner.reconcile(exact).await {
-                    let decision = inner.policy_decision(key, cost);
+                if inner.failure.reconciler.has_pending() && !inner.failure.reconcile().await {
+                    let decision = inner.failure.decide(key, cost);
                     inner.count(&decision);
                     return decision;
                 }
                 let began = std::time::Instant::now();
                 let local_before = inner.failure.store_clock.local_us();
-                let (result, spent) = exact.check_timed(key, cost).await;
+                let (result, _) = exact.check_timed(key, cost).await;
                 let took = began.elapsed().as_micros() as u64;
-                // A call the breaker refused never left the process.
-                if spent.round_trips > 0 {
-                    inner.counters.round_trip(spent, took);
-                }
                 if let Some(store) = &inner.store {
                     inner.counters.circuit(store.circuit_state());
                 }
@@ -317,15 +208,12 @@ impl Limiter {
                             .observe(local_before + took / 2, store_us);
                         decision
                     }
-                    Err(e) => {
-                        inner.counters.store_error(e.kind());
-                        inner.policy_decision(key, cost)
-                    }
+                    Err(_) => inner.failure.decide(key, cost),
                 }
             }
             Engine::Hybrid(hybrid) => match hybrid.check(key, cost).await {
                 Ok(decision) => decision,
-                Err(_) => inner.policy_decision(key, cost),
+                Err(_) => inner.failure.decide(key, cost),
             },
         };
         inner.count(&decision);
@@ -341,11 +229,7 @@ impl Limiter {
         let key = &*local_key(key);
         match &self.inner.engine {
             Engine::Local(local) => Ok(local.check(key, cost)),
-            Engine::Exact(exact) => {
-                let (decision, spent) = exact.check(key, cost).await;
-                self.inner.counters.spent(spent);
-                decision
-            }
+            Engine::Exact(exact) => exact.check(key, cost).await.0,
             Engine::Hybrid(hybrid) => hybrid.check(key, cost).await,
         }
     }
@@ -540,13 +424,6 @@ impl Builder {
         let counters = Arc::new(Counters::new(self.name.as_deref().unwrap_or(&namespace)));
         let params = Params::new(&self.quota, self.algorithm);
         let keys = KeyEncoder::new(&namespace);
-        let hint_keys = keys.clone();
-        let failure = FailureHandler::new(
-            self.policy,
-            self.algorithm,
-            self.quota.limit(),
-            clock.clone(),
-        )?;
         let store: Option<Store> = match self.mode {
             Mode::Local => None,
             _ => Some(
@@ -554,6 +431,16 @@ impl Builder {
                     .unwrap_or_else(|| MemoryStore::with_shared_clock(clock.clone()).into()),
             ),
         };
+        let own_keys = keys.clone();
+        let failure = FailureLayer::new(LayerParts {
+            policy: self.policy,
+            algorithm: self.algorithm,
+            clock: clock.clone(),
+            store: store.clone(),
+            keys: keys.clone(),
+            params,
+            counters: counters.clone(),
+        })?;
         let engine = match (self.mode, store.clone()) {
             (Mode::Hybrid(config), Some(store)) => Engine::Hybrid(HybridEngine::start(
                 config,
@@ -569,7 +456,9 @@ impl Builder {
                     store_clock: failure.store_clock.clone(),
                 },
             )?),
-            (Mode::Exact, Some(store)) => Engine::Exact(ExactEngine::new(store, keys, params)),
+            (Mode::Exact, Some(store)) => {
+                Engine::Exact(ExactEngine::new(store, keys, params, counters.clone()))
+            }
             _ => Engine::Local(LocalEngine::new(
                 self.quota,
                 self.algorithm,
@@ -585,7 +474,7 @@ impl Builder {
                 algorithm: self.algorithm,
                 counters,
                 store,
-                keys: hint_keys,
+                keys: own_keys,
             }),
         })
     }

@@ -12,8 +12,8 @@ use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
 };
 
+use crate::breaker::CircuitState;
 use crate::decision::Source;
-use crate::failure::CircuitState;
 use crate::{Error, ErrorKind};
 
 /// Decisions, labelled `limiter`, `outcome` (`allowed` / `denied`) and `source`.

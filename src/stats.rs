@@ -8,10 +8,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use metrics::Counter;
 
+use crate::breaker::CircuitState;
 use crate::decision::Source;
-use crate::failure::CircuitState;
 use crate::metrics::{self as names, Meters};
-use crate::store::StoreCost;
 use crate::ErrorKind;
 
 /// One total: a local atomic and its metric.
@@ -46,6 +45,26 @@ impl Tally {
 
     pub(crate) fn get(&self) -> u64 {
         self.value.load(Ordering::Relaxed)
+    }
+}
+
+/// What a batch cost the store: round trips (pipelines and script loads
+/// sent; on a cluster a batch is one pipeline per hash slot) and script
+/// calls (each call of the batch once, however often it was resent). A
+/// call the circuit breaker refused costs nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct StoreCost {
+    pub(crate) round_trips: u64,
+    pub(crate) calls: u64,
+}
+
+impl StoreCost {
+    /// One round trip carrying `calls` script calls.
+    pub(crate) fn one_trip(calls: usize) -> Self {
+        StoreCost {
+            round_trips: 1,
+            calls: calls as u64,
+        }
     }
 }
 
@@ -107,23 +126,35 @@ impl Counters {
         self.meters.decision(allowed, source);
     }
 
-    pub(crate) fn store_error(&self, kind: ErrorKind) {
+    fn store_error(&self, kind: ErrorKind) {
         self.store_errors.add(1);
         self.meters.error(kind);
     }
 
     /// A store call, or a batch, that cost `cost` and took `micros` (one
     /// latency sample however many pipelines it sent).
-    pub(crate) fn round_trip(&self, cost: StoreCost, micros: u64) {
+    fn round_trip(&self, cost: StoreCost, micros: u64) {
         self.round_trips.add(cost.round_trips);
         self.store_calls.add(cost.calls);
         self.meters.store_latency.record(micros as f64 / 1e6);
     }
 
-    /// What a store call cost, not timed.
-    pub(crate) fn spent(&self, cost: StoreCost) {
-        self.round_trips.add(cost.round_trips);
-        self.store_calls.add(cost.calls);
+    /// One store call (a check, a batch): what it cost, how long it took,
+    /// and the errors it returned. The one place store calls are counted.
+    /// A call the breaker refused never left the process: it is neither a
+    /// round trip nor a latency sample, but its error counts.
+    pub(crate) fn store_call<'a>(
+        &self,
+        cost: StoreCost,
+        took: std::time::Duration,
+        errors: impl Iterator<Item = &'a crate::Error>,
+    ) {
+        if cost.round_trips > 0 {
+            self.round_trip(cost, took.as_micros() as u64);
+        }
+        for e in errors {
+            self.store_error(e.kind());
+        }
     }
 
     pub(crate) fn lease_granted(&self, permits: u64) {

@@ -186,7 +186,7 @@ impl HybridEngine {
         let shared = Arc::new(Shared {
             slots: DashMap::with_hasher(ahash::RandomState::new()),
             config: ArcSwap::from_pointee(config),
-            exact: ExactEngine::new(store.clone(), keys.clone(), params),
+            exact: ExactEngine::new(store.clone(), keys.clone(), params, counters.clone()),
             store,
             keys,
             params,
@@ -586,9 +586,7 @@ impl Shared {
     }
 
     async fn exact_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
-        let (decision, spent) = self.exact.check(key, cost).await;
-        self.counters.spent(spent);
-        decision
+        self.exact.check(key, cost).await.0
     }
 
     /// Queues a refill for the slot (at most one per slot at a time).

@@ -20,7 +20,6 @@ use crate::algorithm::{
     LeaseCall, LeaseKind, LeaseOrigin, LeaseReply, LeaseTarget, LeaseView, OpId, MAX_REPORT,
 };
 use crate::failure::{Report, RESEND_FOR};
-use crate::store::StoreCost;
 use crate::Error;
 
 /// Local clocks are assumed to run within this many parts per million of
@@ -334,7 +333,10 @@ pub(crate) async fn round(shared: &Shared) -> bool {
         let results = join_all(calls.iter().enumerate().map(|(i, batch)| {
             let ahead: usize = calls[..i].iter().map(Vec::len).sum();
             async move {
-                let (result, cost) = shared.store.lease_batch(&shared.params, batch, ahead).await;
+                let (result, cost) = shared
+                    .store
+                    .lease_batch(&shared.params, batch, ahead, &shared.counters)
+                    .await;
                 (result, cost, shared.time.precise_us())
             }
         }))
@@ -342,7 +344,15 @@ pub(crate) async fn round(shared: &Shared) -> bool {
         let batches = std::mem::take(&mut unsent.batches);
         shared.counters.circuit(shared.store.circuit_state());
         for (pending, (result, cost, t1)) in batches.into_iter().zip(results) {
-            settle(shared, &config, pending, result, cost, t0, t1);
+            settle(
+                shared,
+                &config,
+                pending,
+                result,
+                cost.round_trips > 0,
+                t0,
+                t1,
+            );
         }
         if sent >= BATCHES_PER_ROUND && !last {
             more = true;
@@ -414,23 +424,21 @@ fn next_batch(
     pending
 }
 
-/// Counts a batch's round trip and applies its replies.
+/// Applies a batch's replies; `sent`: it left the process (a call the
+/// breaker refused is neither a lease requested nor a round-trip sample).
 fn settle(
     shared: &Shared,
     config: &HybridConfig,
     pending: Vec<Pending>,
     results: Result<Vec<Result<LeaseReply, Error>>, Error>,
-    cost: StoreCost,
+    sent: bool,
     t0: u64,
     t1: u64,
 ) {
-    // A call the breaker refused never left the process: it is neither
-    // a round trip nor a latency sample nor a lease requested.
-    if !matches!(&results, Err(e) if e.is_circuit_open()) {
+    if sent {
         let requested = pending.iter().filter(|p| p.call.want > 0).count() as u64;
         shared.counters.leases_requested.add(requested);
         let rtt = t1.saturating_sub(t0);
-        shared.counters.round_trip(cost, rtt);
         let old = shared.rtt_us.load(Ordering::Relaxed);
         shared.rtt_us.store(
             if old == 0 { rtt } else { (old * 7 + rtt) / 8 },
@@ -440,14 +448,12 @@ fn settle(
     match results {
         Ok(results) => {
             for (p, result) in pending.into_iter().zip(results) {
-                apply(shared, config, p, result, t0, t1, true);
+                apply(shared, config, p, result, t0, t1);
             }
         }
         Err(e) => {
-            // One failure of the whole batch: one error, not one per call.
-            shared.counters.store_error(e.kind());
             for p in pending {
-                apply(shared, config, p, Err(e.clone()), t0, t1, false);
+                apply(shared, config, p, Err(e.clone()), t0, t1);
             }
         }
     }
@@ -458,13 +464,10 @@ fn settle(
 async fn give_back_all(shared: &Shared) {
     let returns = std::mem::take(&mut *shared.returns.lock().unwrap_or_else(|p| p.into_inner()));
     for chunk in returns.chunks(shared.config.load().batch_size) {
-        let began = shared.time.precise_us();
-        let (result, cost) = shared.store.give_back_batch(&shared.params, chunk).await;
-        if !matches!(&result, Err(e) if e.is_circuit_open()) {
-            shared
-                .counters
-                .round_trip(cost, shared.time.precise_us().saturating_sub(began));
-        }
+        let (result, _) = shared
+            .store
+            .give_back_batch(&shared.params, chunk, &shared.counters)
+            .await;
         match result {
             Ok(results) => {
                 for (call, result) in chunk.iter().zip(results) {
@@ -476,15 +479,11 @@ async fn give_back_all(shared: &Shared) {
                                 .stranded
                                 .add(call.returned.saturating_sub(back));
                         }
-                        Err(e) => {
-                            shared.counters.store_error(e.kind());
-                            shared.counters.stranded.add(call.returned);
-                        }
+                        Err(_) => shared.counters.stranded.add(call.returned),
                     }
                 }
             }
-            Err(e) => {
-                shared.counters.store_error(e.kind());
+            Err(_) => {
                 let lost: u64 = chunk.iter().map(|c| c.returned).sum();
                 shared.counters.stranded.add(lost);
             }
@@ -585,8 +584,6 @@ fn apply(
     result: Result<LeaseReply, Error>,
     t0: u64,
     t1: u64,
-    // False when the whole batch failed and its one error is counted.
-    count_error: bool,
 ) {
     let counters = &shared.counters;
     let Some(slot) = p.slot else {
@@ -595,11 +592,6 @@ fn apply(
         // (wrong type, out of range) will never apply, so it is dropped
         // and counted rather than retried forever.
         let retry = matches!(&result, Err(e) if e.is_unavailable());
-        if let Err(e) = &result {
-            if count_error {
-                counters.store_error(e.kind());
-            }
-        }
         match p.report {
             Some(Reported::Fallback(report)) if retry => {
                 let dropped = shared.reconciler.restore([report]);
@@ -649,10 +641,7 @@ fn apply(
         books.credit.in_flight = books.credit.in_flight.saturating_sub(debt);
     }
     match result {
-        Err(e) => {
-            if count_error {
-                counters.store_error(e.kind());
-            }
+        Err(_) => {
             // The store may have granted it all the same (a timeout after
             // Redis ran the call): the next lease asks for that grant back.
             lose_lease(&slot, &p.call);

@@ -38,12 +38,15 @@ fn rig(quota: Quota, algorithm: Algorithm, config: HybridConfig) -> Rig {
             counters: counters.clone(),
             max_cost: algorithm.max_cost(&quota),
             reconciler: Arc::new(crate::failure::Reconciler::new(Arc::new(clock.clone()))),
-            store_clock: crate::failure::FailureHandler::new(
-                crate::FailurePolicy::FailOpen,
+            store_clock: crate::failure::FailureLayer::new(crate::failure::LayerParts {
+                policy: crate::FailurePolicy::FailOpen,
                 algorithm,
-                quota.limit(),
-                Arc::new(clock.clone()),
-            )
+                clock: Arc::new(clock.clone()),
+                store: None,
+                keys: keys.clone(),
+                params,
+                counters: counters.clone(),
+            })
             .unwrap()
             .store_clock,
         },

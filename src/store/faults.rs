@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params, Store, StoreCost};
-use crate::failure::{CircuitBreaker, CircuitConfig};
+use crate::breaker::{CircuitBreaker, CircuitConfig};
 use crate::{Clock, Error, ErrorKind};
 
 /// How often each fault happens, per call (probabilities in `[0, 1]`).
@@ -216,7 +216,7 @@ impl FaultyStore {
         cost: u64,
     ) -> (Result<AcquireReply, Error>, StoreCost) {
         let result = self
-            .run(|| async { self.inner.store.acquire(key, params, cost).await.0 })
+            .run(|| async { self.inner.store.send_acquire(key, params, cost).await.0 })
             .await;
         let cost = Self::cost(&result, 1);
         (result, cost)
@@ -229,7 +229,13 @@ impl FaultyStore {
         ahead: usize,
     ) -> (Result<Vec<Result<LeaseReply, Error>>, Error>, StoreCost) {
         let result = self
-            .run(|| async { self.inner.store.lease_batch(params, calls, ahead).await.0 })
+            .run(|| async {
+                self.inner
+                    .store
+                    .send_lease_batch(params, calls, ahead)
+                    .await
+                    .0
+            })
             .await;
         {
             let cost = Self::cost(&result, calls.len());
@@ -243,7 +249,7 @@ impl FaultyStore {
         calls: &[GiveBackCall],
     ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
         let result = self
-            .run(|| async { self.inner.store.give_back_batch(params, calls).await.0 })
+            .run(|| async { self.inner.store.send_give_back_batch(params, calls).await.0 })
             .await;
         let cost = Self::cost(&result, calls.len());
         (result, cost)

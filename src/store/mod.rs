@@ -18,8 +18,10 @@ pub use self::memory::MemoryStore;
 pub use self::redis::{RedisOptions, RedisStore};
 
 pub(crate) use crate::algorithm::{
-    AcquireReply, GiveBackCall, LeaseCall, LeaseOrigin, LeaseReply, OpId, OpIds, Params,
+    AcquireReply, GiveBackCall, LeaseCall, LeaseOrigin, LeaseReply, OpId, Params,
 };
+use crate::stats::Counters;
+pub(crate) use crate::stats::StoreCost;
 use crate::Error;
 
 /// A store a limiter can count in: a [`RedisStore`] or a [`MemoryStore`].
@@ -54,26 +56,6 @@ impl From<RedisStore> for Store {
 impl From<MemoryStore> for Store {
     fn from(store: MemoryStore) -> Self {
         Store::Memory(store)
-    }
-}
-
-/// What a batch cost the store: round trips (pipelines and script loads
-/// sent; on a cluster a batch is one pipeline per hash slot) and script
-/// calls (each call of the batch once, however often it was resent). A
-/// call the circuit breaker refused costs nothing.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct StoreCost {
-    pub(crate) round_trips: u64,
-    pub(crate) calls: u64,
-}
-
-impl StoreCost {
-    /// One round trip carrying `calls` script calls.
-    pub(crate) fn one_trip(calls: usize) -> Self {
-        StoreCost {
-            round_trips: 1,
-            calls: calls as u64,
-        }
     }
 }
 
@@ -112,8 +94,9 @@ impl Store {
         }
     }
 
-    /// Checks and counts one request; returns what that cost.
-    pub(crate) async fn acquire(
+    /// Checks and counts one request; returns what that cost. Not counted
+    /// on any limiter (see [`acquire`](Self::acquire)).
+    pub(crate) async fn send_acquire(
         &self,
         key: &str,
         params: &Params,
@@ -137,7 +120,7 @@ impl Store {
     ///
     /// `ahead`: calls already in flight before these (concurrent batches
     /// of one round), which a batch's timeout allows for.
-    pub(crate) async fn lease_batch(
+    pub(crate) async fn send_lease_batch(
         &self,
         params: &Params,
         calls: &[LeaseCall],
@@ -158,7 +141,7 @@ impl Store {
 
     /// Gives permits back; returns how many the store took back, and what
     /// the batch cost.
-    pub(crate) async fn give_back_batch(
+    pub(crate) async fn send_give_back_batch(
         &self,
         params: &Params,
         calls: &[GiveBackCall],
@@ -175,4 +158,58 @@ impl Store {
             Store::Faulty(s) => Box::pin(s.give_back_batch(params, calls)).await,
         }
     }
+
+    /// Checks and counts one request, recorded on `counters`.
+    pub(crate) async fn acquire(
+        &self,
+        key: &str,
+        params: &Params,
+        cost: u64,
+        counters: &Counters,
+    ) -> (Result<AcquireReply, Error>, StoreCost) {
+        let began = std::time::Instant::now();
+        let (reply, spent) = self.send_acquire(key, params, cost).await;
+        counters.store_call(spent, began.elapsed(), reply.as_ref().err().into_iter());
+        (reply, spent)
+    }
+
+    /// Runs many leases (see [`send_lease_batch`](Self::send_lease_batch)),
+    /// recorded on `counters`.
+    pub(crate) async fn lease_batch(
+        &self,
+        params: &Params,
+        calls: &[LeaseCall],
+        ahead: usize,
+        counters: &Counters,
+    ) -> (Result<Vec<Result<LeaseReply, Error>>, Error>, StoreCost) {
+        let began = std::time::Instant::now();
+        let (replies, spent) = self.send_lease_batch(params, calls, ahead).await;
+        counters.store_call(spent, began.elapsed(), errors(&replies));
+        (replies, spent)
+    }
+
+    /// Gives permits back (see
+    /// [`send_give_back_batch`](Self::send_give_back_batch)), recorded on
+    /// `counters`.
+    pub(crate) async fn give_back_batch(
+        &self,
+        params: &Params,
+        calls: &[GiveBackCall],
+        counters: &Counters,
+    ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
+        let began = std::time::Instant::now();
+        let (replies, spent) = self.send_give_back_batch(params, calls).await;
+        counters.store_call(spent, began.elapsed(), errors(&replies));
+        (replies, spent)
+    }
+}
+
+/// The errors of a batch: its own when it failed whole (one error, not one
+/// per call), else each call's.
+fn errors<T>(replies: &Result<Vec<Result<T, Error>>, Error>) -> impl Iterator<Item = &Error> {
+    let (whole, each) = match replies {
+        Err(e) => (Some(e), None),
+        Ok(replies) => (None, Some(replies.iter().filter_map(|r| r.as_ref().err()))),
+    };
+    whole.into_iter().chain(each.into_iter().flatten())
 }

@@ -24,8 +24,8 @@ use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
 use super::topology::{slot_of, Node, Topology};
 use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, OpId, Params, StoreCost};
 use crate::algorithm::{self, Arg};
-use crate::failure::{CircuitBreaker, CircuitConfig, CircuitState};
-use crate::{Error, ErrorKind, SystemClock};
+use crate::breaker::{CircuitBreaker, CircuitConfig, CircuitState};
+use crate::{Clock, Error, ErrorKind, SystemClock};
 
 /// A script and its source, which `SCRIPT LOAD` sends to one node.
 struct Lua {
@@ -66,11 +66,24 @@ fn with_args(cmd: &mut Cmd, args: &[Arg]) {
 }
 
 /// Connection settings for a [`RedisStore`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
+#[non_exhaustive]
 pub struct RedisOptions {
     connect_timeout: Duration,
     response_timeout: Duration,
     circuit: CircuitConfig,
+    /// What the circuit breakers time their windows and back-offs on.
+    clock: Arc<dyn Clock>,
+}
+
+impl fmt::Debug for RedisOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisOptions")
+            .field("connect_timeout", &self.connect_timeout)
+            .field("response_timeout", &self.response_timeout)
+            .field("circuit", &self.circuit)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Default for RedisOptions {
@@ -79,6 +92,7 @@ impl Default for RedisOptions {
             connect_timeout: Duration::from_millis(500),
             response_timeout: Duration::from_millis(25),
             circuit: CircuitConfig::default(),
+            clock: Arc::new(SystemClock::new()),
         }
     }
 }
@@ -122,6 +136,15 @@ impl RedisOptions {
     #[must_use]
     pub fn circuit_breaker(mut self, config: CircuitConfig) -> Self {
         self.circuit = config;
+        self
+    }
+
+    /// The clock the circuit breakers run on (default: the system clock):
+    /// a test drives their windows and back-offs without sleeping. Call
+    /// timeouts are real time whatever this says.
+    #[must_use]
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
         self
     }
 
@@ -436,7 +459,7 @@ impl RedisStore {
                 .unwrap_or_default();
             inner.topology = Some(Topology::new(
                 inner.options.circuit,
-                Arc::new(SystemClock::new()),
+                inner.options.clock.clone(),
                 &seed_host,
             ));
         }
@@ -578,7 +601,7 @@ impl RedisStore {
     }
 
     fn from_parts(conn: Conn, options: RedisOptions, url: &str) -> RedisStore {
-        let breaker = CircuitBreaker::new(options.circuit, Arc::new(SystemClock::new()));
+        let breaker = CircuitBreaker::new(options.circuit, options.clock.clone());
         RedisStore {
             inner: Arc::new(Inner {
                 conn: ArcSwap::from_pointee(conn),

@@ -16,8 +16,8 @@ use arc_swap::ArcSwap;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::Value;
 
+use crate::breaker::{CircuitBreaker, CircuitConfig, CircuitState};
 use crate::clock::micros;
-use crate::failure::{CircuitBreaker, CircuitConfig, CircuitState};
 use crate::{Clock, Error, ErrorKind};
 
 /// Hash slots in a Redis Cluster.

@@ -1,0 +1,262 @@
+//! The ledger of what the fallback admitted while the store was away, and
+//! its reconciliation: reported to the store as debt when it answers
+//! again, each report under an identity, so the fleet does not get a
+//! second budget right after an outage and a report resent after a lost
+//! reply is counted once.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::algorithm::{LeaseCall, OpId, OpIds, Params};
+use crate::clock::micros;
+use crate::key::KeyEncoder;
+use crate::stats::Counters;
+use crate::store::Store;
+use crate::Clock;
+
+/// Permits admitted by the fallback while the store was away, per user key.
+/// Reported to the store as debt when it answers again, so the fleet does
+/// not get a second full budget right after an outage.
+///
+/// Each report carries an identity ([`OpId`]) fixed when it is first sent:
+/// a report that timed out is resent under the same identity, so the store
+/// counts it once even if it had applied the first delivery.
+pub(crate) struct Reconciler {
+    pending: Mutex<Ledger>,
+    has_pending: AtomicBool,
+    /// Permits admitted for keys that found the ledger full, not yet
+    /// added to `Stats::reports_dropped`.
+    dropped: AtomicU64,
+    ops: OpIds,
+    /// Times resends (see `RESEND_FOR`).
+    clock: Arc<dyn Clock>,
+}
+
+impl fmt::Debug for Reconciler {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reconciler")
+            .field("has_pending", &self.has_pending())
+            .finish()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Ledger {
+    /// Admitted and never sent.
+    fresh: HashMap<String, u64>,
+    /// Sent, not known to have applied: resent as they were.
+    resend: Vec<Report>,
+}
+
+/// One reconciliation report: `permits` admitted for `key` while the store
+/// was away.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Report {
+    pub(crate) key: String,
+    pub(crate) permits: u64,
+    pub(crate) op: OpId,
+    /// When it was first handed out for sending (the limiter's clock, µs).
+    pub(crate) first_sent: Option<u64>,
+}
+
+/// How long a report is resent. The store remembers a report's identity
+/// for 60 s; a resend after that could apply twice, so a report still
+/// unsent by then is dropped and counted instead (`Stats::reports_dropped`).
+pub(crate) const RESEND_FOR: Duration = Duration::from_secs(50);
+
+/// The most keys the ledger holds between two reports. Keys reach it
+/// through `local_key`, so this bounds its bytes too; what a key beyond it
+/// admitted is dropped and counted rather than remembered.
+pub(crate) const MAX_LEDGER_KEYS: usize = 100_000;
+
+impl Reconciler {
+    pub(crate) fn new(clock: Arc<dyn Clock>) -> Self {
+        Reconciler {
+            pending: Mutex::new(Ledger::default()),
+            has_pending: AtomicBool::new(false),
+            dropped: AtomicU64::new(0),
+            ops: OpIds::default(),
+            clock,
+        }
+    }
+
+    pub(super) fn record(&self, key: &str, cost: u64) {
+        if cost == 0 {
+            return;
+        }
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let full = pending.fresh.len() >= MAX_LEDGER_KEYS;
+        match pending.fresh.get_mut(key) {
+            Some(n) => *n = n.saturating_add(cost),
+            None if full => {
+                self.dropped.fetch_add(cost, Ordering::Relaxed);
+                return;
+            }
+            None => {
+                pending.fresh.insert(key.to_owned(), cost);
+            }
+        }
+        self.has_pending.store(true, Ordering::Release);
+    }
+
+    /// Permits dropped because the ledger was full, since the last call.
+    pub(crate) fn take_dropped(&self) -> u64 {
+        self.dropped.swap(0, Ordering::Relaxed)
+    }
+
+    pub(crate) fn has_pending(&self) -> bool {
+        self.has_pending.load(Ordering::Acquire)
+    }
+
+    /// Takes everything pending, each with its identity.
+    pub(crate) fn drain(&self) -> Vec<Report> {
+        if !self.has_pending() {
+            return Vec::new();
+        }
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        self.has_pending.store(false, Ordering::Release);
+        let now = micros(&*self.clock);
+        let mut out = std::mem::take(&mut pending.resend);
+        out.extend(pending.fresh.drain().map(|(key, permits)| Report {
+            key,
+            permits,
+            op: self.ops.next(),
+            first_sent: None,
+        }));
+        for r in &mut out {
+            r.first_sent.get_or_insert(now);
+        }
+        out
+    }
+
+    /// Puts back reports that could not be delivered, to be resent as they
+    /// are; returns the permits of those resent for too long, dropped.
+    pub(crate) fn restore(&self, reports: impl IntoIterator<Item = Report>) -> u64 {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let mut dropped = 0;
+        for r in reports {
+            let now = micros(&*self.clock);
+            if r.first_sent
+                .is_some_and(|t| now.saturating_sub(t) > RESEND_FOR.as_micros() as u64)
+            {
+                dropped += r.permits;
+            } else {
+                pending.resend.push(r);
+            }
+        }
+        if !pending.resend.is_empty() {
+            self.has_pending.store(true, Ordering::Release);
+        }
+        dropped
+    }
+}
+
+/// Puts reconciliation reports back in the ledger if the future sending
+/// them is dropped before the store answered.
+struct RestoreOnDrop<'a> {
+    ledger: &'a Reconciler,
+    reports: Option<Vec<Report>>,
+}
+
+impl RestoreOnDrop<'_> {
+    fn disarm(mut self) -> Vec<Report> {
+        self.reports.take().unwrap_or_default()
+    }
+}
+
+impl Drop for RestoreOnDrop<'_> {
+    fn drop(&mut self) {
+        if let Some(reports) = self.reports.take() {
+            // Not sent: nothing to drop for age here.
+            let _ = self.ledger.restore(reports);
+        }
+    }
+}
+
+/// Reports what the fallback admitted as consumption of each key's
+/// current window or bucket; `false` if the store is still unavailable.
+/// Each report stands alone: one the store refuses for good (a key of the
+/// wrong type, a value out of range) is dropped and counted, never retried
+/// before every decision; one that timed out is resent later under the
+/// same identity, so it is counted once even if the store had applied it.
+/// A dropped future loses nothing: reports leave the ledger only here,
+/// after the store answered, and go back otherwise.
+pub(crate) async fn reconcile(
+    ledger: &Reconciler,
+    store: &Store,
+    keys: &KeyEncoder,
+    params: &Params,
+    counters: &Counters,
+) -> bool {
+    let reports = ledger.drain();
+    if reports.is_empty() {
+        return true;
+    }
+    let guard = RestoreOnDrop {
+        ledger,
+        reports: Some(reports),
+    };
+    let calls: Vec<LeaseCall> = guard
+        .reports
+        .as_deref()
+        .unwrap_or_default()
+        .iter()
+        .map(|r| LeaseCall::report(keys.store_key(&r.key, params.algorithm), r.permits, r.op))
+        .collect();
+    let (replies, _) = store.lease_batch(params, &calls, 0, counters).await;
+    let reports = guard.disarm();
+    let replies = match replies {
+        Ok(replies) => replies,
+        Err(e) => {
+            let available = !e.is_unavailable();
+            if available {
+                let total: u64 = reports.iter().map(|r| r.permits).sum();
+                counters.reports_dropped.add(total);
+            } else {
+                let dropped = ledger.restore(reports);
+                counters.reports_dropped.add(dropped);
+            }
+            return available;
+        }
+    };
+    let mut available = true;
+    for (report, reply) in reports.into_iter().zip(replies) {
+        match reply {
+            Ok(r) => {
+                counters.reconciled.add(report.permits);
+                counters.overshoot.add(r.uncovered);
+            }
+            Err(e) if e.is_unavailable() => {
+                available = false;
+                let dropped = ledger.restore([report]);
+                counters.reports_dropped.add(dropped);
+            }
+            Err(_) => counters.reports_dropped.add(report.permits),
+        }
+    }
+    available
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::FakeClock;
+
+    #[test]
+    fn the_reconciliation_ledger_is_bounded_and_counts_what_it_drops() {
+        let ledger = Reconciler::new(Arc::new(FakeClock::new(Duration::ZERO)));
+        for i in 0..MAX_LEDGER_KEYS + 10 {
+            ledger.record(&format!("k{i}"), 2);
+        }
+        ledger.record("k0", 1); // a key already held still adds up
+        assert_eq!(ledger.take_dropped(), 20);
+        assert_eq!(ledger.take_dropped(), 0);
+        let reports = ledger.drain();
+        assert_eq!(reports.len(), MAX_LEDGER_KEYS);
+        let k0 = reports.iter().find(|r| r.key == "k0").map(|r| r.permits);
+        assert_eq!(k0, Some(3));
+    }
+}

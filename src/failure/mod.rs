@@ -1,0 +1,192 @@
+//! The failure layer: what a limiter decides when its store cannot answer,
+//! and how what it decided meanwhile is settled with the store afterwards.
+//!
+//! - `policy`: [`FailurePolicy`] and the pure rule turning "could not
+//!   decide" into a [`Decision`];
+//! - `ledger`: what the fallback admitted, reported to the store as debt
+//!   when it answers again, each report under its identity.
+//!
+//! [`FailureLayer`] is the one place the policy is applied, for every
+//! limiter mode, and the owner of the ledger. It sits above the stores and
+//! below the limiters; it imports nothing from them. The circuit breaker
+//! that refuses calls to a failing node is the store's own
+//! ([`crate::breaker`]): only the store knows which node serves a key.
+
+mod ledger;
+mod policy;
+
+pub(crate) use self::ledger::{Reconciler, Report, RESEND_FOR};
+pub use self::policy::FailurePolicy;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::algorithm::Params;
+use crate::clock::micros;
+use crate::decision::Source;
+use crate::key::KeyEncoder;
+use crate::local::LocalEngine;
+use crate::stats::Counters;
+use crate::store::Store;
+use crate::{Algorithm, Clock, Decision, Error};
+
+/// Applies the failure policy and settles what it admitted.
+pub(crate) struct FailureLayer {
+    policy: FailurePolicy,
+    /// The per-process limiter behind `LocalFallback`.
+    fallback: Option<LocalEngine>,
+    /// What the fallback admitted, to be reported when the store returns.
+    pub(crate) reconciler: Arc<Reconciler>,
+    /// The store's clock as last seen, which the fallback counts windows
+    /// on (application clocks never decide windows).
+    pub(crate) store_clock: Arc<StoreAligned>,
+    limit: u64,
+    /// The store the limiter counts in (none for a per-process limiter):
+    /// when it will be tried again, where reports go.
+    store: Option<Store>,
+    keys: KeyEncoder,
+    params: Params,
+    counters: Arc<Counters>,
+}
+
+/// What a [`FailureLayer`] is built from.
+pub(crate) struct LayerParts {
+    pub(crate) policy: FailurePolicy,
+    pub(crate) algorithm: Algorithm,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) store: Option<Store>,
+    pub(crate) keys: KeyEncoder,
+    pub(crate) params: Params,
+    pub(crate) counters: Arc<Counters>,
+}
+
+impl FailureLayer {
+    /// # Errors
+    /// An invalid `LocalFallback` quota.
+    pub(crate) fn new(parts: LayerParts) -> Result<Self, Error> {
+        let store_clock = Arc::new(StoreAligned {
+            local: parts.clock,
+            offset_us: std::sync::atomic::AtomicI64::new(0),
+        });
+        let fallback = match parts.policy {
+            FailurePolicy::LocalFallback(quota) => {
+                quota
+                    .validate()
+                    .map_err(|e| Error::invalid(format!("LocalFallback quota: {e}")))?;
+                Some(LocalEngine::new(
+                    quota,
+                    parts.algorithm,
+                    Arc::new(SharedAligned(store_clock.clone())),
+                    Source::Fallback,
+                ))
+            }
+            _ => None,
+        };
+        Ok(FailureLayer {
+            policy: parts.policy,
+            fallback,
+            reconciler: Arc::new(Reconciler::new(store_clock.local.clone())),
+            store_clock,
+            limit: parts.params.limit,
+            store: parts.store,
+            keys: parts.keys,
+            params: parts.params,
+            counters: parts.counters,
+        })
+    }
+
+    pub(crate) fn policy(&self) -> FailurePolicy {
+        self.policy
+    }
+
+    /// The decision for a request the store could not decide: the policy's,
+    /// counted, with what the fallback admitted put in the ledger.
+    pub(crate) fn decide(&self, key: &str, cost: u64) -> Decision {
+        self.counters.policy_decisions.add(1);
+        let hint = self.store.as_ref().and_then(|store| {
+            if store.is_sharded() {
+                store.retry_hint_for(&self.keys.store_key(key, self.params.algorithm))
+            } else {
+                store.retry_hint()
+            }
+        });
+        let decision = policy::decide(
+            self.policy,
+            self.limit,
+            self.fallback.as_ref(),
+            key,
+            cost,
+            hint,
+        );
+        if decision.source() == Source::Fallback && decision.is_allowed() {
+            self.reconciler.record(key, cost);
+            self.counters.fallback_admitted.add(cost);
+            let dropped = self.reconciler.take_dropped();
+            if dropped > 0 {
+                self.counters.reports_dropped.add(dropped);
+            }
+        }
+        decision
+    }
+
+    /// After an outage, reports what the fallback admitted meanwhile;
+    /// `false` if the store is still unavailable (see
+    /// [`ledger::reconcile`]).
+    pub(crate) async fn reconcile(&self) -> bool {
+        match &self.store {
+            Some(store) => {
+                ledger::reconcile(
+                    &self.reconciler,
+                    store,
+                    &self.keys,
+                    &self.params,
+                    &self.counters,
+                )
+                .await
+            }
+            None => true,
+        }
+    }
+}
+
+/// A clock that reads the store's time: the local clock plus the offset
+/// of the store's clock seen in its last reply (0 before any). The
+/// fallback counts its windows on it, so one store window does not
+/// straddle two fallback windows of a process whose clock is off.
+pub(crate) struct StoreAligned {
+    local: Arc<dyn Clock>,
+    /// Store µs minus local µs.
+    offset_us: std::sync::atomic::AtomicI64,
+}
+
+impl StoreAligned {
+    /// The local clock's reading, µs.
+    pub(crate) fn local_us(&self) -> u64 {
+        micros(&*self.local)
+    }
+
+    /// A store reply read `store_us` while the local clock read `local_us`
+    /// (the middle of the round trip).
+    pub(crate) fn observe(&self, local_us: u64, store_us: u64) {
+        self.offset_us
+            .store(store_us as i64 - local_us as i64, Ordering::Relaxed);
+    }
+}
+
+impl Clock for StoreAligned {
+    fn now(&self) -> Duration {
+        let local = micros(&*self.local);
+        let offset = self.offset_us.load(Ordering::Relaxed);
+        Duration::from_micros(local.saturating_add_signed(offset))
+    }
+}
+
+/// Lets the fallback engine hold the shared aligned clock.
+struct SharedAligned(Arc<StoreAligned>);
+
+impl Clock for SharedAligned {
+    fn now(&self) -> Duration {
+        self.0.now()
+    }
+}
