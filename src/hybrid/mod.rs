@@ -283,7 +283,7 @@ impl HybridEngine {
                 // A pre-lease of the window that has just begun: put it in
                 // place and spend from it. (The coarse clock may lag, which
                 // only delays the promotion: a pre-lease never starts early.)
-                if slot.has_next.load(Ordering::Acquire) {
+                if slot.has_next() {
                     if let Some(replaced) = slot.promote(s.time.now_us()) {
                         s.counters.stranded.add(replaced as u64);
                         if let Take::Taken(left, now, _) = slot.take(cost, &s.time) {
@@ -609,14 +609,7 @@ impl Shared {
 
     /// The start of a pre-leased slice not yet usable, if any.
     fn pending_start(&self, slot: &Slot) -> Option<u64> {
-        if !slot.has_next.load(Ordering::Acquire) {
-            return None;
-        }
-        slot.next
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .map(|n| n.start)
+        slot.next_start()
     }
 
     fn reset_after(&self, slot: &Slot, now: u64) -> Duration {

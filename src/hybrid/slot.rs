@@ -106,10 +106,12 @@ pub(crate) struct Slot {
     /// What the store last said remains unleased.
     /// (Saturating: a header value, not an accounting one.)
     pub(crate) store_remaining: AtomicU32,
-    /// Whether `next` holds a lease (checked without the lock).
-    pub(crate) has_next: AtomicBool,
-    /// Boxed: most slots never hold one, and a box is one word.
-    pub(crate) next: Mutex<Option<Box<NextLease>>>,
+    /// Whether `next` holds a lease (checked without the lock). Set and
+    /// cleared only under the `next` lock, by the methods below.
+    has_next: AtomicBool,
+    /// A pre-leased slice of the next window. Boxed: most slots never
+    /// hold one, and a box is one word.
+    next: Mutex<Option<Box<NextLease>>>,
     /// Credit and sizing: the slow path's and the sync task's, behind one
     /// lock to keep the slot small.
     pub(crate) books: Mutex<Books>,
@@ -440,6 +442,69 @@ impl Slot {
         voided
     }
 
+    /// Whether a pre-leased slice of the next window is held.
+    #[inline]
+    pub(crate) fn has_next(&self) -> bool {
+        self.has_next.load(Ordering::Acquire)
+    }
+
+    fn next_lock(&self) -> MutexGuard<'_, Option<Box<NextLease>>> {
+        self.next.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Holds a pre-leased slice of the next window: added to one held for
+    /// the same window, else in place of it. Returns the permits of a slice
+    /// for another window it replaced (stranded).
+    pub(crate) fn hold_next(&self, lease: NextLease) -> i64 {
+        let mut next = self.next_lock();
+        let (merged, replaced) = match next.as_deref().copied() {
+            Some(n) if n.window == lease.window => (
+                NextLease {
+                    permits: n.permits + lease.permits,
+                    ..n
+                },
+                0,
+            ),
+            Some(n) => (lease, n.permits.max(0)),
+            None => (lease, 0),
+        };
+        *next = Some(Box::new(merged));
+        self.has_next.store(true, Ordering::Release);
+        replaced
+    }
+
+    /// Sets the low-water mark a held slice of `window` takes once in place.
+    pub(crate) fn set_next_low_water(&self, window: i64, low_water: u32) {
+        if let Some(n) = self.next_lock().as_mut().filter(|n| n.window == window) {
+            n.low_water = low_water;
+        }
+    }
+
+    /// Drops a held slice whose deadline has passed; returns its permits
+    /// (stranded).
+    pub(crate) fn expire_next(&self, now: u64) -> i64 {
+        if !self.has_next() {
+            return 0;
+        }
+        let mut next = self.next_lock();
+        match next.as_deref().copied() {
+            Some(n) if now >= n.deadline => {
+                *next = None;
+                self.has_next.store(false, Ordering::Release);
+                n.permits.max(0)
+            }
+            _ => 0,
+        }
+    }
+
+    /// When a held slice becomes usable, if one is held.
+    pub(crate) fn next_start(&self) -> Option<u64> {
+        if !self.has_next() {
+            return None;
+        }
+        self.next_lock().as_ref().map(|n| n.start)
+    }
+
     /// Moves a due pre-leased slice of the next window into place; returns
     /// the permits it replaced, or `None` if nothing was due.
     pub(crate) fn promote(&self, now: u64) -> Option<i64> {
@@ -611,15 +676,14 @@ mod tests {
     fn a_pre_lease_is_usable_only_from_its_start() {
         let slot = Slot::new("k".into(), 0);
         slot.install(1, 7, 100, 103, 10, false);
-        *slot.next.lock().unwrap() = Some(Box::new(NextLease {
+        slot.hold_next(NextLease {
             permits: 5,
             window: 8,
             start: 106,
             deadline: 200,
             window_end: 203,
             low_water: 0,
-        }));
-        slot.has_next.store(true, Ordering::Release);
+        });
         assert_eq!(slot.promote(105), None);
         assert_eq!(slot.promote(106), Some(1));
         assert!(matches!(slot.take(5, &at(106)), Take::Taken(0, ..)));
@@ -694,15 +758,14 @@ mod model {
         explore(|| {
             let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
             slot.install(1, 7, 100, 103, 10, false);
-            *slot.next.lock().unwrap() = Some(Box::new(NextLease {
+            slot.hold_next(NextLease {
                 permits: 5,
                 window: 8,
                 start: 60,
                 deadline: 200,
                 window_end: 203,
                 low_water: 0,
-            }));
-            slot.has_next.store(true, Ordering::Release);
+            });
             let promoter = {
                 let slot = slot.clone();
                 loom::thread::spawn(move || slot.promote(70))

@@ -527,7 +527,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         near_end,
         ending: now + rtt >= deadline,
         prelease: !config.prelease_lead.is_zero() && ((near_end && permits > 0) || swept),
-        has_next: slot.has_next.load(Ordering::Acquire),
+        has_next: slot.has_next(),
         left_us: deadline.saturating_sub(now),
         since_us: now.saturating_sub(deadline),
         period_us: period,
@@ -736,20 +736,7 @@ fn apply(
                                 window_end,
                                 low_water: 0,
                             };
-                            let mut next = slot.next.lock().unwrap_or_else(|p| p.into_inner());
-                            let merged = match next.as_deref().copied() {
-                                Some(n) if n.window == r.window => NextLease {
-                                    permits: n.permits + granted,
-                                    ..n
-                                },
-                                Some(n) => {
-                                    counters.stranded.add(n.permits.max(0) as u64);
-                                    lease
-                                }
-                                None => lease,
-                            };
-                            *next = Some(Box::new(merged));
-                            slot.has_next.store(true, Ordering::Release);
+                            counters.stranded.add(slot.hold_next(lease) as u64);
                         } else {
                             match slot.install(granted, r.window, deadline, window_end, now, false)
                             {
@@ -850,10 +837,7 @@ fn apply(
                     // current window's permits keep theirs (a mark sized
                     // from the next window's grant would ask the current
                     // one, often already fully leased, for more).
-                    let mut next = slot.next.lock().unwrap_or_else(|p| p.into_inner());
-                    if let Some(n) = next.as_mut().filter(|n| n.window == r.window) {
-                        n.low_water = low_water;
-                    }
+                    slot.set_next_low_water(r.window, low_water);
                 } else {
                     slot.low_water.store(low_water, Ordering::Relaxed);
                 }
@@ -920,7 +904,7 @@ fn prelease_if_active(shared: &Shared, slot: &Arc<Slot>, now: u64, idle_ms: u64,
         || deadline - now > lead
         || !active
         || !uses_a_share(shared, slot)
-        || slot.has_next.load(Ordering::Acquire)
+        || slot.has_next()
         || slot.refill_pending.load(Ordering::Acquire)
     {
         return;
@@ -1007,16 +991,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
                 }
             }
         }
-        if slot.has_next.load(Ordering::Acquire) {
-            let mut next = slot.next.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(n) = next.as_deref().copied() {
-                if now >= n.deadline {
-                    shared.counters.stranded.add(n.permits.max(0) as u64);
-                    *next = None;
-                    slot.has_next.store(false, Ordering::Release);
-                }
-            }
-        }
+        shared.counters.stranded.add(slot.expire_next(now) as u64);
         let idle_for = slot.idle_ms(now);
         if let Some(lead) = prelease_lead {
             prelease_if_active(shared, slot, now, idle_for, lead);

@@ -180,7 +180,7 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
     );
     // The refill that denial asked for is a pre-lease of window 1.
     r.sync().await;
-    assert!(slot.has_next.load(Ordering::Acquire));
+    assert!(slot.has_next());
     assert!(!r.check("k", 1).await.is_allowed());
     // Asked at 996.5 ms: the window starts 3.5 ms later, plus the margin
     // (3 ms and the drift over the 1 003.5 ms to its end).
@@ -207,7 +207,7 @@ async fn hot_keys_lease_the_next_window_before_the_boundary() {
     assert!(r.check("k", 1).await.is_allowed());
     r.sync().await;
     let slot = r.slot("k");
-    assert!(slot.has_next.load(Ordering::Acquire), "pre-leased");
+    assert!(slot.has_next(), "pre-leased");
     let trips = r.round_trips();
     r.clock.set(ORIGIN + Duration::from_millis(1_010));
     assert!(r.check("k", 1).await.is_allowed());
@@ -538,8 +538,8 @@ async fn an_active_key_is_preleased_by_the_sweep_before_its_window_ends() {
         before + 1,
         "one pre-lease, for the active key only"
     );
-    assert!(r.slot("k").has_next.load(Ordering::Acquire));
-    assert!(!r.slot("idle").has_next.load(Ordering::Acquire));
+    assert!(r.slot("k").has_next());
+    assert!(!r.slot("idle").has_next());
     // After the boundary the active key decides at once from its pre-lease.
     r.clock.set(ORIGIN + Duration::from_millis(10_050));
     let d = r.check("k", 1).await;
