@@ -81,6 +81,7 @@ impl Scripts {
 
 /// Connection settings for a [`RedisStore`].
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct RedisOptions {
     connect_timeout: Duration,
     response_timeout: Duration,
