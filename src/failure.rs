@@ -235,32 +235,27 @@ impl FailureHandler {
         algorithm: Algorithm,
         limit: u64,
         clock: std::sync::Arc<dyn Clock>,
-    ) -> Result<Self, Error> {
+    ) -> Self {
         let store_clock = Arc::new(StoreAligned {
             local: clock,
             offset_us: std::sync::atomic::AtomicI64::new(0),
         });
         let fallback = match policy {
-            FailurePolicy::LocalFallback(quota) => {
-                quota
-                    .validate()
-                    .map_err(|e| Error::invalid(format!("LocalFallback quota: {e}")))?;
-                Some(LocalEngine::new(
-                    quota,
-                    algorithm,
-                    Arc::new(SharedAligned(store_clock.clone())),
-                    Source::Fallback,
-                ))
-            }
+            FailurePolicy::LocalFallback(quota) => Some(LocalEngine::new(
+                quota,
+                algorithm,
+                Arc::new(SharedAligned(store_clock.clone())),
+                Source::Fallback,
+            )),
             _ => None,
         };
-        Ok(FailureHandler {
+        FailureHandler {
             policy,
             fallback,
             reconciler: Arc::new(Reconciler::new(store_clock.local.clone())),
             store_clock,
             limit,
-        })
+        }
     }
 
     pub(crate) fn policy(&self) -> FailurePolicy {

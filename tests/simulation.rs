@@ -30,6 +30,7 @@
 mod support;
 
 use std::collections::HashMap;
+use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -172,7 +173,7 @@ impl Scenario {
         let q = Quota::new(self.limit, self.period).expect("a valid quota");
         match self.algorithm {
             Algorithm::FixedWindow => q,
-            _ => q.with_burst(self.burst as u32),
+            _ => q.with_burst(NonZeroU32::new(self.burst as u32).expect("a burst of at least 1")),
         }
     }
 

@@ -954,7 +954,7 @@ fn give_back(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{FakeClock, Quota};
+    use crate::{nonzero, FakeClock, Quota};
     use std::time::Duration;
 
     fn store() -> (MemoryStore, FakeClock) {
@@ -965,7 +965,7 @@ mod tests {
     #[test]
     fn fixed_window_counts_and_resets_at_the_boundary() {
         let (s, clock) = store();
-        let p = Params::new(&Quota::per_second(3), Algorithm::FixedWindow);
+        let p = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::FixedWindow);
         for i in 0..3 {
             let r = s.acquire("k", &p, 1).unwrap();
             assert!(r.allowed);
@@ -982,7 +982,7 @@ mod tests {
     #[test]
     fn token_bucket_refills_continuously() {
         let (s, clock) = store();
-        let p = Params::new(&Quota::per_second(10), Algorithm::TokenBucket);
+        let p = Params::new(&Quota::per_second(nonzero!(10)), Algorithm::TokenBucket);
         assert!(s.acquire("k", &p, 10).unwrap().allowed);
         let r = s.acquire("k", &p, 1).unwrap();
         assert!(!r.allowed);
@@ -994,7 +994,10 @@ mod tests {
     #[test]
     fn gcra_admits_the_burst_then_one_per_interval() {
         let (s, clock) = store();
-        let p = Params::new(&Quota::per_second(10).with_burst(5), Algorithm::Gcra);
+        let p = Params::new(
+            &Quota::per_second(nonzero!(10)).with_burst(nonzero!(5)),
+            Algorithm::Gcra,
+        );
         for _ in 0..5 {
             assert!(s.acquire("k", &p, 1).unwrap().allowed);
         }
@@ -1009,7 +1012,7 @@ mod tests {
     #[test]
     fn entries_expire_and_are_swept() {
         let (s, clock) = store();
-        let p = Params::new(&Quota::per_second(3), Algorithm::FixedWindow);
+        let p = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::FixedWindow);
         for i in 0..100 {
             s.acquire(&format!("k{i}"), &p, 1).unwrap();
         }
@@ -1023,8 +1026,8 @@ mod tests {
     #[test]
     fn wrong_type_is_an_error_not_a_panic() {
         let (s, _) = store();
-        let fw = Params::new(&Quota::per_second(3), Algorithm::FixedWindow);
-        let tb = Params::new(&Quota::per_second(3), Algorithm::TokenBucket);
+        let fw = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::FixedWindow);
+        let tb = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::TokenBucket);
         s.acquire("k", &fw, 1).unwrap();
         assert!(s.acquire("k", &tb, 1).unwrap_err().is_wrong_type());
     }
@@ -1032,7 +1035,7 @@ mod tests {
     #[test]
     fn fixed_window_lease_honours_share_cap_and_records_debt() {
         let (s, _) = store();
-        let p = Params::new(&Quota::per_second(100), Algorithm::FixedWindow);
+        let p = Params::new(&Quota::per_second(nonzero!(100)), Algorithm::FixedWindow);
         let mut call = LeaseCall {
             key: "k".into(),
             want: 1000,
