@@ -36,8 +36,6 @@ struct Shared {
     clock: Arc<dyn Clock>,
     /// Operations since creation, to pace sweeps.
     ops: AtomicU64,
-    /// Simulated network round trip per call (0: in-process speed).
-    latency: std::time::Duration,
     /// Identities of reports already applied (op key → first answer,
     /// expiry), as the scripts' identity keys. Held across the report it
     /// guards, so a duplicate cannot slip in between check and record.
@@ -174,34 +172,8 @@ impl MemoryStore {
                 entries: DashMap::new(),
                 clock,
                 ops: AtomicU64::new(0),
-                latency: std::time::Duration::ZERO,
                 ops_seen: Mutex::new(HashMap::new()),
             }),
-        }
-    }
-
-    /// A store whose every call takes `round_trip` (half before, half after
-    /// the store acts), like a remote one: for simulations on a virtual
-    /// clock (`tokio::time::pause`) and for testing timing behaviour.
-    /// Clones made after this call share the latency; earlier ones do not
-    /// share state with the result.
-    pub fn with_latency(self, round_trip: std::time::Duration) -> Self {
-        let shared = Shared {
-            entries: self.shared.entries.clone(),
-            clock: self.shared.clock.clone(),
-            ops: AtomicU64::new(0),
-            latency: round_trip,
-            ops_seen: Mutex::new(HashMap::new()),
-        };
-        MemoryStore {
-            shared: Arc::new(shared),
-        }
-    }
-
-    /// Waits half the simulated round trip, if any.
-    pub(crate) async fn half_trip(&self) {
-        if !self.shared.latency.is_zero() {
-            tokio::time::sleep(self.shared.latency / 2).await;
         }
     }
 
