@@ -13,7 +13,9 @@
 
 use std::time::{Duration, Instant};
 
-use slicelimit::{Algorithm, HybridConfig, Limiter, MemoryStore, Quota, RedisStore, Store};
+use slicelimit::{
+    nonzero, Algorithm, HybridConfig, Limiter, MemoryStore, Quota, RedisStore, Store,
+};
 
 const SERVERS: usize = 4;
 const LIMIT: u32 = 100;
@@ -46,7 +48,7 @@ async fn connect(redis_url: Option<&str>, memory: &MemoryStore) -> Store {
 
 async fn run(name: &'static str, mode: Mode, algorithm: Algorithm, redis_url: Option<&str>) -> Row {
     let memory = MemoryStore::new();
-    let quota = Quota::per_minute(LIMIT);
+    let quota = Quota::per_minute(nonzero!(LIMIT));
     let namespace = format!("four-servers-{}", std::process::id());
     let mut servers = Vec::new();
     for _ in 0..SERVERS {

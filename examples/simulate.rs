@@ -22,7 +22,7 @@ use std::time::Duration;
 #[path = "../tests/support/mod.rs"]
 mod support;
 
-use slicelimit::{Clock, HybridConfig, Limiter, MemoryStore, Quota};
+use slicelimit::{Clock, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota};
 use support::load::ZipfKeys;
 use support::VirtualClock;
 
@@ -97,7 +97,16 @@ fn simulate(args: &Args, n: usize) -> Row {
             origin: Duration::from_secs(1_700_000_000),
             start: tokio::time::Instant::now(),
         };
-        let store = MemoryStore::with_clock(clock.clone()).with_latency(args.rtt);
+        // The embedded store behind a simulated round trip, and nothing else
+        // injected (the test-support wrapper: examples build with the
+        // dev-dependencies, which enable that feature).
+        let store = FaultyStore::new(
+            MemoryStore::with_clock(clock.clone()),
+            Faults::default(),
+            1,
+            clock.clone(),
+        )
+        .with_latency(args.rtt);
         let quota = Quota::new(args.limit, args.period).expect("quota");
         let config = if args.optimistic {
             HybridConfig::optimistic(MAX_DEBT)

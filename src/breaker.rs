@@ -82,6 +82,7 @@ impl CircuitState {
 /// );
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
 pub struct CircuitConfig {
     /// The fewest failures in the window that can open it.
     min_failures: u32,

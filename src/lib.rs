@@ -13,11 +13,11 @@
 //!   processes ([`Builder::local`]).
 //!
 //! ```no_run
-//! use slicelimit::{Algorithm, HybridConfig, Limiter, Quota, RedisStore};
+//! use slicelimit::{nonzero, Algorithm, HybridConfig, Limiter, Quota, RedisStore};
 //!
 //! # async fn demo() -> Result<(), slicelimit::Error> {
 //! let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
-//! let limiter = Limiter::builder(Quota::per_minute(100))
+//! let limiter = Limiter::builder(Quota::per_minute(nonzero!(100)))
 //!     .store(store)
 //!     .algorithm(Algorithm::FixedWindow)
 //!     .hybrid(HybridConfig::strict())

@@ -399,16 +399,17 @@ impl Builder {
     ///
     /// # Errors
     /// An [`InvalidInput`](ErrorKind::InvalidInput) error for an invalid
-    /// quota, fallback quota, hybrid configuration or namespace, or a bucket
-    /// quota that would take more than [`MAX_PERIOD`](crate::MAX_PERIOD) to
-    /// fill; an
+    /// hybrid configuration or namespace, or a bucket quota (or fallback
+    /// quota) that would take more than [`MAX_PERIOD`](crate::MAX_PERIOD)
+    /// to fill; an
     /// [`Unsupported`](ErrorKind::Unsupported) error for a hybrid limiter
     /// built outside a Tokio runtime.
     pub fn build(self) -> Result<Limiter, Error> {
-        self.quota.validate()?;
         self.algorithm.check_quota(&self.quota)?;
         if let FailurePolicy::LocalFallback(fallback) = &self.policy {
-            self.algorithm.check_quota(fallback)?;
+            self.algorithm
+                .check_quota(fallback)
+                .map_err(|e| Error::invalid(format!("LocalFallback quota: {e}")))?;
         }
         let namespace = self
             .namespace
@@ -440,7 +441,7 @@ impl Builder {
             keys: keys.clone(),
             params,
             counters: counters.clone(),
-        })?;
+        });
         let engine = match (self.mode, store.clone()) {
             (Mode::Hybrid(config), Some(store)) => Engine::Hybrid(HybridEngine::start(
                 config,

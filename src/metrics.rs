@@ -4,9 +4,8 @@
 //! Labels are the limiter's name, the decision's outcome and source, and
 //! an error's kind — never a user key, so cardinality stays fixed. Handles
 //! are registered once per limiter when it is built: install a recorder
-//! (for instance with [`install_prometheus`]) before building limiters.
-
-use std::net::SocketAddr;
+//! (for instance with `install_prometheus`, feature `prometheus`) before
+//! building limiters.
 
 use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Unit,
@@ -14,7 +13,9 @@ use metrics::{
 
 use crate::breaker::CircuitState;
 use crate::decision::Source;
-use crate::{Error, ErrorKind};
+#[cfg(feature = "prometheus")]
+use crate::Error;
+use crate::ErrorKind;
 
 /// Decisions, labelled `limiter`, `outcome` (`allowed` / `denied`) and `source`.
 pub const DECISIONS: &str = "slicelimit_decisions_total";
@@ -60,7 +61,8 @@ pub const SYNC_RESTARTS: &str = "slicelimit_sync_restarts_total";
 pub const SHADOW_DENIALS: &str = "slicelimit_http_shadow_denials_total";
 
 /// Registers a description and unit for every metric above with the
-/// installed recorder. [`install_prometheus`] calls it for you.
+/// installed recorder. `install_prometheus` (feature `prometheus`) calls it
+/// for you.
 pub fn describe() {
     describe_counter!(
         DECISIONS,
@@ -142,25 +144,50 @@ pub fn describe() {
     );
 }
 
+/// The Prometheus recorder [`install_prometheus`] installed: renders the
+/// exposition its HTTP listener serves, on demand (for a scrape endpoint of
+/// your own, or a test).
+#[cfg(feature = "prometheus")]
+#[derive(Clone)]
+pub struct PrometheusExporter {
+    handle: metrics_exporter_prometheus::PrometheusHandle,
+}
+
+#[cfg(feature = "prometheus")]
+impl PrometheusExporter {
+    /// Every metric recorded so far, in the Prometheus text format.
+    pub fn render(&self) -> String {
+        self.handle.render()
+    }
+}
+
+#[cfg(feature = "prometheus")]
+impl std::fmt::Debug for PrometheusExporter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrometheusExporter").finish_non_exhaustive()
+    }
+}
+
 /// Installs a Prometheus recorder as the global `metrics` recorder, serves
 /// its exposition on `addr` (any path) from the current Tokio runtime, and
 /// describes every slicelimit metric. Call it once per process, before
-/// building limiters. The returned handle renders the same text on demand.
+/// building limiters. The returned exporter renders the same text on demand.
+/// Feature `prometheus`.
 ///
 /// # Errors
 /// [`InvalidInput`](ErrorKind::InvalidInput) if called outside a Tokio
 /// runtime, if the address cannot be bound, or if a global recorder is
 /// already installed.
-pub fn install_prometheus(
-    addr: SocketAddr,
-) -> Result<metrics_exporter_prometheus::PrometheusHandle, Error> {
+#[cfg(feature = "prometheus")]
+pub fn install_prometheus(addr: std::net::SocketAddr) -> Result<PrometheusExporter, Error> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+
+    fn bad(e: impl std::error::Error + Send + Sync + 'static) -> Error {
+        Error::new(ErrorKind::InvalidInput, format!("Prometheus exporter: {e}")).caused_by(e)
+    }
 
     let runtime = tokio::runtime::Handle::try_current()
         .map_err(|_| Error::invalid("install_prometheus must be called inside a Tokio runtime"))?;
-    let bad = |e: &dyn std::fmt::Display| {
-        Error::new(ErrorKind::InvalidInput, format!("Prometheus exporter: {e}"))
-    };
     let latency = [
         0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
         1.0,
@@ -173,17 +200,17 @@ pub fn install_prometheus(
         PrometheusBuilder::new()
             .with_http_listener(addr)
             .set_buckets_for_metric(Matcher::Full(STORE_LATENCY.to_owned()), &latency)
-            .map_err(|e| bad(&e))?
+            .map_err(bad)?
             .set_buckets_for_metric(Matcher::Full(LEASE_SIZE.to_owned()), &sizes)
-            .map_err(|e| bad(&e))?
+            .map_err(bad)?
             .build()
-            .map_err(|e| bad(&e))?
+            .map_err(bad)?
     };
     let handle = recorder.handle();
-    metrics::set_global_recorder(recorder).map_err(|e| bad(&e))?;
+    metrics::set_global_recorder(recorder).map_err(bad)?;
     runtime.spawn(exporter);
     describe();
-    Ok(handle)
+    Ok(PrometheusExporter { handle })
 }
 
 const SOURCES: [Source; 8] = [

@@ -1,13 +1,44 @@
 //! Quotas and algorithms: what a key is allowed, and how it is counted.
 //!
-//! A [`Quota`] is a plain value. The convenience constructors cannot fail, so
-//! a zero limit is carried as such and rejected once, with a clear message,
-//! when a limiter is built ([`Quota::validate`]); [`Quota::new`] validates
-//! immediately.
+//! A [`Quota`] cannot be invalid. The convenience constructors take
+//! [`NonZeroU32`] counts (write literals with [`nonzero!`](crate::nonzero),
+//! checked at compile time) over fixed periods, so they cannot fail;
+//! [`Quota::new`] takes any limit and period and checks them. What only an
+//! algorithm requires of a quota (a bucket that fills in time) is checked
+//! when a limiter is built.
 
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use crate::Error;
+
+/// A [`NonZeroU32`] from a constant, checked at compile time: a zero does
+/// not compile. For a value known only at run time, use
+/// [`NonZeroU32::new`].
+///
+/// ```
+/// use slicelimit::{nonzero, Quota};
+///
+/// let quota = Quota::per_minute(nonzero!(100)).with_burst(nonzero!(20));
+/// assert_eq!((quota.limit(), quota.burst()), (100, 20));
+/// ```
+///
+/// ```compile_fail
+/// let zero = slicelimit::nonzero!(0);
+/// ```
+#[macro_export]
+macro_rules! nonzero {
+    ($n:expr) => {
+        const {
+            match ::core::num::NonZeroU32::new($n) {
+                ::core::option::Option::Some(n) => n,
+                ::core::option::Option::None => {
+                    ::core::panic!("nonzero!(0): the count must be at least 1")
+                }
+            }
+        }
+    };
+}
 
 /// The largest limit or burst accepted. Scripts count in Lua numbers
 /// (doubles), which are exact to 2^53; this leaves ample headroom.
@@ -20,7 +51,21 @@ pub const MAX_PERIOD: Duration = Duration::from_secs(366 * 24 * 3600);
 pub const MIN_PERIOD: Duration = Duration::from_millis(1);
 
 /// `limit` permits per `period`, with an optional burst for token bucket
-/// and GCRA.
+/// and GCRA. Every `Quota` is in range: `limit` and `burst` in
+/// `1..=`[`MAX_LIMIT`], `period` in [`MIN_PERIOD`]`..=`[`MAX_PERIOD`].
+///
+/// ```
+/// use std::num::NonZeroU32;
+/// use std::time::Duration;
+/// use slicelimit::{nonzero, Quota};
+///
+/// let api = Quota::per_second(nonzero!(50)).with_burst(nonzero!(200));
+/// let from_config = NonZeroU32::new(100).map(Quota::per_minute);
+/// let daily = Quota::new(10_000, Duration::from_secs(86_400))?;
+/// assert!(Quota::new(0, Duration::from_secs(1)).is_err());
+/// # let _ = (api, from_config, daily);
+/// # Ok::<(), slicelimit::Error>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Quota {
     limit: u64,
@@ -41,25 +86,26 @@ impl Quota {
             period,
             burst: None,
         };
-        quota.validate()?;
+        quota.check()?;
         Ok(quota)
     }
 
     /// `limit` permits per second.
-    pub const fn per_second(limit: u32) -> Quota {
-        Quota::unchecked(limit as u64, Duration::from_secs(1))
+    pub const fn per_second(limit: NonZeroU32) -> Quota {
+        Quota::unchecked(limit.get() as u64, Duration::from_secs(1))
     }
 
     /// `limit` permits per minute.
-    pub const fn per_minute(limit: u32) -> Quota {
-        Quota::unchecked(limit as u64, Duration::from_secs(60))
+    pub const fn per_minute(limit: NonZeroU32) -> Quota {
+        Quota::unchecked(limit.get() as u64, Duration::from_secs(60))
     }
 
     /// `limit` permits per hour.
-    pub const fn per_hour(limit: u32) -> Quota {
-        Quota::unchecked(limit as u64, Duration::from_secs(3600))
+    pub const fn per_hour(limit: NonZeroU32) -> Quota {
+        Quota::unchecked(limit.get() as u64, Duration::from_secs(3600))
     }
 
+    /// A quota from values already known to be in range.
     const fn unchecked(limit: u64, period: Duration) -> Quota {
         Quota {
             limit,
@@ -71,8 +117,8 @@ impl Quota {
     /// The most permits a token bucket or GCRA key can hold at once
     /// (default: the limit). Ignored by the fixed window.
     #[must_use]
-    pub const fn with_burst(mut self, burst: u32) -> Quota {
-        self.burst = Some(burst as u64);
+    pub const fn with_burst(mut self, burst: NonZeroU32) -> Quota {
+        self.burst = Some(burst.get() as u64);
         self
     }
 
@@ -94,12 +140,9 @@ impl Quota {
         }
     }
 
-    /// Checks every field.
-    ///
-    /// # Errors
-    /// An [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) error
-    /// naming the offending field.
-    pub fn validate(&self) -> Result<(), Error> {
+    /// Checks the limit and the period (a burst, a `NonZeroU32`, is always
+    /// in range).
+    fn check(&self) -> Result<(), Error> {
         if self.limit == 0 {
             return Err(Error::invalid("quota limit must be at least 1"));
         }
@@ -121,13 +164,7 @@ impl Quota {
                 self.period
             )));
         }
-        match self.burst {
-            Some(0) => Err(Error::invalid("quota burst must be at least 1")),
-            Some(b) if b > MAX_LIMIT => Err(Error::invalid(format!(
-                "quota burst {b} is above the maximum {MAX_LIMIT}"
-            ))),
-            _ => Ok(()),
-        }
+        Ok(())
     }
 
     pub(crate) fn period_us(&self) -> u64 {
@@ -145,14 +182,31 @@ mod tests {
         assert!(e.is_invalid_input() && e.to_string().contains("limit"));
         let e = Quota::new(1, Duration::ZERO).unwrap_err();
         assert!(e.to_string().contains("period"));
+        let e = Quota::new(1, MIN_PERIOD - Duration::from_nanos(1)).unwrap_err();
+        assert!(e.to_string().contains("period"));
         let e = Quota::new(1, Duration::from_secs(400 * 24 * 3600)).unwrap_err();
         assert!(e.to_string().contains("period"));
         let e = Quota::new(MAX_LIMIT + 1, Duration::from_secs(1)).unwrap_err();
         assert!(e.to_string().contains("limit"));
-        let e = Quota::per_second(5).with_burst(0).validate().unwrap_err();
-        assert!(e.to_string().contains("burst"));
-        assert!(Quota::per_minute(0).validate().is_err());
-        assert!(Quota::per_hour(10).with_burst(20).validate().is_ok());
+        assert!(Quota::new(MAX_LIMIT, MAX_PERIOD).is_ok());
+        assert!(Quota::new(1, MIN_PERIOD).is_ok());
+    }
+
+    #[test]
+    fn the_infallible_constructors_are_in_range() {
+        const MOST: Quota = Quota::per_hour(NonZeroU32::MAX).with_burst(NonZeroU32::MAX);
+        assert!(MOST.check().is_ok() && MOST.burst() <= MAX_LIMIT);
+        for q in [
+            Quota::per_second(nonzero!(1)),
+            Quota::per_minute(nonzero!(1)).with_burst(nonzero!(1)),
+            Quota::per_hour(NonZeroU32::MAX),
+        ] {
+            assert!(q.check().is_ok(), "{q:?}");
+        }
+        assert_eq!(
+            Quota::per_minute(nonzero!(100)),
+            Quota::new(100, Duration::from_secs(60)).unwrap()
+        );
     }
 
     use crate::Algorithm;
@@ -160,7 +214,7 @@ mod tests {
     #[test]
     fn buckets_that_would_take_longer_than_the_longest_period_to_fill_are_refused() {
         let year = Duration::from_secs(366 * 24 * 3600);
-        let q = Quota::new(1, year).unwrap().with_burst(1_000_000);
+        let q = Quota::new(1, year).unwrap().with_burst(nonzero!(1_000_000));
         for a in [Algorithm::TokenBucket, Algorithm::Gcra] {
             let e = a.check_quota(&q).unwrap_err();
             assert!(
@@ -176,15 +230,13 @@ mod tests {
 
     #[test]
     fn burst_defaults_to_limit() {
-        assert_eq!(Quota::per_second(7).burst(), 7);
-        assert_eq!(Quota::per_second(7).with_burst(3).burst(), 3);
+        let seven = Quota::per_second(nonzero!(7));
+        assert_eq!(seven.burst(), 7);
+        assert_eq!(seven.with_burst(nonzero!(3)).burst(), 3);
         assert_eq!(
-            Algorithm::FixedWindow.max_cost(&Quota::per_second(7).with_burst(3)),
+            Algorithm::FixedWindow.max_cost(&seven.with_burst(nonzero!(3))),
             7
         );
-        assert_eq!(
-            Algorithm::Gcra.max_cost(&Quota::per_second(7).with_burst(3)),
-            3
-        );
+        assert_eq!(Algorithm::Gcra.max_cost(&seven.with_burst(nonzero!(3))), 3);
     }
 }

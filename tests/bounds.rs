@@ -6,11 +6,12 @@
 mod support;
 
 use std::future::Future;
+use std::num::NonZeroU32;
 use std::task::Poll;
 use std::time::Duration;
 
 use slicelimit::{
-    Algorithm, CircuitConfig, FailurePolicy, HybridConfig, Limiter, MemoryStore, Quota,
+    nonzero, Algorithm, CircuitConfig, FailurePolicy, HybridConfig, Limiter, MemoryStore, Quota,
     RedisOptions, RedisStore, Source,
 };
 use support::{store, RedisServer};
@@ -45,7 +46,7 @@ async fn a_dropped_probe_does_not_wedge_the_circuit_breaker() {
     let redis = RedisStore::connect_with(&server.url(), options)
         .await
         .unwrap();
-    let limiter = Limiter::builder(Quota::per_minute(1_000))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(1_000)))
         .store(redis.clone())
         .namespace("probe")
         .on_store_error(FailurePolicy::FailClosed)
@@ -157,7 +158,7 @@ async fn a_late_bucket_give_back_returns_nothing_the_cap_dropped() {
 async fn huge_costs_are_denied_and_uncounted_everywhere() {
     let server = RedisServer::start();
     for algorithm in ALGORITHMS {
-        let quota = Quota::per_minute(10);
+        let quota = Quota::per_minute(nonzero!(10));
         let embedded = Limiter::builder(quota)
             .algorithm(algorithm)
             .store(MemoryStore::new())
@@ -282,7 +283,7 @@ async fn extreme_bucket_quotas_are_refused_or_expire() {
     let server = RedisServer::start();
     let year = Duration::from_secs(366 * 24 * 3600);
     for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
-        let absurd = Quota::new(1, year).unwrap().with_burst(u32::MAX);
+        let absurd = Quota::new(1, year).unwrap().with_burst(NonZeroU32::MAX);
         let e = Limiter::builder(absurd)
             .algorithm(algorithm)
             .exact()
@@ -292,7 +293,7 @@ async fn extreme_bucket_quotas_are_refused_or_expire() {
             e.is_invalid_input() && e.to_string().contains("fill"),
             "{e}"
         );
-        let largest = Quota::new(1_000, year).unwrap().with_burst(1_000);
+        let largest = Quota::new(1_000, year).unwrap().with_burst(nonzero!(1_000));
         for mode in 0..2 {
             let b = Limiter::builder(largest)
                 .algorithm(algorithm)
@@ -323,7 +324,7 @@ async fn a_peek_is_allowed_after_debt_pushed_the_count_past_the_limit() {
     let server = RedisServer::start();
     for algorithm in ALGORITHMS {
         let ns = format!("peek-{}", algorithm.as_str());
-        let limiter = Limiter::builder(Quota::per_minute(10))
+        let limiter = Limiter::builder(Quota::per_minute(nonzero!(10)))
             .algorithm(algorithm)
             .store(store(&server).await)
             .namespace(&ns)
@@ -416,7 +417,7 @@ async fn absurd_durations_are_refused_at_build() {
         HybridConfig::strict().clock_margin(huge),
         HybridConfig::strict().max_wait(huge),
     ] {
-        let e = Limiter::builder(Quota::per_second(10))
+        let e = Limiter::builder(Quota::per_second(nonzero!(10)))
             .hybrid(config)
             .build()
             .unwrap_err();

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use slicelimit::{
-    CircuitState, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore, Source,
+    nonzero, CircuitState, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore,
+    Source,
 };
 use support::cluster::RedisCluster;
 use support::load::{drive, wall_us, LoadSpec, Tally};
@@ -145,15 +146,15 @@ async fn exact_race_and_strict_hybrid_bound_hold_across_three_primaries() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_primary_is_survived_through_the_policy_then_recovered_from() {
     let mut cluster = RedisCluster::start();
-    let policy = FailurePolicy::LocalFallback(Quota::per_second(50));
+    let policy = FailurePolicy::LocalFallback(Quota::per_second(nonzero!(50)));
     let options = RedisOptions::default().connect_timeout(Duration::from_secs(2));
-    let exact = Limiter::builder(Quota::per_second(1_000))
+    let exact = Limiter::builder(Quota::per_second(nonzero!(1_000)))
         .store(connect(&cluster, options.clone()).await)
         .namespace("fo")
         .on_store_error(policy)
         .build()
         .unwrap();
-    let hybrid = Limiter::builder(Quota::per_second(1_000))
+    let hybrid = Limiter::builder(Quota::per_second(nonzero!(1_000)))
         .store(connect(&cluster, options).await)
         .namespace("fo-h")
         .on_store_error(policy)
@@ -289,7 +290,7 @@ async fn a_stopped_primary_refuses_only_its_own_keys() {
     let cluster = RedisCluster::start_primaries_only();
     let options = RedisOptions::default().connect_timeout(Duration::from_millis(500));
     let store = connect(&cluster, options).await;
-    let limiter = Limiter::builder(Quota::per_minute(1_000_000))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(1_000_000)))
         .store(store.clone())
         .namespace("shard")
         .on_store_error(FailurePolicy::FailClosed)
@@ -298,7 +299,7 @@ async fn a_stopped_primary_refuses_only_its_own_keys() {
     let (victim, on_victim, elsewhere) = keys_around(&cluster, "shard", "k0", None, 10);
     // A hybrid limiter on the same store; its keys stay cold until the
     // primary is stopped.
-    let hybrid = Limiter::builder(Quota::per_minute(1_000_000))
+    let hybrid = Limiter::builder(Quota::per_minute(nonzero!(1_000_000)))
         .store(store.clone())
         .namespace("shard-h")
         .on_store_error(FailurePolicy::FailClosed)
@@ -442,7 +443,7 @@ async fn round_trips_count_pipelines_and_store_calls_count_scripts() {
     }
     let cluster = RedisCluster::start_primaries_only();
     let store = connect(&cluster, generous()).await;
-    let limiter = Limiter::builder(Quota::per_minute(1_000_000))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(1_000_000)))
         .store(store.clone())
         .namespace("cost")
         .hybrid(HybridConfig::strict().max_wait(Duration::from_secs(2)))

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use slicelimit::{Algorithm, FailurePolicy, FakeClock, Limiter, MemoryStore, Quota, Source};
+use slicelimit::{
+    nonzero, Algorithm, FailurePolicy, FakeClock, Limiter, MemoryStore, Quota, Source,
+};
 use support::{store, RedisServer};
 
 const ALGORITHMS: [Algorithm; 4] = [
@@ -37,7 +39,7 @@ async fn exact(server: &RedisServer, quota: Quota, algorithm: Algorithm, ns: &st
 async fn race_8_limiters_64_tasks_admit_exactly_the_limit() {
     let server = RedisServer::start();
     for algorithm in ALGORITHMS {
-        let quota = daily(100).with_burst(100);
+        let quota = daily(100).with_burst(nonzero!(100));
         let mut limiters = Vec::new();
         for _ in 0..8 {
             limiters.push(exact(&server, quota, algorithm, "race").await);
@@ -77,8 +79,8 @@ async fn every_key_written_has_a_ttl() {
     let server = RedisServer::start();
     for algorithm in ALGORITHMS {
         for quota in [
-            Quota::per_second(5),
-            Quota::per_minute(100).with_burst(10),
+            Quota::per_second(nonzero!(5)),
+            Quota::per_minute(nonzero!(100)).with_burst(nonzero!(10)),
             daily(3),
         ] {
             let limiter = exact(&server, quota, algorithm, "ttl").await;
@@ -202,7 +204,13 @@ async fn a_key_of_the_wrong_type_is_a_classified_error_and_a_policy_decision() {
 async fn odd_inputs_get_defined_decisions() {
     let server = RedisServer::start();
     for algorithm in ALGORITHMS {
-        let limiter = exact(&server, daily(10).with_burst(10), algorithm, "odd").await;
+        let limiter = exact(
+            &server,
+            daily(10).with_burst(nonzero!(10)),
+            algorithm,
+            "odd",
+        )
+        .await;
         // cost 0 peeks without consuming
         let d = limiter.try_check("k", 0).await.unwrap();
         assert!(d.is_allowed());
@@ -231,18 +239,25 @@ async fn odd_inputs_get_defined_decisions() {
 
 #[test]
 fn invalid_quotas_are_rejected_at_build() {
-    for quota in [Quota::per_second(0), Quota::per_minute(5).with_burst(0)] {
-        let err = Limiter::builder(quota).build().unwrap_err();
-        assert!(err.is_invalid_input(), "{err}");
-    }
+    // A zero limit or burst does not compile (`nonzero!(0)`); the checked
+    // constructor rejects what is out of range.
+    assert!(Quota::new(0, Duration::from_secs(1)).is_err());
     assert!(Quota::new(5, Duration::ZERO).is_err());
     assert!(Quota::new(5, Duration::from_micros(10)).is_err());
-    let err = Limiter::builder(Quota::per_second(5))
-        .on_store_error(FailurePolicy::LocalFallback(Quota::per_second(0)))
+    let year = Duration::from_secs(366 * 24 * 3600);
+    let slow = Quota::new(1, year).unwrap().with_burst(nonzero!(1_000_000));
+    let err = Limiter::builder(slow)
+        .algorithm(Algorithm::Gcra)
+        .build()
+        .unwrap_err();
+    assert!(err.is_invalid_input(), "{err}");
+    let err = Limiter::builder(Quota::per_second(nonzero!(5)))
+        .algorithm(Algorithm::TokenBucket)
+        .on_store_error(FailurePolicy::LocalFallback(slow))
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("LocalFallback"), "{err}");
-    let err = Limiter::builder(Quota::per_second(5))
+    let err = Limiter::builder(Quota::per_second(nonzero!(5)))
         .namespace(&"n".repeat(1000))
         .build()
         .unwrap_err();
@@ -264,7 +279,7 @@ async fn memory_store_and_redis_decide_alike() {
     for case in 0..12 {
         let seq = ops.new_tree(&mut runner).unwrap().current();
         for algorithm in ALGORITHMS {
-            let quota = daily(12).with_burst(9);
+            let quota = daily(12).with_burst(nonzero!(9));
             let ns = format!("diff{case}");
             let redis = exact(&server, quota, algorithm, &ns).await;
             let memory = Limiter::builder(quota)

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use slicelimit::{
-    CircuitConfig, CircuitState, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions,
-    RedisStore, Source,
+    nonzero, CircuitConfig, CircuitState, FailurePolicy, HybridConfig, Limiter, Quota,
+    RedisOptions, RedisStore, Source,
 };
 use support::RedisServer;
 
@@ -101,14 +101,20 @@ async fn sigkill_under_load_every_decision_follows_the_policy_within_the_bound()
     let policies = [
         FailurePolicy::FailOpen,
         FailurePolicy::FailClosed,
-        FailurePolicy::LocalFallback(Quota::per_minute(50)),
+        FailurePolicy::LocalFallback(Quota::per_minute(nonzero!(50))),
     ];
     let mut report = Vec::new();
     for mode in [Mode::Exact, Mode::Hybrid] {
         for policy in policies {
             let mut server = RedisServer::start();
-            let (limiter, _) =
-                limiter(&server, mode, policy, Quota::per_minute(1_000_000), "kill").await;
+            let (limiter, _) = limiter(
+                &server,
+                mode,
+                policy,
+                Quota::per_minute(nonzero!(1_000_000)),
+                "kill",
+            )
+            .await;
             let stop = Arc::new(AtomicBool::new(false));
             let start = Instant::now();
             let run = tokio::spawn({
@@ -189,7 +195,7 @@ async fn after_a_restart_decisions_come_from_redis_again_within_two_seconds() {
             &server,
             mode,
             FailurePolicy::FailOpen,
-            Quota::per_minute(1_000_000),
+            Quota::per_minute(nonzero!(1_000_000)),
             "restart",
         )
         .await;
@@ -233,11 +239,11 @@ async fn client_pause_exact_times_out_within_the_bound_while_leased_keys_stay_lo
         &server,
         Mode::Exact,
         FailurePolicy::FailOpen,
-        Quota::per_minute(1_000_000),
+        Quota::per_minute(nonzero!(1_000_000)),
         "pause",
     )
     .await;
-    let hybrid = Limiter::builder(Quota::per_minute(1_000_000))
+    let hybrid = Limiter::builder(Quota::per_minute(nonzero!(1_000_000)))
         .store(
             RedisStore::connect_with(&server.url(), options())
                 .await
@@ -305,7 +311,7 @@ async fn an_open_circuit_sends_nothing_and_probes_once_per_back_off() {
     )
     .await
     .unwrap();
-    let limiter = Limiter::builder(Quota::per_minute(1_000))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(1_000)))
         .store(store.clone())
         .namespace("circuit")
         .on_store_error(FailurePolicy::FailClosed)
@@ -473,7 +479,7 @@ async fn script_flush_and_wrong_type_mid_run_are_handled_and_counted() {
             &server,
             mode,
             FailurePolicy::FailClosed,
-            Quota::per_minute(100_000),
+            Quota::per_minute(nonzero!(100_000)),
             &ns,
         )
         .await;
@@ -551,7 +557,7 @@ async fn connecting_to_nothing_fails_fast_and_a_lazy_store_applies_the_policy() 
     );
     // Lazy: builds now, decides by policy until Redis answers.
     let store = RedisStore::connect_lazy(&url, options()).unwrap();
-    let limiter = Limiter::builder(Quota::per_second(10))
+    let limiter = Limiter::builder(Quota::per_second(nonzero!(10)))
         .store(store)
         .on_store_error(FailurePolicy::FailClosed)
         .build()
@@ -576,7 +582,7 @@ async fn one_stall_under_two_thousand_callers_does_not_open_the_breaker() {
     let store = RedisStore::connect_with(&server.url(), options())
         .await
         .unwrap();
-    let limiter = Limiter::builder(Quota::per_minute(1_000_000_000))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(1_000_000_000)))
         .store(store.clone())
         .namespace("stall")
         .on_store_error(FailurePolicy::FailOpen)
@@ -669,7 +675,7 @@ async fn a_killed_server_opens_the_default_breaker_at_low_traffic() {
     let store = RedisStore::connect_with(&server.url(), options())
         .await
         .unwrap();
-    let limiter = Limiter::builder(Quota::per_minute(1_000))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(1_000)))
         .store(store.clone())
         .namespace("dead")
         .on_store_error(FailurePolicy::FailClosed)

@@ -20,7 +20,9 @@ use slicelimit::http::{
     Cidr, ClientIp, KeyExtractor, MissingKey, PolicyHeaders, ProxyHeader, RateLimitLayer,
     RejectionKind,
 };
-use slicelimit::{Algorithm, FailurePolicy, FakeClock, HybridConfig, Limiter, MemoryStore, Quota};
+use slicelimit::{
+    nonzero, Algorithm, FailurePolicy, FakeClock, HybridConfig, Limiter, MemoryStore, Quota,
+};
 use tower::{Layer, Service, ServiceExt};
 
 use support::http::{per_minute, sf_items, unavailable, Item, ORIGIN};
@@ -193,7 +195,7 @@ async fn admitted_then_429_with_retry_after_rounded_up_and_ratelimit_fields() {
 #[tokio::test]
 async fn retry_after_is_whole_seconds_and_at_least_one() {
     let clock = FakeClock::new(ORIGIN + Duration::from_millis(1_000));
-    let limiter = Limiter::builder(Quota::per_minute(1))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(1)))
         .store(MemoryStore::with_clock(clock.clone()))
         .build()
         .unwrap();
@@ -218,8 +220,8 @@ async fn routes_with_default_namespaces_never_share_counters() {
             .build()
             .unwrap()
     };
-    let default = build(Quota::per_minute(100));
-    let login = build(Quota::per_minute(5));
+    let default = build(Quota::per_minute(nonzero!(100)));
+    let login = build(Quota::per_minute(nonzero!(5)));
     assert_ne!(default.namespace(), login.namespace());
     let layer = RateLimitLayer::new(default).route("/login", "login", login);
     let addr = serve(layer).await;
@@ -244,10 +246,10 @@ async fn routes_on_redis_with_different_periods_keep_their_own_windows() {
             .build()
             .unwrap()
     };
-    let layer = RateLimitLayer::new(build(Quota::per_hour(100))).route(
+    let layer = RateLimitLayer::new(build(Quota::per_hour(nonzero!(100)))).route(
         "/login",
         "login",
-        build(Quota::per_minute(3)),
+        build(Quota::per_minute(nonzero!(3))),
     );
     let addr = serve(layer).await;
     let mut login = Vec::new();
@@ -276,12 +278,12 @@ async fn routes_on_redis_with_different_periods_keep_their_own_windows() {
 #[test]
 #[should_panic(expected = "share the namespace")]
 fn a_layer_refuses_two_limiters_that_would_count_in_the_same_keys() {
-    let a = Limiter::builder(Quota::per_minute(100))
+    let a = Limiter::builder(Quota::per_minute(nonzero!(100)))
         .namespace("api")
         .local()
         .build()
         .unwrap();
-    let b = Limiter::builder(Quota::per_minute(5))
+    let b = Limiter::builder(Quota::per_minute(nonzero!(5)))
         .namespace("api")
         .local()
         .build()
@@ -291,7 +293,7 @@ fn a_layer_refuses_two_limiters_that_would_count_in_the_same_keys() {
 
 #[test]
 fn clones_of_one_limiter_may_share_a_budget_on_purpose() {
-    let a = Limiter::builder(Quota::per_minute(100))
+    let a = Limiter::builder(Quota::per_minute(nonzero!(100)))
         .local()
         .build()
         .unwrap();
@@ -517,7 +519,7 @@ async fn ipv6_clients_across_one_64_share_a_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn header_sized_keys_are_distinct_budgets_of_bounded_size() {
-    let limiter = Limiter::builder(Quota::per_hour(1))
+    let limiter = Limiter::builder(Quota::per_hour(nonzero!(1)))
         .store(MemoryStore::new())
         .hybrid(HybridConfig::strict())
         .build()
@@ -664,7 +666,7 @@ async fn client_ip_reads_axum_connect_info() {
 async fn a_bucket_denial_has_t_and_retry_after_agree() {
     for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
         let clock = FakeClock::new(ORIGIN);
-        let limiter = Limiter::builder(Quota::per_minute(2))
+        let limiter = Limiter::builder(Quota::per_minute(nonzero!(2)))
             .store(MemoryStore::with_clock(clock.clone()))
             .clock(clock)
             .algorithm(algorithm)
@@ -1002,7 +1004,7 @@ async fn legacy_headers_and_costs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hybrid_limiter_behind_the_layer() {
-    let limiter = Limiter::builder(Quota::per_hour(5))
+    let limiter = Limiter::builder(Quota::per_hour(nonzero!(5)))
         .store(MemoryStore::new())
         .hybrid(HybridConfig::strict())
         .build()

@@ -8,7 +8,8 @@ mod support;
 use std::time::{Duration, Instant};
 
 use slicelimit::{
-    CircuitConfig, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore, Source,
+    nonzero, CircuitConfig, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore,
+    Source,
 };
 use slicelimit::{Faults, FaultyStore, SystemClock};
 use support::proxy::Proxy;
@@ -39,7 +40,7 @@ fn fast_options() -> RedisOptions {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_that_can_never_apply_is_dropped_not_resent_forever() {
     let server = RedisServer::start();
-    let limiter = Limiter::builder(Quota::per_minute(10))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(10)))
         .store(store(&server).await)
         .namespace("wrongtype")
         .hybrid(
@@ -98,7 +99,7 @@ async fn shutdown_returns_promptly_against_a_frozen_server() {
     let redis = RedisStore::connect_with(&server.url(), fast_options())
         .await
         .unwrap();
-    let limiter = Limiter::builder(Quota::per_minute(100))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(100)))
         .store(redis)
         .namespace("frozen")
         .hybrid(HybridConfig::optimistic(5).lease_bounds(1, 2))
@@ -134,7 +135,7 @@ async fn behind_proxy(server: &RedisServer, ns: &str) -> (Proxy, Limiter) {
     let redis = RedisStore::connect_with(&proxy.url(), options)
         .await
         .unwrap();
-    let limiter = Limiter::builder(Quota::per_minute(10_000))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(10_000)))
         .store(redis)
         .namespace(ns)
         .on_store_error(FailurePolicy::FailClosed)
@@ -181,7 +182,7 @@ async fn a_blackholed_connection_is_replaced_at_low_traffic() {
     let redis = RedisStore::connect_with(&proxy.url(), fast_options())
         .await
         .unwrap();
-    let limiter = Limiter::builder(Quota::per_minute(10_000))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(10_000)))
         .store(redis.clone())
         .namespace("quiet")
         .on_store_error(FailurePolicy::FailClosed)
@@ -222,7 +223,7 @@ fn a_sync_task_lost_with_its_runtime_is_restarted() {
         let redis = RedisStore::connect_with(&url, fast_options())
             .await
             .unwrap();
-        let limiter = Limiter::builder(Quota::per_minute(1_000))
+        let limiter = Limiter::builder(Quota::per_minute(nonzero!(1_000)))
             .store(redis)
             .namespace("lost")
             .hybrid(HybridConfig::strict())
@@ -352,7 +353,7 @@ async fn limiters_sharing_a_store_do_not_time_each_other_out() {
     let store = store(&server).await;
     let limiters: Vec<Limiter> = (0..2)
         .map(|i| {
-            Limiter::builder(Quota::per_minute(1_000_000))
+            Limiter::builder(Quota::per_minute(nonzero!(1_000_000)))
                 .store(store.clone())
                 .namespace(&format!("shared{i}"))
                 .on_store_error(FailurePolicy::FailClosed)

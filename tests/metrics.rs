@@ -6,7 +6,7 @@ use std::time::Duration;
 use metrics::{SharedString, Unit};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use metrics_util::CompositeKey;
-use slicelimit::{FakeClock, HybridConfig, Limiter, MemoryStore, Quota, Source};
+use slicelimit::{nonzero, FakeClock, HybridConfig, Limiter, MemoryStore, Quota, Source};
 
 type Snapshot = Vec<(CompositeKey, Option<Unit>, Option<SharedString>, DebugValue)>;
 
@@ -33,7 +33,7 @@ async fn optimistic_overshoot_and_decisions_are_counted() {
     let snapshotter = recorder.snapshotter();
     let clock = FakeClock::new(Duration::from_secs(1_700_000_000));
     let store = MemoryStore::with_clock(clock.clone());
-    let quota = Quota::per_second(100);
+    let quota = Quota::per_second(nonzero!(100));
     let (limiter, rival) = metrics::with_local_recorder(&recorder, || {
         let limiter = Limiter::builder(quota)
             .store(store.clone())

@@ -7,7 +7,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper::body::Bytes;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use slicelimit::{Limiter, Quota};
+use slicelimit::{nonzero, Limiter, Quota};
 
 #[tokio::test]
 async fn the_exporter_serves_described_metrics_with_fixed_labels() {
@@ -18,7 +18,7 @@ async fn the_exporter_serves_described_metrics_with_fixed_labels() {
         .port();
     let addr = ([127, 0, 0, 1], port).into();
     let handle = slicelimit::metrics::install_prometheus(addr).expect("installed");
-    let limiter = Limiter::builder(Quota::per_minute(3))
+    let limiter = Limiter::builder(Quota::per_minute(nonzero!(3)))
         .name("scrape")
         .local()
         .build()

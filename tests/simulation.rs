@@ -30,6 +30,7 @@
 mod support;
 
 use std::collections::HashMap;
+use std::num::NonZeroU32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -176,7 +177,7 @@ impl Scenario {
         if windowed(self.algorithm) {
             q
         } else {
-            q.with_burst(self.burst as u32)
+            q.with_burst(NonZeroU32::new(self.burst as u32).expect("a burst of at least 1"))
         }
     }
 

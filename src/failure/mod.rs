@@ -29,7 +29,7 @@ use crate::key::KeyEncoder;
 use crate::local::LocalEngine;
 use crate::stats::Counters;
 use crate::store::Store;
-use crate::{Algorithm, Clock, Decision, Error};
+use crate::{Algorithm, Clock, Decision};
 
 /// Applies the failure policy and settles what it admitted.
 pub(crate) struct FailureLayer {
@@ -62,28 +62,21 @@ pub(crate) struct LayerParts {
 }
 
 impl FailureLayer {
-    /// # Errors
-    /// An invalid `LocalFallback` quota.
-    pub(crate) fn new(parts: LayerParts) -> Result<Self, Error> {
+    pub(crate) fn new(parts: LayerParts) -> Self {
         let store_clock = Arc::new(StoreAligned {
             local: parts.clock,
             offset_us: std::sync::atomic::AtomicI64::new(0),
         });
         let fallback = match parts.policy {
-            FailurePolicy::LocalFallback(quota) => {
-                quota
-                    .validate()
-                    .map_err(|e| Error::invalid(format!("LocalFallback quota: {e}")))?;
-                Some(LocalEngine::new(
-                    quota,
-                    parts.algorithm,
-                    Arc::new(SharedAligned(store_clock.clone())),
-                    Source::Fallback,
-                ))
-            }
+            FailurePolicy::LocalFallback(quota) => Some(LocalEngine::new(
+                quota,
+                parts.algorithm,
+                Arc::new(SharedAligned(store_clock.clone())),
+                Source::Fallback,
+            )),
             _ => None,
         };
-        Ok(FailureLayer {
+        FailureLayer {
             policy: parts.policy,
             fallback,
             reconciler: Arc::new(Reconciler::new(store_clock.local.clone())),
@@ -93,7 +86,7 @@ impl FailureLayer {
             keys: parts.keys,
             params: parts.params,
             counters: parts.counters,
-        })
+        }
     }
 
     pub(crate) fn policy(&self) -> FailurePolicy {

@@ -66,9 +66,9 @@ pub(crate) fn retry_secs(decision: &Decision) -> Option<u64> {
 /// ```
 /// # async fn demo() {
 /// use slicelimit::http::PolicyHeaders;
-/// use slicelimit::{Limiter, Quota};
+/// use slicelimit::{nonzero, Limiter, Quota};
 ///
-/// let limiter = Limiter::builder(Quota::per_minute(10)).build().unwrap();
+/// let limiter = Limiter::builder(Quota::per_minute(nonzero!(10))).build().unwrap();
 /// let headers = PolicyHeaders::new("search", &limiter.quota());
 /// let decision = limiter.check("alice", 1).await;
 /// let mut response = http::Response::new(());

@@ -23,13 +23,13 @@ type RejectFn = dyn Fn(&Rejection, Response<Bytes>) -> Response<Bytes> + Send + 
 /// ```no_run
 /// # async fn demo() -> Result<(), slicelimit::Error> {
 /// use slicelimit::http::{KeyExtractor, MissingKey, RateLimitLayer};
-/// use slicelimit::{HybridConfig, Limiter, Quota};
+/// use slicelimit::{nonzero, HybridConfig, Limiter, Quota};
 ///
-/// let limiter = Limiter::builder(Quota::per_minute(100))
+/// let limiter = Limiter::builder(Quota::per_minute(nonzero!(100)))
 ///     .hybrid(HybridConfig::strict())
 ///     .namespace("api")
 ///     .build()?;
-/// let login = Limiter::builder(Quota::per_minute(5)).namespace("login").build()?;
+/// let login = Limiter::builder(Quota::per_minute(nonzero!(5))).namespace("login").build()?;
 /// let layer = RateLimitLayer::new(limiter)
 ///     .key(KeyExtractor::header("x-api-key"))
 ///     .on_missing_key(MissingKey::Reject(http::StatusCode::UNAUTHORIZED))

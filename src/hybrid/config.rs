@@ -24,6 +24,7 @@ pub enum Consistency {
 /// Configuration of a hybrid limiter; see
 /// [`Builder::hybrid`](crate::Builder::hybrid).
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub struct HybridConfig {
     pub(crate) consistency: Consistency,
     pub(crate) max_wait: Duration,

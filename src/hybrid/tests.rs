@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::store::{LeaseCall, MemoryStore};
-use crate::{Algorithm, Clock, FakeClock, Quota, Source};
+use crate::{nonzero, Algorithm, Clock, FakeClock, Quota, Source};
 
 /// A whole second, so fixed windows start at the origin.
 const ORIGIN: Duration = Duration::from_secs(1_700_000_000);
@@ -47,7 +47,6 @@ fn rig(quota: Quota, algorithm: Algorithm, config: HybridConfig) -> Rig {
                 params,
                 counters: counters.clone(),
             })
-            .unwrap()
             .store_clock,
         },
     )
@@ -120,7 +119,7 @@ fn strict() -> HybridConfig {
 #[tokio::test]
 async fn a_cold_key_waits_for_one_lease_then_decides_locally() {
     let r = rig(
-        Quota::per_second(100),
+        Quota::per_second(nonzero!(100)),
         Algorithm::FixedWindow,
         strict().lease_bounds(10, 10),
     );
@@ -138,7 +137,7 @@ async fn a_cold_key_waits_for_one_lease_then_decides_locally() {
 #[tokio::test]
 async fn a_refill_is_requested_at_the_low_water_mark_before_the_slot_runs_dry() {
     let r = rig(
-        Quota::per_second(100),
+        Quota::per_second(nonzero!(100)),
         Algorithm::FixedWindow,
         strict().lease_bounds(10, 10),
     );
@@ -161,7 +160,11 @@ async fn a_refill_is_requested_at_the_low_water_mark_before_the_slot_runs_dry() 
 #[tokio::test]
 async fn no_permit_of_a_window_is_spent_after_it_ends() {
     let config = strict().lease_bounds(50, 50).max_wait(Duration::ZERO);
-    let r = rig(Quota::per_second(1000), Algorithm::FixedWindow, config);
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        config,
+    );
     let first = r.check("k", 1).await; // cold: waits for nothing, denied
     assert!(!first.is_allowed());
     r.sync().await;
@@ -201,7 +204,11 @@ async fn hot_keys_lease_the_next_window_before_the_boundary() {
     let config = strict()
         .lease_bounds(100, 100)
         .prelease_lead(Duration::from_millis(100));
-    let r = rig(Quota::per_second(1000), Algorithm::FixedWindow, config);
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        config,
+    );
     assert!(r.check("k", 1).await.is_allowed());
     r.clock.set(ORIGIN + Duration::from_millis(950));
     assert!(r.check("k", 1).await.is_allowed());
@@ -216,7 +223,7 @@ async fn hot_keys_lease_the_next_window_before_the_boundary() {
 
 #[tokio::test]
 async fn optimistic_credit_is_bounded_reported_and_counted_as_overshoot() {
-    let quota = Quota::per_second(100);
+    let quota = Quota::per_second(nonzero!(100));
     let r = rig(quota, Algorithm::FixedWindow, HybridConfig::optimistic(5));
     // Another process takes the whole window first.
     let store_key = r.keys.store_key("k", Algorithm::FixedWindow);
@@ -247,7 +254,7 @@ async fn no_first_touch_credit_before_the_store_clock_is_known() {
     // Debt of an unknown window would be charged to whatever window the
     // store is in when the report lands, hiding overshoot.
     let r = rig(
-        Quota::per_second(100),
+        Quota::per_second(nonzero!(100)),
         Algorithm::FixedWindow,
         HybridConfig::optimistic(5),
     );
@@ -260,7 +267,7 @@ async fn no_first_touch_credit_before_the_store_clock_is_known() {
 #[tokio::test]
 async fn a_peek_is_answered_even_while_the_key_is_known_exhausted() {
     let r = rig(
-        Quota::per_second(10),
+        Quota::per_second(nonzero!(10)),
         Algorithm::FixedWindow,
         strict().lease_bounds(10, 10),
     );
@@ -278,7 +285,7 @@ async fn an_evicted_slot_cannot_take_its_credit_twice_in_a_window() {
     // max_keys 1: touching "b" evicts "a", whose debt is queued, not yet
     // reported; a recreated "a" must count it against max_debt.
     let r = rig(
-        Quota::per_second(100),
+        Quota::per_second(nonzero!(100)),
         Algorithm::FixedWindow,
         HybridConfig::optimistic(3).max_keys(1),
     );
@@ -317,7 +324,7 @@ async fn an_evicted_slot_cannot_take_its_credit_twice_in_a_window() {
 #[tokio::test]
 async fn covered_credit_is_not_overshoot() {
     let r = rig(
-        Quota::per_second(100),
+        Quota::per_second(nonzero!(100)),
         Algorithm::FixedWindow,
         HybridConfig::optimistic(5),
     );
@@ -336,7 +343,7 @@ async fn covered_credit_is_not_overshoot() {
 #[tokio::test]
 async fn denied_keys_cost_no_round_trip_until_their_reset() {
     let r = rig(
-        Quota::per_second(10),
+        Quota::per_second(nonzero!(10)),
         Algorithm::FixedWindow,
         strict().lease_bounds(10, 10),
     );
@@ -384,7 +391,7 @@ async fn idle_keys_are_evicted_and_their_permits_given_back() {
 #[tokio::test]
 async fn the_map_is_bounded_by_max_keys() {
     let r = rig(
-        Quota::per_second(100),
+        Quota::per_second(nonzero!(100)),
         Algorithm::FixedWindow,
         strict().max_keys(2),
     );
@@ -408,7 +415,7 @@ async fn the_map_is_bounded_by_max_keys() {
 #[tokio::test]
 async fn shutdown_gives_every_unused_permit_back() {
     let r = rig(
-        Quota::per_second(100),
+        Quota::per_second(nonzero!(100)),
         Algorithm::FixedWindow,
         strict().lease_bounds(40, 40),
     );
@@ -430,7 +437,7 @@ async fn token_bucket_leases_expire_after_their_horizon_and_go_back() {
         .lease_ttl(Duration::from_secs(1))
         .prelease_lead(Duration::ZERO);
     let r = rig(
-        Quota::per_second(10).with_burst(50),
+        Quota::per_second(nonzero!(10)).with_burst(nonzero!(50)),
         Algorithm::TokenBucket,
         config,
     );
@@ -456,7 +463,7 @@ async fn token_bucket_leases_expire_after_their_horizon_and_go_back() {
 #[tokio::test]
 async fn a_request_costing_more_than_a_lease_still_gets_one_large_enough() {
     let r = rig(
-        Quota::per_second(100),
+        Quota::per_second(nonzero!(100)),
         Algorithm::FixedWindow,
         strict().lease_bounds(1, 5),
     );
@@ -469,7 +476,11 @@ async fn a_request_costing_more_than_a_lease_still_gets_one_large_enough() {
 
 #[tokio::test]
 async fn the_lease_script_shape_is_what_the_engine_expects() {
-    let r = rig(Quota::per_second(100), Algorithm::FixedWindow, strict());
+    let r = rig(
+        Quota::per_second(nonzero!(100)),
+        Algorithm::FixedWindow,
+        strict(),
+    );
     let reply = r
         .store
         .lease(&r.params, &raw_lease("x".into(), 10, i64::MAX))
@@ -485,7 +496,7 @@ async fn the_lease_script_shape_is_what_the_engine_expects() {
 #[tokio::test]
 async fn a_round_ends_after_its_batches_so_maintenance_and_stop_get_a_turn() {
     let r = rig(
-        Quota::per_second(1_000),
+        Quota::per_second(nonzero!(1_000)),
         Algorithm::FixedWindow,
         strict().batch_size(1),
     );
@@ -555,7 +566,7 @@ async fn an_active_key_is_preleased_by_the_sweep_before_its_window_ends() {
 #[tokio::test]
 async fn an_exhausted_next_window_is_waited_for_not_asked_for_in_a_loop() {
     let r = rig(
-        Quota::per_second(3),
+        Quota::per_second(nonzero!(3)),
         Algorithm::FixedWindow,
         strict()
             .lease_bounds(1, 1)
@@ -586,7 +597,7 @@ async fn an_exhausted_next_window_is_waited_for_not_asked_for_in_a_loop() {
 #[tokio::test]
 async fn a_refill_landing_between_the_try_and_the_wait_is_used_not_asked_for_again() {
     let r = rig(
-        Quota::per_second(100),
+        Quota::per_second(nonzero!(100)),
         Algorithm::FixedWindow,
         strict().lease_bounds(10, 10),
     );

@@ -1,7 +1,8 @@
 //! A store that misbehaves on purpose (feature `test-support`): the
 //! simulation's way of delaying, losing and duplicating replies, refusing
 //! calls through a circuit breaker, and restarting empty, on a seeded
-//! random schedule so that every run can be replayed.
+//! random schedule so that every run can be replayed; and of giving an
+//! embedded store the round trip of a remote one.
 //!
 //! It wraps another [`Store`] and owns no semantics of its own: whatever it
 //! lets through is decided by the store inside.
@@ -76,6 +77,10 @@ struct Inner {
     breaker: CircuitBreaker,
     counts: Mutex<FaultCounts>,
     calls: AtomicU64,
+    /// The simulated network round trip of every call, in nanoseconds (0:
+    /// in-process speed); apart from the fault schedule, so it never times
+    /// a call out.
+    latency_ns: AtomicU64,
 }
 
 impl fmt::Debug for FaultyStore {
@@ -116,8 +121,20 @@ impl FaultyStore {
                 ),
                 counts: Mutex::new(FaultCounts::default()),
                 calls: AtomicU64::new(0),
+                latency_ns: AtomicU64::new(0),
             }),
         }
+    }
+
+    /// Makes every call take `round_trip` (half before the store acts,
+    /// half after) on top of any injected delay, like a remote store: for
+    /// simulations on a virtual clock (`tokio::time::pause`) and for
+    /// testing timing behaviour. It applies to every clone of this store.
+    #[must_use]
+    pub fn with_latency(self, round_trip: Duration) -> Self {
+        let ns = u64::try_from(round_trip.as_nanos()).unwrap_or(u64::MAX);
+        self.inner.latency_ns.store(ns, Ordering::Relaxed);
+        self
     }
 
     /// Changes the fault rates from now on (an outage starts or ends).
@@ -175,6 +192,10 @@ impl FaultyStore {
         let delay = faults.max_delay.mul_f64(self.roll());
         let fate = self.roll();
         let waited = delay.min(faults.timeout);
+        let latency = Duration::from_nanos(self.inner.latency_ns.load(Ordering::Relaxed));
+        if !latency.is_zero() {
+            tokio::time::sleep(latency / 2).await;
+        }
         // Half the wait before the store acts, half after, like a round trip.
         tokio::time::sleep(waited / 2).await;
         let result = if fate < faults.lost_before {
@@ -198,6 +219,9 @@ impl FaultyStore {
             }
         };
         tokio::time::sleep(waited - waited / 2).await;
+        if !latency.is_zero() {
+            tokio::time::sleep(latency - latency / 2).await;
+        }
         let result = if delay >= faults.timeout && result.is_ok() {
             self.count(|c| c.timed_out += 1);
             Err(timeout(faults.timeout))
@@ -269,5 +293,37 @@ impl FaultyStore {
 
     pub(crate) fn circuit_state(&self) -> crate::CircuitState {
         self.inner.breaker.state()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::MemoryStore;
+    use crate::{nonzero, Algorithm, FakeClock, Quota};
+
+    #[tokio::test(start_paused = true)]
+    async fn every_call_takes_the_round_trip_and_only_the_wrapper_knows_it() {
+        let clock = FakeClock::new(Duration::from_secs(1_700_000_000));
+        let memory = MemoryStore::with_clock(clock.clone());
+        let slow = FaultyStore::new(memory.clone(), Faults::default(), 1, clock)
+            .with_latency(Duration::from_millis(10));
+        let params = Params::new(&Quota::per_second(nonzero!(5)), Algorithm::FixedWindow);
+        let start = tokio::time::Instant::now();
+        let (reply, cost) = slow.clone().acquire("k", &params, 1).await;
+        assert!(reply.is_ok() && cost.round_trips == 1);
+        let took = start.elapsed();
+        assert!(
+            took >= Duration::from_millis(10) && took < Duration::from_millis(12),
+            "{took:?}"
+        );
+        let start = tokio::time::Instant::now();
+        let (reply, _) = Store::from(memory).send_acquire("k", &params, 1).await;
+        assert!(reply.is_ok());
+        assert_eq!(
+            start.elapsed(),
+            Duration::ZERO,
+            "the embedded store itself is instant"
+        );
     }
 }

@@ -37,8 +37,6 @@ struct Shared {
     clock: Arc<dyn Clock>,
     /// Operations since creation, to pace sweeps.
     ops: AtomicU64,
-    /// Simulated network round trip per call (0: in-process speed).
-    latency: std::time::Duration,
     /// Identities of reports already applied (op key → first answer,
     /// expiry), as the scripts' identity keys. Held across the report it
     /// guards, so a duplicate cannot slip in between check and record.
@@ -79,34 +77,8 @@ impl MemoryStore {
                 entries: DashMap::new(),
                 clock,
                 ops: AtomicU64::new(0),
-                latency: std::time::Duration::ZERO,
                 ops_seen: Mutex::new(HashMap::new()),
             }),
-        }
-    }
-
-    /// A store whose every call takes `round_trip` (half before, half after
-    /// the store acts), like a remote one: for simulations on a virtual
-    /// clock (`tokio::time::pause`) and for testing timing behaviour.
-    /// Clones made after this call share the latency; earlier ones do not
-    /// share state with the result.
-    pub fn with_latency(self, round_trip: std::time::Duration) -> Self {
-        let shared = Shared {
-            entries: self.shared.entries.clone(),
-            clock: self.shared.clock.clone(),
-            ops: AtomicU64::new(0),
-            latency: round_trip,
-            ops_seen: Mutex::new(HashMap::new()),
-        };
-        MemoryStore {
-            shared: Arc::new(shared),
-        }
-    }
-
-    /// Waits half the simulated round trip, if any.
-    pub(crate) async fn half_trip(&self) {
-        if !self.shared.latency.is_zero() {
-            tokio::time::sleep(self.shared.latency / 2).await;
         }
     }
 
@@ -290,7 +262,7 @@ impl MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{FakeClock, Quota};
+    use crate::{nonzero, FakeClock, Quota};
     use std::time::Duration;
 
     fn store() -> (MemoryStore, FakeClock) {
@@ -301,7 +273,7 @@ mod tests {
     #[test]
     fn fixed_window_counts_and_resets_at_the_boundary() {
         let (s, clock) = store();
-        let p = Params::new(&Quota::per_second(3), Algorithm::FixedWindow);
+        let p = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::FixedWindow);
         for i in 0..3 {
             let r = s.acquire("k", &p, 1).unwrap();
             assert!(r.allowed);
@@ -318,7 +290,7 @@ mod tests {
     #[test]
     fn token_bucket_refills_continuously() {
         let (s, clock) = store();
-        let p = Params::new(&Quota::per_second(10), Algorithm::TokenBucket);
+        let p = Params::new(&Quota::per_second(nonzero!(10)), Algorithm::TokenBucket);
         assert!(s.acquire("k", &p, 10).unwrap().allowed);
         let r = s.acquire("k", &p, 1).unwrap();
         assert!(!r.allowed);
@@ -330,7 +302,10 @@ mod tests {
     #[test]
     fn gcra_admits_the_burst_then_one_per_interval() {
         let (s, clock) = store();
-        let p = Params::new(&Quota::per_second(10).with_burst(5), Algorithm::Gcra);
+        let p = Params::new(
+            &Quota::per_second(nonzero!(10)).with_burst(nonzero!(5)),
+            Algorithm::Gcra,
+        );
         for _ in 0..5 {
             assert!(s.acquire("k", &p, 1).unwrap().allowed);
         }
@@ -345,7 +320,7 @@ mod tests {
     #[test]
     fn entries_expire_and_are_swept() {
         let (s, clock) = store();
-        let p = Params::new(&Quota::per_second(3), Algorithm::FixedWindow);
+        let p = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::FixedWindow);
         for i in 0..100 {
             s.acquire(&format!("k{i}"), &p, 1).unwrap();
         }
@@ -359,8 +334,8 @@ mod tests {
     #[test]
     fn wrong_type_is_an_error_not_a_panic() {
         let (s, _) = store();
-        let fw = Params::new(&Quota::per_second(3), Algorithm::FixedWindow);
-        let tb = Params::new(&Quota::per_second(3), Algorithm::TokenBucket);
+        let fw = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::FixedWindow);
+        let tb = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::TokenBucket);
         s.acquire("k", &fw, 1).unwrap();
         assert!(s.acquire("k", &tb, 1).unwrap_err().is_wrong_type());
     }
@@ -368,7 +343,7 @@ mod tests {
     #[test]
     fn fixed_window_lease_honours_share_cap_and_records_debt() {
         let (s, _) = store();
-        let p = Params::new(&Quota::per_second(100), Algorithm::FixedWindow);
+        let p = Params::new(&Quota::per_second(nonzero!(100)), Algorithm::FixedWindow);
         let mut call = LeaseCall {
             key: "k".into(),
             want: 1000,

@@ -104,12 +104,7 @@ impl Store {
     ) -> (Result<AcquireReply, Error>, StoreCost) {
         match self {
             Store::Redis(s) => s.acquire(key, params, cost).await,
-            Store::Memory(s) => {
-                s.half_trip().await;
-                let reply = s.acquire(key, params, cost);
-                s.half_trip().await;
-                (reply, StoreCost::one_trip(1))
-            }
+            Store::Memory(s) => (s.acquire(key, params, cost), StoreCost::one_trip(1)),
             #[cfg(feature = "test-support")]
             Store::Faulty(s) => Box::pin(s.acquire(key, params, cost)).await,
         }
@@ -129,9 +124,7 @@ impl Store {
         match self {
             Store::Redis(s) => s.lease_batch(params, calls, ahead).await,
             Store::Memory(s) => {
-                s.half_trip().await;
                 let replies = calls.iter().map(|c| s.lease(params, c)).collect();
-                s.half_trip().await;
                 (Ok(replies), StoreCost::one_trip(calls.len()))
             }
             #[cfg(feature = "test-support")]
@@ -149,9 +142,7 @@ impl Store {
         match self {
             Store::Redis(s) => s.give_back_batch(params, calls).await,
             Store::Memory(s) => {
-                s.half_trip().await;
                 let replies = calls.iter().map(|c| s.give_back(params, c)).collect();
-                s.half_trip().await;
                 (Ok(replies), StoreCost::one_trip(calls.len()))
             }
             #[cfg(feature = "test-support")]

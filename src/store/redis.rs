@@ -19,7 +19,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{Cmd, Pipeline, RedisFuture, Script, Value};
+use redis::{Cmd, Pipeline, RedisFuture, Script, ServerErrorKind, Value};
 
 use super::topology::{slot_of, Node, Topology};
 use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, OpId, Params, StoreCost};
@@ -269,13 +269,19 @@ fn is_layout_change(e: &redis::RedisError) -> bool {
 /// restart loading its data, a cluster without a quorum.
 fn refuses(v: &Value) -> bool {
     matches!(v, Value::ServerError(e) if matches!(
-        e.code(),
-        "READONLY" | "LOADING" | "MASTERDOWN" | "CLUSTERDOWN" | "TRYAGAIN"
+        e.kind(),
+        Some(
+            ServerErrorKind::ReadOnly
+                | ServerErrorKind::BusyLoading
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::TryAgain
+        )
     ))
 }
 
 fn is_noscript(v: &Value) -> bool {
-    matches!(v, Value::ServerError(e) if e.code() == "NOSCRIPT")
+    matches!(v, Value::ServerError(e) if e.kind() == Some(ServerErrorKind::NoScript))
 }
 
 /// Rebuilding a connection from scratch. Cluster: after a primary dies, the
@@ -374,15 +380,12 @@ impl RedisStore {
         .await
         .map_err(|_| timeout_error(&format!("connecting to {url}"), options.connect_timeout))?
         .map_err(|e| {
-            let err = Error::from(e);
-            Error::new(
-                if err.is_timeout() {
-                    ErrorKind::Timeout
-                } else {
-                    ErrorKind::Connection
-                },
-                format!("cannot connect to {url}: {err}"),
-            )
+            let kind = if e.is_timeout() {
+                ErrorKind::Timeout
+            } else {
+                ErrorKind::Connection
+            };
+            Error::new(kind, format!("cannot connect to {url}: {e}")).caused_by(e)
         })?;
         Ok(Self::with_rebuild(
             Self::from_parts(Conn::Single(conn), options, url),
@@ -431,7 +434,9 @@ impl RedisStore {
             .min_retry_wait(5)
             .max_retry_wait(50)
             .build()
-            .map_err(|e| Error::invalid(format!("bad Redis Cluster URLs {urls:?}: {e}")))?;
+            .map_err(|e| {
+                Error::invalid(format!("bad Redis Cluster URLs {urls:?}: {e}")).caused_by(e)
+            })?;
         let conn = tokio::time::timeout(options.connect_timeout, client.get_async_connection())
             .await
             .map_err(|_| {
@@ -445,6 +450,7 @@ impl RedisStore {
                     ErrorKind::Connection,
                     format!("cannot connect to the cluster at {urls:?}: {e}"),
                 )
+                .caused_by(e)
             })?;
         let mut store = Self::from_parts(Conn::Cluster(conn), options, &urls.join(","));
         if let Some(inner) = Arc::get_mut(&mut store.inner) {
@@ -578,7 +584,9 @@ impl RedisStore {
         let config = Self::manager_config(&options);
         let conn = client
             .get_connection_manager_lazy(config.clone())
-            .map_err(|e| Error::invalid(format!("bad Redis configuration for {url}: {e}")))?;
+            .map_err(|e| {
+                Error::invalid(format!("bad Redis configuration for {url}: {e}")).caused_by(e)
+            })?;
         Ok(Self::with_rebuild(
             Self::from_parts(Conn::Single(conn), options, url),
             Client::Single(client, config),
@@ -586,7 +594,8 @@ impl RedisStore {
     }
 
     fn client(url: &str) -> Result<redis::Client, Error> {
-        redis::Client::open(url).map_err(|e| Error::invalid(format!("bad Redis URL {url:?}: {e}")))
+        redis::Client::open(url)
+            .map_err(|e| Error::invalid(format!("bad Redis URL {url:?}: {e}")).caused_by(e))
     }
 
     fn manager_config(options: &RedisOptions) -> ConnectionManagerConfig {
@@ -731,7 +740,7 @@ impl RedisStore {
         let result = match tokio::time::timeout(limit, fut).await {
             Ok(result) => result.map_err(|e| {
                 moved = is_layout_change(&e);
-                Error::from(e)
+                Error::from_redis(e)
             }),
             Err(_) => Err(timeout_error(what, limit)),
         };
@@ -767,7 +776,7 @@ impl RedisStore {
         let node = self.node_for(key);
         let (reply, round_trips) = self.script_call(lua, node.as_deref(), cmd).await;
         let reply = reply.and_then(|reply| {
-            let values = reply.extract_error().map_err(Error::from)?;
+            let values = reply.extract_error().map_err(Error::from_redis)?;
             let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
             AcquireReply::from_values(&values)
         });
@@ -845,7 +854,7 @@ impl RedisStore {
                 let reply = self
                     .bounded_judged("SCRIPT LOAD", Some(node), limit, fut, |_| false)
                     .await?;
-                reply.extract_error().map(drop).map_err(Error::from)
+                reply.extract_error().map(drop).map_err(Error::from_redis)
             }
             (mut conn, _) => {
                 let fut = lua.script.load_async(&mut conn);
@@ -914,7 +923,8 @@ impl RedisStore {
             let (idx, result, trips) = match joined {
                 Ok(done) => done,
                 Err(e) => {
-                    let e = Error::new(ErrorKind::Store, format!("pipeline task: {e}"));
+                    let e =
+                        Error::new(ErrorKind::Store, format!("pipeline task: {e}")).caused_by(e);
                     return (Err(e), cost);
                 }
             };
@@ -1073,7 +1083,7 @@ impl RedisStore {
             values
                 .into_iter()
                 .map(|v| match v? {
-                    Value::ServerError(e) => Err(Error::from(redis::RedisError::from(e))),
+                    Value::ServerError(e) => Err(Error::from_redis(redis::RedisError::from(e))),
                     v => redis::from_redis_value::<i64>(v)
                         .map(|n| n.max(0) as u64)
                         .map_err(parse_error),
@@ -1093,7 +1103,7 @@ fn batch_timeout(response: Duration, calls: usize) -> Duration {
 
 fn value_to_ints(v: Value) -> Result<Vec<i64>, Error> {
     match v {
-        Value::ServerError(e) => Err(Error::from(redis::RedisError::from(e))),
+        Value::ServerError(e) => Err(Error::from_redis(redis::RedisError::from(e))),
         v => redis::from_redis_value::<Vec<i64>>(v).map_err(parse_error),
     }
 }

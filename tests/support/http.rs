@@ -2,11 +2,14 @@
 //! under a fake clock, limiters whose store never answers, and the
 //! `RateLimit` fields parsed with a third-party Structured Fields parser.
 
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use sfv::{BareItem, ListEntry, Parser};
 
-use slicelimit::{FailurePolicy, FakeClock, Faults, FaultyStore, Limiter, MemoryStore, Quota};
+use slicelimit::{
+    nonzero, FailurePolicy, FakeClock, Faults, FaultyStore, Limiter, MemoryStore, Quota,
+};
 
 /// A whole minute, so per-minute windows start here.
 pub const ORIGIN: Duration = Duration::from_secs(1_700_000_040);
@@ -15,6 +18,7 @@ pub const ORIGIN: Duration = Duration::from_secs(1_700_000_040);
 /// clock `into` the first window; in `namespace` if given.
 pub fn per_minute(limit: u32, into: Duration, namespace: Option<&str>) -> Limiter {
     let clock = FakeClock::new(ORIGIN + into);
+    let limit = NonZeroU32::new(limit).expect("a limit of at least 1");
     let builder = Limiter::builder(Quota::per_minute(limit))
         .store(MemoryStore::with_clock(clock.clone()))
         .clock(clock);
@@ -40,7 +44,7 @@ pub fn unavailable(policy: FailurePolicy) -> Limiter {
         1,
         clock.clone(),
     );
-    Limiter::builder(Quota::per_minute(10))
+    Limiter::builder(Quota::per_minute(nonzero!(10)))
         .store(store)
         .clock(clock)
         .on_store_error(policy)
