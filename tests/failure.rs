@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use slicelimit::{
-    nonzero, CircuitConfig, CircuitState, FailurePolicy, HybridConfig, Limiter, Quota,
+    nonzero, CircuitConfig, CircuitState, FailurePolicy, FakeClock, HybridConfig, Limiter, Quota,
     RedisOptions, RedisStore, Source,
 };
 use support::RedisServer;
@@ -705,4 +705,46 @@ async fn a_killed_server_opens_the_default_breaker_at_low_traffic() {
         store.calls_refused() >= 1,
         "the open breaker refused the call"
     );
+}
+
+/// The breakers run on the clock `RedisOptions::clock` injects: while it
+/// stands still, no amount of real time of failures opens them; moved on
+/// past the sustained-failure span, they open.
+#[tokio::test]
+async fn the_circuit_breaker_runs_on_the_injected_clock() {
+    let mut server = RedisServer::start();
+    let clock = FakeClock::new(Duration::from_secs(1_000));
+    let store = RedisStore::connect_with(&server.url(), options().clock(clock.clone()))
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(Quota::per_second(nonzero!(10)))
+        .store(store.clone())
+        .namespace("clocked")
+        .exact()
+        .build()
+        .unwrap();
+    assert!(limiter.try_check("k", 1).await.is_ok());
+    server.kill();
+    // Three times the 200 ms the default configuration needs, in real time.
+    let began = Instant::now();
+    let mut failed = 0;
+    while began.elapsed() < Duration::from_millis(600) {
+        if limiter.try_check("k", 1).await.is_err() {
+            failed += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(failed >= 10, "{failed} failed calls");
+    assert_eq!(
+        store.circuit_state(),
+        CircuitState::Closed,
+        "its clock stood still"
+    );
+    clock.advance(Duration::from_millis(300));
+    for _ in 0..5 {
+        let _ = limiter.try_check("k", 1).await;
+    }
+    assert_eq!(store.circuit_state(), CircuitState::Open);
+    let refused = limiter.try_check("k", 1).await.unwrap_err();
+    assert!(refused.is_circuit_open(), "{refused}");
 }

@@ -2,7 +2,7 @@
 //! the count reset at each boundary. One hash per key (field = window
 //! index); hybrid leases are window leases with no carry.
 
-use super::calls::{AcquireReply, LeaseCall, LeaseReply, Params};
+use super::calls::{AcquireReply, Params};
 use super::state::{ceil_ms_to_us, count_in, incr_window, trim_and_expire, windows, Entry};
 use super::window;
 use super::{Arg, LeaseKind, Lua, Spec};
@@ -28,7 +28,7 @@ pub(super) static SPEC: Spec = Spec {
     check_quota: |_| Ok(()),
     max_cost: |q| q.limit(),
     check,
-    lease_mirror,
+    lease_mirror: |entry, p, now, call| window::lease(entry, p, now, call, RULE),
     give_back: window::give_back,
     leases: LeaseKind::Window,
 };
@@ -44,15 +44,6 @@ const RULE: window::Rule = window::Rule {
     carry: |_| 0,
     wait_for: |_, _, near, _| near.until_end(),
 };
-
-fn lease_mirror(
-    entry: &mut Option<Entry>,
-    p: &Params,
-    now: u64,
-    call: &LeaseCall,
-) -> Result<LeaseReply, Error> {
-    window::lease(entry, p, now, call, RULE)
-}
 
 /// Every `u64` cost is compared as the scripts compare it: a cost the
 /// quota can never hold is denied before any arithmetic sees it.

@@ -6,7 +6,7 @@
 //! weighted count (see `lua/carry_sliding_window.lua` for the arithmetic
 //! and why it is strict).
 
-use super::calls::{AcquireReply, LeaseCall, LeaseReply, Params};
+use super::calls::{AcquireReply, Params};
 use super::state::{ceil_ms_to_us, count_in, incr_window, trim_and_expire, windows, Entry};
 use super::window::{self, Neighbours};
 use super::{Arg, LeaseKind, Lua, Spec};
@@ -35,7 +35,7 @@ pub(super) static SPEC: Spec = Spec {
     check_quota: |_| Ok(()),
     max_cost: |q| q.limit(),
     check,
-    lease_mirror,
+    lease_mirror: |entry, p, now, call| window::lease(entry, p, now, call, RULE),
     give_back: window::give_back,
     leases: LeaseKind::Window,
 };
@@ -81,15 +81,6 @@ fn wait_for(n: i64, used: i64, near: &Neighbours, limit: i64) -> u64 {
     let at = (near.target + 1) as f64 * period - room as f64 * period / near.before as f64;
     let wait = (at - near.now as f64).ceil();
     (wait.min(window_end as f64).max(start as f64)) as u64
-}
-
-fn lease_mirror(
-    entry: &mut Option<Entry>,
-    p: &Params,
-    now: u64,
-    call: &LeaseCall,
-) -> Result<LeaseReply, Error> {
-    window::lease(entry, p, now, call, RULE)
 }
 
 /// The mirror of `lua/sliding_window.lua`.

@@ -15,7 +15,7 @@ use dashmap::DashMap;
 use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use crate::algorithm::{Entry, State};
 use crate::clock::{micros, Clock, SystemClock};
-use crate::{Algorithm, Error};
+use crate::Error;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -205,7 +205,7 @@ impl MemoryStore {
         &self,
         namespace: &str,
         key: &str,
-        algorithm: Algorithm,
+        algorithm: crate::Algorithm,
         window: i64,
     ) -> Option<i64> {
         let store_key = crate::key::KeyEncoder::new(namespace).store_key(key, algorithm);
@@ -262,7 +262,7 @@ impl MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{nonzero, FakeClock, Quota};
+    use crate::{nonzero, Algorithm, FakeClock, Quota};
     use std::time::Duration;
 
     fn store() -> (MemoryStore, FakeClock) {
