@@ -295,6 +295,13 @@ impl Limiter {
         self.namespace() == other.namespace() && self.algorithm() == other.algorithm()
     }
 
+    /// A denial the HTTP layer let through in shadow mode, counted with
+    /// this limiter's other counters.
+    #[cfg(feature = "tower")]
+    pub(crate) fn shadow_denial(&self) {
+        self.inner.counters.shadow_denials.add(1);
+    }
+
     /// Counters since the limiter was built.
     pub fn stats(&self) -> Stats {
         self.inner.counters.snapshot()

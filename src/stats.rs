@@ -87,6 +87,7 @@ pub(crate) struct Counters {
     pub(crate) fallback_admitted: Tally,
     pub(crate) reports_dropped: Tally,
     pub(crate) sync_restarts: Tally,
+    pub(crate) shadow_denials: Tally,
     pub(crate) meters: Meters,
 }
 
@@ -110,6 +111,7 @@ impl Counters {
             fallback_admitted: Tally::new(limiter, names::FALLBACK_ADMISSIONS),
             reports_dropped: Tally::new(limiter, names::REPORTS_DROPPED),
             sync_restarts: Tally::new(limiter, names::SYNC_RESTARTS),
+            shadow_denials: Tally::new(limiter, names::SHADOW_DENIALS),
             meters: Meters::new(limiter),
         }
     }
@@ -185,6 +187,7 @@ impl Counters {
             fallback_admitted: self.fallback_admitted.get(),
             reports_dropped: self.reports_dropped.get(),
             sync_restarts: self.sync_restarts.get(),
+            shadow_denials: self.shadow_denials.get(),
         }
     }
 }
@@ -233,4 +236,6 @@ pub struct Stats {
     /// Times the hybrid limiter's background task was found gone (its
     /// runtime dropped, a panic) and started again on a caller's runtime.
     pub sync_restarts: u64,
+    /// Denials the HTTP layer let through in shadow (dry-run) mode.
+    pub shadow_denials: u64,
 }

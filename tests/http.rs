@@ -590,11 +590,16 @@ async fn shadow_mode_never_changes_a_response() {
     }
     let stats = limiter.stats();
     assert_eq!((stats.allowed, stats.denied), (2, 4));
+    assert_eq!(
+        stats.shadow_denials, 4,
+        "each denial let through is counted"
+    );
     // Without a key too: the request passes as if there were no layer.
     let reply = get_with(addr, "/coupons/redeem", &[]).await;
     assert_eq!(reply.status, StatusCode::OK);
     assert_eq!(reply.body, "redeemed");
     assert!(reply.headers.get("www-authenticate").is_none());
+    assert_eq!(limiter.stats().shadow_denials, 5);
 }
 
 #[tokio::test]

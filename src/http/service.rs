@@ -64,10 +64,6 @@ fn is_grpc(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.starts_with("application/grpc"))
 }
 
-fn shadow_denial(name: &str) {
-    metrics::counter!(crate::metrics::SHADOW_DENIALS, "limiter" => name.to_owned()).increment(1);
-}
-
 /// Turns one decision per policy into the layer's verdict.
 pub(crate) fn conclude(
     config: &Arc<Prepared>,
@@ -79,7 +75,7 @@ pub(crate) fn conclude(
     if config.shadow {
         for (policy, decision) in config.policies(route).zip(&decisions) {
             if !decision.is_allowed() {
-                shadow_denial(policy.headers.name());
+                policy.limiter.shadow_denial();
             }
         }
         return Verdict::Admit(None);
@@ -161,7 +157,7 @@ where
             // Dry run: the request passes as it would without the layer.
             (None, MissingKey::Reject(_)) if config.shadow => {
                 for policy in config.policies(route) {
-                    shadow_denial(policy.headers.name());
+                    policy.limiter.shadow_denial();
                 }
                 return ResponseFuture::inner(self.inner.call(request), None);
             }
