@@ -51,22 +51,80 @@
 //! - fixed window, optimistic: ≤ `limit + N × max_debt` per window for a
 //!   fleet of N processes, and every permit beyond the limit is counted in
 //!   [`Stats::overshoot`];
+//! - sliding window, strict: at every admission, the window's admissions
+//!   plus the previous window's, weighted by the share of it the trailing
+//!   period still covers, ≤ `limit` (the exact sliding-window counter's
+//!   own rule); optimistic: ≤ `limit + 2 × N × max_debt`;
 //! - token bucket / GCRA, strict: over any interval T, admitted ≤
 //!   `burst + rate × (T + h)` where h is the lease horizon
 //!   ([`HybridConfig::lease_ttl`]).
+//!
+//! # Architecture
+//!
+//! Where things happen, top to bottom (each layer imports only from the
+//! layers below it):
+//!
+//! ```text
+//! http ─► limiter ─► hybrid / exact ─► failure ─► local ─► store ─► algorithm
+//!                                                                   │
+//!                                 stats, metrics, breaker, clock, key, quota …
+//! ```
+//!
+//! - **A request is decided** in `limiter` ([`Limiter::check`]): the hybrid
+//!   engine's fast path (`hybrid::HybridEngine::try_fast`, atomics on a
+//!   slot, no await), else its slow path (wait briefly for a refill), or
+//!   one exact store call (`exact`), or the per-process count (`local`).
+//!   Whatever cannot be decided goes to the failure layer
+//!   (`failure::FailureLayer::decide`), the one place the
+//!   [`FailurePolicy`] is applied.
+//! - **A lease is fetched** by the hybrid engine's background task
+//!   (`hybrid::sync`): it sizes each key's lease (`hybrid::sizing`),
+//!   batches the keys waiting for one into pipelined lease scripts, and
+//!   installs the replies in the slots (`hybrid::slot`, whose invariants
+//!   live behind its methods).
+//! - **Redis is touched** only in `store::redis`: every script call goes
+//!   through a node's circuit breaker (`breaker`) under the response
+//!   timeout. The store's dispatch (`store::Store`) is where round trips,
+//!   script calls, latency and errors are counted, once, for
+//!   [`Limiter::stats`] and the metrics alike. The embedded
+//!   [`MemoryStore`] answers the same calls in process.
+//! - **An algorithm** lives in one file of `algorithm/`: its Lua scripts,
+//!   their typed arguments, the embedded store's mirror of them (pure
+//!   state transitions) and the kind of lease it grants. `Algorithm::spec`
+//!   is the only match on the variants; nothing else asks which algorithm
+//!   it runs.
+//!
+//! # Adding an algorithm
+//!
+//! 1. Write `lua/<name>.lua` (the exact check) and its lease script: for a
+//!    window algorithm a carry file in front of `lua/lease_window.lua`
+//!    (see `lua/carry_sliding_window.lua`), for a bucket its own lease
+//!    script answering like `lua/lease_token_bucket.lua`.
+//! 2. Write `src/algorithm/<name>.rs` with a `pub(super) static SPEC:
+//!    Spec`: names, scripts, argument builders, quota checks, the mirror
+//!    of each script, and its `LeaseKind`.
+//! 3. Add the variant to [`Algorithm`] and one arm to `Algorithm::spec`.
+//! 4. Add it to the differential tests (`tests/exact.rs`), the simulation
+//!    oracle (`tests/simulation.rs`) and the README's bounds table.
 //!
 //! # Layout
 //!
 //! - `quota`, `decision`, `error`, `clock`: value types and injected time;
 //! - `key`: injective store-key encoding with one Cluster hash tag per key;
-//! - `store`: the Redis store (scripts in `lua/`; on a cluster, a slot map
-//!   and a circuit breaker per primary) and the embedded [`MemoryStore`]
-//!   with the same semantics;
+//! - `algorithm`: one file per algorithm, and what window and bucket
+//!   algorithms share (`window`, `bucket`);
+//! - `breaker`: the circuit breaker, on an injected clock;
+//! - `stats`, `metrics`: counters readable with [`Limiter::stats`], and
+//!   their metric names;
+//! - `store`: the Redis store (on a cluster, a slot map and a breaker per
+//!   primary), the embedded [`MemoryStore`] with the same semantics, and
+//!   the dispatch between them;
+//! - `failure`: the failure policy and the ledger of what its fallback
+//!   admitted;
 //! - `exact`, `local`: one store call per decision, or none;
 //! - `hybrid`: slots, lease sizing, the sync task;
-//! - `failure`: what a limiter decides when its store cannot answer;
 //! - `limiter`: the [`Limiter`] front door and its [`Builder`];
-//! - `stats`: counters readable with [`Limiter::stats`].
+//! - `http`: the tower layer (429, `Retry-After`, `RateLimit` headers).
 
 mod algorithm;
 mod breaker;
