@@ -20,7 +20,7 @@
 //! embedded store.
 //!
 //! Flags: `--port`, `--metrics-port`, `--mode exact|hybrid|hybrid-optimistic|local`,
-//! `--algorithm fixed-window|token-bucket|gcra`, `--limit`, `--period-secs`,
+//! `--algorithm fixed-window|sliding-window|token-bucket|gcra`, `--limit`, `--period-secs`,
 //! `--redis URL`, `--on-store-error open|closed|fallback`, `--max-debt N`,
 //! `--shadow`, `--key-by api-key|ip` (default api-key),
 //! `--trusted-proxies CIDR[,CIDR...]` (default none: the peer address is
@@ -53,7 +53,7 @@ struct Args {
 }
 
 fn usage(problem: &str) -> ! {
-    eprintln!("{problem}\nusage: axum_server [--port N] [--metrics-port N] [--mode exact|hybrid|hybrid-optimistic|local] [--algorithm fixed-window|token-bucket|gcra] [--limit N] [--period-secs N] [--redis URL] [--on-store-error open|closed|fallback] [--max-debt N] [--shadow] [--key-by api-key|ip] [--trusted-proxies CIDR[,CIDR...]]");
+    eprintln!("{problem}\nusage: axum_server [--port N] [--metrics-port N] [--mode exact|hybrid|hybrid-optimistic|local] [--algorithm fixed-window|sliding-window|token-bucket|gcra] [--limit N] [--period-secs N] [--redis URL] [--on-store-error open|closed|fallback] [--max-debt N] [--shadow] [--key-by api-key|ip] [--trusted-proxies CIDR[,CIDR...]]");
     std::process::exit(2)
 }
 
@@ -90,12 +90,7 @@ fn parse_args() -> Args {
             "--metrics-port" => args.metrics_port = number(&value) as u16,
             "--mode" => args.mode = value,
             "--algorithm" => {
-                args.algorithm = match value.as_str() {
-                    "fixed-window" => Algorithm::FixedWindow,
-                    "token-bucket" => Algorithm::TokenBucket,
-                    "gcra" => Algorithm::Gcra,
-                    other => usage(&format!("unknown algorithm {other}")),
-                }
+                args.algorithm = value.parse().unwrap_or_else(|e| usage(&format!("{e}")))
             }
             "--limit" => args.limit = number(&value),
             "--period-secs" => args.period_secs = number(&value),

@@ -104,6 +104,31 @@ impl Algorithm {
     }
 }
 
+impl std::str::FromStr for Algorithm {
+    type Err = Error;
+
+    /// Parses a name [`Algorithm::as_str`] gives (`fixed-window`,
+    /// `sliding-window`, `token-bucket`, `gcra`).
+    fn from_str(name: &str) -> Result<Self, Error> {
+        Algorithm::all()
+            .into_iter()
+            .find(|a| a.as_str() == name)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Algorithm::all().iter().map(|a| a.as_str()).collect();
+                Error::invalid(format!(
+                    "unknown algorithm {name:?}; one of {}",
+                    names.join(", ")
+                ))
+            })
+    }
+}
+
+impl std::fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// A script of `lua/`, by name (the Redis store loads each once).
 #[derive(Debug)]
 pub(crate) struct Lua {
@@ -260,6 +285,15 @@ impl LeaseKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_parse_back() {
+        for a in Algorithm::all() {
+            assert_eq!(a.as_str().parse::<Algorithm>().unwrap(), a);
+        }
+        let e = "leaky".parse::<Algorithm>().unwrap_err();
+        assert!(e.is_invalid_input() && e.to_string().contains("sliding-window"));
+    }
 
     #[test]
     fn names_and_key_suffixes_are_unique() {
