@@ -1,5 +1,5 @@
 -- carry_sliding_window.lua: the sliding-window counter's arithmetic, sent
--- in front of sliding_window.lua (exact) and lease_window.lua (leases).
+-- in front of window_check.lua (exact) and lease_window.lua (leases).
 --
 -- The load of window W at time `now` is its own count plus the previous
 -- window's, weighted by how much of that window the trailing period still
@@ -43,3 +43,11 @@ local function wait_for(n, used, before, after, target, now, period, limit)
   return math.max(start, math.min(window_end, math.ceil(at - now)))
 end
 
+-- The whole limit is free again once nothing counted weighs any more:
+-- the end of the next window if this one counted anything, else of this
+-- one if the previous did, else now.
+local function reset_after(used, before, current, now, period)
+  if used > 0 then return (current + 2) * period - now end
+  if before > 0 then return (current + 1) * period - now end
+  return 0
+end

@@ -7,7 +7,9 @@
 --     the target window that count against it (`before`, `after`: the
 --     counts of the windows either side of it);
 --   wait_for(n, used, before, after, target, now, period, limit):
---     µs until n more permits fit in the target window, all else equal.
+--     µs until n more permits fit in the target window, all else equal;
+--   reset_after(used, before, current, now, period): µs until the whole
+--     limit is free again (window_check.lua's answer).
 -- The fixed window carries nothing; the sliding window carries the
 -- previous window's weighted count (see its file).
 --

@@ -6,11 +6,8 @@
 //! weighted count (see `lua/carry_sliding_window.lua` for the arithmetic
 //! and why it is strict).
 
-use super::calls::{AcquireReply, Params};
-use super::state::{ceil_ms_to_us, count_in, incr_window, trim_and_expire, windows, Entry};
 use super::window::{self, Neighbours};
-use super::{Arg, LeaseKind, Lua, Spec};
-use crate::Error;
+use super::{LeaseKind, Lua, Spec};
 
 pub(super) static SPEC: Spec = Spec {
     name: "sliding-window",
@@ -19,7 +16,7 @@ pub(super) static SPEC: Spec = Spec {
         name: "sliding_window",
         source: concat!(
             include_str!("../../lua/carry_sliding_window.lua"),
-            include_str!("../../lua/sliding_window.lua")
+            include_str!("../../lua/window_check.lua")
         ),
     },
     lease: Lua {
@@ -29,22 +26,34 @@ pub(super) static SPEC: Spec = Spec {
             include_str!("../../lua/lease_window.lua")
         ),
     },
-    exact_args,
+    exact_args: window::exact_args,
     lease_args: window::lease_args,
     give_back_args: window::give_back_args,
     check_quota: |_| Ok(()),
     max_cost: |q| q.limit(),
-    check,
+    check: |entry, p, now, cost, key| window::check(entry, p, now, cost, key, RULE),
     lease_mirror: |entry, p, now, call| window::lease(entry, p, now, call, RULE),
     give_back: window::give_back,
     leases: LeaseKind::Window,
 };
 
-const RULE: window::Rule = window::Rule { carry, wait_for };
+const RULE: window::Rule = window::Rule {
+    carry,
+    wait_for,
+    reset_after,
+};
 
-/// `lua/sliding_window.lua`'s ARGV.
-fn exact_args(p: &Params, cost: u64, args: &mut Vec<Arg>) {
-    args.extend([Arg::Uint(p.limit), Arg::Uint(p.period_us), Arg::Uint(cost)]);
+/// `reset_after` of `lua/carry_sliding_window.lua`: once nothing counted
+/// weighs any more.
+fn reset_after(used: i64, near: &Neighbours) -> u64 {
+    let end = |w: i64| (w as u64 * near.period).saturating_sub(near.now);
+    if used > 0 {
+        end(near.target + 2)
+    } else if near.before > 0 {
+        end(near.target + 1)
+    } else {
+        0
+    }
 }
 
 /// µs of the target window still ahead of `now`, at most a period: the
@@ -83,67 +92,10 @@ fn wait_for(n: i64, used: i64, near: &Neighbours, limit: i64) -> u64 {
     (wait.min(window_end as f64).max(start as f64)) as u64
 }
 
-/// The mirror of `lua/sliding_window.lua`.
-fn check(
-    entry: &mut Option<Entry>,
-    p: &Params,
-    now: u64,
-    cost: u64,
-    key: &str,
-) -> Result<AcquireReply, Error> {
-    let limit = p.limit as i64;
-    let period = p.period_us;
-    let w = (now / period) as i64;
-    let near = Neighbours {
-        before: count_in(windows(entry, key)?, w - 1),
-        after: count_in(windows(entry, key)?, w + 1),
-        target: w,
-        now,
-        period,
-    };
-    let mut used = count_in(windows(entry, key)?, w);
-    let extra = carry(&near);
-    let (allowed, retry) = if cost > p.limit {
-        (false, None)
-    } else if cost == 0 || used + extra + cost as i64 <= limit {
-        if cost > 0 {
-            used = incr_window(entry, w, cost as i64);
-            let ttl = ((w as u64 + 2) * period - now) as f64;
-            trim_and_expire(entry, w, now, ceil_ms_to_us(ttl));
-        }
-        (true, Some(0))
-    } else if used + cost as i64 + near.after > limit {
-        // No room in this window: from the next one on, this window's
-        // count is the one that fades.
-        let next = Neighbours {
-            before: used,
-            after: 0,
-            target: w + 1,
-            ..near
-        };
-        (false, Some(wait_for(cost as i64, 0, &next, limit)))
-    } else {
-        (false, Some(wait_for(cost as i64, used, &near, limit)))
-    };
-    let reset = if used > 0 {
-        (w as u64 + 2) * period - now
-    } else if near.before > 0 {
-        (w as u64 + 1) * period - now
-    } else {
-        0
-    };
-    Ok(AcquireReply {
-        allowed,
-        remaining: (limit - used - extra).max(0) as u64,
-        reset_after_us: reset,
-        retry_after_us: retry,
-        now_us: now,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::algorithm::{Entry, Params};
     use crate::{Algorithm, Quota};
     use std::time::Duration;
 
@@ -157,29 +109,45 @@ mod tests {
         let (mut e, p) = fresh();
         let t0 = 1_000_000_000; // a window start
         for _ in 0..10 {
-            assert!(check(&mut e, &p, t0 + 900_000, 1, "k").unwrap().allowed);
+            assert!(
+                (SPEC.check)(&mut e, &p, t0 + 900_000, 1, "k")
+                    .unwrap()
+                    .allowed
+            );
         }
-        let denied = check(&mut e, &p, t0 + 950_000, 1, "k").unwrap();
+        let denied = (SPEC.check)(&mut e, &p, t0 + 950_000, 1, "k").unwrap();
         assert!(!denied.allowed);
         // The next window starts with the previous count at weight 1: room
         // for one permit once a tenth of it has passed.
         assert_eq!(denied.retry_after_us, Some(50_000 + 100_000));
-        assert!(!check(&mut e, &p, t0 + 1_099_999, 1, "k").unwrap().allowed);
-        assert!(check(&mut e, &p, t0 + 1_100_000, 1, "k").unwrap().allowed);
-        assert!(!check(&mut e, &p, t0 + 1_100_000, 1, "k").unwrap().allowed);
+        assert!(
+            !(SPEC.check)(&mut e, &p, t0 + 1_099_999, 1, "k")
+                .unwrap()
+                .allowed
+        );
+        assert!(
+            (SPEC.check)(&mut e, &p, t0 + 1_100_000, 1, "k")
+                .unwrap()
+                .allowed
+        );
+        assert!(
+            !(SPEC.check)(&mut e, &p, t0 + 1_100_000, 1, "k")
+                .unwrap()
+                .allowed
+        );
         // Halfway through, half the old count still weighs: 5 + 1 used.
-        let r = check(&mut e, &p, t0 + 1_500_000, 0, "k").unwrap();
+        let r = (SPEC.check)(&mut e, &p, t0 + 1_500_000, 0, "k").unwrap();
         assert_eq!(r.remaining, 4);
         // Two windows on, the first no longer counts; the second's one
         // permit weighs whole at its successor's start.
-        let r = check(&mut e, &p, t0 + 2_000_000, 0, "k").unwrap();
+        let r = (SPEC.check)(&mut e, &p, t0 + 2_000_000, 0, "k").unwrap();
         assert_eq!(r.remaining, 9);
     }
 
     #[test]
     fn a_cost_above_the_limit_is_never_admissible() {
         let (mut e, p) = fresh();
-        let r = check(&mut e, &p, 5_000_000, 11, "k").unwrap();
+        let r = (SPEC.check)(&mut e, &p, 5_000_000, 11, "k").unwrap();
         assert_eq!((r.allowed, r.retry_after_us), (false, None));
         assert!(e.is_none(), "a refused request writes nothing");
     }

@@ -9,7 +9,7 @@
 //! window's weighted count, or the next window's pre-leases, for the
 //! sliding one). Nothing here knows which algorithm it serves.
 
-use super::calls::{GiveBackCall, LeaseCall, LeaseReply, Params};
+use super::calls::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use super::state::{ceil_ms_to_us, count_in, incr_window, trim_and_expire, windows, Entry, State};
 use super::{Arg, LeaseTarget, LeaseView};
 use crate::Error;
@@ -37,6 +37,9 @@ pub(crate) struct Rule {
     /// µs from now until `n` more permits fit in the target window, whose
     /// own count is `used`, with the limit `limit`, all else equal.
     pub(crate) wait_for: fn(n: i64, used: i64, near: &Neighbours, limit: i64) -> u64,
+    /// µs from now until the whole limit is free again, the current window
+    /// (`near.target`) having counted `used`.
+    pub(crate) reset_after: fn(used: i64, near: &Neighbours) -> u64,
 }
 
 impl Neighbours {
@@ -61,6 +64,11 @@ pub(crate) fn lease_args(p: &Params, c: &LeaseCall, args: &mut Vec<Arg>) {
         Arg::Uint(c.ceiling),
         Arg::Uint(c.lease_id),
     ]);
+}
+
+/// `lua/window_check.lua`'s arguments after KEYS.
+pub(crate) fn exact_args(p: &Params, cost: u64, args: &mut Vec<Arg>) {
+    args.extend([Arg::Uint(p.limit), Arg::Uint(p.period_us), Arg::Uint(cost)]);
 }
 
 /// `give_back.lua`'s arguments for a window's permits.
@@ -88,6 +96,62 @@ fn neighbours(
         target,
         now,
         period,
+    })
+}
+
+/// The mirror of `lua/window_check.lua`, step for step.
+pub(crate) fn check(
+    entry: &mut Option<Entry>,
+    p: &Params,
+    now: u64,
+    cost: u64,
+    key: &str,
+    rule: Rule,
+) -> Result<AcquireReply, Error> {
+    let limit = p.limit as i64;
+    let period = p.period_us;
+    let w = (now / period) as i64;
+    let near = Neighbours {
+        before: count_in(windows(entry, key)?, w - 1),
+        after: count_in(windows(entry, key)?, w + 1),
+        target: w,
+        now,
+        period,
+    };
+    let mut used = count_in(windows(entry, key)?, w);
+    let extra = (rule.carry)(&near);
+    let (allowed, retry) = if cost > p.limit {
+        (false, None)
+    } else if cost == 0 || used + extra + cost as i64 <= limit {
+        if cost > 0 {
+            used = incr_window(entry, w, cost as i64);
+            let ttl = ((w as u64 + 2) * period - now) as f64;
+            trim_and_expire(entry, w, now, ceil_ms_to_us(ttl));
+        }
+        (true, Some(0))
+    } else if used + cost as i64 + near.after > limit {
+        // No room in this window: from the next one on, this window's
+        // count is the one that fades.
+        let next = Neighbours {
+            before: used,
+            after: 0,
+            target: w + 1,
+            ..near
+        };
+        (false, Some((rule.wait_for)(cost as i64, 0, &next, limit)))
+    } else {
+        (
+            false,
+            Some((rule.wait_for)(cost as i64, used, &near, limit)),
+        )
+    };
+    let reset = (rule.reset_after)(used, &near);
+    Ok(AcquireReply {
+        allowed,
+        remaining: (limit - used - extra).max(0) as u64,
+        reset_after_us: reset,
+        retry_after_us: retry,
+        now_us: now,
     })
 }
 

@@ -1,21 +1,24 @@
--- sliding_window.lua: exact sliding-window counter check-and-count, one
--- call per decision. Sent with lua/carry_sliding_window.lua in front of it
--- (carry, wait_for).
+-- window_check.lua: exact check-and-count of a window algorithm (fixed or
+-- sliding window), one call per decision. Sent with a carry file in front
+-- of it (lua/carry_fixed_window.lua or lua/carry_sliding_window.lua),
+-- which defines carry, wait_for and reset_after (see lease_window.lua).
 --
 -- KEYS[1]  hash; field = window index (floor(redis_now_us / period_us)),
---          value = permits counted in that window (the fixed window's
---          layout, under its own key).
--- ARGV[1]  limit      permits per trailing period (integer >= 1)
+--          value = permits counted in that window (the lease script's
+--          hash: exact and hybrid limiters of one key share it).
+-- ARGV[1]  limit      permits per window (fixed), per trailing period
+--                     (sliding) (integer >= 1)
 -- ARGV[2]  period_us  the period in microseconds (integer >= 1000)
 -- ARGV[3]  cost       permits this request takes (integer >= 0; 0 = peek)
 --
 -- Returns  {allowed (0|1), remaining, reset_after_us, retry_after_us, now_us}
 --          remaining: limit minus the load after this call; reset_after_us:
---          until the load is zero if nothing more is admitted; retry_after_us
---          is 0 when allowed, -1 when cost > limit (never), else how long
---          until the load has room for cost.
+--          until the whole limit is free again if nothing more is admitted;
+--          retry_after_us is 0 when allowed, -1 when cost > limit (never),
+--          else how long until the load has room for cost.
 --
--- The load is count(current) + carry (see carry_sliding_window.lua).
+-- The load is count(current) + carry: the count alone for the fixed
+-- window; for the sliding window see carry_sliding_window.lua.
 -- Time comes from Redis TIME only. Windows older than the previous one are
 -- deleted; the key expires one period after the end of its newest window.
 -- Complexity: O(1), and once per window O(fields) to forget ended windows.
@@ -65,12 +68,7 @@ else
   retry = wait_for(cost, used, before, after, w, now, period, limit)
 end
 
-local reset = 0
-if used > 0 then
-  reset = (w + 2) * period - now
-elseif before > 0 then
-  reset = (w + 1) * period - now
-end
+local reset = reset_after(used, before, w, now, period)
 local remaining = limit - used - extra
 if remaining < 0 then remaining = 0 end
 return {allowed, remaining, reset, retry, now}
