@@ -41,10 +41,12 @@
 --                       reply was lost) gets that grant back, not a new one,
 --                       while its window is current or ahead.
 --
--- Returns  {granted, remaining (unleased in the target window after this
---          grant), start_after_us (0, or until the target window starts),
+-- Returns  {granted, remaining (what the target window's load leaves after
+--          this grant), start_after_us (0, or until the target window starts),
 --          reset_after_us (until the target window ends), retry_after_us
---          (when nothing was granted: until the target window ends; else 0),
+--          (when nothing was granted: until a permit fits, by wait_for, in
+--          the target window or, if its own count leaves no room, from the
+--          next one on; else 0),
 --          now_us, uncovered (debt permits beyond the limit), window (index
 --          of the target window), 0, 0} (the last two are the bucket
 --          scripts' level and give-back count)
@@ -252,5 +254,13 @@ local start_after = tw * period - now
 if start_after < 0 then start_after = 0 end
 local reset = (tw + 1) * period - now
 local retry = 0
-if granted == 0 then retry = wait_for(1, used, before_n, after_n, tw, now, period, limit) end
+if granted == 0 then
+  if used + 1 + after_n > limit then
+    -- No room in the target window itself: from the next one on, its
+    -- count is the one that fades (window_check.lua's rule).
+    retry = wait_for(1, 0, used, 0, tw + 1, now, period, limit)
+  else
+    retry = wait_for(1, used, before_n, after_n, tw, now, period, limit)
+  end
+end
 return {granted, math.max(0, limit - used - extra), start_after, reset, retry, now, uncovered, tw, 0, 0}

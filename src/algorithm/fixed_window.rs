@@ -32,6 +32,7 @@ pub(super) static SPEC: Spec = Spec {
     lease_mirror: |entry, p, now, call| window::lease(entry, p, now, call, RULE),
     give_back: window::give_back,
     leases: LeaseKind::Window,
+    pre_leases: true,
 };
 
 /// Windows are independent: nothing outside one counts against it, a full

@@ -27,6 +27,7 @@ pub(super) static SPEC: Spec = Spec {
     lease_mirror: lease,
     give_back,
     leases: LeaseKind::Bucket,
+    pre_leases: false,
 };
 
 struct GcraShape {

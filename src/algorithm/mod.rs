@@ -179,6 +179,13 @@ pub(crate) struct Spec {
     pub(crate) give_back: fn(Stored<'_>, &Params, u64, &GiveBackCall) -> Result<u64, Error>,
     /// Which kind of lease the lease script grants.
     pub(crate) leases: LeaseKind,
+    /// Whether leasing the next window ahead of its start pays (window
+    /// leases): yes where windows are independent and the budget renews
+    /// whole at the boundary (the fixed window); no where the next
+    /// window's permits count against the current one (the sliding
+    /// window: a pre-lease would take them from the window still running,
+    /// and at its boundary nothing renews at once).
+    pub(crate) pre_leases: bool,
 }
 
 impl std::fmt::Debug for Spec {

@@ -35,6 +35,7 @@ pub(super) static SPEC: Spec = Spec {
     lease_mirror: |entry, p, now, call| window::lease(entry, p, now, call, RULE),
     give_back: window::give_back,
     leases: LeaseKind::Window,
+    pre_leases: false,
 };
 
 const RULE: window::Rule = window::Rule {

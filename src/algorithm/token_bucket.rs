@@ -28,6 +28,7 @@ pub(super) static SPEC: Spec = Spec {
     lease_mirror: lease,
     give_back,
     leases: LeaseKind::Bucket,
+    pre_leases: false,
 };
 
 /// Refilled tokens of a bucket entry (a missing entry is a full bucket),

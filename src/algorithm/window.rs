@@ -42,6 +42,26 @@ pub(crate) struct Rule {
     pub(crate) reset_after: fn(used: i64, near: &Neighbours) -> u64,
 }
 
+impl Rule {
+    /// µs from now until `n` more permits fit in the target window (whose
+    /// own count is `used`): if its own count (with the next window's)
+    /// leaves no room, from the next window on, where its count is the
+    /// one that fades; else within it.
+    fn wait(&self, n: i64, used: i64, near: &Neighbours, limit: i64) -> u64 {
+        if used + n + near.after > limit {
+            let next = Neighbours {
+                before: used,
+                after: 0,
+                target: near.target + 1,
+                ..*near
+            };
+            (self.wait_for)(n, 0, &next, limit)
+        } else {
+            (self.wait_for)(n, used, near, limit)
+        }
+    }
+}
+
 impl Neighbours {
     /// µs from now until the target window ends.
     pub(crate) fn until_end(&self) -> u64 {
@@ -129,21 +149,8 @@ pub(crate) fn check(
             trim_and_expire(entry, w, now, ceil_ms_to_us(ttl));
         }
         (true, Some(0))
-    } else if used + cost as i64 + near.after > limit {
-        // No room in this window: from the next one on, this window's
-        // count is the one that fades.
-        let next = Neighbours {
-            before: used,
-            after: 0,
-            target: w + 1,
-            ..near
-        };
-        (false, Some((rule.wait_for)(cost as i64, 0, &next, limit)))
     } else {
-        (
-            false,
-            Some((rule.wait_for)(cost as i64, used, &near, limit)),
-        )
+        (false, Some(rule.wait(cost as i64, used, &near, limit)))
     };
     let reset = (rule.reset_after)(used, &near);
     Ok(AcquireReply {
@@ -288,7 +295,7 @@ pub(crate) fn lease(
         start_after_us: start_after,
         reset_after_us: reset,
         retry_after_us: if granted == 0 {
-            (rule.wait_for)(1, used - extra, &near, limit)
+            rule.wait(1, used - extra, &near, limit)
         } else {
             0
         },

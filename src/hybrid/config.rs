@@ -147,7 +147,10 @@ impl HybridConfig {
 
     /// Fixed window: a key in use this close to its window's end leases
     /// the next window's first slice ahead of the boundary (default 100 ms;
-    /// zero turns pre-leasing off).
+    /// zero turns pre-leasing off). The sliding window never leases ahead
+    /// (the next window's permits would count against the current one);
+    /// token bucket and GCRA renew a lease this close to its horizon, at
+    /// most half-way through it.
     #[must_use]
     pub fn prelease_lead(mut self, lead: Duration) -> Self {
         self.prelease_lead = lead;

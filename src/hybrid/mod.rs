@@ -52,6 +52,8 @@ pub(crate) struct Shared {
     params: Params,
     /// How the algorithm's leases live and end (its spec's).
     leases: LeaseKind,
+    /// Whether the algorithm's next window is leased ahead (its spec's).
+    pre_leases: bool,
     time: TimeSource,
     counters: Arc<Counters>,
     /// Slots waiting for a refill, those with a request waiting first.
@@ -191,6 +193,7 @@ impl HybridEngine {
             keys,
             params,
             leases: params.algorithm.spec().leases,
+            pre_leases: params.algorithm.spec().pre_leases,
             time,
             counters,
             queue: Mutex::new(sync::RefillQueue::default()),
@@ -545,13 +548,21 @@ impl Shared {
         self.early_lead_us.load(Ordering::Relaxed)
     }
 
+    /// How long before a window ends its next one is leased ahead (zero:
+    /// never, also for an algorithm whose next window is not leased ahead).
+    fn prelease_lead(&self, config: &HybridConfig) -> Duration {
+        match self.leases {
+            LeaseKind::Window if self.pre_leases => config.prelease_lead,
+            _ => Duration::ZERO,
+        }
+    }
+
     fn set_early_lead(&self, config: &HybridConfig) {
-        let lead = config.prelease_lead.as_micros() as u64;
         // A bucket lease is renewed ahead of its horizon, at most half-way.
         let lead = if self.leases.windowed() {
-            lead
+            self.prelease_lead(config).as_micros() as u64
         } else {
-            lead.min(config.lease_ttl.as_micros() as u64 / 2)
+            (config.prelease_lead.as_micros() as u64).min(config.lease_ttl.as_micros() as u64 / 2)
         };
         self.early_lead_us.store(lead, Ordering::Relaxed);
     }

@@ -526,7 +526,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         valid,
         near_end,
         ending: now + rtt >= deadline,
-        prelease: !config.prelease_lead.is_zero() && ((near_end && permits > 0) || swept),
+        prelease: !shared.prelease_lead(config).is_zero() && ((near_end && permits > 0) || swept),
         has_next: slot.has_next(),
         left_us: deadline.saturating_sub(now),
         since_us: now.saturating_sub(deadline),
@@ -1018,11 +1018,11 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
     // what leasing every key in the map takes Redis (`LEASE_COST_US`
     // each); at most half a window.
     let period = shared.params.period_us;
-    let prelease_lead = (shared.leases.windowed() && !config.prelease_lead.is_zero())
+    let prelease_lead = (!shared.prelease_lead(&config).is_zero())
         .then(|| {
             let leasing = shared.slots.len() as u64 * LEASE_COST_US;
             (MAINTENANCE.as_micros() as u64
-                + config.prelease_lead.as_micros() as u64
+                + shared.prelease_lead(&config).as_micros() as u64
                 + 50_000
                 + leasing)
                 .min(period / 2)
