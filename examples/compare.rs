@@ -1,5 +1,6 @@
 //! Side-by-side comparison: per-process, exact (each algorithm) and hybrid
-//! (strict, optimistic) limiters on the same load against one Redis.
+//! (strict, optimistic; strict on the sliding window) limiters on the same
+//! load against one Redis.
 //!
 //! ```text
 //! cargo run --release --example compare -- --json out.json --plot out.svg
@@ -17,8 +18,17 @@
 //! `--limit N` per key per period (1000), `--period-ms N` (1000),
 //! `--demand X` × the limit (2.0), `--duration-s N` (4), `--json PATH`,
 //! `--plot PATH`, `--ramp`, `--cluster URL,URL,…`, `--modes NAME,…` (only
-//! these rows; the ratios, JSON and plot need every mode). `COMPARE_DEBUG=1` also
-//! prints per-mode script counts, limiter counters and the busiest windows.
+//! these rows; the ratios, JSON and plot need every mode; one mode outside
+//! the default table, `hybrid-strict-sliding-window-no-prelease`, runs only
+//! when named). `COMPARE_DEBUG=1` also prints per-mode script counts,
+//! limiter counters and the busiest windows.
+//!
+//! `worst over` is the most any key was admitted beyond the limit: per
+//! window for the fixed window and the buckets; for the sliding window, the
+//! most its load (this window's count plus the previous window's, weighted
+//! by overlap) exceeded the limit at an admission. `log over` is the most
+//! any key was admitted in a trailing period (a true sliding log), over the
+//! limit, in percent: what each algorithm lets through by that measure.
 //!
 //! The long tail: `--demand-per-key R` (requests per second per key) picks
 //! keys uniformly, keeps every key far under its limit, touches every key
@@ -246,6 +256,10 @@ enum Mode {
     Exact(Algorithm),
     HybridStrict,
     HybridOptimistic,
+    /// Strict hybrid on the sliding window; `false`: no pre-leases.
+    HybridStrictSliding {
+        prelease: bool,
+    },
 }
 
 impl Mode {
@@ -255,6 +269,18 @@ impl Mode {
             Mode::Exact(a) => format!("exact-{}", a.as_str()),
             Mode::HybridStrict => "hybrid-strict".into(),
             Mode::HybridOptimistic => "hybrid-optimistic".into(),
+            Mode::HybridStrictSliding { prelease: true } => "hybrid-strict-sliding-window".into(),
+            Mode::HybridStrictSliding { prelease: false } => {
+                "hybrid-strict-sliding-window-no-prelease".into()
+            }
+        }
+    }
+
+    fn algorithm(self) -> Algorithm {
+        match self {
+            Mode::Exact(a) => a,
+            Mode::HybridStrictSliding { .. } => Algorithm::SlidingWindow,
+            _ => Algorithm::FixedWindow,
         }
     }
 }
@@ -263,6 +289,7 @@ const MAX_DEBT: u64 = 5;
 
 struct Outcome {
     name: String,
+    algorithm: Algorithm,
     decisions: u64,
     seconds: f64,
     latency: Histogram<u64>,
@@ -271,6 +298,9 @@ struct Outcome {
     admitted: HashMap<(usize, i64), u64>,
     /// (key, window) → arrived
     demand: HashMap<(usize, i64), u64>,
+    /// Every admission: (key, wall µs before the call, wall µs after it).
+    admissions: Vec<(usize, u64, u64)>,
+    period_us: u64,
     redis_cpu: f64,
     /// Steady state: Redis CPU from the start of the second window to the
     /// end of the load (no first leases, no shutdown), and the decisions
@@ -312,7 +342,16 @@ impl Outcome {
     /// For token bucket and GCRA a window is not the algorithm's unit: a
     /// full bucket (burst) plus a period's refill may pass in one window,
     /// so only what exceeds `burst + limit` counts there.
+    /// For the sliding window, the most its load (see [`sliding_loads`])
+    /// exceeded the limit at any admission.
     fn worst_overshoot(&self, limit: u64) -> u64 {
+        if self.algorithm == Algorithm::SlidingWindow {
+            return sliding_loads(&self.admissions, self.period_us)
+                .into_iter()
+                .map(|(load, _)| load.saturating_sub(limit))
+                .max()
+                .unwrap_or(0);
+        }
         let allowed = if self.name.contains("bucket") || self.name.contains("gcra") {
             2 * limit
         } else {
@@ -325,6 +364,17 @@ impl Outcome {
             .unwrap_or(0)
     }
 
+    /// The most admitted for one key in any trailing period, ÷ the limit,
+    /// − 1 (a true sliding log of the admissions, stamped on return).
+    fn log_over(&self, limit: u64) -> f64 {
+        let worst = sliding_loads(&self.admissions, self.period_us)
+            .into_iter()
+            .map(|(_, trailing)| trailing)
+            .max()
+            .unwrap_or(0);
+        worst as f64 / limit as f64 - 1.0
+    }
+
     fn per_second(&self) -> f64 {
         self.decisions as f64 / self.seconds
     }
@@ -332,6 +382,51 @@ impl Outcome {
     fn round_trips_per_1000(&self) -> f64 {
         self.round_trips as f64 * 1000.0 / self.decisions.max(1) as f64
     }
+}
+
+/// For every admission (key, µs before the call, µs after it): the
+/// sliding-window counter's load when it returned, count(W) +
+/// ceil(count(W − 1) × ((W + 1)·period − t) / period), and the true count
+/// of the key's admissions in the trailing period (t − period, t].
+///
+/// The load is a lower bound, so scheduling noise cannot make one up: it
+/// counts only admissions recorded by then, W's own count only calls
+/// sent and returned inside W, and a call sent in W − 1 that returned
+/// in W (decided in either) at the previous window's weight, which
+/// understates it in both cases.
+fn sliding_loads(admissions: &[(usize, u64, u64)], period_us: u64) -> Vec<(u64, u64)> {
+    let mut by_key: HashMap<usize, Vec<(u64, u64)>> = HashMap::new();
+    for &(key, sent, at) in admissions {
+        by_key.entry(key).or_default().push((at, sent));
+    }
+    let mut out = Vec::with_capacity(admissions.len());
+    for (_, mut list) in by_key {
+        list.sort_unstable();
+        let times: Vec<u64> = list.iter().map(|&(at, _)| at).collect();
+        // Window → calls sent and returned in it; calls sent in it and
+        // returned by the end of the next one.
+        let mut own: HashMap<u64, u64> = HashMap::new();
+        let mut started: HashMap<u64, u64> = HashMap::new();
+        for &(at, sent) in &list {
+            let (from, w) = (sent / period_us, at / period_us);
+            if from == w {
+                *own.entry(w).or_default() += 1;
+            }
+            if w - from <= 1 {
+                *started.entry(from).or_default() += 1;
+            }
+            let before = match w.checked_sub(1) {
+                Some(prev) => started.get(&prev).copied().unwrap_or(0),
+                None => 0,
+            };
+            let left = ((w + 1) * period_us).saturating_sub(at).min(period_us);
+            let load = own.get(&w).copied().unwrap_or(0) + (before * left).div_ceil(period_us);
+            let upto = times.partition_point(|&t| t <= at);
+            let from = times.partition_point(|&t| t + period_us <= at);
+            out.push((load, (upto - from) as u64));
+        }
+    }
+    out
 }
 
 async fn build(backend: &Backend, args: &Args, mode: Mode, ns: &str) -> Vec<Limiter> {
@@ -346,6 +441,15 @@ async fn build(backend: &Backend, args: &Args, mode: Mode, ns: &str) -> Vec<Limi
             Mode::Exact(a) => b.algorithm(a).exact(),
             Mode::HybridStrict => b.hybrid(HybridConfig::strict()),
             Mode::HybridOptimistic => b.hybrid(HybridConfig::optimistic(MAX_DEBT)),
+            Mode::HybridStrictSliding { prelease } => {
+                let config = HybridConfig::strict();
+                let config = if prelease {
+                    config
+                } else {
+                    config.prelease_lead(Duration::ZERO)
+                };
+                b.algorithm(Algorithm::SlidingWindow).hybrid(config)
+            }
         };
         limiters.push(b.build().expect("limiter"));
     }
@@ -381,6 +485,7 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
         HashMap::<(usize, i64), u64>::new(),
         HashMap::<(usize, i64), u64>::new(),
         0u64,
+        Vec::<(usize, u64, u64)>::new(),
     )));
     let mut tasks = Vec::new();
     for w in 0..workers {
@@ -391,6 +496,7 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
             let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap();
             let mut admitted: HashMap<(usize, i64), u64> = HashMap::new();
             let mut demand: HashMap<(usize, i64), u64> = HashMap::new();
+            let mut admissions: Vec<(usize, u64, u64)> = Vec::new();
             let mut zipf = ZipfKeys::new(
                 keys,
                 1.0,
@@ -401,17 +507,16 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
             while wall_us() < stop_at {
                 for _ in 0..pacer.next_batch().await {
                     let key = zipf.next_key();
-                    *demand
-                        .entry((key, (wall_us() / period_us) as i64))
-                        .or_default() += 1;
+                    let sent = wall_us();
+                    *demand.entry((key, (sent / period_us) as i64)).or_default() += 1;
                     let began = Instant::now();
                     let d = limiter.check(&names[key], 1).await;
                     let _ = hist.record(began.elapsed().as_nanos().max(1) as u64);
                     count += 1;
                     if d.is_allowed() {
-                        *admitted
-                            .entry((key, (wall_us() / period_us) as i64))
-                            .or_default() += 1;
+                        let at = wall_us();
+                        *admitted.entry((key, (at / period_us) as i64)).or_default() += 1;
+                        admissions.push((key, sent, at));
                     }
                 }
             }
@@ -424,6 +529,7 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
                 *s.2.entry(k).or_default() += v;
             }
             s.3 += count;
+            s.4.extend(admissions);
         }));
     }
     for t in tasks {
@@ -444,7 +550,7 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
         l.shutdown().await;
     }
     let redis_cpu = backend.cpu_seconds() - cpu_before;
-    let (latency, admitted, demand, decisions) =
+    let (latency, admitted, demand, decisions, admissions) =
         Arc::try_unwrap(shared).ok().unwrap().into_inner().unwrap();
     let steady_decisions = demand
         .iter()
@@ -484,12 +590,15 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
     }
     Outcome {
         name: mode.name(),
+        algorithm: mode.algorithm(),
         decisions,
         seconds,
         latency,
         round_trips,
         admitted,
         demand,
+        admissions,
+        period_us,
         redis_cpu,
         steady: (steady_cpu, steady_decisions),
     }
@@ -799,7 +908,7 @@ fn write_json(path: &str, backend: &str, args: &Args, outcomes: &[Outcome]) {
     for (i, o) in outcomes.iter().enumerate() {
         let _ = writeln!(
             out,
-            "    {{\"name\": \"{}\", \"decisions_per_s\": {:.1}, \"p50_ns\": {}, \"p99_ns\": {}, \"p999_ns\": {}, \"round_trips_per_1000\": {:.3}, \"utilization\": {:.4}, \"worst_overshoot\": {}, \"redis_cpu_s\": {:.3}}}{}",
+            "    {{\"name\": \"{}\", \"decisions_per_s\": {:.1}, \"p50_ns\": {}, \"p99_ns\": {}, \"p999_ns\": {}, \"round_trips_per_1000\": {:.3}, \"utilization\": {:.4}, \"worst_overshoot\": {}, \"log_over\": {:.4}, \"redis_cpu_s\": {:.3}}}{}",
             o.name,
             o.per_second(),
             o.latency.value_at_quantile(0.5),
@@ -808,6 +917,7 @@ fn write_json(path: &str, backend: &str, args: &Args, outcomes: &[Outcome]) {
             o.round_trips_per_1000(),
             o.utilization(args.limit),
             o.worst_overshoot(args.limit),
+            o.log_over(args.limit),
             o.redis_cpu,
             if i + 1 < outcomes.len() { "," } else { "" }
         );
@@ -822,6 +932,12 @@ fn plot(path: &str, args: &Args, outcomes: &[Outcome]) {
     root.fill(&WHITE).unwrap();
     let (left, right) = root.split_horizontally(520);
     let colors = [BLACK, RED, BLUE, MAGENTA, GREEN, CYAN];
+    // Enough for every mode, the sliding-window rows too.
+    let more = [
+        RGBColor(230, 140, 0),
+        RGBColor(120, 60, 170),
+        RGBColor(120, 120, 120),
+    ];
 
     // Latency CDF, log-scaled x.
     let max_ns = outcomes
@@ -845,7 +961,7 @@ fn plot(path: &str, args: &Args, outcomes: &[Outcome]) {
         .x_label_formatter(&|v| ns(*v as u64))
         .draw()
         .unwrap();
-    for (o, color) in outcomes.iter().zip(colors) {
+    for (o, color) in outcomes.iter().zip(colors.into_iter().chain(more)) {
         let points: Vec<(f64, f64)> = (0..=200)
             .map(|i| {
                 let q = i as f64 / 200.0;
@@ -909,7 +1025,7 @@ fn plot(path: &str, args: &Args, outcomes: &[Outcome]) {
         .unwrap()
         .label("limit")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], BLACK.mix(0.4)));
-    for (o, color) in outcomes.iter().zip(colors) {
+    for (o, color) in outcomes.iter().zip(colors.into_iter().chain(more)) {
         let points: Vec<(f64, f64)> = o
             .full_windows()
             .iter()
@@ -970,19 +1086,36 @@ async fn main() {
         "load: {} servers × {} tasks, {} keys, {} per key per {:?}, Zipf demand at {}× the limit, {:?} per mode\n",
         args.servers, args.tasks, args.keys, args.limit, args.period, args.demand, args.duration
     );
-    let modes = [
+    let default_modes = [
         Mode::Local,
         Mode::Exact(Algorithm::FixedWindow),
         Mode::Exact(Algorithm::TokenBucket),
         Mode::Exact(Algorithm::Gcra),
         Mode::HybridStrict,
         Mode::HybridOptimistic,
-    ]
-    .into_iter()
-    .filter(|m| args.modes.is_empty() || args.modes.iter().any(|n| *n == m.name()));
+        Mode::Exact(Algorithm::SlidingWindow),
+        Mode::HybridStrictSliding { prelease: true },
+    ];
+    // Named with --modes only.
+    let extra_modes = [Mode::HybridStrictSliding { prelease: false }];
+    let modes: Vec<Mode> = if args.modes.is_empty() {
+        default_modes.to_vec()
+    } else {
+        default_modes
+            .into_iter()
+            .chain(extra_modes)
+            .filter(|m| args.modes.iter().any(|n| *n == m.name()))
+            .collect()
+    };
+    let width = modes
+        .iter()
+        .map(|m| m.name().len())
+        .max()
+        .unwrap_or(4)
+        .max(20);
     let mut outcomes = Vec::new();
     println!(
-        "{:<20} {:>12} {:>10} {:>10} {:>10} {:>12} {:>11} {:>10} {:>10}",
+        "{:<width$} {:>12} {:>10} {:>10} {:>10} {:>12} {:>11} {:>10} {:>9} {:>10}",
         "mode",
         "decisions/s",
         "p50",
@@ -991,12 +1124,13 @@ async fn main() {
         "RT per 1000",
         "utilization",
         "worst over",
+        "log over",
         "Redis CPU"
     );
     for mode in modes {
         let o = run_mode(&backend, &args, mode).await;
         println!(
-            "{:<20} {:>12.0} {:>10} {:>10} {:>10} {:>12.2} {:>10.1}% {:>10} {:>9.2}s",
+            "{:<width$} {:>12.0} {:>10} {:>10} {:>10} {:>12.2} {:>10.1}% {:>10} {:>8.1}% {:>9.2}s",
             o.name,
             o.per_second(),
             ns(o.latency.value_at_quantile(0.5)),
@@ -1005,11 +1139,28 @@ async fn main() {
             o.round_trips_per_1000(),
             o.utilization(args.limit) * 100.0,
             o.worst_overshoot(args.limit),
+            o.log_over(args.limit) * 100.0,
             o.redis_cpu
         );
         outcomes.push(o);
     }
     let by = |name: &str| outcomes.iter().find(|o| o.name == name);
+    if let (Some(exact), Some(hybrid)) = (
+        by("exact-sliding-window"),
+        by("hybrid-strict-sliding-window"),
+    ) {
+        println!(
+            "\nsliding window: worst load over the limit exact {} / hybrid-strict {} (bound 0); \
+             round trips per 1000 decisions hybrid {:.2} vs exact {:.0}; \
+             most in a trailing period over the limit exact {:+.1}%, hybrid {:+.1}%",
+            exact.worst_overshoot(args.limit),
+            hybrid.worst_overshoot(args.limit),
+            hybrid.round_trips_per_1000(),
+            exact.round_trips_per_1000(),
+            exact.log_over(args.limit) * 100.0,
+            hybrid.log_over(args.limit) * 100.0,
+        );
+    }
     let (Some(exact), Some(hybrid), Some(optimistic)) = (
         by("exact-fixed-window"),
         by("hybrid-strict"),
