@@ -21,6 +21,8 @@ use support::{store, RedisServer};
 
 /// Limiters sharing one Redis.
 const FLEET: usize = 4;
+/// Held by the test driving a fleet.
+static ONE_FLEET: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 /// Request streams driving each limiter, so a burst is not one queue.
 const STREAMS: usize = 4;
 const KEYS: usize = 20;
@@ -396,8 +398,16 @@ async fn shut(limiters: &[Limiter]) -> Costs {
 
 /// One fleet on one load, end to end: the strict bound, the sliding-log
 /// bound that follows from the algorithm, no key left without a TTL.
-/// Returns the accuracy and the utilization for the caller's bounds.
-async fn run_fleet(label: &str, config: Option<HybridConfig>, shape: Shape) -> (Accuracy, f64) {
+/// Returns the accuracy and the utilization for the caller's bounds (see
+/// [`Utilization::at_least`]).
+async fn run_fleet(
+    label: &str,
+    config: Option<HybridConfig>,
+    shape: Shape,
+) -> (Accuracy, Utilization) {
+    // One fleet at a time: the test harness runs tests in parallel, and
+    // two load generators on two cores would make each other late.
+    let _alone = ONE_FLEET.lock().await;
     let server = RedisServer::start();
     let limiters = fleet(&server, label, config).await;
     let run = drive(&limiters, shape).await;
@@ -440,7 +450,32 @@ async fn run_fleet(label: &str, config: Option<HybridConfig>, shape: Shape) -> (
         "{label}: {worst} in a trailing period > {bound}"
     );
     assert_eq!(server.immortal_keys(), Vec::<String>::new(), "{label}");
-    (acc, util)
+    let late = run.late as f64 / run.arrivals.max(1) as f64;
+    (acc, Utilization { value: util, late })
+}
+
+/// The share of a saturated key's budget a fleet admitted, and the share
+/// of requests the load generator sent more than 5 ms late.
+#[derive(Debug, Clone, Copy)]
+struct Utilization {
+    value: f64,
+    late: f64,
+}
+
+impl Utilization {
+    /// Asserts `floor` when the load generator kept up. On a machine too
+    /// loaded to send on time (a debug build beside another build: most
+    /// requests late, calls of 100 ms and more) the demand a window saw
+    /// is not the one offered, and only a floor any working limiter meets
+    /// there is asserted (measured in such runs: 0.66 to 0.84).
+    fn at_least(self, floor: f64) {
+        let floor = if self.late > 0.05 {
+            floor.min(0.5)
+        } else {
+            floor
+        };
+        assert!(self.value >= floor, "utilization {self:?}, floor {floor}");
+    }
 }
 
 /// The check itself, on admissions made up to break the bound: a window
@@ -509,7 +544,7 @@ async fn strict_hybrid_fleet_keeps_every_load_within_the_limit() {
     let (acc, util) = run_fleet("hybrid-steady", Some(HybridConfig::strict()), Shape::Steady).await;
     // Measured: utilization 0.938..0.944; worst +0.150..+0.225, mean
     // excess 0.0011..0.0015, mean |log − load| 0.0404..0.0419.
-    assert!(util >= 0.85, "utilization {util:.3}");
+    util.at_least(0.85);
     assert!(acc.worst <= 0.45, "{acc:?}");
     assert!(acc.mean_excess <= 0.005, "{acc:?}");
     assert!(acc.mean_abs <= 0.07, "{acc:?}");
@@ -521,7 +556,7 @@ async fn strict_hybrid_fleet_keeps_every_load_within_the_limit() {
 async fn a_prelease_lead_does_not_freeze_a_sliding_window() {
     let config = HybridConfig::strict().prelease_lead(Duration::from_millis(200));
     let (acc, util) = run_fleet("hybrid-steady-lead", Some(config), Shape::Steady).await;
-    assert!(util >= 0.85, "utilization {util:.3}");
+    util.at_least(0.85);
     assert!(acc.worst <= 0.45, "{acc:?}");
 }
 
@@ -537,7 +572,7 @@ async fn strict_hybrid_fleet_keeps_every_load_within_the_limit_under_boundary_bu
     // Measured: utilization 0.874; worst +0.750, mean excess 0.017, 10.3 %
     // of admissions over the limit, mean |log − load| 0.189: what the
     // exact counter does on this load (below), since nothing freezes.
-    assert!(util >= 0.8, "utilization {util:.3}");
+    util.at_least(0.8);
     assert!(acc.worst <= 0.9, "{acc:?}");
     assert!(acc.mean_excess <= 0.04, "{acc:?}");
     assert!(acc.mean_abs <= 0.25, "{acc:?}");
@@ -551,7 +586,7 @@ async fn exact_counter_against_a_sliding_log_under_steady_load() {
     // Measured: utilization 0.965..0.966; worst +0.325 (53 in a trailing
     // period of a limit of 40) in every run, mean excess 0.0027..0.0030,
     // 5.9..6.3 % of admissions over the limit, mean |log − load| 0.040.
-    assert!(util >= 0.9, "utilization {util:.3}");
+    util.at_least(0.9);
     assert!(acc.worst <= 0.5, "{acc:?}");
     assert!(acc.mean_excess <= 0.01, "{acc:?}");
     assert!(acc.mean_abs <= 0.07, "{acc:?}");
@@ -570,7 +605,7 @@ async fn exact_counter_against_a_sliding_log_under_boundary_bursts() {
     // once, with another build running), mean excess 0.012..0.017 (0.024),
     // 10.5..11.7 % of admissions over the limit, mean |log − load|
     // 0.185..0.190 (0.21).
-    assert!(util >= 0.85, "utilization {util:.3}");
+    util.at_least(0.85);
     assert!(acc.worst <= 0.9, "{acc:?}");
     assert!(acc.mean_excess <= 0.04, "{acc:?}");
     assert!(acc.mean_abs <= 0.25, "{acc:?}");
@@ -672,6 +707,7 @@ async fn exhaust_and_fade(server: &RedisServer, ns: &str, config: HybridConfig) 
 /// about one lease call per permit that reopens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exhausted_hybrid_key_is_denied_locally_and_recovers_as_its_window_fades() {
+    let _alone = ONE_FLEET.lock().await;
     let server = RedisServer::start();
     let (plain, direct) = tokio::join!(
         exhaust_and_fade(&server, "fade", HybridConfig::strict()),
