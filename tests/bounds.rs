@@ -428,3 +428,48 @@ async fn absurd_durations_are_refused_at_build() {
     let e = RedisStore::connect_lazy("redis://127.0.0.1:1/", options).unwrap_err();
     assert!(e.is_invalid_input(), "{e}");
 }
+
+/// 11. A reconciliation whose future is dropped after its reports were
+/// resent for longer than the store remembers an identity drops them and
+/// counts them; it never loses one silently.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_reconciliation_counts_what_it_drops() {
+    use slicelimit::{FakeClock, Faults, FaultyStore};
+    let clock = FakeClock::new(Duration::from_secs(1_700_000_000));
+    let memory = MemoryStore::with_clock(clock.clone());
+    let down = Faults {
+        lost_before: 1.0,
+        ..Faults::default()
+    };
+    let faulty = FaultyStore::new(memory, down, 7, clock.clone());
+    let limiter = Limiter::builder(Quota::new(10, Duration::from_secs(1)).unwrap())
+        .store(faulty.clone())
+        .namespace("dropped")
+        .clock(clock.clone())
+        .on_store_error(FailurePolicy::LocalFallback(
+            Quota::new(5, Duration::from_secs(1)).unwrap(),
+        ))
+        .exact()
+        .build()
+        .unwrap();
+    // The store is down: the fallback admits, and a report fails.
+    assert_eq!(limiter.check("k", 1).await.source(), Source::Fallback);
+    assert_eq!(limiter.check("k", 1).await.source(), Source::Fallback);
+    // Past the resend age, the store answers slowly and the caller gives up.
+    clock.advance(Duration::from_secs(51));
+    faulty.set_faults(Faults {
+        max_delay: Duration::from_millis(20),
+        timeout: Duration::from_millis(25),
+        ..Faults::default()
+    });
+    let _ = tokio::time::timeout(Duration::from_micros(1), limiter.check("k", 1)).await;
+    tokio::time::sleep(Duration::from_millis(30)).await;
+    limiter.check("k", 1).await;
+    let stats = limiter.stats();
+    assert!(stats.fallback_admitted >= 2, "{stats:?}");
+    assert_eq!(
+        stats.reconciled + stats.reports_dropped,
+        stats.fallback_admitted,
+        "every fallback admission is reported or counted as dropped: {stats:?}"
+    );
+}

@@ -182,10 +182,14 @@ pub(crate) fn lease(
     } else {
         call.debt_window
     };
+    // A window's count was created: the key's TTL may need to grow.
+    let mut created = false;
     if debt > 0 {
         if debt_window >= w - 1 && debt_window <= w + 1 {
             let extra = (rule.carry)(&neighbours(entry, &call.key, debt_window, now, period)?);
-            let before = count_in(windows(entry, &call.key)?, debt_window) + extra;
+            let counted = count_in(windows(entry, &call.key)?, debt_window);
+            created = counted == 0;
+            let before = counted + extra;
             let after = incr_window(entry, debt_window, debt) + extra;
             uncovered = (after - limit).max(0) - (before - limit).max(0);
             newest = newest.max(debt_window);
@@ -266,9 +270,11 @@ pub(crate) fn lease(
         }
     }
     let fresh = granted > 0 && replay.is_none();
+    let mut first_grant = false;
     if fresh {
         let count = incr_window(entry, tw, granted);
-        if count == granted {
+        first_grant = count == granted;
+        if first_grant {
             if let Some(h) = entry.as_mut().and_then(|e| e.holders.as_mut()) {
                 h.forget_before(w - 1);
             }
@@ -283,7 +289,10 @@ pub(crate) fn lease(
                 .granted(holder, (call.lease_id, granted, tw));
         }
     }
-    if fresh || debt > 0 {
+    // As the script: the TTL outlives the newest window counted by one
+    // period, and grows only when a window's count was created (a holder's
+    // first ask in a window it got nothing from leaves it as it was).
+    if created || (fresh && first_grant) {
         let ttl = ((newest as u64 + 2) * period - now) as f64;
         trim_and_expire(entry, w, now, ceil_ms_to_us(ttl));
     }

@@ -158,6 +158,7 @@ impl Reconciler {
 /// them is dropped before the store answered.
 struct RestoreOnDrop<'a> {
     ledger: &'a Reconciler,
+    counters: &'a Counters,
     reports: Option<Vec<Report>>,
 }
 
@@ -170,8 +171,9 @@ impl RestoreOnDrop<'_> {
 impl Drop for RestoreOnDrop<'_> {
     fn drop(&mut self) {
         if let Some(reports) = self.reports.take() {
-            // Not sent: nothing to drop for age here.
-            let _ = self.ledger.restore(reports);
+            // Those resent for too long are dropped here too, and counted.
+            let dropped = self.ledger.restore(reports);
+            self.counters.reports_dropped.add(dropped);
         }
     }
 }
@@ -197,6 +199,7 @@ pub(crate) async fn reconcile(
     }
     let guard = RestoreOnDrop {
         ledger,
+        counters,
         reports: Some(reports),
     };
     let calls: Vec<LeaseCall> = guard

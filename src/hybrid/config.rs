@@ -147,8 +147,11 @@ impl HybridConfig {
 
     /// Fixed window: a key in use this close to its window's end leases
     /// the next window's first slice ahead of the boundary (default 100 ms;
-    /// zero turns pre-leasing off). The sliding window never leases ahead
-    /// (the next window's permits would count against the current one);
+    /// zero turns pre-leasing off). The sliding window does not lease ahead
+    /// (the next window's permits would count against the current one),
+    /// except for a request within a round trip of the boundary, whose
+    /// lease of the window ending would arrive void: it takes the next
+    /// window's first permits, which count against the ending one;
     /// token bucket and GCRA renew a lease this close to its horizon, at
     /// most half-way through it.
     #[must_use]

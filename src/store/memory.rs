@@ -368,4 +368,50 @@ mod tests {
         let r = s.lease(&p, &call).unwrap();
         assert_eq!((r.granted, r.uncovered, r.remaining), (0, 15, 0));
     }
+
+    /// As the lease script: a holder's ask that gets nothing, and debt
+    /// reported into a window already counted, leave the key's TTL as it
+    /// was (it outlives the newest counted window by one period), so the
+    /// embedded store forgets the key when Redis does.
+    #[test]
+    fn a_window_lease_lengthens_the_ttl_only_when_a_window_count_is_created() {
+        let (s, clock) = store();
+        let period = Duration::from_secs(60);
+        let p = Params::new(&Quota::new(3, period).unwrap(), Algorithm::SlidingWindow);
+        let p_us = period.as_micros() as u64;
+        let now = |c: &FakeClock| c.now().as_micros() as u64;
+        // Into a window: W's count is created, the key lives to (W+2)·P.
+        let into = p_us - now(&clock) % p_us + 1_000;
+        clock.advance(Duration::from_micros(into));
+        let w = (now(&clock) / p_us) as i64;
+        assert!(s.acquire("k", &p, 3).unwrap().allowed);
+        // W+1: full from W's weight alone; the ask gets nothing.
+        clock.advance(period);
+        let ask = LeaseCall {
+            key: "k".into(),
+            want: 1,
+            share_cap: 1.0,
+            debt: 0,
+            debt_window: -1,
+            min_window: -1,
+            need: 1,
+            patience: 1,
+            op: None,
+            holder: Some("c".into()),
+            ceiling: 1,
+            lease_id: 1,
+        };
+        assert_eq!(s.lease(&p, &ask).unwrap().granted, 0);
+        // Late debt into W, whose count exists.
+        let ops = crate::algorithm::OpIds::default();
+        let report = LeaseCall {
+            debt_window: w,
+            ..LeaseCall::report("k".into(), 1, ops.next())
+        };
+        s.lease(&p, &report).unwrap();
+        assert_eq!(s.count_in_window("k", w), Some(4));
+        // (W+2)·P: gone, as in Redis.
+        clock.advance(Duration::from_micros(p_us - 1_000));
+        assert_eq!(s.count_in_window("k", w), None);
+    }
 }
