@@ -1,5 +1,12 @@
--- carry_fixed_window.lua: the fixed window's part of window_check.lua and
--- lease_window.lua, sent in front of them. Windows are independent:
+-- carry_fixed_window.lua: the fixed window's arithmetic for the window scripts.
+-- KEYS     none: a fragment, sent in front of window_check.lua and
+--          lease_window.lua, whose KEYS it leaves to them.
+-- ARGV     none: its functions take their values as arguments.
+-- Returns  nothing: it defines carry, wait_for and reset_after (their
+--          arguments and answers are in lease_window.lua's header).
+-- Complexity: O(1) each.
+--
+-- Windows are independent:
 -- nothing outside the target window counts against it, a full window has
 -- room again only when it has ended, and a window not begun yet has room
 -- from its start.

@@ -1,5 +1,10 @@
--- carry_sliding_window.lua: the sliding-window counter's arithmetic, sent
--- in front of window_check.lua (exact) and lease_window.lua (leases).
+-- carry_sliding_window.lua: the sliding window's arithmetic for the window scripts.
+-- KEYS     none: a fragment, sent in front of window_check.lua and
+--          lease_window.lua, whose KEYS it leaves to them.
+-- ARGV     none: its functions take their values as arguments.
+-- Returns  nothing: it defines carry, wait_for and reset_after (their
+--          arguments and answers are in lease_window.lua's header).
+-- Complexity: O(1) each.
 --
 -- The load of window W at time `now` is its own count plus the previous
 -- window's, weighted by how much of that window the trailing period still

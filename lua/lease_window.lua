@@ -1,20 +1,7 @@
 -- lease_window.lua: lease a slice of a window budget (fixed or sliding
 -- window) to one process, and record the permits it admitted on credit.
---
--- Sent with a carry file in front of it (lua/carry_fixed_window.lua or
--- lua/carry_sliding_window.lua), which defines
---   carry(before, after, target, now, period): permits outside
---     the target window that count against it (`before`, `after`: the
---     counts of the windows either side of it);
---   wait_for(n, used, before, after, target, now, period, limit):
---     µs until n more permits fit in the target window, all else equal;
---   reset_after(used, before, current, now, period): µs until the whole
---     limit is free again (window_check.lua's answer).
--- The fixed window carries nothing; the sliding window carries the
--- previous window's weighted count (see its file).
---
 -- KEYS[1]  hash; field = window index, value = permits granted or admitted
---          in that window (the same key as fixed_window.lua).
+--          in that window (the same key as window_check.lua).
 -- KEYS[2]  optional, only when debt > 0: the report's identity (a string key
 --          in the same hash slot). A second delivery of the same report
 --          finds it and does not record the debt again; it still leases.
@@ -50,6 +37,18 @@
 --          now_us, uncovered (debt permits beyond the limit), window (index
 --          of the target window), 0, 0} (the last two are the bucket
 --          scripts' level and give-back count)
+--
+-- Sent with a carry file in front of it (lua/carry_fixed_window.lua or
+-- lua/carry_sliding_window.lua), which defines
+--   carry(before, after, target, now, period): permits outside
+--     the target window that count against it (`before`, `after`: the
+--     counts of the windows either side of it);
+--   wait_for(n, used, before, after, target, now, period, limit):
+--     µs until n more permits fit in the target window, all else equal;
+--   reset_after(used, before, current, now, period): µs until the whole
+--     limit is free again (window_check.lua's answer).
+-- The fixed window carries nothing; the sliding window carries the
+-- previous window's weighted count (see its file).
 --
 -- Sizing. by_rate = min(want, max(1, floor(share_cap * available),
 -- min(available, tail))): leases shrink as the window fills and few permits

@@ -1,8 +1,5 @@
 -- window_check.lua: exact check-and-count of a window algorithm (fixed or
--- sliding window), one call per decision. Sent with a carry file in front
--- of it (lua/carry_fixed_window.lua or lua/carry_sliding_window.lua),
--- which defines carry, wait_for and reset_after (see lease_window.lua).
---
+-- sliding window), one call per decision.
 -- KEYS[1]  hash; field = window index (floor(redis_now_us / period_us)),
 --          value = permits counted in that window (the lease script's
 --          hash: exact and hybrid limiters of one key share it).
@@ -17,6 +14,9 @@
 --          retry_after_us is 0 when allowed, -1 when cost > limit (never),
 --          else how long until the load has room for cost.
 --
+-- Sent with a carry file in front of it (lua/carry_fixed_window.lua or
+-- lua/carry_sliding_window.lua), which defines carry, wait_for and
+-- reset_after (see lease_window.lua).
 -- The load is count(current) + carry: the count alone for the fixed
 -- window; for the sliding window see carry_sliding_window.lua.
 -- Time comes from Redis TIME only. Windows older than the previous one are
