@@ -10,7 +10,7 @@ use crate::decision::Source;
 use crate::key::KeyEncoder;
 use crate::local::decision_from;
 use crate::stats::Counters;
-use crate::store::{Params, Store, StoreCost};
+use crate::store::{Params, Store};
 use crate::{Decision, Error};
 
 pub(crate) struct ExactEngine {
@@ -36,29 +36,23 @@ impl ExactEngine {
         }
     }
 
-    /// One decision by the store, and what asking cost.
-    pub(crate) async fn check(&self, key: &str, cost: u64) -> (Result<Decision, Error>, StoreCost) {
-        let (result, spent) = self.check_timed(key, cost).await;
-        (result.map(|(d, _)| d), spent)
+    /// One decision by the store (its cost is counted by the store).
+    pub(crate) async fn check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
+        self.check_timed(key, cost).await.map(|(d, _)| d)
     }
 
     /// As [`check`](Self::check), with the store's clock (µs) at the call.
-    pub(crate) async fn check_timed(
-        &self,
-        key: &str,
-        cost: u64,
-    ) -> (Result<(Decision, u64), Error>, StoreCost) {
+    pub(crate) async fn check_timed(&self, key: &str, cost: u64) -> Result<(Decision, u64), Error> {
         let store_key = self.keys.store_key(key, self.params.algorithm);
-        let (reply, spent) = self
+        let (reply, _) = self
             .store
             .acquire(&store_key, &self.params, cost, &self.counters)
             .await;
-        let decided = reply.map(|reply| {
+        reply.map(|reply| {
             (
                 decision_from(&reply, self.params.limit, Source::Store),
                 reply.now_us,
             )
-        });
-        (decided, spent)
+        })
     }
 }

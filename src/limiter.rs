@@ -195,7 +195,7 @@ impl Limiter {
                 }
                 let began = std::time::Instant::now();
                 let local_before = inner.failure.store_clock.local_us();
-                let (result, _) = exact.check_timed(key, cost).await;
+                let result = exact.check_timed(key, cost).await;
                 let took = began.elapsed().as_micros() as u64;
                 if let Some(store) = &inner.store {
                     inner.counters.circuit(store.circuit_state());
@@ -229,7 +229,7 @@ impl Limiter {
         let key = &*local_key(key);
         match &self.inner.engine {
             Engine::Local(local) => Ok(local.check(key, cost)),
-            Engine::Exact(exact) => exact.check(key, cost).await.0,
+            Engine::Exact(exact) => exact.check(key, cost).await,
             Engine::Hybrid(hybrid) => hybrid.check(key, cost).await,
         }
     }

@@ -408,7 +408,7 @@ impl HybridEngine {
                 retried = true;
                 continue;
             }
-            let next_start = s.pending_start(&slot);
+            let next_start = slot.next_start();
             if next_start.is_none() {
                 s.request_refill(&slot, true);
             }
@@ -597,7 +597,7 @@ impl Shared {
     }
 
     async fn exact_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
-        self.exact.check(key, cost).await.0
+        self.exact.check(key, cost).await
     }
 
     /// Queues a refill for the slot (at most one per slot at a time).
@@ -616,11 +616,6 @@ impl Shared {
         } else if urgent {
             self.wake.notify_one();
         }
-    }
-
-    /// The start of a pre-leased slice not yet usable, if any.
-    fn pending_start(&self, slot: &Slot) -> Option<u64> {
-        slot.next_start()
     }
 
     fn reset_after(&self, slot: &Slot, now: u64) -> Duration {
