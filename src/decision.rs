@@ -3,6 +3,7 @@
 //! Times are exact to the microsecond here; rounding to whole seconds is the
 //! HTTP layer's business.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Where a [`Decision`] came from, so callers and metrics can tell.
@@ -47,7 +48,11 @@ impl Source {
 /// The outcome of one [`Limiter::check`](crate::Limiter::check).
 ///
 /// A denial is a decision, never an error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// A limiter with several quotas ([`Builder::and`](crate::Builder::and))
+/// answers with the binding one's figures (the lowest remaining, the
+/// longest wait) and keeps each quota's own in [`quotas`](Decision::quotas).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Decision {
     pub(crate) allowed: bool,
     pub(crate) limit: u64,
@@ -55,6 +60,54 @@ pub struct Decision {
     pub(crate) reset_after: Duration,
     pub(crate) retry_after: Option<Duration>,
     pub(crate) source: Source,
+    /// The quota's period, for headers (`ZERO` where unknown).
+    pub(crate) period: Duration,
+    /// What was taken, so a refund can find where it came from.
+    pub(crate) taken: Taken,
+    /// Several quotas: each one's decision, in the limiter's order.
+    pub(crate) parts: Option<Arc<[Decision]>>,
+}
+
+/// Where an admission's permits came from, for [`Limiter::refund`](crate::Limiter::refund).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) enum Origin {
+    /// Nothing refundable: a denial, a peek, credit, a failure policy's
+    /// decision, or a bucket (which refills by itself).
+    #[default]
+    None,
+    /// Counted by the store in this window.
+    Store,
+    /// Spent from a lease of this window.
+    Lease,
+    /// Counted by the per-process limiter in this window.
+    Local,
+}
+
+/// What a decision took: `cost` permits of window `window` from `origin`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct Taken {
+    pub(crate) origin: Origin,
+    pub(crate) cost: u64,
+    pub(crate) window: i64,
+}
+
+impl Taken {
+    /// `cost` permits of `window`, from `origin`: refundable when both are
+    /// known and something was taken.
+    pub(crate) fn new(origin: Origin, cost: u64, window: Option<i64>) -> Taken {
+        match window {
+            Some(window) if cost > 0 => Taken {
+                origin,
+                cost,
+                window,
+            },
+            _ => Taken::default(),
+        }
+    }
+
+    pub(crate) fn refundable(&self) -> bool {
+        self.origin != Origin::None
+    }
 }
 
 impl Decision {
@@ -66,6 +119,9 @@ impl Decision {
             reset_after,
             retry_after: None,
             source,
+            period: Duration::ZERO,
+            taken: Taken::default(),
+            parts: None,
         }
     }
 
@@ -83,7 +139,24 @@ impl Decision {
             reset_after,
             retry_after,
             source,
+            period: Duration::ZERO,
+            taken: Taken::default(),
+            parts: None,
         }
+    }
+
+    /// The same decision, recording what it took.
+    pub(crate) fn with_taken(mut self, taken: Taken) -> Self {
+        if self.allowed {
+            self.taken = taken;
+        }
+        self
+    }
+
+    /// The same decision, with its quota's period.
+    pub(crate) fn with_period(mut self, period: Duration) -> Self {
+        self.period = period;
+        self
     }
 
     /// Whether the request may proceed.
@@ -119,5 +192,30 @@ impl Decision {
     /// Where the decision came from.
     pub fn source(&self) -> Source {
         self.source
+    }
+
+    /// The quota's period (`ZERO` for a decision not made against a
+    /// quota: a failure policy's fail-open or fail-closed).
+    pub fn period(&self) -> Duration {
+        self.period
+    }
+
+    /// Each quota's own decision, in the order the limiter's quotas were
+    /// given (a limiter with one quota: this decision alone). When several
+    /// quotas were checked, this decision is the binding one: denied if
+    /// any denied (with the longest `retry_after` of those that did),
+    /// else the lowest `remaining`.
+    pub fn quotas(&self) -> &[Decision] {
+        match &self.parts {
+            Some(parts) => parts,
+            None => std::slice::from_ref(self),
+        }
+    }
+
+    /// Whether [`Limiter::refund`](crate::Limiter::refund) can give this
+    /// decision's permits back: it admitted a cost above 0 from a window
+    /// (fixed or sliding) this process or the store counted.
+    pub fn is_refundable(&self) -> bool {
+        self.quotas().iter().any(|d| d.taken.refundable())
     }
 }

@@ -6,7 +6,8 @@
 
 use std::sync::Arc;
 
-use crate::decision::Source;
+use crate::algorithm::{GiveBackCall, LeaseOrigin, OpIds};
+use crate::decision::{Origin, Source, Taken};
 use crate::key::KeyEncoder;
 use crate::local::decision_from;
 use crate::stats::Counters;
@@ -19,6 +20,8 @@ pub(crate) struct ExactEngine {
     params: Params,
     /// Where its store calls are counted.
     counters: Arc<Counters>,
+    /// Identities of refunds (a refund delivered twice counts once).
+    ops: OpIds,
 }
 
 impl ExactEngine {
@@ -33,6 +36,7 @@ impl ExactEngine {
             keys,
             params,
             counters,
+            ops: OpIds::default(),
         }
     }
 
@@ -49,10 +53,38 @@ impl ExactEngine {
             .acquire(&store_key, &self.params, cost, &self.counters)
             .await;
         reply.map(|reply| {
-            (
-                decision_from(&reply, self.params.limit, Source::Store),
-                reply.now_us,
-            )
+            let window = window_of(&self.params, reply.now_us);
+            let decision = decision_from(&reply, self.params.limit, Source::Store)
+                .with_taken(Taken::new(Origin::Store, cost, window));
+            (decision, reply.now_us)
         })
     }
+
+    /// Gives `taken` back to the store's count of its window, which takes
+    /// it only while that window lasts. Returns the permits it took back.
+    pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<u64, Error> {
+        let call = GiveBackCall {
+            key: self.keys.store_key(key, self.params.algorithm),
+            returned: taken.cost,
+            window: taken.window,
+            origin: LeaseOrigin::default(),
+            op: self.ops.next(),
+        };
+        let (replies, _) = self
+            .store
+            .give_back_batch(&self.params, std::slice::from_ref(&call), &self.counters)
+            .await;
+        replies?.pop().unwrap_or(Ok(0))
+    }
+}
+
+/// The window a store reading at `now_us` falls in, for window algorithms
+/// (the scripts' `floor(now / period)`); `None` for buckets.
+pub(crate) fn window_of(params: &Params, now_us: u64) -> Option<i64> {
+    params
+        .algorithm
+        .spec()
+        .leases
+        .windowed()
+        .then(|| (now_us / params.period_us.max(1)) as i64)
 }

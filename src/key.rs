@@ -50,12 +50,29 @@ pub(crate) fn local_key(key: &str) -> Cow<'_, str> {
 #[derive(Debug, Clone)]
 pub(crate) struct KeyEncoder {
     namespace: String,
+    /// A limiter's second and later quotas (`Builder::and`): `.1`, `.2`…
+    /// after the algorithm's suffix, inside the same hash tag, so every
+    /// quota of a key lives in one slot. Empty for the first.
+    quota: String,
 }
 
 impl KeyEncoder {
     pub(crate) fn new(namespace: &str) -> Self {
         KeyEncoder {
             namespace: namespace.to_owned(),
+            quota: String::new(),
+        }
+    }
+
+    /// These keys for a limiter's quota at `index` (0: the first).
+    pub(crate) fn for_quota(&self, index: usize) -> Self {
+        KeyEncoder {
+            namespace: self.namespace.clone(),
+            quota: if index == 0 {
+                String::new()
+            } else {
+                format!(".{index}")
+            },
         }
     }
 
@@ -92,12 +109,13 @@ impl KeyEncoder {
     /// The store key for a user key under an algorithm.
     pub(crate) fn store_key(&self, key: &str, algorithm: Algorithm) -> String {
         let tag = self.tag(key);
-        let mut out = String::with_capacity(tag.len() + 10);
+        let mut out = String::with_capacity(tag.len() + 10 + self.quota.len());
         out.push_str(PREFIX);
         out.push_str(":{");
         out.push_str(&tag);
         out.push_str("}:");
         out.push_str(algorithm.key_suffix());
+        out.push_str(&self.quota);
         out
     }
 }

@@ -137,12 +137,15 @@ mod failure;
 pub mod http;
 mod hybrid;
 mod key;
+mod lane;
 mod limiter;
 mod local;
 pub mod metrics;
 mod quota;
+mod several;
 mod stats;
 mod store;
+mod tiers;
 
 pub use algorithm::Algorithm;
 pub use breaker::{CircuitConfig, CircuitState};
@@ -151,8 +154,9 @@ pub use decision::{Decision, Source};
 pub use error::{Error, ErrorKind};
 pub use failure::FailurePolicy;
 pub use hybrid::{Consistency, HybridConfig};
-pub use limiter::{Builder, Check, Limiter};
+pub use limiter::{Builder, Check, Limiter, MAX_QUOTAS};
 pub use quota::{Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};
+pub use several::{check_all, refund_all};
 pub use stats::Stats;
 #[cfg(feature = "test-support")]
 pub use store::{FaultCounts, Faults, FaultyStore};

@@ -7,59 +7,112 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use crate::decision::Source;
-use crate::exact::ExactEngine;
-use crate::failure::{FailureLayer, LayerParts};
-use crate::hybrid::{HybridConfig, HybridEngine, Wiring};
+use crate::decision::Taken;
+use crate::hybrid::HybridConfig;
 use crate::key::{local_key, KeyEncoder};
-use crate::local::LocalEngine;
+use crate::lane::{Lane, Mode, Recipe};
+use crate::several;
 use crate::stats::{Counters, Stats};
-use crate::store::{MemoryStore, Params, Store};
-use crate::{Algorithm, Clock, Decision, Error, ErrorKind, FailurePolicy, Quota, SystemClock};
+use crate::store::{MemoryStore, Store};
+use crate::tiers::{LaneRef, Resolver, Tiers};
+use crate::{Algorithm, Clock, Decision, Error, FailurePolicy, Quota, SystemClock};
 
 /// The longest namespace accepted.
 const MAX_NAMESPACE_LEN: usize = 256;
 
+/// The most quotas one limiter enforces on a key (see [`Builder::and`]).
+pub const MAX_QUOTAS: usize = 8;
+
+/// Stripes serialising the local takes of a limiter with several quotas.
+const STRIPES: usize = 64;
+
 /// A rate limiter. Cheap to clone; clones share one limit.
 #[derive(Clone)]
 pub struct Limiter {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
-struct Inner {
-    engine: Engine,
-    failure: FailureLayer,
-    quota: Quota,
+pub(crate) struct Inner {
+    recipe: Recipe,
+    /// The first quota: the default, or the key's own (tiers).
+    first: Tiers,
+    /// The quotas added with [`Builder::and`], each in its own store keys.
+    pub(crate) also: Box<[Lane]>,
+    /// Several quotas: a key's local takes are all-or-nothing under its
+    /// stripe, so no decision sees one quota taken and another not.
+    stripes: Box<[Mutex<()>]>,
+    /// The hybrid configuration lanes built from now on start with.
+    config: Mutex<Option<HybridConfig>>,
+    pub(crate) counters: Arc<Counters>,
     algorithm: Algorithm,
-    counters: Arc<Counters>,
-    /// The shared store, whose breaker state the metrics follow.
-    store: Option<Store>,
     /// This limiter's namespace.
     keys: KeyEncoder,
 }
 
-enum Engine {
-    Local(LocalEngine),
-    Exact(ExactEngine),
-    Hybrid(HybridEngine),
-}
-
-/// How decisions are made.
-#[derive(Debug, Clone, PartialEq)]
-enum Mode {
-    Exact,
-    Local,
-    Hybrid(HybridConfig),
-}
-
 impl Inner {
     #[inline]
-    fn count(&self, decision: &Decision) {
+    pub(crate) fn count(&self, decision: &Decision) {
         self.counters
             .decision(decision.is_allowed(), decision.source());
+    }
+
+    /// The lane of `key`'s first quota.
+    #[inline]
+    pub(crate) fn first_lane(&self, key: &str) -> LaneRef {
+        self.first
+            .lane_for(key, |quota| self.build_lane(quota, 0).ok())
+    }
+
+    fn build_lane(&self, quota: Quota, index: usize) -> Result<Lane, Error> {
+        let config = self
+            .config
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        Lane::build(&self.recipe, quota, self.keys.for_quota(index), config)
+    }
+
+    /// The lane of quota `index` (0: the first) for `key`.
+    pub(crate) fn lane(&self, key: &str, index: usize) -> Option<LaneOf<'_>> {
+        match index {
+            0 => Some(LaneOf::First(self.first_lane(key))),
+            i => self.also.get(i - 1).map(LaneOf::Also),
+        }
+    }
+
+    pub(crate) fn several(&self) -> bool {
+        !self.also.is_empty()
+    }
+
+    /// The stripe lock of `key` (several quotas only).
+    pub(crate) fn stripe(&self, key: &str) -> std::sync::MutexGuard<'_, ()> {
+        use std::hash::{BuildHasher, Hash, Hasher};
+        static SEED: std::sync::OnceLock<ahash::RandomState> = std::sync::OnceLock::new();
+        let mut h = SEED.get_or_init(ahash::RandomState::new).build_hasher();
+        key.hash(&mut h);
+        let i = (h.finish() as usize) % self.stripes.len().max(1);
+        self.stripes[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A lane of a limiter, borrowed for one decision.
+pub(crate) enum LaneOf<'a> {
+    First(LaneRef),
+    Also(&'a Lane),
+}
+
+impl std::ops::Deref for LaneOf<'_> {
+    type Target = Lane;
+
+    #[inline]
+    fn deref(&self) -> &Lane {
+        match self {
+            LaneOf::First(lane) => lane,
+            LaneOf::Also(lane) => lane,
+        }
     }
 }
 
@@ -101,16 +154,12 @@ impl fmt::Debug for Check<'_> {
 
 impl fmt::Debug for Limiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mode = match self.inner.engine {
-            Engine::Local(_) => "local",
-            Engine::Exact(_) => "exact",
-            Engine::Hybrid(_) => "hybrid",
-        };
+        let first = self.inner.first.default_lane();
         f.debug_struct("Limiter")
-            .field("quota", &self.inner.quota)
+            .field("quotas", &self.quotas())
             .field("algorithm", &self.inner.algorithm)
-            .field("mode", &mode)
-            .field("on_store_error", &self.inner.failure.policy())
+            .field("mode", &first.mode_name())
+            .field("on_store_error", &first.failure.policy())
             .finish()
     }
 }
@@ -120,6 +169,8 @@ impl Limiter {
     pub fn builder(quota: Quota) -> Builder {
         Builder {
             quota,
+            also: Vec::new(),
+            tiers: None,
             store: None,
             algorithm: Algorithm::default(),
             mode: Mode::Exact,
@@ -144,6 +195,10 @@ impl Limiter {
     /// A hybrid key holding local permits (and every `local()` decision) is
     /// decided right here, before the returned future is first polled; only
     /// a decision that needs the store builds a (boxed) future.
+    ///
+    /// With several quotas ([`Builder::and`]) a request is admitted only if
+    /// every quota admits it, and then counts against all of them; a
+    /// denial counts against none (see [`Decision::quotas`]).
     pub fn check<'a>(&'a self, key: &'a str, cost: u64) -> Check<'a> {
         let key = local_key(key);
         match self.check_local_key(&key, cost) {
@@ -172,49 +227,21 @@ impl Limiter {
     #[inline]
     fn check_local_key(&self, key: &str, cost: u64) -> Option<Decision> {
         let inner = &*self.inner;
-        let decision = match &inner.engine {
-            Engine::Local(local) => Some(local.check(key, cost)),
-            Engine::Hybrid(hybrid) => hybrid.try_fast(key, cost),
-            Engine::Exact(_) => None,
-        }?;
+        let decision = if inner.several() {
+            several::check_now(self, key, cost)?
+        } else {
+            inner.first_lane(key).check_now(key, cost)?
+        };
         inner.count(&decision);
         Some(decision)
     }
 
     async fn check_slow(&self, key: &str, cost: u64) -> Decision {
         let inner = &*self.inner;
-        let decision = match &inner.engine {
-            Engine::Local(local) => local.check(key, cost),
-            Engine::Exact(exact) => {
-                // After an outage, what the fallback admitted is reported
-                // before anything new is decided.
-                if inner.failure.reconciler.has_pending() && !inner.failure.reconcile().await {
-                    let decision = inner.failure.decide(key, cost);
-                    inner.count(&decision);
-                    return decision;
-                }
-                let began = std::time::Instant::now();
-                let local_before = inner.failure.store_clock.local_us();
-                let result = exact.check_timed(key, cost).await;
-                let took = began.elapsed().as_micros() as u64;
-                if let Some(store) = &inner.store {
-                    inner.counters.circuit(store.circuit_state());
-                }
-                match result {
-                    Ok((decision, store_us)) => {
-                        inner
-                            .failure
-                            .store_clock
-                            .observe(local_before + took / 2, store_us);
-                        decision
-                    }
-                    Err(_) => inner.failure.decide(key, cost),
-                }
-            }
-            Engine::Hybrid(hybrid) => match hybrid.check(key, cost).await {
-                Ok(decision) => decision,
-                Err(_) => inner.failure.decide(key, cost),
-            },
+        let decision = if inner.several() {
+            several::decide(self, key, cost).await
+        } else {
+            inner.first_lane(key).decide(key, cost).await
         };
         inner.count(&decision);
         decision
@@ -227,19 +254,69 @@ impl Limiter {
     /// The store's error, classified (see [`Error::kind`]).
     pub async fn try_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
         let key = &*local_key(key);
-        match &self.inner.engine {
-            Engine::Local(local) => Ok(local.check(key, cost)),
-            Engine::Exact(exact) => exact.check(key, cost).await,
-            Engine::Hybrid(hybrid) => hybrid.check(key, cost).await,
+        if self.inner.several() {
+            several::try_decide(self, key, cost).await
+        } else {
+            self.inner.first_lane(key).try_decide(key, cost).await
         }
+    }
+
+    /// Gives an admitted request's permits back to the window they were
+    /// taken from, for each of the limiter's quotas: a request that failed
+    /// (a 5xx, a cancelled job) need not cost its client the quota.
+    ///
+    /// A refund never goes to a later window than its permits came from:
+    /// one arriving after that window ended is ignored, as is one for a
+    /// denial, a peek, credit, a failure policy's decision or a bucket
+    /// algorithm (token bucket and GCRA refill by themselves). Returns the
+    /// permits given back, summed over the quotas; what was ignored is
+    /// counted in [`Stats::refunds_ignored`]. Refund a decision once:
+    /// each call gives back again while the window has room.
+    ///
+    /// `key` must be the key the decision was made for.
+    pub async fn refund(&self, key: &str, decision: &Decision) -> u64 {
+        let key = &*local_key(key);
+        let parts = decision.quotas();
+        if parts.len() != 1 + self.inner.also.len() {
+            let taken: u64 = parts.iter().map(|d| d.taken.cost).sum();
+            self.inner.counters.refunds_ignored.add(taken);
+            return 0;
+        }
+        let mut back = 0;
+        for (index, part) in parts.iter().enumerate() {
+            back += self.refund_taken(key, index, part.taken).await;
+        }
+        back
+    }
+
+    /// Gives `taken` back to quota `index`, counted.
+    pub(crate) async fn refund_taken(&self, key: &str, index: usize, taken: Taken) -> u64 {
+        let inner = &*self.inner;
+        if !taken.refundable() {
+            inner.counters.refunds_ignored.add(taken.cost);
+            return 0;
+        }
+        let back = match inner.lane(key, index) {
+            Some(lane) => lane.refund(key, taken).await,
+            None => 0,
+        };
+        inner.counters.refunded.add(back);
+        inner
+            .counters
+            .refunds_ignored
+            .add(taken.cost - back.min(taken.cost));
+        back
     }
 
     /// Stops background work and gives unused leased permits back to the
     /// store (hybrid). Decisions after shutdown are still answered, by one
     /// store call each.
     pub async fn shutdown(&self) {
-        if let Engine::Hybrid(hybrid) = &self.inner.engine {
-            hybrid.shutdown().await;
+        for lane in self.inner.first.all() {
+            lane.shutdown().await;
+        }
+        for lane in self.inner.also.iter() {
+            lane.shutdown().await;
         }
     }
 
@@ -247,30 +324,75 @@ impl Limiter {
     /// mode, lease sizes and timeouts take effect with the next refill.
     ///
     /// # Errors
-    /// [`InvalidInput`](ErrorKind::InvalidInput) for an invalid
-    /// configuration, [`Unsupported`](ErrorKind::Unsupported) if this
+    /// [`InvalidInput`](crate::ErrorKind::InvalidInput) for an invalid
+    /// configuration, [`Unsupported`](crate::ErrorKind::Unsupported) if this
     /// limiter is not hybrid.
     pub fn reconfigure(&self, config: HybridConfig) -> Result<(), Error> {
-        match &self.inner.engine {
-            Engine::Hybrid(hybrid) => hybrid.reconfigure(config),
-            _ => Err(Error::new(
-                ErrorKind::Unsupported,
-                "only a hybrid limiter has a HybridConfig",
-            )),
+        let inner = &*self.inner;
+        for lane in inner.first.all() {
+            lane.reconfigure(config.clone())?;
         }
+        for lane in inner.also.iter() {
+            lane.reconfigure(config.clone())?;
+        }
+        *inner.config.lock().unwrap_or_else(|p| p.into_inner()) = Some(config);
+        Ok(())
     }
 
-    /// Keys this process tracks locally (hybrid); 0 for other modes.
+    /// Replaces the default quota while the limiter runs (for every key
+    /// without a quota of its own, see [`Builder::quota_for`]).
+    ///
+    /// The new limit applies to what the current window (or bucket) has
+    /// already counted: raising a limit mid-window admits the difference at
+    /// once, lowering it below the count denies until the window ends. A
+    /// hybrid limiter gives the permits it leased under the old quota back
+    /// and leases under the new one from the next request on, so the fleet
+    /// converges within one refill (each process as its own `set_quota`
+    /// call lands).
+    ///
+    /// # Errors
+    /// [`InvalidInput`](crate::ErrorKind::InvalidInput) for a quota the algorithm
+    /// refuses; [`Unsupported`](crate::ErrorKind::Unsupported) for a hybrid
+    /// limiter changed outside a Tokio runtime.
+    pub fn set_quota(&self, quota: Quota) -> Result<(), Error> {
+        let lane = self.inner.build_lane(quota, 0)?;
+        self.inner.first.set_default(lane);
+        Ok(())
+    }
+
+    /// Replaces the per-key quota resolver while the limiter runs (see
+    /// [`Builder::quota_for`]); `None` from it means the default quota.
+    /// As with [`set_quota`](Limiter::set_quota), a key's new quota applies
+    /// to what its window already counted.
+    pub fn set_quota_for(&self, resolver: impl Fn(&str) -> Option<Quota> + Send + Sync + 'static) {
+        self.inner.first.set_resolver(Some(Box::new(resolver)));
+    }
+
+    /// Keys this process tracks locally (hybrid), over every quota; 0 for
+    /// other modes.
     pub fn local_keys(&self) -> usize {
-        match &self.inner.engine {
-            Engine::Hybrid(hybrid) => hybrid.local_keys(),
-            _ => 0,
-        }
+        let first: usize = self.inner.first.all().iter().map(|l| l.local_keys()).sum();
+        first + self.inner.also.iter().map(Lane::local_keys).sum::<usize>()
     }
 
-    /// The quota this limiter enforces.
+    /// The default quota (the first one given, or the latest
+    /// [`set_quota`](Limiter::set_quota)).
     pub fn quota(&self) -> Quota {
-        self.inner.quota
+        self.inner.first.default_quota()
+    }
+
+    /// The quota `key` is held to first: its own (see
+    /// [`Builder::quota_for`]) or the default.
+    pub fn quota_of(&self, key: &str) -> Quota {
+        self.inner.first_lane(&local_key(key)).quota
+    }
+
+    /// Every quota this limiter enforces on a key without one of its own,
+    /// in order: the default, then those added with [`Builder::and`].
+    pub fn quotas(&self) -> Vec<Quota> {
+        let mut quotas = vec![self.quota()];
+        quotas.extend(self.inner.also.iter().map(|l| l.quota));
+        quotas
     }
 
     /// How this limiter counts.
@@ -312,6 +434,8 @@ impl Limiter {
 #[must_use]
 pub struct Builder {
     quota: Quota,
+    also: Vec<Quota>,
+    tiers: Option<Box<Resolver>>,
     store: Option<Store>,
     algorithm: Algorithm,
     mode: Mode,
@@ -325,6 +449,62 @@ pub struct Builder {
 }
 
 impl Builder {
+    /// One more quota on the same key, all-or-nothing: a request is
+    /// admitted only if every quota admits it, and then counts against
+    /// each; a denial counts against none. For example 10 a second **and**
+    /// 10,000 a day:
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), slicelimit::Error> {
+    /// use std::time::Duration;
+    /// use slicelimit::{nonzero, Limiter, Quota};
+    ///
+    /// let limiter = Limiter::builder(Quota::per_second(nonzero!(10)))
+    ///     .and(Quota::new(10_000, Duration::from_secs(86_400))?)
+    ///     .build()?;
+    /// let decision = limiter.check("user-1", 1).await;
+    /// assert_eq!(decision.quotas().len(), 2);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// Every quota of a key lives in the same Redis hash slot. At most
+    /// [`MAX_QUOTAS`] in all.
+    pub fn and(mut self, quota: Quota) -> Self {
+        self.also.push(quota);
+        self
+    }
+
+    /// Per-key quotas (tiers): `resolver` gives a key's own first quota,
+    /// or `None` for the default. Premium keys get a bigger quota on the
+    /// same limiter, in every mode:
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), slicelimit::Error> {
+    /// use slicelimit::{nonzero, Limiter, Quota};
+    ///
+    /// let limiter = Limiter::builder(Quota::per_minute(nonzero!(100)))
+    ///     .quota_for(|key| key.starts_with("paid:").then(|| Quota::per_minute(nonzero!(10_000))))
+    ///     .build()?;
+    /// assert_eq!(limiter.quota_of("paid:42").limit(), 10_000);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// The resolver runs on every decision, so keep it cheap (a map
+    /// lookup). Every quota counts in the limiter's one namespace, so a
+    /// key that changes tier keeps its count. At most 64 distinct quotas
+    /// are in use at once; past that, and for a quota the algorithm
+    /// refuses, the default applies. Replace it at run time with
+    /// [`Limiter::set_quota_for`].
+    pub fn quota_for(
+        mut self,
+        resolver: impl Fn(&str) -> Option<Quota> + Send + Sync + 'static,
+    ) -> Self {
+        self.tiers = Some(Box::new(resolver));
+        self
+    }
+
     /// The `limiter` label of this limiter's metrics (default: the
     /// namespace). Give each limiter of a process its own.
     pub fn name(mut self, name: &str) -> Self {
@@ -372,7 +552,8 @@ impl Builder {
     /// limiters of the same quota share budgets (the processes of one
     /// fleet), limiters of different quotas never do, so a 5-per-minute
     /// login limit and a 100-per-minute default cannot count the same
-    /// requests or reset each other's windows.
+    /// requests or reset each other's windows. With several quotas, the
+    /// default is derived from all of them.
     pub fn namespace(mut self, namespace: &str) -> Self {
         self.namespace = Some(namespace.to_owned());
         self
@@ -405,14 +586,23 @@ impl Builder {
     /// Validates the configuration and builds the limiter.
     ///
     /// # Errors
-    /// An [`InvalidInput`](ErrorKind::InvalidInput) error for an invalid
-    /// hybrid configuration or namespace, or a bucket quota (or fallback
-    /// quota) that would take more than [`MAX_PERIOD`](crate::MAX_PERIOD)
-    /// to fill; an
-    /// [`Unsupported`](ErrorKind::Unsupported) error for a hybrid limiter
+    /// An [`InvalidInput`](crate::ErrorKind::InvalidInput) error for an invalid
+    /// hybrid configuration or namespace, more than [`MAX_QUOTAS`]
+    /// quotas, or a bucket quota (or fallback quota) that would take more
+    /// than [`MAX_PERIOD`](crate::MAX_PERIOD) to fill; an
+    /// [`Unsupported`](crate::ErrorKind::Unsupported) error for a hybrid limiter
     /// built outside a Tokio runtime.
     pub fn build(self) -> Result<Limiter, Error> {
+        if 1 + self.also.len() > MAX_QUOTAS {
+            return Err(Error::invalid(format!(
+                "{} quotas on one limiter; the most is {MAX_QUOTAS}",
+                1 + self.also.len()
+            )));
+        }
         self.algorithm.check_quota(&self.quota)?;
+        for quota in &self.also {
+            self.algorithm.check_quota(quota)?;
+        }
         if let FailurePolicy::LocalFallback(fallback) = &self.policy {
             self.algorithm
                 .check_quota(fallback)
@@ -420,18 +610,18 @@ impl Builder {
         }
         let namespace = self
             .namespace
-            .unwrap_or_else(|| default_namespace(&self.quota));
+            .unwrap_or_else(|| default_namespace(&self.quota, &self.also));
         if namespace.len() > MAX_NAMESPACE_LEN {
             return Err(Error::invalid(format!(
                 "namespace is {} bytes; the maximum is {MAX_NAMESPACE_LEN}",
                 namespace.len()
             )));
         }
-        let injected = self.clock.clone();
-        let clock = self.clock.unwrap_or_else(|| Arc::new(SystemClock::new()));
+        let clock = self
+            .clock
+            .clone()
+            .unwrap_or_else(|| Arc::new(SystemClock::new()));
         let counters = Arc::new(Counters::new(self.name.as_deref().unwrap_or(&namespace)));
-        let params = Params::new(&self.quota, self.algorithm);
-        let keys = KeyEncoder::new(&namespace);
         let store: Option<Store> = match self.mode {
             Mode::Local => None,
             _ => Some(
@@ -439,50 +629,39 @@ impl Builder {
                     .unwrap_or_else(|| MemoryStore::with_shared_clock(clock.clone()).into()),
             ),
         };
-        let own_keys = keys.clone();
-        let failure = FailureLayer::new(LayerParts {
-            policy: self.policy,
-            algorithm: self.algorithm,
-            clock: clock.clone(),
-            store: store.clone(),
-            keys: keys.clone(),
-            params,
-            counters: counters.clone(),
-        });
-        let engine = match (self.mode, store.clone()) {
-            (Mode::Hybrid(config), Some(store)) => Engine::Hybrid(HybridEngine::start(
-                config,
-                Wiring {
-                    store,
-                    keys,
-                    params,
-                    clock: injected,
-                    fast_clock: self.fast_clock,
-                    counters: counters.clone(),
-                    max_cost: self.algorithm.max_cost(&self.quota),
-                    reconciler: failure.reconciler.clone(),
-                    store_clock: failure.store_clock.clone(),
-                },
-            )?),
-            (Mode::Exact, Some(store)) => {
-                Engine::Exact(ExactEngine::new(store, keys, params, counters.clone()))
-            }
-            _ => Engine::Local(LocalEngine::new(
-                self.quota,
-                self.algorithm,
-                clock.clone(),
-                Source::Local,
-            )),
+        let config = match &self.mode {
+            Mode::Hybrid(config) => Some(config.clone()),
+            _ => None,
         };
+        let recipe = Recipe {
+            mode: self.mode,
+            store,
+            algorithm: self.algorithm,
+            policy: self.policy,
+            clock,
+            injected: self.clock,
+            fast_clock: self.fast_clock,
+            counters: counters.clone(),
+        };
+        let keys = KeyEncoder::new(&namespace);
+        let first = Lane::build(&recipe, self.quota, keys.for_quota(0), config.clone())?;
+        let also = self
+            .also
+            .iter()
+            .enumerate()
+            .map(|(i, quota)| Lane::build(&recipe, *quota, keys.for_quota(i + 1), config.clone()))
+            .collect::<Result<Box<[Lane]>, Error>>()?;
+        let stripes = if also.is_empty() { 0 } else { STRIPES };
         Ok(Limiter {
             inner: Arc::new(Inner {
-                engine,
-                failure,
-                quota: self.quota,
-                algorithm: self.algorithm,
+                first: Tiers::new(first, self.tiers),
+                also,
+                stripes: (0..stripes).map(|_| Mutex::new(())).collect(),
+                config: Mutex::new(config),
                 counters,
-                store,
-                keys: own_keys,
+                algorithm: self.algorithm,
+                keys,
+                recipe,
             }),
         })
     }
@@ -490,11 +669,12 @@ impl Builder {
 
 /// The namespace of a limiter built without one: distinct for distinct
 /// quotas, so differently limited routes never share a counter.
-fn default_namespace(quota: &Quota) -> String {
-    format!(
-        "q{}.{}ms.b{}",
-        quota.limit(),
-        quota.period().as_millis(),
-        quota.burst()
-    )
+fn default_namespace(quota: &Quota, also: &[Quota]) -> String {
+    let one = |q: &Quota| format!("q{}.{}ms.b{}", q.limit(), q.period().as_millis(), q.burst());
+    let mut namespace = one(quota);
+    for q in also {
+        namespace.push('+');
+        namespace.push_str(&one(q));
+    }
+    namespace
 }

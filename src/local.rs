@@ -7,7 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::decision::Source;
+use crate::algorithm::{GiveBackCall, LeaseOrigin, OpIds};
+use crate::decision::{Origin, Source, Taken};
+use crate::exact::window_of;
 use crate::store::{AcquireReply, MemoryStore, Params};
 use crate::{Algorithm, Clock, Decision, Quota};
 
@@ -15,6 +17,7 @@ pub(crate) struct LocalEngine {
     store: MemoryStore,
     params: Params,
     source: Source,
+    ops: OpIds,
 }
 
 impl LocalEngine {
@@ -28,16 +31,32 @@ impl LocalEngine {
             store: MemoryStore::with_shared_clock(clock),
             params: Params::new(&quota, algorithm),
             source,
+            ops: OpIds::default(),
         }
     }
 
     pub(crate) fn check(&self, key: &str, cost: u64) -> Decision {
         match self.store.acquire(key, &self.params, cost) {
-            Ok(reply) => decision_from(&reply, self.params.limit, self.source),
+            Ok(reply) => decision_from(&reply, self.params.limit, self.source).with_taken(
+                Taken::new(Origin::Local, cost, window_of(&self.params, reply.now_us)),
+            ),
             // A private store holds one layout per limiter, so this cannot
             // happen; deny rather than panic if it ever does.
             Err(_) => Decision::deny(self.params.limit, 0, Duration::ZERO, None, self.source),
         }
+    }
+
+    /// Gives `taken` back to its window while that window lasts; returns
+    /// the permits taken back.
+    pub(crate) fn refund(&self, key: &str, taken: Taken) -> u64 {
+        let call = GiveBackCall {
+            key: key.to_owned(),
+            returned: taken.cost,
+            window: taken.window,
+            origin: LeaseOrigin::default(),
+            op: self.ops.next(),
+        };
+        self.store.give_back(&self.params, &call).unwrap_or(0)
     }
 }
 

@@ -59,6 +59,10 @@ pub const REPORTS_DROPPED: &str = "slicelimit_dropped_report_permits_total";
 pub const SYNC_RESTARTS: &str = "slicelimit_sync_restarts_total";
 /// Requests the HTTP layer let through in shadow mode although denied.
 pub const SHADOW_DENIALS: &str = "slicelimit_http_shadow_denials_total";
+/// Permits refunds gave back to the window they were taken from.
+pub const REFUNDED: &str = "slicelimit_refunded_permits_total";
+/// Permits refunds could not give back (their window had ended).
+pub const REFUNDS_IGNORED: &str = "slicelimit_refunds_ignored_permits_total";
 
 /// Registers a description and unit for every metric above with the
 /// installed recorder. `install_prometheus` (feature `prometheus`) calls it
@@ -141,6 +145,16 @@ pub fn describe() {
         SHADOW_DENIALS,
         Unit::Count,
         "Denied requests let through by the HTTP layer in shadow mode."
+    );
+    describe_counter!(
+        REFUNDED,
+        Unit::Count,
+        "Permits refunds gave back to the window they were taken from."
+    );
+    describe_counter!(
+        REFUNDS_IGNORED,
+        Unit::Count,
+        "Permits refunds could not give back: their window had ended."
     );
 }
 

@@ -88,6 +88,8 @@ pub(crate) struct Counters {
     pub(crate) reports_dropped: Tally,
     pub(crate) sync_restarts: Tally,
     pub(crate) shadow_denials: Tally,
+    pub(crate) refunded: Tally,
+    pub(crate) refunds_ignored: Tally,
     pub(crate) meters: Meters,
 }
 
@@ -112,6 +114,8 @@ impl Counters {
             reports_dropped: Tally::new(limiter, names::REPORTS_DROPPED),
             sync_restarts: Tally::new(limiter, names::SYNC_RESTARTS),
             shadow_denials: Tally::new(limiter, names::SHADOW_DENIALS),
+            refunded: Tally::new(limiter, names::REFUNDED),
+            refunds_ignored: Tally::new(limiter, names::REFUNDS_IGNORED),
             meters: Meters::new(limiter),
         }
     }
@@ -188,6 +192,8 @@ impl Counters {
             reports_dropped: self.reports_dropped.get(),
             sync_restarts: self.sync_restarts.get(),
             shadow_denials: self.shadow_denials.get(),
+            refunded: self.refunded.get(),
+            refunds_ignored: self.refunds_ignored.get(),
         }
     }
 }
@@ -238,4 +244,11 @@ pub struct Stats {
     pub sync_restarts: u64,
     /// Denials the HTTP layer let through in shadow (dry-run) mode.
     pub shadow_denials: u64,
+    /// Permits given back by [`Limiter::refund`](crate::Limiter::refund)
+    /// (and by the undoing of a take that another quota or key denied) to
+    /// the window they were taken from.
+    pub refunded: u64,
+    /// Permits a refund could not give back: their window had ended, or
+    /// the decision took nothing refundable.
+    pub refunds_ignored: u64,
 }

@@ -32,6 +32,7 @@ pub(crate) use self::sync::DebtReport;
 use crate::algorithm::{GiveBackCall, LeaseKind, LeaseOrigin, OpIds, Params};
 use crate::clock::TimeSource;
 use crate::decision::Source;
+use crate::decision::{Origin, Taken};
 use crate::exact::ExactEngine;
 use crate::failure::Reconciler;
 use crate::key::KeyEncoder;
@@ -275,12 +276,12 @@ impl HybridEngine {
     fn fast_on(&self, slot: &Arc<Slot>, cost: u64) -> Option<Decision> {
         let s = &*self.shared;
         match slot.take(cost, &s.time) {
-            Take::Taken(left, now, contended) => {
+            Take::Taken(left, now, contended, window) => {
                 if contended && !s.contended.load(Ordering::Relaxed) {
                     s.contended.store(true, Ordering::Relaxed);
                 }
                 slot.touch(now);
-                Some(s.spent(slot, left, now))
+                Some(s.spent(slot, left, now, cost, window))
             }
             Take::Empty => {
                 // A pre-lease of the window that has just begun: put it in
@@ -289,9 +290,9 @@ impl HybridEngine {
                 if slot.has_next() {
                     if let Some(replaced) = slot.promote(s.time.now_us()) {
                         s.counters.stranded.add(replaced as u64);
-                        if let Take::Taken(left, now, _) = slot.take(cost, &s.time) {
+                        if let Take::Taken(left, now, _, window) = slot.take(cost, &s.time) {
                             slot.touch(now);
-                            return Some(s.spent(slot, left, now));
+                            return Some(s.spent(slot, left, now, cost, window));
                         }
                     }
                 }
@@ -383,7 +384,9 @@ impl HybridEngine {
                 s.counters.stranded.add(replaced as u64);
             }
             match slot.take(cost, &s.time) {
-                Take::Taken(left, ..) => return Ok(s.spent(&slot, left, now)),
+                Take::Taken(left, _, _, window) => {
+                    return Ok(s.spent(&slot, left, now, cost, window))
+                }
                 Take::Late(lost) => s.counters.stranded.add(lost as u64),
                 Take::Empty => {}
             }
@@ -445,6 +448,26 @@ impl HybridEngine {
             };
             let _ = tokio::time::timeout(wait, notified).await;
         }
+    }
+
+    /// Puts back permits spent from a lease of `taken.window`, if this
+    /// process still holds that lease (no store call); `false` otherwise.
+    pub(crate) fn untake(&self, key: &str, taken: Taken) -> bool {
+        let s = &*self.shared;
+        let Some(slot) = s.slots.get(key).map(|e| e.value().clone()) else {
+            return false;
+        };
+        slot.untake(taken.window, taken.cost, s.time.precise_us())
+    }
+
+    /// Gives `taken` back: to the local lease it came from if still held,
+    /// else to the store's count of its window, which takes it only while
+    /// the window lasts. Returns the permits taken back.
+    pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<u64, Error> {
+        if taken.origin == Origin::Lease && self.untake(key, taken) {
+            return Ok(taken.cost);
+        }
+        self.shared.exact.refund(key, taken).await
     }
 
     /// Stops the sync task and gives every unused permit back.
@@ -631,11 +654,20 @@ impl Shared {
     /// Permits were just taken, `left` remain: a refill if one is due,
     /// and the decision.
     #[inline]
-    fn spent(&self, slot: &Arc<Slot>, left: i64, now: u64) -> Decision {
+    fn spent(
+        &self,
+        slot: &Arc<Slot>,
+        left: i64,
+        now: u64,
+        cost: u64,
+        window: Option<i64>,
+    ) -> Decision {
         if slot.wants_refill(left, now, self.early_lead()) {
             self.request_refill(slot, false);
         }
+        let window = window.filter(|_| self.leases.windowed());
         self.lease_decision(slot, left, now)
+            .with_taken(Taken::new(Origin::Lease, cost, window))
     }
 
     fn lease_decision(&self, slot: &Slot, left: i64, now: u64) -> Decision {

@@ -140,8 +140,10 @@ pub(crate) struct Books {
 /// The result of trying to spend local permits.
 pub(crate) enum Take {
     /// Spent; this many remain locally, at this local time (µs); `true`
-    /// if another thread's swap got in the way (the key is contended).
-    Taken(i64, u64, bool),
+    /// if another thread's swap got in the way (the key is contended);
+    /// the window the permits surely came from (`None` when a lease of
+    /// another window was installed meanwhile, or for buckets).
+    Taken(i64, u64, bool, Option<i64>),
     /// No valid permits (empty, expired or not yet leased).
     Empty,
     /// The deadline passed while the permits were being taken (a thread
@@ -219,6 +221,10 @@ impl Slot {
     /// largest cost (callers check).
     #[inline]
     pub(crate) fn take(&self, cost: u64, time: &TimeSource) -> Take {
+        // Read before the deadline and again after the swap: an install
+        // publishes its window after its permits, so an unchanged window
+        // means the permits are that window's (for refunds).
+        let window = self.window.load(Ordering::Acquire);
         let deadline = self.deadline.load(Ordering::Acquire);
         if deadline == 0 {
             return Take::Empty;
@@ -238,7 +244,11 @@ impl Slot {
             ) {
                 Ok(_) => {
                     return match time.valid_until(deadline) {
-                        Some(now) => Take::Taken(current - cost, now, contended),
+                        Some(now) => {
+                            let same = self.window.load(Ordering::Acquire) == window;
+                            let window = (same && window != UNKNOWN_WINDOW).then_some(window);
+                            Take::Taken(current - cost, now, contended, window)
+                        }
                         None if cost > 0 => Take::Late(cost),
                         None => Take::Empty,
                     }
@@ -249,6 +259,25 @@ impl Slot {
                 }
             }
         }
+    }
+
+    /// Puts back `cost` permits spent from `window`'s lease (a refund, or
+    /// the undoing of one quota's take when another denied), if the slot
+    /// still holds a valid lease of that window; `false` otherwise (the
+    /// caller returns them to the store, which takes them only while the
+    /// window lasts). Under the `next` lock, which serialises installs: a
+    /// lease of another window cannot slip in between the check and the add.
+    pub(crate) fn untake(&self, window: i64, cost: u64, now: u64) -> bool {
+        let _serial = self.next_lock();
+        if self.evicted.load(Ordering::Acquire)
+            || self.window.load(Ordering::Acquire) != window
+            || now >= self.deadline.load(Ordering::Acquire)
+        {
+            return false;
+        }
+        self.permits
+            .fetch_add(cost.min(i64::MAX as u64) as i64, Ordering::AcqRel);
+        true
     }
 
     /// Optimistic mode: admits `cost` on credit in `window` if the slot's

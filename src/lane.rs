@@ -1,0 +1,246 @@
+//! One quota's engine: a lane.
+//!
+//! A limiter enforces one or more quotas on each key; each is a lane, with
+//! its own engine (per-process, exact or hybrid), its own store keys and
+//! its own failure layer. A lane decides, takes back what it took
+//! (refunds, and the undoing of a take another quota denied) and never
+//! counts decisions: the limiter counts each decision once, whatever
+//! number of lanes it went through.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::decision::{Origin, Source, Taken};
+use crate::exact::ExactEngine;
+use crate::failure::{FailureLayer, LayerParts};
+use crate::hybrid::{HybridConfig, HybridEngine, Wiring};
+use crate::key::KeyEncoder;
+use crate::local::LocalEngine;
+use crate::stats::Counters;
+use crate::store::{Params, Store};
+use crate::{Algorithm, Clock, Decision, Error, ErrorKind, FailurePolicy, Quota};
+
+/// How decisions are made.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) enum Mode {
+    Exact,
+    Local,
+    Hybrid(HybridConfig),
+}
+
+/// Everything a lane is built from but its quota and keys: what every
+/// lane of one limiter shares.
+pub(crate) struct Recipe {
+    pub(crate) mode: Mode,
+    pub(crate) store: Option<Store>,
+    pub(crate) algorithm: Algorithm,
+    pub(crate) policy: FailurePolicy,
+    /// The local clock (injected or the system's).
+    pub(crate) clock: Arc<dyn Clock>,
+    /// The injected clock, if any (the hybrid engine reads the system's
+    /// coarse clock otherwise).
+    pub(crate) injected: Option<Arc<dyn Clock>>,
+    pub(crate) fast_clock: Option<(Arc<dyn Clock>, Duration)>,
+    pub(crate) counters: Arc<Counters>,
+}
+
+pub(crate) enum Engine {
+    Local(LocalEngine),
+    Exact(ExactEngine),
+    Hybrid(HybridEngine),
+}
+
+pub(crate) struct Lane {
+    pub(crate) engine: Engine,
+    pub(crate) failure: FailureLayer,
+    pub(crate) quota: Quota,
+    store: Option<Store>,
+    counters: Arc<Counters>,
+}
+
+impl Lane {
+    /// A lane for `quota` counting in `keys`, with `config` for a hybrid
+    /// engine (the limiter's current one, which may have been replaced
+    /// since it was built).
+    pub(crate) fn build(
+        recipe: &Recipe,
+        quota: Quota,
+        keys: KeyEncoder,
+        config: Option<HybridConfig>,
+    ) -> Result<Lane, Error> {
+        recipe.algorithm.check_quota(&quota)?;
+        let params = Params::new(&quota, recipe.algorithm);
+        let failure = FailureLayer::new(LayerParts {
+            policy: recipe.policy,
+            algorithm: recipe.algorithm,
+            clock: recipe.clock.clone(),
+            store: recipe.store.clone(),
+            keys: keys.clone(),
+            params,
+            counters: recipe.counters.clone(),
+        });
+        let engine = match (&recipe.mode, recipe.store.clone()) {
+            (Mode::Hybrid(built_with), Some(store)) => Engine::Hybrid(HybridEngine::start(
+                config.unwrap_or_else(|| built_with.clone()),
+                Wiring {
+                    store,
+                    keys,
+                    params,
+                    clock: recipe.injected.clone(),
+                    fast_clock: recipe.fast_clock.clone(),
+                    counters: recipe.counters.clone(),
+                    max_cost: recipe.algorithm.max_cost(&quota),
+                    reconciler: failure.reconciler.clone(),
+                    store_clock: failure.store_clock.clone(),
+                },
+            )?),
+            (Mode::Exact, Some(store)) => Engine::Exact(ExactEngine::new(
+                store,
+                keys,
+                params,
+                recipe.counters.clone(),
+            )),
+            _ => Engine::Local(LocalEngine::new(
+                quota,
+                recipe.algorithm,
+                recipe.clock.clone(),
+                Source::Local,
+            )),
+        };
+        Ok(Lane {
+            engine,
+            failure,
+            quota,
+            store: recipe.store.clone(),
+            counters: recipe.counters.clone(),
+        })
+    }
+
+    pub(crate) fn mode_name(&self) -> &'static str {
+        match self.engine {
+            Engine::Local(_) => "local",
+            Engine::Exact(_) => "exact",
+            Engine::Hybrid(_) => "hybrid",
+        }
+    }
+
+    /// The decision if it needs no store call (a hybrid key with local
+    /// permits or known exhausted, any per-process decision); `None`
+    /// otherwise, with nothing taken.
+    #[inline]
+    pub(crate) fn check_now(&self, key: &str, cost: u64) -> Option<Decision> {
+        let decision = match &self.engine {
+            Engine::Local(local) => local.check(key, cost),
+            Engine::Hybrid(hybrid) => hybrid.try_fast(key, cost)?,
+            Engine::Exact(_) => return None,
+        };
+        Some(decision.with_period(self.quota.period()))
+    }
+
+    /// A decision, by the store if need be; a store error becomes the
+    /// failure policy's decision.
+    pub(crate) async fn decide(&self, key: &str, cost: u64) -> Decision {
+        let decision = match &self.engine {
+            Engine::Local(local) => local.check(key, cost),
+            Engine::Exact(exact) => self.decide_exact(exact, key, cost).await,
+            Engine::Hybrid(hybrid) => match hybrid.check(key, cost).await {
+                Ok(decision) => decision,
+                Err(_) => self.policy_decision(key, cost),
+            },
+        };
+        decision.with_period(self.quota.period())
+    }
+
+    async fn decide_exact(&self, exact: &ExactEngine, key: &str, cost: u64) -> Decision {
+        // After an outage, what the fallback admitted is reported before
+        // anything new is decided.
+        if self.failure.reconciler.has_pending() && !self.failure.reconcile().await {
+            return self.policy_decision(key, cost);
+        }
+        let began = std::time::Instant::now();
+        let local_before = self.failure.store_clock.local_us();
+        let result = exact.check_timed(key, cost).await;
+        let took = began.elapsed().as_micros() as u64;
+        if let Some(store) = &self.store {
+            self.counters.circuit(store.circuit_state());
+        }
+        match result {
+            Ok((decision, store_us)) => {
+                self.failure
+                    .store_clock
+                    .observe(local_before + took / 2, store_us);
+                decision
+            }
+            Err(_) => self.policy_decision(key, cost),
+        }
+    }
+
+    /// The failure policy's decision. Nothing it admits is refundable: the
+    /// store never counted it.
+    fn policy_decision(&self, key: &str, cost: u64) -> Decision {
+        let mut decision = self.failure.decide(key, cost);
+        decision.taken = Taken::default();
+        decision
+    }
+
+    /// Like [`decide`](Lane::decide), with the store's error instead of
+    /// the policy's decision.
+    pub(crate) async fn try_decide(&self, key: &str, cost: u64) -> Result<Decision, Error> {
+        let decision = match &self.engine {
+            Engine::Local(local) => Ok(local.check(key, cost)),
+            Engine::Exact(exact) => exact.check(key, cost).await,
+            Engine::Hybrid(hybrid) => hybrid.check(key, cost).await,
+        }?;
+        Ok(decision.with_period(self.quota.period()))
+    }
+
+    /// Undoes a take without waiting: back into the local lease (hybrid)
+    /// or the per-process count. `false` if it needs the store.
+    pub(crate) fn untake(&self, key: &str, taken: Taken) -> bool {
+        match (&self.engine, taken.origin) {
+            (Engine::Hybrid(hybrid), Origin::Lease) => hybrid.untake(key, taken),
+            (Engine::Local(local), Origin::Local) => local.refund(key, taken) == taken.cost,
+            _ => false,
+        }
+    }
+
+    /// Gives `taken` back to the window it came from, while that window
+    /// lasts; returns the permits given back (0: ignored).
+    pub(crate) async fn refund(&self, key: &str, taken: Taken) -> u64 {
+        let back = match (&self.engine, taken.origin) {
+            (_, Origin::None) => Ok(0),
+            (Engine::Local(local), Origin::Local) => Ok(local.refund(key, taken)),
+            (Engine::Hybrid(hybrid), Origin::Lease | Origin::Store) => {
+                hybrid.refund(key, taken).await
+            }
+            (Engine::Exact(exact), Origin::Store) => exact.refund(key, taken).await,
+            // A decision of another engine (a lane rebuilt in another
+            // mode cannot happen; a decision of another limiter can).
+            _ => Ok(0),
+        };
+        back.unwrap_or(0)
+    }
+
+    pub(crate) async fn shutdown(&self) {
+        if let Engine::Hybrid(hybrid) = &self.engine {
+            hybrid.shutdown().await;
+        }
+    }
+
+    pub(crate) fn reconfigure(&self, config: HybridConfig) -> Result<(), Error> {
+        match &self.engine {
+            Engine::Hybrid(hybrid) => hybrid.reconfigure(config),
+            _ => Err(Error::new(
+                ErrorKind::Unsupported,
+                "only a hybrid limiter has a HybridConfig",
+            )),
+        }
+    }
+
+    pub(crate) fn local_keys(&self) -> usize {
+        match &self.engine {
+            Engine::Hybrid(hybrid) => hybrid.local_keys(),
+            _ => 0,
+        }
+    }
+}

@@ -1,0 +1,337 @@
+//! Several quotas, or several keys, in one decision: all-or-nothing.
+//!
+//! A request is admitted only if every quota admits it, and then counts
+//! against each; a denial counts against none. Takes are made one quota
+//! after another and undone if a later one denies:
+//!
+//! - Local takes (leased permits, per-process counts) are made under the
+//!   key's stripe lock, and undone under it too, so no other decision of
+//!   the limiter sees one quota taken and another not.
+//! - A take that needed the store is undone by a refund to its window. Until
+//!   the refund lands, the quota has `cost` permits fewer than it should:
+//!   a brief undershoot, never an overshoot (each quota alone never admits
+//!   past its limit). A refund that arrives after its window ended is
+//!   ignored and counted.
+//! - A future dropped between two takes undoes the first in a task of its
+//!   own (a drop guard), so a cancelled decision leaves nothing taken.
+//!
+//! [`check_all`] does the same across limiters and keys (a user and the
+//! user's organisation), which may live in different Redis slots or nodes.
+
+use crate::decision::Taken;
+use crate::key::local_key;
+use crate::limiter::Limiter;
+use crate::Decision;
+
+/// The binding decision of several: a denial if any denied (the one with
+/// the longest wait; "never" is longest), else the admission with the
+/// fewest permits left. Keeps every part for [`Decision::quotas`].
+pub(crate) fn binding(parts: Vec<Decision>) -> Decision {
+    let denied = parts.iter().filter(|d| !d.is_allowed()).max_by_key(|d| {
+        // None: can never succeed.
+        d.retry_after().map_or(u128::MAX, |w| w.as_micros())
+    });
+    let chosen = match denied {
+        Some(d) => d,
+        None => parts
+            .iter()
+            .min_by_key(|d| (d.remaining(), std::cmp::Reverse(d.reset_after())))
+            .expect("at least one quota"),
+    };
+    let mut decision = chosen.clone();
+    decision.taken = Taken::default();
+    decision.parts = Some(parts.into());
+    decision
+}
+
+/// The local, all-or-nothing decision over every quota of `inner`, or
+/// `None` (nothing taken) if one of them needs the store.
+pub(crate) fn check_now(limiter: &Limiter, key: &str, cost: u64) -> Option<Decision> {
+    let inner = &*limiter.inner;
+    let _stripe = inner.stripe(key);
+    let count = 1 + inner.also.len();
+    let mut parts = Vec::with_capacity(count);
+    for index in 0..count {
+        let lane = inner.lane(key, index)?;
+        match lane.check_now(key, cost) {
+            Some(decision) if decision.is_allowed() => parts.push(decision),
+            Some(denied) => {
+                undo_now(limiter, key, &parts);
+                parts.push(denied);
+                return Some(binding(parts));
+            }
+            None => {
+                undo_now(limiter, key, &parts);
+                return None;
+            }
+        }
+    }
+    Some(binding(parts))
+}
+
+/// Undoes local takes under the stripe lock. A take that can no longer go
+/// back locally (its lease just expired) goes back through the store.
+fn undo_now(limiter: &Limiter, key: &str, parts: &[Decision]) {
+    let inner = &*limiter.inner;
+    let mut late = Vec::new();
+    for (index, part) in parts.iter().enumerate() {
+        if !part.taken.refundable() {
+            continue;
+        }
+        let undone = inner
+            .lane(key, index)
+            .is_some_and(|lane| lane.untake(key, part.taken));
+        if !undone {
+            late.push((index, part.taken));
+        }
+    }
+    if !late.is_empty() {
+        spawn_refunds(limiter.clone(), key.to_owned(), late);
+    }
+}
+
+/// What a decision over several quotas took so far, given back if it is
+/// dropped before it completes.
+struct Undo<'a> {
+    limiter: &'a Limiter,
+    key: &'a str,
+    taken: Vec<(usize, Taken)>,
+}
+
+impl<'a> Undo<'a> {
+    fn new(limiter: &'a Limiter, key: &'a str) -> Self {
+        Undo {
+            limiter,
+            key,
+            taken: Vec::new(),
+        }
+    }
+
+    /// Gives everything taken back now (a later quota denied).
+    async fn run(mut self) {
+        let taken = std::mem::take(&mut self.taken);
+        for (index, taken) in taken {
+            if !self
+                .limiter
+                .inner
+                .lane(self.key, index)
+                .is_some_and(|lane| lane.untake(self.key, taken))
+            {
+                self.limiter.refund_taken(self.key, index, taken).await;
+            }
+        }
+    }
+
+    /// The decision completed: what was taken stays taken.
+    fn keep(mut self) {
+        self.taken.clear();
+    }
+}
+
+impl Drop for Undo<'_> {
+    fn drop(&mut self) {
+        if self.taken.is_empty() {
+            return;
+        }
+        let taken = std::mem::take(&mut self.taken);
+        let mut late = Vec::new();
+        for (index, taken) in taken {
+            let undone = self
+                .limiter
+                .inner
+                .lane(self.key, index)
+                .is_some_and(|lane| lane.untake(self.key, taken));
+            if !undone {
+                late.push((index, taken));
+            }
+        }
+        if !late.is_empty() {
+            spawn_refunds(self.limiter.clone(), self.key.to_owned(), late);
+        }
+    }
+}
+
+/// Refunds in a task of their own; without a runtime they cannot be sent
+/// and are counted as ignored.
+fn spawn_refunds(limiter: Limiter, key: String, taken: Vec<(usize, Taken)>) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.spawn(async move {
+                for (index, taken) in taken {
+                    limiter.refund_taken(&key, index, taken).await;
+                }
+            });
+        }
+        Err(_) => {
+            let lost: u64 = taken.iter().map(|(_, t)| t.cost).sum();
+            limiter.inner.counters.refunds_ignored.add(lost);
+        }
+    }
+}
+
+/// The all-or-nothing decision over every quota, by the store where need
+/// be; a store error becomes that quota's policy decision.
+pub(crate) async fn decide(limiter: &Limiter, key: &str, cost: u64) -> Decision {
+    let inner = &*limiter.inner;
+    let count = 1 + inner.also.len();
+    let mut undo = Undo::new(limiter, key);
+    let mut parts = Vec::with_capacity(count);
+    for index in 0..count {
+        let Some(lane) = inner.lane(key, index) else {
+            break;
+        };
+        let decision = lane.decide(key, cost).await;
+        drop(lane);
+        if !decision.is_allowed() {
+            undo.run().await;
+            parts.push(decision);
+            return binding(parts);
+        }
+        undo.taken.push((index, decision.taken));
+        parts.push(decision);
+    }
+    undo.keep();
+    binding(parts)
+}
+
+/// [`decide`] with the first store error instead of a policy decision
+/// (what was taken before it is given back).
+pub(crate) async fn try_decide(
+    limiter: &Limiter,
+    key: &str,
+    cost: u64,
+) -> Result<Decision, crate::Error> {
+    let inner = &*limiter.inner;
+    let count = 1 + inner.also.len();
+    let mut undo = Undo::new(limiter, key);
+    let mut parts = Vec::with_capacity(count);
+    for index in 0..count {
+        let Some(lane) = inner.lane(key, index) else {
+            break;
+        };
+        let result = lane.try_decide(key, cost).await;
+        drop(lane);
+        let decision = match result {
+            Ok(decision) => decision,
+            Err(e) => {
+                undo.run().await;
+                return Err(e);
+            }
+        };
+        if !decision.is_allowed() {
+            undo.run().await;
+            parts.push(decision);
+            return Ok(binding(parts));
+        }
+        undo.taken.push((index, decision.taken));
+        parts.push(decision);
+    }
+    undo.keep();
+    Ok(binding(parts))
+}
+
+/// Decides `cost` for every `(limiter, key)` pair, all-or-nothing: a
+/// user **and** the user's organisation, a route **and** the whole API.
+///
+/// Each pair is decided in turn (with all of its limiter's quotas); when
+/// one denies, what the earlier pairs took is given back to the windows it
+/// came from, and the decision is that denial. The keys may live in
+/// different Redis slots, or nodes of a cluster, so there is no one atomic
+/// script: no pair ever admits past its own limit (no overshoot), and
+/// while a refund is in flight the earlier pairs hold `cost` permits fewer
+/// than they should (a brief undershoot). A refund that arrives after its
+/// window ended is ignored and counted in that limiter's
+/// [`Stats::refunds_ignored`](crate::Stats::refunds_ignored). Dropping the
+/// future midway gives back what was taken, in a task of its own.
+///
+/// The decision is the binding one (see [`binding`] rules on
+/// [`Decision::quotas`]): each pair's decision is one of its parts, in
+/// order, and each is counted by its own limiter. An empty list admits.
+///
+/// ```
+/// # async fn demo() -> Result<(), slicelimit::Error> {
+/// use slicelimit::{check_all, nonzero, Limiter, Quota};
+///
+/// let users = Limiter::builder(Quota::per_minute(nonzero!(60))).namespace("user").build()?;
+/// let orgs = Limiter::builder(Quota::per_minute(nonzero!(600))).namespace("org").build()?;
+/// let decision = check_all(&[(&users, "alice"), (&orgs, "acme")], 1).await;
+/// assert!(decision.is_allowed());
+/// # Ok(())
+/// # }
+/// ```
+pub async fn check_all(pairs: &[(&Limiter, &str)], cost: u64) -> Decision {
+    let mut taken: Vec<(usize, Decision)> = Vec::with_capacity(pairs.len());
+    let mut guard = AllUndo {
+        pairs,
+        taken: Vec::new(),
+    };
+    for (i, (limiter, key)) in pairs.iter().enumerate() {
+        let decision = limiter.check(key, cost).await;
+        if !decision.is_allowed() {
+            let done = std::mem::take(&mut guard.taken);
+            for (j, d) in done {
+                let (l, k) = pairs[j];
+                l.refund(k, &d).await;
+            }
+            let mut parts: Vec<Decision> = taken.into_iter().map(|(_, d)| d).collect();
+            parts.push(decision);
+            return binding_of_pairs(parts);
+        }
+        guard.taken.push((i, decision.clone()));
+        taken.push((i, decision));
+    }
+    guard.taken.clear();
+    if taken.is_empty() {
+        return Decision::allow(0, 0, std::time::Duration::ZERO, crate::Source::Local);
+    }
+    binding_of_pairs(taken.into_iter().map(|(_, d)| d).collect())
+}
+
+/// The binding decision over pairs, each of which may itself hold parts.
+fn binding_of_pairs(parts: Vec<Decision>) -> Decision {
+    let flat: Vec<Decision> = parts
+        .iter()
+        .flat_map(|d| d.quotas().iter().cloned())
+        .collect();
+    let mut decision = binding(flat);
+    decision.parts = Some(parts.into());
+    decision
+}
+
+/// What [`check_all`] took so far, given back if it is dropped midway.
+struct AllUndo<'a> {
+    pairs: &'a [(&'a Limiter, &'a str)],
+    taken: Vec<(usize, Decision)>,
+}
+
+impl Drop for AllUndo<'_> {
+    fn drop(&mut self) {
+        for (j, decision) in std::mem::take(&mut self.taken) {
+            let (limiter, key) = self.pairs[j];
+            let key = local_key(key).into_owned();
+            let parts: Vec<(usize, Taken)> = decision
+                .quotas()
+                .iter()
+                .enumerate()
+                .map(|(i, d)| (i, d.taken))
+                .filter(|(_, t)| t.refundable())
+                .collect();
+            spawn_refunds(limiter.clone(), key, parts);
+        }
+    }
+}
+
+/// Gives a [`check_all`] admission back, pair by pair (see
+/// [`Limiter::refund`]); `pairs` must be the list it was decided for.
+/// Returns the permits given back, summed.
+pub async fn refund_all(pairs: &[(&Limiter, &str)], decision: &Decision) -> u64 {
+    let parts = decision.quotas();
+    if parts.len() != pairs.len() {
+        return 0;
+    }
+    let mut back = 0;
+    for ((limiter, key), part) in pairs.iter().zip(parts) {
+        back += limiter.refund(key, part).await;
+    }
+    back
+}

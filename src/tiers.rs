@@ -1,0 +1,163 @@
+//! Per-key quotas (tiers) and live quota changes.
+//!
+//! A limiter's first quota may depend on the key: a resolver maps a key to
+//! its quota (`None`: the default). Every quota in use gets a lane of its
+//! own, built on first use, and every lane counts in the limiter's one
+//! namespace: a key that changes tier keeps what its window already
+//! counted, and the new limit applies to it. Resolvers and the default
+//! quota are replaced at run time; the lanes they no longer pick are shut
+//! down, which gives their unused leased permits back, so the key's new
+//! lane can lease them within one refill.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use arc_swap::{ArcSwap, ArcSwapOption};
+
+use crate::lane::Lane;
+use crate::Quota;
+
+/// A key's quota, or `None` for the default.
+pub(crate) type Resolver = dyn Fn(&str) -> Option<Quota> + Send + Sync;
+
+/// The most distinct per-key quotas in use at once. Each is a lane (with,
+/// in the hybrid mode, its own background task); a resolver handing out
+/// more gets the default quota for the rest.
+pub(crate) const MAX_TIERS: usize = 64;
+
+pub(crate) struct Tiers {
+    /// The quota of keys the resolver leaves alone, and its lane.
+    default: ArcSwap<Lane>,
+    resolver: ArcSwapOption<Box<Resolver>>,
+    /// Whether a resolver is set (one load on the request path when not).
+    on: AtomicBool,
+    /// Lanes of the quotas the resolver handed out (read without a lock;
+    /// replaced whole under `building`).
+    lanes: ArcSwap<Vec<Arc<Lane>>>,
+    building: Mutex<()>,
+}
+
+/// The lane a key is decided by.
+pub(crate) enum LaneRef {
+    Default(arc_swap::Guard<Arc<Lane>>),
+    Tier(Arc<Lane>),
+}
+
+impl std::ops::Deref for LaneRef {
+    type Target = Lane;
+
+    #[inline]
+    fn deref(&self) -> &Lane {
+        match self {
+            LaneRef::Default(lane) => lane,
+            LaneRef::Tier(lane) => lane,
+        }
+    }
+}
+
+impl Tiers {
+    pub(crate) fn new(default: Lane, resolver: Option<Box<Resolver>>) -> Self {
+        Tiers {
+            default: ArcSwap::from_pointee(default),
+            on: AtomicBool::new(resolver.is_some()),
+            resolver: ArcSwapOption::new(resolver.map(Arc::new)),
+            lanes: ArcSwap::from_pointee(Vec::new()),
+            building: Mutex::new(()),
+        }
+    }
+
+    /// The default quota.
+    pub(crate) fn default_quota(&self) -> Quota {
+        self.default.load().quota
+    }
+
+    /// The default lane (for whatever every lane does alike).
+    pub(crate) fn default_lane(&self) -> LaneRef {
+        LaneRef::Default(self.default.load())
+    }
+
+    /// Every lane in use, the default first.
+    pub(crate) fn all(&self) -> Vec<Arc<Lane>> {
+        let mut all = vec![self.default.load_full()];
+        all.extend(self.lanes.load().iter().cloned());
+        all
+    }
+
+    fn building(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.building.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The lane deciding `key`.
+    #[inline]
+    pub(crate) fn lane_for(&self, key: &str, build: impl FnOnce(Quota) -> Option<Lane>) -> LaneRef {
+        if !self.on.load(Ordering::Relaxed) {
+            return LaneRef::Default(self.default.load());
+        }
+        let quota = match &*self.resolver.load() {
+            Some(resolver) => resolver(key),
+            None => None,
+        };
+        let default = self.default.load();
+        match quota {
+            Some(quota) if quota != default.quota => match self.tier(quota, build) {
+                Some(lane) => LaneRef::Tier(lane),
+                None => LaneRef::Default(default),
+            },
+            _ => LaneRef::Default(default),
+        }
+    }
+
+    /// The lane of a per-key quota, built on first use; `None` (the
+    /// default applies) for a quota the algorithm refuses, or past
+    /// [`MAX_TIERS`].
+    fn tier(&self, quota: Quota, build: impl FnOnce(Quota) -> Option<Lane>) -> Option<Arc<Lane>> {
+        if let Some(lane) = self.lanes.load().iter().find(|l| l.quota == quota) {
+            return Some(lane.clone());
+        }
+        let _building = self.building();
+        let lanes = self.lanes.load_full();
+        if let Some(lane) = lanes.iter().find(|l| l.quota == quota) {
+            return Some(lane.clone());
+        }
+        if lanes.len() >= MAX_TIERS {
+            return None;
+        }
+        let lane = Arc::new(build(quota)?);
+        let mut next = Vec::clone(&lanes);
+        next.push(lane.clone());
+        self.lanes.store(Arc::new(next));
+        Some(lane)
+    }
+
+    /// Replaces the default quota; the old lane is shut down.
+    pub(crate) fn set_default(&self, lane: Lane) {
+        let old = self.default.swap(Arc::new(lane));
+        retire(vec![old]);
+    }
+
+    /// Replaces the resolver (`None`: every key gets the default); the
+    /// per-key lanes are shut down and rebuilt on demand.
+    pub(crate) fn set_resolver(&self, resolver: Option<Box<Resolver>>) {
+        let _building = self.building();
+        self.on.store(resolver.is_some(), Ordering::Release);
+        self.resolver.store(resolver.map(Arc::new));
+        let old = self.lanes.swap(Arc::new(Vec::new()));
+        retire(Vec::clone(&old));
+    }
+}
+
+/// Shuts lanes down in the background, where a runtime runs (a hybrid
+/// lane gives its unused permits back); elsewhere they just stop when
+/// the last decision holding them is done.
+fn retire(lanes: Vec<Arc<Lane>>) {
+    if lanes.is_empty() {
+        return;
+    }
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            for lane in lanes {
+                lane.shutdown().await;
+            }
+        });
+    }
+}
