@@ -208,7 +208,23 @@ impl MemoryStore {
         algorithm: crate::Algorithm,
         window: i64,
     ) -> Option<i64> {
-        let store_key = crate::key::KeyEncoder::new(namespace).store_key(key, algorithm);
+        self.quota_window_count(namespace, key, algorithm, 0, window)
+    }
+
+    /// [`window_count`](MemoryStore::window_count) for a limiter's quota
+    /// at `index` (0: the first; see `Builder::and`).
+    #[cfg(feature = "test-support")]
+    pub fn quota_window_count(
+        &self,
+        namespace: &str,
+        key: &str,
+        algorithm: crate::Algorithm,
+        index: usize,
+        window: i64,
+    ) -> Option<i64> {
+        let store_key = crate::key::KeyEncoder::new(namespace)
+            .for_quota(index)
+            .store_key(key, algorithm);
         self.count_in_window(&store_key, window)
     }
 
