@@ -16,34 +16,40 @@
 -- cost n is allowed when max(TAT, now) + n*T - now <= tolerance.
 -- The key expires at its TAT, after which a missing key means the same.
 -- Complexity: O(1).
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local limit = tonumber(ARGV[1])
-local period = tonumber(ARGV[2])
-local burst = tonumber(ARGV[3])
-local cost = tonumber(ARGV[4])
+--
+-- Defines check(KEYS, ARGV, apply); lua/check_one.lua calls it once,
+-- lua/check_all.lua once per quota. With apply false it decides and writes
+-- nothing.
+local function check(KEYS, ARGV, apply)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local limit = tonumber(ARGV[1])
+  local period = tonumber(ARGV[2])
+  local burst = tonumber(ARGV[3])
+  local cost = tonumber(ARGV[4])
 
-local interval = period / limit
-local tolerance = burst * interval
-local tat = tonumber(redis.call('HGET', KEYS[1], 't') or '0') or 0
-if tat < now then tat = now end
+  local interval = period / limit
+  local tolerance = burst * interval
+  local tat = tonumber(redis.call('HGET', KEYS[1], 't') or '0') or 0
+  if tat < now then tat = now end
 
-local new_tat = tat + cost * interval
-local allowed = 0
-local retry = 0
-if cost == 0 or new_tat - now <= tolerance then
-  allowed = 1
-  if cost > 0 then
-    tat = new_tat
-    redis.call('HSET', KEYS[1], 't', string.format('%d', math.ceil(tat)))
-    redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil((tat - now) / 1000) + 1))
+  local new_tat = tat + cost * interval
+  local allowed = 0
+  local retry = 0
+  if cost == 0 or new_tat - now <= tolerance then
+    allowed = 1
+    if cost > 0 and apply then
+      tat = new_tat
+      redis.call('HSET', KEYS[1], 't', string.format('%d', math.ceil(tat)))
+      redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil((tat - now) / 1000) + 1))
+    end
+  elseif cost > burst then
+    retry = -1
+  else
+    retry = math.ceil(new_tat - now - tolerance)
   end
-elseif cost > burst then
-  retry = -1
-else
-  retry = math.ceil(new_tat - now - tolerance)
-end
 
-local remaining = math.floor((tolerance - (tat - now)) / interval + 1e-9)
-if remaining < 0 then remaining = 0 end
-return {allowed, remaining, math.ceil(tat - now), retry, now}
+  local remaining = math.floor((tolerance - (tat - now)) / interval + 1e-9)
+  if remaining < 0 then remaining = 0 end
+  return {allowed, remaining, math.ceil(tat - now), retry, now}
+end

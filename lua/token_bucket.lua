@@ -16,38 +16,44 @@
 -- full again, at which point forgetting it changes nothing. Quotas are
 -- validated so that this TTL stays far below 2^53 ms (formatted with %d).
 -- Complexity: O(1).
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local limit = tonumber(ARGV[1])
-local period = tonumber(ARGV[2])
-local burst = tonumber(ARGV[3])
-local cost = tonumber(ARGV[4])
+--
+-- Defines check(KEYS, ARGV, apply); lua/check_one.lua calls it once,
+-- lua/check_all.lua once per quota. With apply false it decides and writes
+-- nothing.
+local function check(KEYS, ARGV, apply)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local limit = tonumber(ARGV[1])
+  local period = tonumber(ARGV[2])
+  local burst = tonumber(ARGV[3])
+  local cost = tonumber(ARGV[4])
 
-local state = redis.call('HMGET', KEYS[1], 'tk', 'ts')
-local tokens = tonumber(state[1])
-local ts = tonumber(state[2])
-if tokens == nil or ts == nil then
-  tokens = burst
-  ts = now
-end
-if now > ts then
-  tokens = math.min(burst, tokens + (now - ts) * limit / period)
-end
+  local state = redis.call('HMGET', KEYS[1], 'tk', 'ts')
+  local tokens = tonumber(state[1])
+  local ts = tonumber(state[2])
+  if tokens == nil or ts == nil then
+    tokens = burst
+    ts = now
+  end
+  if now > ts then
+    tokens = math.min(burst, tokens + (now - ts) * limit / period)
+  end
 
-local allowed = 0
-local retry = 0
-if cost == 0 or cost <= tokens then
-  allowed = 1
-  tokens = tokens - cost
-elseif cost > burst then
-  retry = -1
-else
-  retry = math.ceil((cost - tokens) * period / limit)
-end
+  local allowed = 0
+  local retry = 0
+  if cost == 0 or cost <= tokens then
+    allowed = 1
+    tokens = tokens - cost
+  elseif cost > burst then
+    retry = -1
+  else
+    retry = math.ceil((cost - tokens) * period / limit)
+  end
 
-local reset = math.ceil((burst - tokens) * period / limit)
-if allowed == 1 and cost > 0 then
-  redis.call('HSET', KEYS[1], 'tk', string.format('%.17g', tokens), 'ts', string.format('%d', now))
-  redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil(reset / 1000) + 1))
+  local reset = math.ceil((burst - tokens) * period / limit)
+  if allowed == 1 and cost > 0 and apply then
+    redis.call('HSET', KEYS[1], 'tk', string.format('%.17g', tokens), 'ts', string.format('%d', now))
+    redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil(reset / 1000) + 1))
+  end
+  return {allowed, math.max(0, math.floor(tokens)), reset, retry, now}
 end
-return {allowed, math.max(0, math.floor(tokens)), reset, retry, now}

@@ -22,53 +22,59 @@
 -- Time comes from Redis TIME only. Windows older than the previous one are
 -- deleted; the key expires one period after the end of its newest window.
 -- Complexity: O(1), and once per window O(fields) to forget ended windows.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local limit = tonumber(ARGV[1])
-local period = tonumber(ARGV[2])
-local cost = tonumber(ARGV[3])
+--
+-- Defines check(KEYS, ARGV, apply); lua/check_one.lua calls it once,
+-- lua/check_all.lua once per quota. With apply false it decides and writes
+-- nothing.
+local function check(KEYS, ARGV, apply)
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  local limit = tonumber(ARGV[1])
+  local period = tonumber(ARGV[2])
+  local cost = tonumber(ARGV[3])
 
-local w = math.floor(now / period)
-local field = string.format('%d', w)
-local got = redis.call('HMGET', KEYS[1], field, string.format('%d', w - 1), string.format('%d', w + 1))
-local used = tonumber(got[1] or '0')
-local before = tonumber(got[2] or '0')
-local after = tonumber(got[3] or '0')
-local extra = carry(before, after, w, now, period)
+  local w = math.floor(now / period)
+  local field = string.format('%d', w)
+  local got = redis.call('HMGET', KEYS[1], field, string.format('%d', w - 1), string.format('%d', w + 1))
+  local used = tonumber(got[1] or '0')
+  local before = tonumber(got[2] or '0')
+  local after = tonumber(got[3] or '0')
+  local extra = carry(before, after, w, now, period)
 
-local allowed = 0
-local retry = 0
-if cost == 0 or used + extra + cost <= limit then
-  allowed = 1
-  if cost > 0 then
-    used = redis.call('HINCRBY', KEYS[1], field, cost)
-    -- Forget ended windows once per window, when this call opened one.
-    -- Only window counts: the lease script's fields ("h…", "p…", "g…")
-    -- are its own to trim.
-    if used == cost then
-      for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
-        local fw = tonumber(f)
-        if fw ~= nil and fw < w - 1 then
-          redis.call('HDEL', KEYS[1], f)
+  local allowed = 0
+  local retry = 0
+  if cost == 0 or used + extra + cost <= limit then
+    allowed = 1
+    if cost > 0 and apply then
+      used = redis.call('HINCRBY', KEYS[1], field, cost)
+      -- Forget ended windows once per window, when this call opened one.
+      -- Only window counts: the lease script's fields ("h…", "p…", "g…")
+      -- are its own to trim.
+      if used == cost then
+        for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+          local fw = tonumber(f)
+          if fw ~= nil and fw < w - 1 then
+            redis.call('HDEL', KEYS[1], f)
+          end
         end
       end
+      local ttl_ms = math.ceil(((w + 2) * period - now) / 1000)
+      if redis.call('PTTL', KEYS[1]) < ttl_ms then
+        redis.call('PEXPIRE', KEYS[1], ttl_ms)
+      end
     end
-    local ttl_ms = math.ceil(((w + 2) * period - now) / 1000)
-    if redis.call('PTTL', KEYS[1]) < ttl_ms then
-      redis.call('PEXPIRE', KEYS[1], ttl_ms)
-    end
+  elseif cost > limit then
+    retry = -1
+  elseif used + cost + after > limit then
+    -- No room in this window: from the next one on, this window's count is
+    -- the one that fades.
+    retry = wait_for(cost, 0, used, 0, w + 1, now, period, limit)
+  else
+    retry = wait_for(cost, used, before, after, w, now, period, limit)
   end
-elseif cost > limit then
-  retry = -1
-elseif used + cost + after > limit then
-  -- No room in this window: from the next one on, this window's count is
-  -- the one that fades.
-  retry = wait_for(cost, 0, used, 0, w + 1, now, period, limit)
-else
-  retry = wait_for(cost, used, before, after, w, now, period, limit)
-end
 
-local reset = reset_after(used, before, w, now, period)
-local remaining = limit - used - extra
-if remaining < 0 then remaining = 0 end
-return {allowed, remaining, reset, retry, now}
+  local reset = reset_after(used, before, w, now, period)
+  local remaining = limit - used - extra
+  if remaining < 0 then remaining = 0 end
+  return {allowed, remaining, reset, retry, now}
+end

@@ -60,6 +60,33 @@ impl ExactEngine {
         })
     }
 
+    /// The store key and parameters of `key`'s check (several quotas are
+    /// checked together in one call, see `several`).
+    pub(crate) fn call_for(&self, key: &str) -> (String, Params) {
+        (self.keys.store_key(key, self.params.algorithm), self.params)
+    }
+
+    pub(crate) fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// The decision a reply of this engine's check stands for; `applied`:
+    /// the store counted it (a check of several quotas that another
+    /// denied counted nothing).
+    pub(crate) fn decision(
+        &self,
+        reply: &crate::store::AcquireReply,
+        cost: u64,
+        applied: bool,
+    ) -> Decision {
+        let window = window_of(&self.params, reply.now_us).filter(|_| applied);
+        decision_from(reply, self.params.limit, Source::Store).with_taken(Taken::new(
+            Origin::Store,
+            cost,
+            window,
+        ))
+    }
+
     /// Gives `taken` back to the store's count of its window, which takes
     /// it only while that window lasts. Returns the permits it took back.
     pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<u64, Error> {

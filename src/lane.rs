@@ -175,9 +175,23 @@ impl Lane {
         }
     }
 
+    /// The exact engine, if this lane has one.
+    pub(crate) fn exact(&self) -> Option<&ExactEngine> {
+        match &self.engine {
+            Engine::Exact(exact) => Some(exact),
+            _ => None,
+        }
+    }
+
+    /// Reports what the fallback admitted during an outage, if anything is
+    /// pending; `false` while the store is still unavailable.
+    pub(crate) async fn reconciled(&self) -> bool {
+        !self.failure.reconciler.has_pending() || self.failure.reconcile().await
+    }
+
     /// The failure policy's decision. Nothing it admits is refundable: the
     /// store never counted it.
-    fn policy_decision(&self, key: &str, cost: u64) -> Decision {
+    pub(crate) fn policy_decision(&self, key: &str, cost: u64) -> Decision {
         let mut decision = self.failure.decide(key, cost);
         decision.taken = Taken::default();
         decision

@@ -172,6 +172,18 @@ fn spawn_refunds(limiter: Limiter, key: String, taken: Vec<(usize, Taken)>) {
 /// The all-or-nothing decision over every quota, by the store where need
 /// be; a store error becomes that quota's policy decision.
 pub(crate) async fn decide(limiter: &Limiter, key: &str, cost: u64) -> Decision {
+    if let Some(result) = decide_in_one_call(limiter, key, cost).await {
+        let inner = &*limiter.inner;
+        return result.unwrap_or_else(|_| {
+            let count = 1 + inner.also.len();
+            binding(
+                (0..count)
+                    .filter_map(|i| inner.lane(key, i))
+                    .map(|l| l.policy_decision(key, cost).with_period(l.quota.period()))
+                    .collect(),
+            )
+        });
+    }
     let inner = &*limiter.inner;
     let count = 1 + inner.also.len();
     let mut undo = Undo::new(limiter, key);
@@ -194,6 +206,52 @@ pub(crate) async fn decide(limiter: &Limiter, key: &str, cost: u64) -> Decision 
     binding(parts)
 }
 
+/// Every quota exact: one script decides them all, atomically (their keys
+/// share a hash tag, so one slot). `None` when a quota is not exact.
+async fn decide_in_one_call(
+    limiter: &Limiter,
+    key: &str,
+    cost: u64,
+) -> Option<Result<Decision, crate::Error>> {
+    let inner = &*limiter.inner;
+    let count = 1 + inner.also.len();
+    let lanes: Vec<_> = (0..count).filter_map(|i| inner.lane(key, i)).collect();
+    let engines: Vec<_> = lanes.iter().filter_map(|l| l.exact()).collect();
+    if engines.len() != count {
+        return None;
+    }
+    for lane in &lanes {
+        if !lane.reconciled().await {
+            return Some(Err(crate::Error::new(
+                crate::ErrorKind::Connection,
+                "what the fallback admitted is not reported yet",
+            )));
+        }
+    }
+    let (keys, params): (Vec<String>, Vec<_>) = engines.iter().map(|e| e.call_for(key)).unzip();
+    let store = engines[0].store();
+    let (replies, _) = store
+        .acquire_all(&keys, &params, cost, &inner.counters)
+        .await;
+    inner.counters.circuit(store.circuit_state());
+    let replies = match replies {
+        Ok(replies) => replies,
+        Err(e) => return Some(Err(e)),
+    };
+    let applied = replies.iter().all(|r| r.allowed);
+    let parts = engines
+        .iter()
+        .zip(&lanes)
+        .zip(&replies)
+        .map(|((engine, lane), reply)| {
+            engine
+                .decision(reply, cost, applied)
+                .with_period(lane.quota.period())
+        })
+        .collect();
+    Some(Ok(binding(parts)))
+}
+
 /// [`decide`] with the first store error instead of a policy decision
 /// (what was taken before it is given back).
 pub(crate) async fn try_decide(
@@ -201,6 +259,9 @@ pub(crate) async fn try_decide(
     key: &str,
     cost: u64,
 ) -> Result<Decision, crate::Error> {
+    if let Some(result) = decide_in_one_call(limiter, key, cost).await {
+        return result;
+    }
     let inner = &*limiter.inner;
     let count = 1 + inner.also.len();
     let mut undo = Undo::new(limiter, key);

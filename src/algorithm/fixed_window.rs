@@ -13,7 +13,16 @@ pub(super) static SPEC: Spec = Spec {
         name: "fixed_window",
         source: concat!(
             include_str!("../../lua/carry_fixed_window.lua"),
-            include_str!("../../lua/window_check.lua")
+            include_str!("../../lua/window_check.lua"),
+            include_str!("../../lua/check_one.lua")
+        ),
+    },
+    exact_all: Lua {
+        name: "fixed_window_all",
+        source: concat!(
+            include_str!("../../lua/carry_fixed_window.lua"),
+            include_str!("../../lua/window_check.lua"),
+            include_str!("../../lua/check_all.lua")
         ),
     },
     lease: Lua {

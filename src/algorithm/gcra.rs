@@ -12,7 +12,17 @@ pub(super) static SPEC: Spec = Spec {
     key_suffix: "gc",
     exact: Lua {
         name: "gcra",
-        source: include_str!("../../lua/gcra.lua"),
+        source: concat!(
+            include_str!("../../lua/gcra.lua"),
+            include_str!("../../lua/check_one.lua")
+        ),
+    },
+    exact_all: Lua {
+        name: "gcra_all",
+        source: concat!(
+            include_str!("../../lua/gcra.lua"),
+            include_str!("../../lua/check_all.lua")
+        ),
     },
     lease: Lua {
         name: "lease_gcra",

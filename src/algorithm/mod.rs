@@ -159,6 +159,8 @@ pub(crate) struct Spec {
     pub(crate) key_suffix: &'static str,
     /// The exact check-and-count.
     pub(crate) exact: Lua,
+    /// The exact check of several quotas of one key, all-or-nothing.
+    pub(crate) exact_all: Lua,
     /// The hybrid lease.
     pub(crate) lease: Lua,
     /// The exact script's ARGV for a request of `cost`.
@@ -198,7 +200,7 @@ impl std::fmt::Debug for Spec {
 pub(crate) fn scripts() -> impl Iterator<Item = &'static Lua> {
     Algorithm::all()
         .into_iter()
-        .flat_map(|a| [&a.spec().exact, &a.spec().lease])
+        .flat_map(|a| [&a.spec().exact, &a.spec().exact_all, &a.spec().lease])
         .chain(std::iter::once(&GIVE_BACK))
 }
 

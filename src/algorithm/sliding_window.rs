@@ -16,7 +16,16 @@ pub(super) static SPEC: Spec = Spec {
         name: "sliding_window",
         source: concat!(
             include_str!("../../lua/carry_sliding_window.lua"),
-            include_str!("../../lua/window_check.lua")
+            include_str!("../../lua/window_check.lua"),
+            include_str!("../../lua/check_one.lua")
+        ),
+    },
+    exact_all: Lua {
+        name: "sliding_window_all",
+        source: concat!(
+            include_str!("../../lua/carry_sliding_window.lua"),
+            include_str!("../../lua/window_check.lua"),
+            include_str!("../../lua/check_all.lua")
         ),
     },
     lease: Lua {

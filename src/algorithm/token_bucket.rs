@@ -13,7 +13,17 @@ pub(super) static SPEC: Spec = Spec {
     key_suffix: "tb",
     exact: Lua {
         name: "token_bucket",
-        source: include_str!("../../lua/token_bucket.lua"),
+        source: concat!(
+            include_str!("../../lua/token_bucket.lua"),
+            include_str!("../../lua/check_one.lua")
+        ),
+    },
+    exact_all: Lua {
+        name: "token_bucket_all",
+        source: concat!(
+            include_str!("../../lua/token_bucket.lua"),
+            include_str!("../../lua/check_all.lua")
+        ),
     },
     lease: Lua {
         name: "lease_token_bucket",

@@ -246,6 +246,25 @@ impl FaultyStore {
         (result, cost)
     }
 
+    pub(crate) async fn acquire_all(
+        &self,
+        keys: &[String],
+        params: &[Params],
+        cost: u64,
+    ) -> (Result<Vec<AcquireReply>, Error>, StoreCost) {
+        let result = self
+            .run(|| async {
+                self.inner
+                    .store
+                    .send_acquire_all(keys, params, cost)
+                    .await
+                    .0
+            })
+            .await;
+        let cost = Self::cost(&result, 1);
+        (result, cost)
+    }
+
     pub(crate) async fn lease_batch(
         &self,
         params: &Params,

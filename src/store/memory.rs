@@ -41,6 +41,8 @@ struct Shared {
     /// expiry), as the scripts' identity keys. Held across the report it
     /// guards, so a duplicate cannot slip in between check and record.
     ops_seen: Mutex<HashMap<String, (u64, u64)>>,
+    /// Serialises checks of several quotas, as one script would be.
+    several: Mutex<()>,
 }
 
 /// How long a report's identity is remembered (the scripts' 60 s).
@@ -78,6 +80,7 @@ impl MemoryStore {
                 clock,
                 ops: AtomicU64::new(0),
                 ops_seen: Mutex::new(HashMap::new()),
+                several: Mutex::new(()),
             }),
         }
     }
@@ -126,6 +129,41 @@ impl MemoryStore {
         let now = self.now();
         let check = p.algorithm.spec().check;
         self.with_entry(key, now, |entry| check(entry, p, now, cost, key))
+    }
+
+    /// Several quotas of one key, all-or-nothing at one instant, as
+    /// `lua/check_all.lua`: each is decided without writing, then counted
+    /// only if every one admits.
+    pub(crate) fn acquire_all(
+        &self,
+        keys: &[String],
+        ps: &[Params],
+        cost: u64,
+    ) -> Result<Vec<AcquireReply>, Error> {
+        let _several = self
+            .shared
+            .several
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let now = self.now();
+        let mut replies = Vec::with_capacity(keys.len());
+        for (key, p) in keys.iter().zip(ps) {
+            let check = p.algorithm.spec().check;
+            let mut live = self
+                .shared
+                .entries
+                .get(key.as_str())
+                .filter(|e| e.expires_us > now)
+                .map(|e| e.clone());
+            replies.push(check(&mut live, p, now, cost, key)?);
+        }
+        if replies.iter().all(|r| r.allowed) {
+            for (i, (key, p)) in keys.iter().zip(ps).enumerate() {
+                let check = p.algorithm.spec().check;
+                replies[i] = self.with_entry(key, now, |entry| check(entry, p, now, cost, key))?;
+            }
+        }
+        Ok(replies)
     }
 
     pub(crate) fn lease(&self, p: &Params, call: &LeaseCall) -> Result<LeaseReply, Error> {

@@ -115,6 +115,20 @@ impl Store {
     ///
     /// `ahead`: calls already in flight before these (concurrent batches
     /// of one round), which a batch's timeout allows for.
+    pub(crate) async fn send_acquire_all(
+        &self,
+        keys: &[String],
+        params: &[Params],
+        cost: u64,
+    ) -> (Result<Vec<AcquireReply>, Error>, StoreCost) {
+        match self {
+            Store::Redis(s) => s.acquire_all(keys, params, cost).await,
+            Store::Memory(s) => (s.acquire_all(keys, params, cost), StoreCost::one_trip(1)),
+            #[cfg(feature = "test-support")]
+            Store::Faulty(s) => Box::pin(s.acquire_all(keys, params, cost)).await,
+        }
+    }
+
     pub(crate) async fn send_lease_batch(
         &self,
         params: &Params,
@@ -166,6 +180,20 @@ impl Store {
 
     /// Runs many leases (see [`send_lease_batch`](Self::send_lease_batch)),
     /// recorded on `counters`.
+    /// Several quotas of one key, all-or-nothing, in one call.
+    pub(crate) async fn acquire_all(
+        &self,
+        keys: &[String],
+        params: &[Params],
+        cost: u64,
+        counters: &Counters,
+    ) -> (Result<Vec<AcquireReply>, Error>, StoreCost) {
+        let began = std::time::Instant::now();
+        let (reply, spent) = self.send_acquire_all(keys, params, cost).await;
+        counters.store_call(spent, began.elapsed(), reply.as_ref().err().into_iter());
+        (reply, spent)
+    }
+
     pub(crate) async fn lease_batch(
         &self,
         params: &Params,

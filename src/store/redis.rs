@@ -787,6 +787,54 @@ impl RedisStore {
         (reply, cost)
     }
 
+    /// Several quotas of one key in one script call, all-or-nothing (see
+    /// `lua/check_all.lua`). Every key shares one hash tag, so one slot.
+    pub(crate) async fn acquire_all(
+        &self,
+        keys: &[String],
+        ps: &[Params],
+        cost: u64,
+    ) -> (Result<Vec<AcquireReply>, Error>, StoreCost) {
+        let spec = ps[0].algorithm.spec();
+        let lua = script(&spec.exact_all);
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(lua.script.get_hash()).arg(keys.len());
+        for key in keys {
+            cmd.arg(key);
+        }
+        let mut args = Vec::with_capacity(4 * ps.len());
+        let mut width = 0;
+        for p in ps {
+            let before = args.len();
+            (spec.exact_args)(p, cost, &mut args);
+            width = args.len() - before;
+        }
+        cmd.arg(keys.len()).arg(width);
+        with_args(&mut cmd, &args);
+        let node = self.node_for(&keys[0]);
+        let (reply, round_trips) = self.script_call(lua, node.as_deref(), cmd).await;
+        let reply = reply.and_then(|reply| {
+            let values = reply.extract_error().map_err(Error::from_redis)?;
+            let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
+            if values.len() != 5 * keys.len() {
+                return Err(Error::new(
+                    ErrorKind::Store,
+                    format!(
+                        "check_all returned {} values for {} quotas",
+                        values.len(),
+                        keys.len()
+                    ),
+                ));
+            }
+            values.chunks(5).map(AcquireReply::from_values).collect()
+        });
+        let cost = StoreCost {
+            round_trips,
+            calls: u64::from(round_trips > 0),
+        };
+        (reply, cost)
+    }
+
     /// One script call through `node`'s breaker (the store's when there is
     /// none); on `NOSCRIPT`, loads the script where the call went (that
     /// primary alone on a cluster) and sends the call once more, all within
