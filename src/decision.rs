@@ -89,6 +89,9 @@ pub(crate) struct Taken {
     pub(crate) origin: Origin,
     pub(crate) cost: u64,
     pub(crate) window: i64,
+    /// How long the window lasted after the decision, by the store's
+    /// clock (`Origin::Store`; zero otherwise).
+    pub(crate) lasts: Duration,
 }
 
 impl Taken {
@@ -100,9 +103,16 @@ impl Taken {
                 origin,
                 cost,
                 window,
+                lasts: Duration::ZERO,
             },
             _ => Taken::default(),
         }
+    }
+
+    /// The same, with the time its window lasted after the decision.
+    pub(crate) fn lasting(mut self, lasts: Duration) -> Taken {
+        self.lasts = lasts;
+        self
     }
 
     pub(crate) fn refundable(&self) -> bool {

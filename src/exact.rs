@@ -5,6 +5,7 @@
 //! but the call; failures go back to the limiter, which applies the policy.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::algorithm::{GiveBackCall, LeaseOrigin, OpIds};
 use crate::decision::{Origin, Source, Taken};
@@ -53,9 +54,7 @@ impl ExactEngine {
             .acquire(&store_key, &self.params, cost, &self.counters)
             .await;
         reply.map(|reply| {
-            let window = window_of(&self.params, reply.now_us);
-            let decision = decision_from(&reply, self.params.limit, Source::Store)
-                .with_taken(Taken::new(Origin::Store, cost, window));
+            let decision = self.decision(&reply, cost, true);
             (decision, reply.now_us)
         })
     }
@@ -80,11 +79,10 @@ impl ExactEngine {
         applied: bool,
     ) -> Decision {
         let window = window_of(&self.params, reply.now_us).filter(|_| applied);
-        decision_from(reply, self.params.limit, Source::Store).with_taken(Taken::new(
-            Origin::Store,
-            cost,
-            window,
-        ))
+        let period = self.params.period_us.max(1);
+        let lasts = Duration::from_micros(period - reply.now_us % period);
+        decision_from(reply, self.params.limit, Source::Store)
+            .with_taken(Taken::new(Origin::Store, cost, window).lasting(lasts))
     }
 
     /// Gives `taken` back to the store's count of its window, which takes

@@ -18,7 +18,7 @@
 //! [`check_all`] does the same across limiters and keys (a user and the
 //! user's organisation), which may live in different Redis slots or nodes.
 
-use crate::decision::Taken;
+use crate::decision::{Origin, Taken};
 use crate::key::local_key;
 use crate::limiter::Limiter;
 use crate::Decision;
@@ -95,7 +95,8 @@ fn undo_now(limiter: &Limiter, key: &str, parts: &[Decision]) {
 struct Undo<'a> {
     limiter: &'a Limiter,
     key: &'a str,
-    taken: Vec<(usize, Taken)>,
+    /// Recorded as each take completes (takes may run concurrently).
+    taken: std::sync::Mutex<Vec<(usize, Taken)>>,
 }
 
 impl<'a> Undo<'a> {
@@ -103,13 +104,27 @@ impl<'a> Undo<'a> {
         Undo {
             limiter,
             key,
-            taken: Vec::new(),
+            taken: std::sync::Mutex::new(Vec::new()),
         }
     }
 
-    /// Gives everything taken back now (a later quota denied).
-    async fn run(mut self) {
-        let taken = std::mem::take(&mut self.taken);
+    fn list(&self) -> std::sync::MutexGuard<'_, Vec<(usize, Taken)>> {
+        self.taken.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Quota `index` took `taken`.
+    fn record(&self, index: usize, taken: Taken) {
+        self.list().push((index, taken));
+    }
+
+    /// Quota `index`'s take was undone already.
+    fn forget(&self, index: usize) {
+        self.list().retain(|(i, _)| *i != index);
+    }
+
+    /// Gives everything taken back now (a quota denied).
+    async fn run(self) {
+        let taken = std::mem::take(&mut *self.list());
         for (index, taken) in taken {
             if !self
                 .limiter
@@ -123,17 +138,17 @@ impl<'a> Undo<'a> {
     }
 
     /// The decision completed: what was taken stays taken.
-    fn keep(mut self) {
-        self.taken.clear();
+    fn keep(self) {
+        self.list().clear();
     }
 }
 
 impl Drop for Undo<'_> {
     fn drop(&mut self) {
-        if self.taken.is_empty() {
+        let taken = std::mem::take(&mut *self.list());
+        if taken.is_empty() {
             return;
         }
-        let taken = std::mem::take(&mut self.taken);
         let mut late = Vec::new();
         for (index, taken) in taken {
             let undone = self
@@ -184,26 +199,137 @@ pub(crate) async fn decide(limiter: &Limiter, key: &str, cost: u64) -> Decision 
             )
         });
     }
+    // A permit taken from one quota while another waits on the store
+    // would count in a window that may end before the decision does. So
+    // each round first lets every quota take (waiting for refills where
+    // it must), puts what came from local leases back, and takes it all
+    // again at one instant under the key's stripe.
+    for _ in 0..ROUNDS {
+        match take_in_turn(limiter, key, cost).await {
+            Turn::Done(decision) => return decision,
+            Turn::Retake => {}
+        }
+        if let Some(decision) = check_now(limiter, key, cost) {
+            return decision;
+        }
+    }
+    // Leases keep slipping away between the rounds (a map at `max_keys`,
+    // refills failing): one more denial is the safe answer.
+    let inner = &*limiter.inner;
+    let lane = inner.first_lane(key);
+    let retry = Some(std::time::Duration::from_millis(1));
+    Decision::deny(
+        lane.quota.limit(),
+        0,
+        retry.unwrap_or_default(),
+        retry,
+        crate::Source::Lease,
+    )
+    .with_period(lane.quota.period())
+}
+
+/// Rounds of [`decide`] before it gives up.
+const ROUNDS: usize = 2;
+
+enum Turn {
+    /// The decision: a denial, or an admission whose takes all stand.
+    Done(Decision),
+    /// Every quota had room; its leased permits were put back to be taken
+    /// again at once.
+    Retake,
+}
+
+/// Each quota in turn: a denial gives back what the others took; when
+/// every quota admits and all came from leases, they go back for
+/// [`check_now`] to take at one instant. An admission decided by the store
+/// stands only while every part's window lasts; else all is given back and
+/// the round starts over.
+async fn take_in_turn(limiter: &Limiter, key: &str, cost: u64) -> Turn {
     let inner = &*limiter.inner;
     let count = 1 + inner.also.len();
-    let mut undo = Undo::new(limiter, key);
-    let mut parts = Vec::with_capacity(count);
-    for index in 0..count {
-        let Some(lane) = inner.lane(key, index) else {
-            break;
-        };
+    let undo = Undo::new(limiter, key);
+    // Concurrently: a round takes as long as its slowest quota, not the
+    // sum. Each take is recorded the moment it completes, so a future
+    // dropped mid-round gives back exactly what was taken.
+    let undo_ref = &undo;
+    let takes = (0..count).map(|index| async move {
+        let lane = inner.lane(key, index)?;
+        // The store decides after this, so its window lasts at least
+        // `reset_after` from here.
+        let started = tokio::time::Instant::now();
         let decision = lane.decide(key, cost).await;
-        drop(lane);
-        if !decision.is_allowed() {
-            undo.run().await;
-            parts.push(decision);
-            return binding(parts);
+        if decision.is_allowed() {
+            undo_ref.record(index, decision.taken);
         }
-        undo.taken.push((index, decision.taken));
-        parts.push(decision);
+        Some((decision, started))
+    });
+    let results: Vec<_> = futures_util::future::join_all(takes)
+        .await
+        .into_iter()
+        .flatten()
+        .collect();
+    let (mut parts, decided): (Vec<Decision>, Vec<_>) = results.into_iter().unzip();
+    if parts.iter().any(|d| !d.is_allowed()) {
+        undo.run().await;
+        return Turn::Done(binding(parts));
+    }
+    if cost == 0 {
+        undo.keep();
+        return Turn::Done(binding(parts));
+    }
+    if parts.iter().all(|d| d.taken.origin == Origin::Lease) {
+        undo.run().await;
+        return Turn::Retake;
+    }
+    // Some part was decided by the store (or by the failure policy): it
+    // cannot be taken again locally. It stands if its window outlasts the
+    // round (the store decided after `started`, so its window lasts at
+    // least `taken.lasts` from then)...
+    let now = tokio::time::Instant::now();
+    let stale = parts.iter().zip(&decided).any(|(d, started)| {
+        d.taken.refundable()
+            && d.taken.origin != Origin::Lease
+            && now.duration_since(*started) >= d.taken.lasts
+    });
+    if stale || !retake_leases(inner, &undo, key, cost, &mut parts) {
+        undo.run().await;
+        return Turn::Retake;
     }
     undo.keep();
-    binding(parts)
+    Turn::Done(binding(parts))
+}
+
+/// ...and the parts taken from leases are put back and taken again now,
+/// under the key's stripe, so they count in the window the decision ends
+/// in. `false` if one could not be (its lease ended meanwhile).
+fn retake_leases(
+    inner: &crate::limiter::Inner,
+    undo: &Undo<'_>,
+    key: &str,
+    cost: u64,
+    parts: &mut [Decision],
+) -> bool {
+    let _stripe = inner.stripe(key);
+    for (index, part) in parts.iter_mut().enumerate() {
+        if part.taken.origin != Origin::Lease {
+            continue;
+        }
+        let Some(lane) = inner.lane(key, index) else {
+            return false;
+        };
+        if !lane.untake(key, part.taken) {
+            return false;
+        }
+        undo.forget(index);
+        match lane.check_now(key, cost) {
+            Some(again) if again.is_allowed() => {
+                undo.record(index, again.taken);
+                *part = again;
+            }
+            _ => return false,
+        }
+    }
+    true
 }
 
 /// Every quota exact: one script decides them all, atomically (their keys
@@ -264,7 +390,7 @@ pub(crate) async fn try_decide(
     }
     let inner = &*limiter.inner;
     let count = 1 + inner.also.len();
-    let mut undo = Undo::new(limiter, key);
+    let undo = Undo::new(limiter, key);
     let mut parts = Vec::with_capacity(count);
     for index in 0..count {
         let Some(lane) = inner.lane(key, index) else {
@@ -284,7 +410,7 @@ pub(crate) async fn try_decide(
             parts.push(decision);
             return Ok(binding(parts));
         }
-        undo.taken.push((index, decision.taken));
+        undo.record(index, decision.taken);
         parts.push(decision);
     }
     undo.keep();

@@ -103,6 +103,12 @@ struct Scenario {
     /// How far a recorded decision time may be from the admission (real
     /// time only: a thread descheduled after its decision).
     attribution_slack: Duration,
+    /// A second quota on every key (`Builder::and`), window algorithms:
+    /// (limit, period).
+    second: Option<(u64, Duration)>,
+    /// How often an admission is refunded later (one quota only, so each
+    /// refund's permits have one window to land in).
+    refund_chance: f64,
 }
 
 impl Scenario {
@@ -143,6 +149,19 @@ impl Scenario {
         let reconfigure_at = r.chance(0.3).then(|| at(&mut r));
         // Demand: from well under the limit to several times over it.
         let fleet_rate = limit as f64 / period.as_secs_f64() * (0.3 + r.unit() * 3.0);
+        // Drawn apart, so every seed keeps the scenario it had before.
+        let mut extra = Rng::new(seed ^ 0x5EC0_4D);
+        let second = (windowed(algorithm) && extra.chance(0.3)).then(|| {
+            (
+                limit * (1 + extra.below(3)),
+                period * (2 + extra.below(3) as u32),
+            )
+        });
+        let refund_chance = if second.is_none() && windowed(algorithm) && extra.chance(0.4) {
+            extra.unit() * 0.3
+        } else {
+            0.0
+        };
         Scenario {
             algorithm,
             max_debt: r.chance(0.35).then(|| 1 + r.below((burst / 2).clamp(1, 5))),
@@ -169,6 +188,8 @@ impl Scenario {
             rate_per_process: (fleet_rate / processes as f64).min(400.0),
             duration,
             attribution_slack: Duration::ZERO,
+            second,
+            refund_chance,
         }
     }
 
@@ -212,7 +233,13 @@ impl Scenario {
     /// The longest a completed decision may take: waiting for a refill,
     /// then at most a store call or two, each bounded by the timeout.
     fn decision_bound(&self) -> Duration {
-        self.max_wait + self.faults.timeout * 3 + Duration::from_millis(2)
+        let one = self.max_wait + self.faults.timeout * 3 + Duration::from_millis(2);
+        // Several quotas: two rounds of takes, each as slow as one quota.
+        if self.second.is_some() {
+            one * 2
+        } else {
+            one
+        }
     }
 }
 
@@ -229,9 +256,22 @@ struct Observed {
     took: Duration,
 }
 
+/// A refund of the admission at `at_us` (which places its window): at
+/// most `back` permits, landed no earlier than `issued_us`. A refund that
+/// answered 0 may still have landed (its reply lost), so it counts with
+/// its whole cost: the oracle subtracts what may have come back.
+#[derive(Debug, Clone)]
+struct Refunded {
+    key: usize,
+    at_us: u64,
+    back: u64,
+    issued_us: u64,
+}
+
 #[derive(Default)]
 struct Log {
     decisions: Vec<Observed>,
+    refunds: Vec<Refunded>,
     /// (key, window) → the store's count, sampled after the window ended.
     counts: HashMap<(usize, i64), i64>,
     restarts_us: Vec<u64>,
@@ -282,7 +322,11 @@ async fn build_fleet(
             seed ^ (p as u64) << 32,
             ArcClock(breaker_clock),
         );
-        let mut b = Limiter::builder(s.quota())
+        let mut b = Limiter::builder(s.quota());
+        if let Some((limit, period)) = s.second {
+            b = b.and(Quota::new(limit, period).expect("a valid second quota"));
+        }
+        let mut b = b
             .store(faulty.clone())
             .algorithm(s.algorithm)
             .namespace(NS)
@@ -327,7 +371,19 @@ async fn drive(
     let mut r = Rng::new(seed ^ 0xD1CE ^ (process as u64) << 40);
     let started = tokio::time::Instant::now();
     let mean_gap_us = 1e6 / s.rate_per_process.max(1.0);
+    let mut held: Vec<(usize, u64, u64, Decision)> = Vec::new();
     while started.elapsed() < s.duration {
+        if !held.is_empty() && r.chance(0.5) {
+            let (key, at_us, cost, d) = held.swap_remove(r.below(held.len() as u64) as usize);
+            let issued_us = clock.now().as_micros() as u64;
+            let back = limiter.refund(&key_name(key), &d).await;
+            log.lock().unwrap().refunds.push(Refunded {
+                key,
+                at_us,
+                back: if back > 0 { back } else { cost },
+                issued_us,
+            });
+        }
         let gap = (-(1.0 - r.unit()).ln() * mean_gap_us) as u64;
         tokio::time::sleep(Duration::from_micros(gap.max(1))).await;
         // Skewed toward the first keys.
@@ -346,19 +402,26 @@ async fn drive(
         };
         let Some(d) = decision else { continue };
         let end_us = clock.now().as_micros() as u64;
-        let at_us = if d.source() == Source::Store {
+        // Several quotas: a part the store decided early in a long decision
+        // stands only if its window outlasts the decision, and leased parts
+        // are taken at its end: it counts at its end.
+        let at_us = if d.source() == Source::Store && s.second.is_none() {
             (begin_us + end_us) / 2
         } else {
             end_us
         };
+        let allowed = d.is_allowed();
         log.lock().unwrap().decisions.push(Observed {
             key,
             cost,
             at_us,
-            allowed: d.is_allowed(),
+            allowed,
             source: d.source(),
             took: t0.elapsed(),
         });
+        if allowed && cost > 0 && r.chance(s.refund_chance) {
+            held.push((key, at_us, cost, d));
+        }
     }
 }
 
@@ -570,12 +633,46 @@ fn judge(
         })
     };
     let mut summary = String::new();
+    // What may have been refunded to (key, window) by time `t`.
+    let refunded_by = |key: usize, w: i64, t: u64| -> u64 {
+        log.refunds
+            .iter()
+            .filter(|f| f.key == key && (f.at_us / period_us) as i64 == w && f.issued_us <= t)
+            .map(|f| f.back)
+            .sum()
+    };
+    if let Some((limit2, period2)) = s.second {
+        // The second quota, as fixed windows of its period: a sliding
+        // window's trailing load bounds every such window too.
+        let p2 = period2.as_micros() as u64;
+        let cap = limit2 + n * debt;
+        let mut per: HashMap<(usize, i64), u64> = HashMap::new();
+        for d in &admitted {
+            *per.entry((d.key, (d.at_us / p2) as i64)).or_default() += d.cost;
+        }
+        for (&(key, w), &count) in &per {
+            let start = w as u64 * p2;
+            let restarted = log
+                .restarts_us
+                .iter()
+                .any(|&r| r + 2 * p2 >= start && r < start + p2);
+            if !restarted && count > cap {
+                return Err(format!(
+                    "second quota: key {key} window {w}: admitted {count} > {cap}"
+                ));
+            }
+        }
+    }
     if windowed(s.algorithm) && s.max_debt.is_none() {
-        // What the store counted in a window covers what was admitted in it.
+        // What the store counted in a window covers what was admitted in
+        // it, less what may have been refunded.
         let mut per: HashMap<(usize, i64), u64> = HashMap::new();
         for d in &admitted {
             *per.entry((d.key, (d.at_us / period_us) as i64))
                 .or_default() += d.cost;
+        }
+        for (&(key, w), count) in per.iter_mut() {
+            *count = count.saturating_sub(refunded_by(key, w, u64::MAX));
         }
         for (&(key, w), &count) in &per {
             let start = w as u64 * period_us;
@@ -616,7 +713,13 @@ fn judge(
                 if restarted(start, start + period_us) {
                     continue;
                 }
-                let before = per.get(&(d.key, w - 1)).copied().unwrap_or(0);
+                let refunded = refunded_by(d.key, w, d.at_us);
+                let count = &mut count.saturating_sub(refunded);
+                let before = per
+                    .get(&(d.key, w - 1))
+                    .copied()
+                    .unwrap_or(0)
+                    .saturating_sub(refunded_by(d.key, w - 1, d.at_us));
                 // Real time: the store may have seen the admission a little
                 // later than it was recorded, when the weight was lower.
                 let left = (start + period_us).saturating_sub(d.at_us + slack);
@@ -635,25 +738,33 @@ fn judge(
             summary += &format!("worst load {worst}/{}", s.limit);
         }
         Algorithm::FixedWindow => {
-            let mut per: HashMap<(usize, i64), u64> = HashMap::new();
-            for d in &admitted {
-                *per.entry((d.key, (d.at_us / period_us) as i64))
-                    .or_default() += d.cost;
-            }
+            // At every admission, the window's admissions so far less what
+            // may have been refunded to it by then stay within the cap.
             let cap = s.limit + n * debt;
-            let mut excess = 0;
+            let mut ordered = admitted.clone();
+            ordered.sort_by_key(|d| d.at_us);
+            let mut so_far: HashMap<(usize, i64), u64> = HashMap::new();
+            let mut net: HashMap<(usize, i64), u64> = HashMap::new();
             let mut worst = 0;
-            for (&(key, w), &count) in &per {
+            for d in ordered {
+                let w = (d.at_us / period_us) as i64;
+                let count = so_far.entry((d.key, w)).or_default();
+                *count += d.cost;
                 let start = w as u64 * period_us;
                 if restarted(start, start + period_us) {
                     continue;
                 }
-                worst = worst.max(count);
-                excess += count.saturating_sub(s.limit);
-                if count > cap {
-                    return Err(format!("key {key} window {w}: admitted {count} > {cap}"));
+                let load = count.saturating_sub(refunded_by(d.key, w, d.at_us));
+                net.insert((d.key, w), load);
+                worst = worst.max(load);
+                if load > cap {
+                    return Err(format!(
+                        "key {key} window {w}: admitted {load} (after refunds) > {cap}",
+                        key = d.key
+                    ));
                 }
             }
+            let excess: u64 = net.values().map(|c| c.saturating_sub(s.limit)).sum();
             if log.restarts_us.is_empty() && excess > overshoot {
                 return Err(format!(
                     "actual excess {excess} > overshoot metric {overshoot}"

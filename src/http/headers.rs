@@ -84,6 +84,9 @@ pub struct PolicyHeaders {
     quoted: String,
     name: String,
     legacy: bool,
+    /// The quota `policy` was formatted for.
+    limit: u64,
+    period: Duration,
 }
 
 impl PolicyHeaders {
@@ -102,6 +105,8 @@ impl PolicyHeaders {
             quoted,
             name: name.to_owned(),
             legacy: false,
+            limit: quota.limit(),
+            period: quota.period(),
         }
     }
 
@@ -124,16 +129,45 @@ impl PolicyHeaders {
         &self.quoted
     }
 
-    /// Appends this policy's item to `RateLimit-Policy` and, unless the
+    /// Appends this policy's items to `RateLimit-Policy` and, unless the
     /// decision was made up by a fail-open policy (nothing is known about
-    /// what remains), to `RateLimit`. When denied, sets `Retry-After`
-    /// unless one already there asks for a longer wait. Items already in
-    /// `headers` (another layer's, the handler's) are kept.
+    /// what remains), to `RateLimit`: one item per quota the decision
+    /// holds (see [`Decision::quotas`]), the first named after the policy,
+    /// the next ones `name.1`, `name.2`… Each item states the quota the
+    /// key was held to (its tier's, if it has one). When denied, sets
+    /// `Retry-After` unless one already there asks for a longer wait.
+    /// Items already in `headers` (another layer's, the handler's) are
+    /// kept.
     pub fn append_to(&self, headers: &mut HeaderMap, decision: &Decision) {
-        headers.append(
-            HeaderName::from_static(RATELIMIT_POLICY),
-            self.policy.clone(),
-        );
+        for (index, part) in decision.quotas().iter().enumerate() {
+            self.append_quota(headers, part, index);
+        }
+    }
+
+    fn append_quota(&self, headers: &mut HeaderMap, decision: &Decision, index: usize) {
+        let own;
+        let quoted = if index == 0 {
+            &self.quoted
+        } else {
+            own = sf_string(&format!("{}.{index}", self.name));
+            &own
+        };
+        let period = if decision.period().is_zero() {
+            self.period
+        } else {
+            decision.period()
+        };
+        let policy = if index == 0 && decision.limit() == self.limit && period == self.period {
+            self.policy.clone()
+        } else {
+            let value = format!(
+                "{quoted};q={};w={}",
+                decision.limit(),
+                ceil_secs(period).max(1)
+            );
+            HeaderValue::from_str(&value).unwrap_or_else(|_| self.policy.clone())
+        };
+        headers.append(HeaderName::from_static(RATELIMIT_POLICY), policy);
         if decision.source() == Source::FailOpen {
             return;
         }
@@ -145,7 +179,7 @@ impl PolicyHeaders {
             (false, Some(retry)) => retry,
             _ => reset,
         };
-        let value = format!("{};r={};t={t}", self.quoted, decision.remaining());
+        let value = format!("{quoted};r={};t={t}", decision.remaining());
         if let Ok(value) = HeaderValue::from_str(&value) {
             headers.append(HeaderName::from_static(RATELIMIT), value);
         }
