@@ -124,11 +124,21 @@ async fn two_quotas_on_four_limiters_never_exceed_either() {
         for (&(_, q, _), &n) in &counts {
             worst[q] = worst[q].max(n);
         }
-        println!("hybrid {hybrid}: worst per-second window {} (limit 10), per-minute {} (limit 50)", worst[0], worst[1]);
+        println!(
+            "hybrid {hybrid}: worst per-second window {} (limit 10), per-minute {} (limit 50)",
+            worst[0], worst[1]
+        );
         for (&(k, q, w), &n) in &counts {
-            assert!(n <= limits[q], "hybrid {hybrid}: key {k} quota {q} window {w}: {n}");
+            assert!(
+                n <= limits[q],
+                "hybrid {hybrid}: key {k} quota {q} window {w}: {n}"
+            );
         }
-        let minute_total: u64 = counts.iter().filter(|((_, q, _), _)| *q == 1).map(|(_, n)| n).sum();
+        let minute_total: u64 = counts
+            .iter()
+            .filter(|((_, q, _), _)| *q == 1)
+            .map(|(_, n)| n)
+            .sum();
         assert!(minute_total > 0);
         if !hybrid {
             // Redis keeps a key's current and previous windows; both are
@@ -143,7 +153,11 @@ async fn two_quotas_on_four_limiters_never_exceed_either() {
                 }
                 for w in [now_m, now_m - 1] {
                     let admitted = counts.get(&(k, 1, w)).copied().unwrap_or(0);
-                    assert_eq!(field(&server, &format!("{tag}.1"), w), admitted, "key {k} minute {w}");
+                    assert_eq!(
+                        field(&server, &format!("{tag}.1"), w),
+                        admitted,
+                        "key {k} minute {w}"
+                    );
                 }
             }
         }
@@ -206,8 +220,12 @@ async fn check_all_holds_user_and_organisation_on_a_cluster() {
                 let stamp = (before + wall_us()) / 2;
                 if d.is_allowed() {
                     let parts = d.quotas();
-                    *counts.entry((name.clone(), window_of(&parts[0], stamp))).or_default() += 1;
-                    *counts.entry(("org".into(), window_of(&parts[1], stamp))).or_default() += 1;
+                    *counts
+                        .entry((name.clone(), window_of(&parts[0], stamp)))
+                        .or_default() += 1;
+                    *counts
+                        .entry(("org".into(), window_of(&parts[1], stamp)))
+                        .or_default() += 1;
                 }
             }
             counts
@@ -219,8 +237,11 @@ async fn check_all_holds_user_and_organisation_on_a_cluster() {
             *counts.entry(k).or_default() += n;
         }
     }
-    let mut org_windows: Vec<(i64, u64)> =
-        counts.iter().filter(|((n, _), _)| n == "org").map(|((_, w), n)| (*w, *n)).collect();
+    let mut org_windows: Vec<(i64, u64)> = counts
+        .iter()
+        .filter(|((n, _), _)| n == "org")
+        .map(|((_, w), n)| (*w, *n))
+        .collect();
     org_windows.sort();
     for ((name, w), n) in &counts {
         let limit = if name == "org" { 25 } else { 10 };
@@ -237,7 +258,10 @@ async fn check_all_holds_user_and_organisation_on_a_cluster() {
         full.iter().map(|(_, n)| n).collect::<Vec<_>>(),
         undershoot * 100.0
     );
-    assert!(refunded > 0, "the organisation denied, and the users' permits came back");
+    assert!(
+        refunded > 0,
+        "the organisation denied, and the users' permits came back"
+    );
     assert!(undershoot < 0.10, "undershoot {:.1} %", undershoot * 100.0);
 }
 
@@ -250,7 +274,11 @@ async fn tiers_hold_each_key_to_its_own_quota_and_change_within_a_refill() {
     let server = RedisServer::start();
     let free = Quota::per_second(nonzero!(20));
     let premium = Quota::per_second(nonzero!(200));
-    let is_premium = |k: &str| k.strip_prefix('k').and_then(|n| n.parse::<u32>().ok()).is_some_and(|n| n < 10);
+    let is_premium = |k: &str| {
+        k.strip_prefix('k')
+            .and_then(|n| n.parse::<u32>().ok())
+            .is_some_and(|n| n < 10)
+    };
     let mut limiters = Vec::new();
     for _ in 0..FLEET {
         limiters.push(
@@ -306,7 +334,10 @@ async fn tiers_hold_each_key_to_its_own_quota_and_change_within_a_refill() {
         assert!(n <= limit, "key {k} window {w}: {n} > {limit}");
         best[usize::from(k < 10)] = best[usize::from(k < 10)].max(n);
     }
-    println!("best window: free {} of 20, premium {} of 200", best[0], best[1]);
+    println!(
+        "best window: free {} of 20, premium {} of 200",
+        best[0], best[1]
+    );
     assert!(best[0] >= 18 && best[1] >= 180, "{best:?}");
 
     // Promote k50 on every limiter; time its first window past 20.
@@ -347,7 +378,11 @@ async fn refunds_land_in_their_window_on_redis() {
         let ns = if hybrid { "ref-h" } else { "ref-x" };
         let builder = Limiter::builder(Quota::per_minute(nonzero!(5)))
             .namespace(ns)
-            .store(RedisStore::connect_with(&server.url(), RedisOptions::default()).await.unwrap());
+            .store(
+                RedisStore::connect_with(&server.url(), RedisOptions::default())
+                    .await
+                    .unwrap(),
+            );
         let limiter = if hybrid {
             builder.hybrid(strict()).build().unwrap()
         } else {
@@ -364,7 +399,11 @@ async fn refunds_land_in_their_window_on_redis() {
             admitted.push(d);
         }
         assert!(!limiter.check("k", 1).await.is_allowed());
-        assert_eq!(limiter.refund("k", &admitted[0]).await, 1, "hybrid {hybrid}");
+        assert_eq!(
+            limiter.refund("k", &admitted[0]).await,
+            1,
+            "hybrid {hybrid}"
+        );
         assert!(limiter.check("k", 1).await.is_allowed(), "hybrid {hybrid}");
         assert!(!limiter.check("k", 1).await.is_allowed(), "hybrid {hybrid}");
         limiter.shutdown().await;
