@@ -426,6 +426,12 @@ impl Limiter {
     pub fn stats(&self) -> Stats {
         self.inner.counters.snapshot()
     }
+
+    /// The live counters, for what is built on `check` outside this
+    /// module (waiting, in `wait`).
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.inner.counters
+    }
 }
 
 /// Configures a [`Limiter`]; see [`Limiter::builder`].
