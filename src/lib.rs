@@ -124,6 +124,8 @@
 //! - `exact`, `local`: one store call per decision, or none;
 //! - `hybrid`: slots, lease sizing, the sync task;
 //! - `limiter`: the [`Limiter`] front door and its [`Builder`];
+//! - `wait`: [`Limiter::acquire`], waiting out a denial instead of
+//!   returning it;
 //! - `http`: the tower layer (429, `Retry-After`, `RateLimit` headers).
 
 mod algorithm;
@@ -146,6 +148,7 @@ mod several;
 mod stats;
 mod store;
 mod tiers;
+mod wait;
 
 pub use algorithm::Algorithm;
 pub use breaker::{CircuitConfig, CircuitState};

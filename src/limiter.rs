@@ -89,11 +89,9 @@ impl Inner {
 
     /// The stripe lock of `key` (several quotas only).
     pub(crate) fn stripe(&self, key: &str) -> std::sync::MutexGuard<'_, ()> {
-        use std::hash::{BuildHasher, Hash, Hasher};
         static SEED: std::sync::OnceLock<ahash::RandomState> = std::sync::OnceLock::new();
-        let mut h = SEED.get_or_init(ahash::RandomState::new).build_hasher();
-        key.hash(&mut h);
-        let i = (h.finish() as usize) % self.stripes.len().max(1);
+        let h = SEED.get_or_init(ahash::RandomState::new).hash_one(key);
+        let i = (h as usize) % self.stripes.len().max(1);
         self.stripes[i].lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -427,6 +425,12 @@ impl Limiter {
     /// Counters since the limiter was built.
     pub fn stats(&self) -> Stats {
         self.inner.counters.snapshot()
+    }
+
+    /// The live counters, for what is built on `check` outside this
+    /// module (waiting, in `wait`).
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.inner.counters
     }
 }
 

@@ -63,6 +63,11 @@ pub const SHADOW_DENIALS: &str = "slicelimit_http_shadow_denials_total";
 pub const REFUNDED: &str = "slicelimit_refunded_permits_total";
 /// Permits refunds could not give back (their window had ended).
 pub const REFUNDS_IGNORED: &str = "slicelimit_refunds_ignored_permits_total";
+/// Sleeps `Limiter::acquire` took before asking again.
+pub const ACQUIRE_WAITS: &str = "slicelimit_acquire_waits_total";
+/// `Limiter::acquire` calls that slept and were still denied when their
+/// wait ran out.
+pub const ACQUIRE_TIMEOUTS: &str = "slicelimit_acquire_timeouts_total";
 
 /// Registers a description and unit for every metric above with the
 /// installed recorder. `install_prometheus` (feature `prometheus`) calls it
@@ -155,6 +160,16 @@ pub fn describe() {
         REFUNDS_IGNORED,
         Unit::Count,
         "Permits refunds could not give back: their window had ended."
+    );
+    describe_counter!(
+        ACQUIRE_WAITS,
+        Unit::Count,
+        "Sleeps acquire took before asking again."
+    );
+    describe_counter!(
+        ACQUIRE_TIMEOUTS,
+        Unit::Count,
+        "Acquire calls that slept and were still denied when their wait ran out."
     );
 }
 

@@ -90,6 +90,8 @@ pub(crate) struct Counters {
     pub(crate) shadow_denials: Tally,
     pub(crate) refunded: Tally,
     pub(crate) refunds_ignored: Tally,
+    pub(crate) acquire_waits: Tally,
+    pub(crate) acquire_timeouts: Tally,
     pub(crate) meters: Meters,
 }
 
@@ -116,6 +118,8 @@ impl Counters {
             shadow_denials: Tally::new(limiter, names::SHADOW_DENIALS),
             refunded: Tally::new(limiter, names::REFUNDED),
             refunds_ignored: Tally::new(limiter, names::REFUNDS_IGNORED),
+            acquire_waits: Tally::new(limiter, names::ACQUIRE_WAITS),
+            acquire_timeouts: Tally::new(limiter, names::ACQUIRE_TIMEOUTS),
             meters: Meters::new(limiter),
         }
     }
@@ -194,6 +198,8 @@ impl Counters {
             shadow_denials: self.shadow_denials.get(),
             refunded: self.refunded.get(),
             refunds_ignored: self.refunds_ignored.get(),
+            acquire_waits: self.acquire_waits.get(),
+            acquire_timeouts: self.acquire_timeouts.get(),
         }
     }
 }
@@ -251,4 +257,13 @@ pub struct Stats {
     /// Permits a refund could not give back: their window had ended, or
     /// the decision took nothing refundable.
     pub refunds_ignored: u64,
+    /// Sleeps [`Limiter::acquire`](crate::Limiter::acquire) (or the HTTP
+    /// layer's `wait_up_to`) took before asking again.
+    pub acquire_waits: u64,
+    /// Waits that ran out: `acquire` calls (and requests held by the
+    /// HTTP layer) that slept and were still denied when the retry fell
+    /// beyond what was left of the wait. A denial returned without
+    /// sleeping (it can never pass, or its retry lies beyond the whole
+    /// wait) is not a wait and is not counted.
+    pub acquire_timeouts: u64,
 }

@@ -1007,6 +1007,135 @@ async fn legacy_headers_and_costs() {
     assert!(reply.headers.get("retry-after").is_none());
 }
 
+// 11. A bounded wait before a 429.
+
+/// Real time, on the embedded store: one request a second. Without a
+/// wait the second request of a window is a 429; with `wait_up_to(2 s)`
+/// it is held until the next window and admitted. Both layers share the
+/// limiter, so they count the same requests.
+#[tokio::test]
+async fn wait_up_to_admits_a_request_the_wait_covers() {
+    let per_second = Limiter::builder(Quota::per_second(nonzero!(1)))
+        .build()
+        .unwrap();
+    let hourly = Limiter::builder(Quota::per_hour(nonzero!(100)))
+        .build()
+        .unwrap();
+    let plain = serve(RateLimitLayer::new(per_second.clone())).await;
+    let waiting = serve(
+        RateLimitLayer::new(per_second.clone())
+            .policy_name("second")
+            .also("hour", hourly)
+            .wait_up_to(Duration::from_secs(2)),
+    )
+    .await;
+    // From just after a window boundary (the embedded store's windows
+    // are aligned to the epoch), so the first two requests share a window.
+    let into = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos();
+    tokio::time::sleep(
+        Duration::from_nanos(u64::from(1_000_000_000 - into)) + Duration::from_millis(20),
+    )
+    .await;
+    assert_eq!(get_key(plain, "alice").await.status, StatusCode::OK);
+    let denied = get_key(plain, "alice").await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(denied.headers["retry-after"], "1");
+    let began = std::time::Instant::now();
+    let reply = get_key(waiting, "alice").await;
+    let took = began.elapsed();
+    assert_eq!(reply.status, StatusCode::OK, "{}", reply.body);
+    assert_eq!(reply.body, "redeemed");
+    assert!(took < Duration::from_secs(3), "took {took:?}");
+    assert_eq!(
+        names(&items(&reply.headers, "ratelimit")),
+        ["second", "hour"],
+        "the headers of the decisions that admitted it"
+    );
+    let stats = per_second.stats();
+    assert!(stats.acquire_waits >= 1, "it waited: {stats:?}");
+    assert_eq!(stats.acquire_timeouts, 0);
+}
+
+/// A request whose retry lies beyond the wait is answered at once, as
+/// without the wait: 1 per 10 s on a stopped clock, so the retry is 10 s
+/// against a wait of 2 s.
+#[tokio::test]
+async fn wait_up_to_answers_at_once_when_the_retry_lies_beyond_it() {
+    let clock = FakeClock::new(ORIGIN);
+    let limiter = Limiter::builder(Quota::new(1, Duration::from_secs(10)).unwrap())
+        .store(MemoryStore::with_clock(clock.clone()))
+        .clock(clock)
+        .build()
+        .unwrap();
+    let addr = serve(RateLimitLayer::new(limiter.clone()).wait_up_to(Duration::from_secs(2))).await;
+    assert_eq!(get_key(addr, "alice").await.status, StatusCode::OK);
+    let began = std::time::Instant::now();
+    let reply = get_key(addr, "alice").await;
+    let took = began.elapsed();
+    assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(reply.headers["retry-after"], "10");
+    assert!(took < Duration::from_secs(1), "answered after {took:?}");
+    let stats = limiter.stats();
+    assert_eq!((stats.acquire_waits, stats.acquire_timeouts), (0, 0));
+}
+
+/// Two policies deny, one for 1 s and one for 2 s, with 2.5 s of wait:
+/// the request waits for the longer, then finds the shorter passed too.
+/// Virtual time (Tokio's paused clock drives the limiters' clocks), the
+/// service called directly.
+#[tokio::test(start_paused = true)]
+async fn wait_up_to_waits_out_every_denying_policy_within_one_budget() {
+    let clock = support::VirtualClock {
+        origin: ORIGIN,
+        start: tokio::time::Instant::now(),
+    };
+    let limiter = |period: u64| {
+        Limiter::builder(Quota::new(1, Duration::from_secs(period)).unwrap())
+            .clock(clock.clone())
+            .build()
+            .unwrap()
+    };
+    let (second, two) = (limiter(1), limiter(2));
+    let inner = tower::service_fn(|_: http::Request<()>| async {
+        Ok::<_, std::convert::Infallible>(http::Response::new(Empty::<Bytes>::new()))
+    });
+    let mut service = RateLimitLayer::new(second.clone())
+        .also("two", two.clone())
+        .wait_up_to(Duration::from_millis(2_500))
+        .layer(inner);
+    let mut send = async || {
+        let request = http::Request::builder()
+            .header("x-api-key", "k")
+            .body(())
+            .unwrap();
+        let began = tokio::time::Instant::now();
+        let status = service
+            .ready()
+            .await
+            .unwrap()
+            .call(request)
+            .await
+            .unwrap()
+            .status();
+        (status, began.elapsed())
+    };
+    assert_eq!(send().await, (StatusCode::OK, Duration::ZERO));
+    let (status, took) = send().await;
+    assert_eq!(status, StatusCode::OK, "after {took:?}");
+    // The 2 s window's reset, plus at most 20 ms of jitter and the
+    // timer's tick.
+    assert!(
+        took >= Duration::from_secs(2) && took <= Duration::from_millis(2_021),
+        "admitted after {took:?}"
+    );
+    assert_eq!(two.stats().acquire_waits, 1);
+    assert_eq!(second.stats().acquire_waits, 0, "its retry had passed");
+    assert_eq!((second.stats().allowed, two.stats().allowed), (2, 2));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hybrid_limiter_behind_the_layer() {
     let limiter = Limiter::builder(Quota::per_hour(nonzero!(5)))

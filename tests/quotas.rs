@@ -187,7 +187,7 @@ async fn refunds_never_let_a_window_admit_past_its_limit() {
         rng ^= rng >> 7;
         rng ^= rng << 17;
         let w = window(now_us(&clock), Duration::from_secs(1));
-        if rng % 3 == 0 && !held.is_empty() {
+        if rng.is_multiple_of(3) && !held.is_empty() {
             let (from, d) = held.swap_remove((rng as usize / 3) % held.len());
             let back = limiter.refund("k", &d).await as i64;
             if back > 0 {

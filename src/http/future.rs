@@ -53,7 +53,8 @@ pin_project! {
         Inner { #[pin] future: F, admitted: Option<Admitted> },
         // Answered by the layer.
         Ready { response: Option<Response<RateLimitBody<B>>> },
-        // A decision needs the store: decisions and inner call together.
+        // A decision needs the store, or a denial is waited out:
+        // decisions and inner call together.
         Waiting { future: Boxed<B, E> },
     }
 }

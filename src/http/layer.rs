@@ -3,9 +3,11 @@
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Response};
+use tokio::time::Instant;
 use tower::Layer;
 
 use super::headers::PolicyHeaders;
@@ -62,6 +64,8 @@ pub struct RateLimitLayer {
     challenge: Option<HeaderValue>,
     shadow: bool,
     legacy: bool,
+    /// How long a denied request may wait to be admitted (zero: no wait).
+    wait: Duration,
 }
 
 #[derive(Clone)]
@@ -127,6 +131,7 @@ pub(crate) struct Prepared {
     on_reject: Option<Arc<RejectFn>>,
     pub(crate) challenge: HeaderValue,
     pub(crate) shadow: bool,
+    wait: Duration,
 }
 
 impl Prepared {
@@ -176,6 +181,56 @@ impl Prepared {
         }
     }
 
+    /// Whether a request with these decisions (one per policy) waits:
+    /// waiting is on, the request was denied (not in shadow mode, where
+    /// every request passes at once), and every denial says it could
+    /// pass within the wait.
+    pub(crate) fn waits_for<'a>(&self, decisions: impl IntoIterator<Item = &'a Decision>) -> bool {
+        if self.wait.is_zero() || self.shadow {
+            return false;
+        }
+        let mut denied = decisions.into_iter().filter(|d| !d.is_allowed()).peekable();
+        denied.peek().is_some() && denied.all(|d| d.retry_after().is_some_and(|r| r <= self.wait))
+    }
+
+    /// Waits out the denials among `decisions` (one per policy of route
+    /// `route`, asked from `began` on), replacing each with the decision
+    /// that ended its wait. The policies share the one budget; the
+    /// longest wait goes first, so that when it runs out, the policies
+    /// behind it have not been asked again and have taken nothing more.
+    /// Once it is over, the others' retry times have passed too: they are
+    /// asked afresh, not after the retries their first denials named.
+    /// The policies that admitted at once keep their count, as they do
+    /// when another policy denies.
+    pub(crate) async fn wait_out(
+        &self,
+        route: usize,
+        key: &str,
+        cost: u64,
+        began: Instant,
+        decisions: &mut [Decision],
+    ) {
+        let deadline = crate::wait::deadline_from(began, self.wait);
+        let policies: Vec<&Policy> = self.policies(route).collect();
+        let mut denied: Vec<usize> = (0..decisions.len())
+            .filter(|&i| !decisions[i].is_allowed())
+            .collect();
+        denied.sort_by_key(|&i| std::cmp::Reverse(decisions[i].retry_after()));
+        for (n, i) in denied.into_iter().enumerate() {
+            let limiter = &policies[i].limiter;
+            let first = match n {
+                0 => decisions[i].clone(),
+                _ => limiter.check(key, cost).await,
+            };
+            let decision = limiter.retry_until(key, cost, first, deadline).await;
+            let admitted = decision.is_allowed();
+            decisions[i] = decision;
+            if !admitted {
+                return;
+            }
+        }
+    }
+
     /// The layer's answer, through the user's hook if there is one.
     pub(crate) fn reject(
         &self,
@@ -206,6 +261,7 @@ impl fmt::Debug for RateLimitLayer {
             .field("key", &self.key)
             .field("missing", &self.missing)
             .field("shadow", &self.shadow)
+            .field("wait", &self.wait)
             .finish_non_exhaustive()
     }
 }
@@ -235,6 +291,7 @@ impl RateLimitLayer {
             challenge: None,
             shadow: false,
             legacy: false,
+            wait: Duration::ZERO,
         }
     }
 
@@ -364,6 +421,24 @@ impl RateLimitLayer {
         self
     }
 
+    /// Lets a denied request wait up to `max` to be admitted instead of
+    /// being answered 429 at once (default: no wait). When every policy
+    /// that denied it says the request could pass within `max`
+    /// ([`Decision::retry_after`]), the request waits as
+    /// [`Limiter::acquire`] does (jittered, asking again at each retry
+    /// time) and proceeds if admitted; otherwise, or when the wait runs
+    /// out, it gets the 429 (or 503) it would have got, at once and never
+    /// later than `max` after the layer began deciding (plus one store
+    /// call). Shadow mode never waits.
+    ///
+    /// A waiting request holds its connection and task: bound how many
+    /// there can be (a concurrency limit in front of this layer) when
+    /// `max` is long.
+    pub fn wait_up_to(mut self, max: Duration) -> Self {
+        self.wait = max;
+        self
+    }
+
     /// Also send the legacy `X-RateLimit-Limit`, `-Remaining` and `-Reset`
     /// headers.
     pub fn legacy_headers(mut self, on: bool) -> Self {
@@ -441,6 +516,7 @@ impl RateLimitLayer {
             on_reject: self.on_reject.clone(),
             challenge,
             shadow: self.shadow,
+            wait: self.wait,
         }
     }
 }

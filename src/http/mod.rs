@@ -5,7 +5,9 @@
 //! - over quota: `429 Too Many Requests` with `Retry-After`, the IETF
 //!   `RateLimit-Policy` / `RateLimit` headers and a problem+json body
 //!   listing every violated policy; gRPC requests get a trailers-only
-//!   answer with `grpc-status: 8` (`RESOURCE_EXHAUSTED`);
+//!   answer with `grpc-status: 8` (`RESOURCE_EXHAUSTED`); with
+//!   [`RateLimitLayer::wait_up_to`], a denial that would pass within a
+//!   bounded wait is waited out first;
 //! - limiter unavailable under fail-closed: `503` with the
 //!   `temporary-reduced-capacity` problem type (gRPC `UNAVAILABLE`);
 //! - no key: the configured status (401 with `WWW-Authenticate` by

@@ -177,7 +177,7 @@ where
             .policies(route)
             .map(|policy| policy.limiter.check_now(&key, cost))
             .collect();
-        if now.iter().all(Option::is_some) {
+        if now.iter().all(Option::is_some) && !config.waits_for(now.iter().flatten()) {
             let decisions = now.into_iter().flatten().collect();
             return match conclude(&config, route, decisions, grpc) {
                 Verdict::Admit(admitted) => {
@@ -188,17 +188,24 @@ where
                 }
             };
         }
-        // Some decision needs the store: take the service that was polled
-        // ready, leave a clone in its place.
+        // Some decision needs the store, or a denial is to be waited out:
+        // take the service that was polled ready, leave a clone in its
+        // place.
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         ResponseFuture::waiting(Box::pin(async move {
+            let began = tokio::time::Instant::now();
             let mut decisions = Vec::with_capacity(now.len());
             for (policy, decided) in config.policies(route).zip(now) {
                 decisions.push(match decided {
                     Some(decision) => decision,
                     None => policy.limiter.check(&key, cost).await,
                 });
+            }
+            if config.waits_for(&decisions) {
+                config
+                    .wait_out(route, &key, cost, began, &mut decisions)
+                    .await;
             }
             match conclude(&config, route, decisions, grpc) {
                 Verdict::Admit(admitted) => {

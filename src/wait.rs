@@ -1,0 +1,177 @@
+//! Waiting instead of denying: [`Limiter::acquire`] asks again when a
+//! denial says when to, until it is admitted or its wait runs out.
+//!
+//! Owns the wait loop and its jitter, nothing else: every permit is taken
+//! by an admitting [`Limiter::check`], never by this module, so whoever
+//! drops a sleeping future leaves no state behind. It must not hold
+//! anything (a permit, a lock, a registration) across its sleeps.
+
+use std::cell::Cell;
+use std::hash::{BuildHasher, Hasher};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::{Decision, Limiter, MAX_PERIOD};
+
+/// The longest a wake-up is delayed past its retry time.
+const MAX_JITTER: Duration = Duration::from_millis(20);
+
+/// The shortest sleep: a denial that says "retry now" must not become a
+/// loop of store calls.
+const MIN_SLEEP: Duration = Duration::from_millis(1);
+
+impl Limiter {
+    /// Like [`check`](Limiter::check), but a denial that says when the
+    /// request could pass ([`Decision::retry_after`]) within `max_wait`
+    /// is waited out and asked again, until the request is admitted or
+    /// the wait runs out.
+    ///
+    /// - **Bounded.** It never sleeps past `max_wait`: the last attempt
+    ///   starts at or before the deadline, so `acquire` returns within
+    ///   `max_wait` plus the time of one `check` (a store round trip, or
+    ///   a strict hybrid's wait for a refill). A denial that can never
+    ///   pass (no `retry_after`: the cost is above the limit) or whose
+    ///   retry falls beyond what is left of the wait is returned at once,
+    ///   without sleeping for nothing. `max_wait` zero is one `check`.
+    /// - **Jittered.** Each wake-up comes a little after the retry time
+    ///   (up to a tenth of the wait, at most 20 ms, at random), so many
+    ///   waiters in many processes do not all ask at the instant a window
+    ///   resets.
+    /// - **Cancel-safe.** It takes nothing itself and holds nothing
+    ///   across its sleeps: only an admitting `check` takes permits.
+    ///   Dropped while it sleeps (a timeout, a client gone), it leaves
+    ///   the key's budget as it was; dropped inside a `check`, it is as
+    ///   cancel-safe as that check (an exact store call whose script has
+    ///   already run has spent its permit, as a dropped `check` has).
+    ///
+    /// Returns the last decision seen: the admission, or the denial that
+    /// ended the wait. Every attempt is a decision and is counted as one
+    /// in [`Stats`](crate::Stats); the sleeps are counted in
+    /// [`Stats::acquire_waits`](crate::Stats::acquire_waits), and the
+    /// calls that slept and were still denied in
+    /// [`Stats::acquire_timeouts`](crate::Stats::acquire_timeouts).
+    ///
+    /// ```no_run
+    /// # async fn demo(limiter: slicelimit::Limiter) {
+    /// use std::time::Duration;
+    ///
+    /// let d = limiter.acquire("report-export", 1, Duration::from_secs(2)).await;
+    /// if !d.is_allowed() {
+    ///     // Still over quota after waiting up to 2 s (or never possible).
+    /// }
+    /// # }
+    /// ```
+    pub async fn acquire(&self, key: &str, cost: u64, max_wait: Duration) -> Decision {
+        let deadline = deadline_after(max_wait);
+        let first = self.check(key, cost).await;
+        self.retry_until(key, cost, first, deadline).await
+    }
+
+    /// [`acquire`](Limiter::acquire) from a decision already made, with
+    /// the deadline of a wait already begun (the HTTP layer's budget,
+    /// shared by its policies).
+    pub(crate) async fn retry_until(
+        &self,
+        key: &str,
+        cost: u64,
+        mut decision: Decision,
+        deadline: Instant,
+    ) -> Decision {
+        let mut slept = false;
+        loop {
+            if decision.is_allowed() {
+                return decision;
+            }
+            let Some(retry) = decision.retry_after() else {
+                return decision;
+            };
+            let now = Instant::now();
+            let left = deadline.saturating_duration_since(now);
+            if left.is_zero() || retry > left {
+                if slept {
+                    self.counters().acquire_timeouts.add(1);
+                }
+                return decision;
+            }
+            let retry = retry.max(MIN_SLEEP);
+            let wake = (now + retry + jitter(retry)).min(deadline);
+            self.counters().acquire_waits.add(1);
+            slept = true;
+            tokio::time::sleep_until(wake).await;
+            decision = self.check(key, cost).await;
+        }
+    }
+}
+
+/// The deadline of a wait of `max_wait` from now.
+fn deadline_after(max_wait: Duration) -> Instant {
+    deadline_from(Instant::now(), max_wait)
+}
+
+/// The deadline of a wait of `max_wait` begun at `began`. No retry is
+/// further away than the longest period, so a longer wait is that long:
+/// an absurd `max_wait` (`Duration::MAX`) cannot overflow the clock.
+pub(crate) fn deadline_from(began: Instant, max_wait: Duration) -> Instant {
+    began + max_wait.min(MAX_PERIOD)
+}
+
+/// How long after a retry time of `retry` to wake: uniform in
+/// `[0, min(retry / 10, MAX_JITTER))`.
+fn jitter(retry: Duration) -> Duration {
+    let span = (retry / 10).min(MAX_JITTER).as_nanos() as u64;
+    if span == 0 {
+        return Duration::ZERO;
+    }
+    Duration::from_nanos(next_random() % span)
+}
+
+thread_local! {
+    /// xorshift64 state, seeded per thread from std's per-process random
+    /// keys, so threads and processes draw different sequences.
+    static RANDOM: Cell<u64> = Cell::new(
+        std::collections::hash_map::RandomState::new().build_hasher().finish() | 1,
+    );
+}
+
+/// A cheap pseudo-random number: jitter needs spread, not secrecy.
+fn next_random() -> u64 {
+    RANDOM.with(|state| {
+        let mut x = state.get();
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        state.set(x);
+        x
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jitter_stays_under_a_tenth_of_the_wait_and_its_cap() {
+        assert_eq!(jitter(Duration::ZERO), Duration::ZERO);
+        assert_eq!(jitter(Duration::from_nanos(9)), Duration::ZERO);
+        for retry in [
+            Duration::from_micros(100),
+            Duration::from_millis(50),
+            Duration::from_secs(1),
+            Duration::from_secs(3600),
+        ] {
+            let span = (retry / 10).min(MAX_JITTER);
+            let draws: Vec<Duration> = (0..1_000).map(|_| jitter(retry)).collect();
+            assert!(draws.iter().all(|j| *j < span), "{retry:?}");
+            // Spread over the span, not stuck at one end.
+            let high = draws.iter().filter(|j| **j >= span / 2).count();
+            assert!((350..=650).contains(&high), "{retry:?}: {high} of 1000");
+        }
+    }
+
+    #[test]
+    fn absurd_waits_do_not_overflow_the_clock() {
+        let deadline = deadline_after(Duration::MAX);
+        assert!(deadline > Instant::now() + Duration::from_secs(365 * 24 * 3600));
+    }
+}
