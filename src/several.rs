@@ -217,12 +217,12 @@ pub(crate) async fn decide(limiter: &Limiter, key: &str, cost: u64) -> Decision 
     // refills failing): one more denial is the safe answer.
     let inner = &*limiter.inner;
     let lane = inner.first_lane(key);
-    let retry = Some(std::time::Duration::from_millis(1));
+    let retry = std::time::Duration::from_millis(1);
     Decision::deny(
         lane.quota.limit(),
         0,
-        retry.unwrap_or_default(),
         retry,
+        Some(retry),
         crate::Source::Lease,
     )
     .with_period(lane.quota.period())

@@ -150,7 +150,7 @@ impl Scenario {
         // Demand: from well under the limit to several times over it.
         let fleet_rate = limit as f64 / period.as_secs_f64() * (0.3 + r.unit() * 3.0);
         // Drawn apart, so every seed keeps the scenario it had before.
-        let mut extra = Rng::new(seed ^ 0x5EC0_4D);
+        let mut extra = Rng::new(seed ^ 0x005E_C04D);
         let second = (windowed(algorithm) && extra.chance(0.3)).then(|| {
             (
                 limit * (1 + extra.below(3)),
