@@ -20,6 +20,8 @@ pub(crate) struct Admitted {
     pub(crate) config: Arc<Prepared>,
     pub(crate) route: usize,
     pub(crate) decisions: Vec<Decision>,
+    /// The key, for a refund the response may earn.
+    pub(crate) key: String,
 }
 
 impl Admitted {
@@ -32,6 +34,9 @@ impl Admitted {
         if let Some(a) = admitted {
             a.config
                 .append_headers(a.route, &a.decisions, response.headers_mut());
+            if a.config.refunds(response.status()) {
+                a.config.refund(a.route, &a.key, &a.decisions);
+            }
         }
         response.map(RateLimitBody::inner)
     }

@@ -19,6 +19,7 @@ use crate::{Decision, Limiter};
 type CostFn = dyn Fn(&RequestView<'_>) -> u64 + Send + Sync;
 type ExemptFn = dyn Fn(&RequestView<'_>) -> bool + Send + Sync;
 type RejectFn = dyn Fn(&Rejection, Response<Bytes>) -> Response<Bytes> + Send + Sync;
+type RefundFn = dyn Fn(http::StatusCode) -> bool + Send + Sync;
 
 /// Rate-limits HTTP (and gRPC) requests with one or more [`Limiter`]s.
 ///
@@ -66,6 +67,7 @@ pub struct RateLimitLayer {
     legacy: bool,
     /// How long a denied request may wait to be admitted (zero: no wait).
     wait: Duration,
+    refund_on: Option<Arc<RefundFn>>,
 }
 
 #[derive(Clone)]
@@ -132,6 +134,7 @@ pub(crate) struct Prepared {
     pub(crate) challenge: HeaderValue,
     pub(crate) shadow: bool,
     wait: Duration,
+    refund_on: Option<Arc<RefundFn>>,
 }
 
 impl Prepared {
@@ -185,6 +188,40 @@ impl Prepared {
     /// waiting is on, the request was denied (not in shadow mode, where
     /// every request passes at once), and every denial says it could
     /// pass within the wait.
+    /// Whether some response can get its permits back.
+    pub(crate) fn refunds_any(&self) -> bool {
+        self.refund_on.is_some()
+    }
+
+    /// Whether a response with `status` gets its permits back.
+    pub(crate) fn refunds(&self, status: http::StatusCode) -> bool {
+        self.refund_on.as_ref().is_some_and(|f| f(status))
+    }
+
+    /// Gives back, in the background, what each admitting decision of
+    /// `route` took: a request another policy denied (the layer's
+    /// policies are all-or-nothing), or one whose response earns a refund.
+    pub(crate) fn refund(&self, route: usize, key: &str, decisions: &[Decision]) {
+        let refunds: Vec<(Limiter, Decision)> = self
+            .policies(route)
+            .zip(decisions)
+            .filter(|(_, d)| d.is_refundable())
+            .map(|(p, d)| (p.limiter.clone(), d.clone()))
+            .collect();
+        if refunds.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let key = key.to_owned();
+        runtime.spawn(async move {
+            for (limiter, decision) in refunds {
+                limiter.refund(&key, &decision).await;
+            }
+        });
+    }
+
     pub(crate) fn waits_for<'a>(&self, decisions: impl IntoIterator<Item = &'a Decision>) -> bool {
         if self.wait.is_zero() || self.shadow {
             return false;
@@ -292,6 +329,7 @@ impl RateLimitLayer {
             shadow: false,
             legacy: false,
             wait: Duration::ZERO,
+            refund_on: None,
         }
     }
 
@@ -439,6 +477,22 @@ impl RateLimitLayer {
         self
     }
 
+    /// Gives an admitted request's permits back when the inner service
+    /// answers with a status `refund` picks, e.g. `|s| s.is_server_error()`:
+    /// a request that failed on the server need not cost the client its
+    /// quota. The refund goes to the window the permits came from and is
+    /// ignored once that window ended (see
+    /// [`Limiter::refund`](crate::Limiter::refund)); it is sent in the
+    /// background, after the response. HTTP status only: a gRPC error
+    /// travels in `grpc-status` trailers and is not seen here.
+    pub fn refund_on(
+        mut self,
+        refund: impl Fn(http::StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.refund_on = Some(Arc::new(refund));
+        self
+    }
+
     /// Also send the legacy `X-RateLimit-Limit`, `-Remaining` and `-Reset`
     /// headers.
     pub fn legacy_headers(mut self, on: bool) -> Self {
@@ -517,6 +571,7 @@ impl RateLimitLayer {
             challenge,
             shadow: self.shadow,
             wait: self.wait,
+            refund_on: self.refund_on.clone(),
         }
     }
 }

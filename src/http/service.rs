@@ -68,6 +68,7 @@ fn is_grpc(headers: &HeaderMap) -> bool {
 pub(crate) fn conclude(
     config: &Arc<Prepared>,
     route: usize,
+    key: &str,
     decisions: Vec<Decision>,
     grpc: bool,
 ) -> Verdict {
@@ -85,8 +86,16 @@ pub(crate) fn conclude(
             config: config.clone(),
             route,
             decisions,
+            // Kept only where a response may earn a refund.
+            key: if config.refunds_any() {
+                key.to_owned()
+            } else {
+                String::new()
+            },
         }));
     }
+    // All-or-nothing: what the policies that admitted took goes back.
+    config.refund(route, key, &decisions);
     // Over quota if any policy denied on its own count; otherwise every
     // denial is a store that could not decide, under fail-closed.
     let over = |d: &Decision| !d.is_allowed() && d.source() != Source::FailClosed;
@@ -179,7 +188,7 @@ where
             .collect();
         if now.iter().all(Option::is_some) && !config.waits_for(now.iter().flatten()) {
             let decisions = now.into_iter().flatten().collect();
-            return match conclude(&config, route, decisions, grpc) {
+            return match conclude(&config, route, &key, decisions, grpc) {
                 Verdict::Admit(admitted) => {
                     ResponseFuture::inner(self.inner.call(request), admitted)
                 }
@@ -207,7 +216,7 @@ where
                     .wait_out(route, &key, cost, began, &mut decisions)
                     .await;
             }
-            match conclude(&config, route, decisions, grpc) {
+            match conclude(&config, route, &key, decisions, grpc) {
                 Verdict::Admit(admitted) => {
                     let response = inner.call(request).await?;
                     Ok(Admitted::finish(admitted, response))
