@@ -10,7 +10,7 @@
 --          quota admits, each is counted and replies as its own script
 --          would; when one denies, nothing is written, and each reply is
 --          what its quota would have answered (allowed 1 for those that
---          had room, though nothing was taken from them).
+--          had room, with their remaining as nothing was taken from them).
 -- Complexity: n times the algorithm's.
 local n = tonumber(ARGV[1])
 local width = tonumber(ARGV[2])

@@ -43,7 +43,7 @@ local function check(KEYS, ARGV, apply)
   local retry = 0
   if cost == 0 or cost <= tokens then
     allowed = 1
-    tokens = tokens - cost
+    if apply then tokens = tokens - cost end
   elseif cost > burst then
     retry = -1
   else

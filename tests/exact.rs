@@ -421,3 +421,51 @@ async fn decides_alike_across_time_steps(algorithm: Algorithm) {
     );
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
 }
+
+/// Several quotas on one key: `lua/check_all.lua` on Redis and the
+/// embedded store's mirror decide alike, quota by quota, on random
+/// sequences; a denial by either quota takes from neither on both stores.
+#[tokio::test]
+async fn several_quotas_decide_alike_on_both_stores() {
+    use proptest::prelude::*;
+    use proptest::strategy::ValueTree;
+    use proptest::test_runner::TestRunner;
+
+    let server = RedisServer::start();
+    let mut runner = TestRunner::deterministic();
+    let ops = prop::collection::vec((0usize..3, 0u64..6), 60..100);
+    for case in 0..8 {
+        let seq = ops.new_tree(&mut runner).unwrap().current();
+        for algorithm in ALGORITHMS {
+            let first = daily(12).with_burst(nonzero!(9));
+            let second = Quota::new(20, Duration::from_secs(2 * 86_400))
+                .unwrap()
+                .with_burst(nonzero!(7));
+            let ns = format!("several{case}");
+            let build = |store: slicelimit::Store| {
+                Limiter::builder(first)
+                    .and(second)
+                    .store(store)
+                    .algorithm(algorithm)
+                    .namespace(&ns)
+                    .build()
+                    .unwrap()
+            };
+            let redis = build(support::store(&server).await.into());
+            let memory = build(MemoryStore::new().into());
+            for (i, (key, cost)) in seq.iter().enumerate() {
+                let key = format!("key{key}");
+                let r = redis.try_check(&key, *cost).await.unwrap();
+                let m = memory.try_check(&key, *cost).await.unwrap();
+                let step = format!("{algorithm:?} case {case} step {i} ({key}, {cost})");
+                assert_eq!(r.is_allowed(), m.is_allowed(), "{step}");
+                assert_eq!(r.quotas().len(), 2, "{step}: every quota decided");
+                for (q, (rq, mq)) in r.quotas().iter().zip(m.quotas()).enumerate() {
+                    assert_eq!(rq.is_allowed(), mq.is_allowed(), "{step} quota {q}");
+                    assert_eq!(rq.remaining(), mq.remaining(), "{step} quota {q}");
+                }
+            }
+        }
+    }
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}

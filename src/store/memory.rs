@@ -157,10 +157,21 @@ impl MemoryStore {
                 .map(|e| e.clone());
             replies.push(check(&mut live, p, now, cost, key)?);
         }
-        if replies.iter().all(|r| r.allowed) {
-            for (i, (key, p)) in keys.iter().zip(ps).enumerate() {
-                let check = p.algorithm.spec().check;
+        let admitted = replies.iter().all(|r| r.allowed);
+        for (i, (key, p)) in keys.iter().zip(ps).enumerate() {
+            let check = p.algorithm.spec().check;
+            if admitted {
                 replies[i] = self.with_entry(key, now, |entry| check(entry, p, now, cost, key))?;
+            } else if replies[i].allowed {
+                // Nothing is taken: a quota with room reports it untouched,
+                // as a peek would.
+                let mut live = self
+                    .shared
+                    .entries
+                    .get(key.as_str())
+                    .filter(|e| e.expires_us > now)
+                    .map(|e| e.clone());
+                replies[i] = check(&mut live, p, now, 0, key)?;
             }
         }
         Ok(replies)
