@@ -109,6 +109,10 @@ struct Scenario {
     /// How often an admission is refunded later (one quota only, so each
     /// refund's permits have one window to land in).
     refund_chance: f64,
+    /// Odd keys get twice the quota (`Builder::quota_for`).
+    tiers: bool,
+    /// Some decisions wait up to this long (`Limiter::acquire`).
+    acquire_wait: Option<Duration>,
 }
 
 impl Scenario {
@@ -162,7 +166,11 @@ impl Scenario {
         } else {
             0.0
         };
-        Scenario {
+        let tiers = extra.chance(0.3);
+        let acquire_wait = extra
+            .chance(0.3)
+            .then(|| Duration::from_millis([5, 20, 60][extra.below(3) as usize]));
+        let mut s = Scenario {
             algorithm,
             max_debt: r.chance(0.35).then(|| 1 + r.below((burst / 2).clamp(1, 5))),
             processes,
@@ -190,6 +198,45 @@ impl Scenario {
             attribution_slack: Duration::ZERO,
             second,
             refund_chance,
+            tiers,
+            acquire_wait,
+        };
+        // A decision `acquire` returns counts when its last check was
+        // made, which the driver cannot see: it counts at the return. That
+        // is right for leased permits and credit, decided at once, not for
+        // one store call's (a key with no room in the map), so waits run
+        // only where every key has room.
+        if s.max_keys < s.keys {
+            s.acquire_wait = None;
+        }
+        s
+    }
+
+    /// Key `key`'s limit and burst: twice the quota's for odd keys when
+    /// tiers are drawn.
+    fn limit_of(&self, key: usize) -> u64 {
+        self.limit * self.tier_factor(key)
+    }
+
+    fn burst_of(&self, key: usize) -> u64 {
+        self.burst * self.tier_factor(key)
+    }
+
+    fn tier_factor(&self, key: usize) -> u64 {
+        if self.tiers && key % 2 == 1 {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// The quota of the odd keys when tiers are drawn.
+    fn tier_quota(&self) -> Quota {
+        let q = Quota::new(self.limit * 2, self.period).expect("a valid quota");
+        if windowed(self.algorithm) {
+            q
+        } else {
+            q.with_burst(NonZeroU32::new(self.burst as u32 * 2).expect("a burst of at least 1"))
         }
     }
 
@@ -254,6 +301,8 @@ struct Observed {
     allowed: bool,
     source: Source,
     took: Duration,
+    /// What `acquire` was allowed to wait (zero for `check`).
+    waited: Duration,
 }
 
 /// A refund of the admission at `at_us` (which places its window): at
@@ -326,6 +375,13 @@ async fn build_fleet(
         if let Some((limit, period)) = s.second {
             b = b.and(Quota::new(limit, period).expect("a valid second quota"));
         }
+        if s.tiers {
+            let tier = s.tier_quota();
+            b = b.quota_for(move |key| {
+                let n: usize = key.strip_prefix("user-")?.parse().ok()?;
+                (n % 2 == 1).then_some(tier)
+            });
+        }
         let mut b = b
             .store(faulty.clone())
             .algorithm(s.algorithm)
@@ -392,7 +448,13 @@ async fn drive(
         let cost = draw_cost(&mut r, &s);
         let begin_us = clock.now().as_micros() as u64;
         let t0 = tokio::time::Instant::now();
-        let decision: Option<Decision> = if r.chance(s.drop_chance) {
+        let waited = match s.acquire_wait {
+            Some(wait) if r.chance(0.3) => wait,
+            _ => Duration::ZERO,
+        };
+        let decision: Option<Decision> = if !waited.is_zero() {
+            Some(limiter.acquire(&name, cost, waited).await)
+        } else if r.chance(s.drop_chance) {
             let limit = Duration::from_micros(r.below(4_000));
             tokio::time::timeout(limit, limiter.check(&name, cost))
                 .await
@@ -405,7 +467,7 @@ async fn drive(
         // Several quotas: a part the store decided early in a long decision
         // stands only if its window outlasts the decision, and leased parts
         // are taken at its end: it counts at its end.
-        let at_us = if d.source() == Source::Store && s.second.is_none() {
+        let at_us = if d.source() == Source::Store && s.second.is_none() && waited.is_zero() {
             (begin_us + end_us) / 2
         } else {
             end_us
@@ -418,6 +480,7 @@ async fn drive(
             allowed,
             source: d.source(),
             took: t0.elapsed(),
+            waited,
         });
         if allowed && cost > 0 && r.chance(s.refund_chance) {
             held.push((key, at_us, cost, d));
@@ -600,7 +663,8 @@ fn judge(
         ));
     }
     let bound = s.decision_bound();
-    if let Some(slow) = log.decisions.iter().find(|d| d.took > bound) {
+    // `acquire` may wait its budget, then make one more decision.
+    if let Some(slow) = log.decisions.iter().find(|d| d.took > bound + d.waited) {
         return Err(format!(
             "a decision took {:?} (bound {bound:?}): {slow:?}",
             slow.took
@@ -611,7 +675,10 @@ fn judge(
         .iter()
         .filter(|d| d.allowed && d.cost > 0)
         .collect();
-    if let Some(bad) = admitted.iter().find(|d| d.cost > s.burst.max(s.limit)) {
+    if let Some(bad) = admitted
+        .iter()
+        .find(|d| d.cost > s.burst_of(d.key).max(s.limit_of(d.key)))
+    {
         return Err(format!("admitted a cost the quota can never hold: {bad:?}"));
     }
     if let Some(peek) = log.decisions.iter().find(|d| d.cost == 0 && !d.allowed) {
@@ -694,7 +761,7 @@ fn judge(
             // previous window's, weighted by what the trailing period still
             // covers of it, stay within the limit (strict), or within the
             // limit plus two windows' unreported credit (optimistic).
-            let cap = s.limit + 2 * n * debt;
+            let cap = |key: usize| s.limit_of(key) + 2 * n * debt;
             let mut per: HashMap<(usize, i64), u64> = HashMap::new();
             for d in &admitted {
                 *per.entry((d.key, (d.at_us / period_us) as i64))
@@ -726,9 +793,10 @@ fn judge(
                 let weighted = (before as f64 * left as f64 / period_us as f64).ceil() as u64;
                 let load = *count + weighted;
                 worst = worst.max(load);
-                if load > cap {
+                if load > cap(d.key) {
                     return Err(format!(
                         "key {key} at {at} µs: load {load} ({count} + {weighted} of {before}) > {cap}",
+                        cap = cap(d.key),
                         key = d.key,
                         at = d.at_us,
                         count = *count,
@@ -740,7 +808,7 @@ fn judge(
         Algorithm::FixedWindow => {
             // At every admission, the window's admissions so far less what
             // may have been refunded to it by then stay within the cap.
-            let cap = s.limit + n * debt;
+            let cap = |key: usize| s.limit_of(key) + n * debt;
             let mut ordered = admitted.clone();
             ordered.sort_by_key(|d| d.at_us);
             let mut so_far: HashMap<(usize, i64), u64> = HashMap::new();
@@ -757,14 +825,18 @@ fn judge(
                 let load = count.saturating_sub(refunded_by(d.key, w, d.at_us));
                 net.insert((d.key, w), load);
                 worst = worst.max(load);
-                if load > cap {
+                if load > cap(d.key) {
                     return Err(format!(
                         "key {key} window {w}: admitted {load} (after refunds) > {cap}",
-                        key = d.key
+                        key = d.key,
+                        cap = cap(d.key),
                     ));
                 }
             }
-            let excess: u64 = net.values().map(|c| c.saturating_sub(s.limit)).sum();
+            let excess: u64 = net
+                .iter()
+                .map(|(&(key, _), c)| c.saturating_sub(s.limit_of(key)))
+                .sum();
             if log.restarts_us.is_empty() && excess > overshoot {
                 return Err(format!(
                     "actual excess {excess} > overshoot metric {overshoot}"
@@ -773,7 +845,8 @@ fn judge(
             summary += &format!("worst window {worst}/{}", s.limit);
         }
         _ => {
-            let rate = s.limit as f64 / s.period.as_micros() as f64;
+            let rate_of = |key: usize| s.limit_of(key) as f64 / s.period.as_micros() as f64;
+            let rate = rate_of(1);
             let h = s.horizon.as_micros() as f64;
             // Optimistic buckets: credit outstanding (N·max_debt) plus the
             // debt the store could not cover, which the overshoot metric
@@ -797,7 +870,8 @@ fn judge(
                         if restarted(a, b) {
                             continue;
                         }
-                        let allowed = s.burst as f64 + rate * ((b - a) as f64 + h) + slack;
+                        let allowed =
+                            s.burst_of(key) as f64 + rate_of(key) * ((b - a) as f64 + h) + slack;
                         tightest = tightest.min(allowed - sum as f64);
                         if sum as f64 > allowed {
                             return Err(format!(
