@@ -98,7 +98,7 @@ impl HybridConfig {
     }
 
     /// A lease is sized to cover this much of the key's observed demand
-    /// (default 250 ms).
+    /// (default 1 s).
     #[must_use]
     pub fn refill_horizon(mut self, horizon: Duration) -> Self {
         self.refill_horizon = horizon;
