@@ -131,6 +131,15 @@ impl MemoryStore {
         self.with_entry(key, now, |entry| check(entry, p, now, cost, key))
     }
 
+    /// A copy of `key`'s live entry, to decide on without writing.
+    fn peek_entry(&self, key: &str, now: u64) -> Option<Entry> {
+        self.shared
+            .entries
+            .get(key)
+            .filter(|e| e.expires_us > now)
+            .map(|e| e.clone())
+    }
+
     /// Several quotas of one key, all-or-nothing at one instant, as
     /// `lua/check_all.lua`: each is decided without writing, then counted
     /// only if every one admits.
@@ -149,13 +158,7 @@ impl MemoryStore {
         let mut replies = Vec::with_capacity(keys.len());
         for (key, p) in keys.iter().zip(ps) {
             let check = p.algorithm.spec().check;
-            let mut live = self
-                .shared
-                .entries
-                .get(key.as_str())
-                .filter(|e| e.expires_us > now)
-                .map(|e| e.clone());
-            replies.push(check(&mut live, p, now, cost, key)?);
+            replies.push(check(&mut self.peek_entry(key, now), p, now, cost, key)?);
         }
         let admitted = replies.iter().all(|r| r.allowed);
         for (i, (key, p)) in keys.iter().zip(ps).enumerate() {
@@ -165,13 +168,7 @@ impl MemoryStore {
             } else if replies[i].allowed {
                 // Nothing is taken: a quota with room reports it untouched,
                 // as a peek would.
-                let mut live = self
-                    .shared
-                    .entries
-                    .get(key.as_str())
-                    .filter(|e| e.expires_us > now)
-                    .map(|e| e.clone());
-                replies[i] = check(&mut live, p, now, 0, key)?;
+                replies[i] = check(&mut self.peek_entry(key, now), p, now, 0, key)?;
             }
         }
         Ok(replies)
