@@ -15,6 +15,10 @@
 -- ARGV[5]  returned   permits to give back (>= 1)
 -- ARGV[6]  w: the window index they were leased from; tb, gc: the lease's
 --          origin time (its reply's now_us)
+-- ARGV[7]  w: how long to remember the identity, ms (at least 60 s; a
+--          refund's lasts its window)
+-- ARGV[8]  w: "1" for a refund: a second delivery answers 2^52 plus the
+--          first answer, so the caller can tell a repeat from a first send
 -- ARGV[7]  tb, gc: the bucket's level right after that lease (its reply's
 --          level), rounded up
 -- ARGV[8]  tb, gc: the key's give-back counter then (its reply's given_back)
@@ -34,6 +38,9 @@
 -- Complexity: O(1).
 local seen = redis.call('GET', KEYS[2])
 if seen then
+  if ARGV[1] == 'w' and ARGV[8] == '1' then
+    return 4503599627370496 + tonumber(seen)
+  end
   return tonumber(seen)
 end
 local t = redis.call('TIME')
@@ -44,8 +51,13 @@ local period = tonumber(ARGV[3])
 local burst = tonumber(ARGV[4])
 local returned = tonumber(ARGV[5])
 
+local remember = 60000
+if algorithm == 'w' then
+  remember = math.max(remember, tonumber(ARGV[7]) or 0)
+end
+
 local function done(back)
-  redis.call('SET', KEYS[2], string.format('%d', back), 'PX', 60000)
+  redis.call('SET', KEYS[2], string.format('%d', back), 'PX', string.format('%d', remember))
   return back
 end
 

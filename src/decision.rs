@@ -64,6 +64,8 @@ pub struct Decision {
     pub(crate) period: Duration,
     /// What was taken, so a refund can find where it came from.
     pub(crate) taken: Taken,
+    /// The limiter that decided (0: none yet), so another cannot refund it.
+    pub(crate) limiter: u64,
     /// Several quotas: each one's decision, in the limiter's order.
     pub(crate) parts: Option<Arc<[Decision]>>,
 }
@@ -92,6 +94,8 @@ pub(crate) struct Taken {
     /// How long the window lasted after the decision, by the store's
     /// clock (`Origin::Store`; zero otherwise).
     pub(crate) lasts: Duration,
+    /// The admission's identity: its refund counts once.
+    pub(crate) op: Option<crate::algorithm::OpId>,
 }
 
 impl Taken {
@@ -104,6 +108,7 @@ impl Taken {
                 cost,
                 window,
                 lasts: Duration::ZERO,
+                op: Some(crate::algorithm::admission_op()),
             },
             _ => Taken::default(),
         }
@@ -131,6 +136,7 @@ impl Decision {
             source,
             period: Duration::ZERO,
             taken: Taken::default(),
+            limiter: 0,
             parts: None,
         }
     }
@@ -151,6 +157,7 @@ impl Decision {
             source,
             period: Duration::ZERO,
             taken: Taken::default(),
+            limiter: 0,
             parts: None,
         }
     }

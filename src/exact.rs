@@ -93,7 +93,9 @@ impl ExactEngine {
             returned: taken.cost,
             window: taken.window,
             origin: LeaseOrigin::default(),
-            op: self.ops.next(),
+            op: taken.op.unwrap_or_else(|| self.ops.next()),
+            remember_us: remember_refund(&self.params),
+            refund: true,
         };
         let (replies, _) = self
             .store
@@ -112,4 +114,10 @@ pub(crate) fn window_of(params: &Params, now_us: u64) -> Option<i64> {
         .leases
         .windowed()
         .then(|| (now_us / params.period_us.max(1)) as i64)
+}
+
+/// How long a refund's identity is remembered: past the end of its window,
+/// after which the store ignores it anyway.
+pub(crate) fn remember_refund(params: &Params) -> u64 {
+    params.period_us.saturating_add(1_000_000)
 }

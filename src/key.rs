@@ -64,6 +64,17 @@ impl KeyEncoder {
         }
     }
 
+    /// These keys for a quota of another period than the limiter's first
+    /// (a tier, a `set_quota`): windows of different lengths have different
+    /// indices, so they must not share a key (a short window's script would
+    /// forget a long one's count as an old window).
+    pub(crate) fn for_period(&self, period: std::time::Duration) -> Self {
+        KeyEncoder {
+            namespace: self.namespace.clone(),
+            quota: format!("{}~{}", self.quota, period.as_micros()),
+        }
+    }
+
     /// These keys for a limiter's quota at `index` (0: the first).
     pub(crate) fn for_quota(&self, index: usize) -> Self {
         KeyEncoder {

@@ -10,6 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::algorithm::REPEAT;
 use crate::decision::{Origin, Source, Taken};
 use crate::exact::ExactEngine;
 use crate::failure::{FailureLayer, LayerParts};
@@ -220,8 +221,28 @@ impl Lane {
 
     /// Gives `taken` back to the window it came from, while that window
     /// lasts; returns the permits given back (0: ignored).
+    ///
+    /// A refund that failed (its reply lost, say) is sent once more under
+    /// the same identity: if the first landed, the store answers with what
+    /// it gave back then, so it is neither lost nor counted twice.
+    ///
+    /// A refund of an admission already refunded gives nothing back: the
+    /// store knows its identity (for as long as its window lasts).
     pub(crate) async fn refund(&self, key: &str, taken: Taken) -> u64 {
-        let back = match (&self.engine, taken.origin) {
+        match self.refund_once(key, taken).await {
+            // Refunded before, by an earlier call.
+            Ok(back) if back >= REPEAT => 0,
+            Ok(back) => back,
+            // A repeat now is this call's own first send landing.
+            Err(_) => self
+                .refund_once(key, taken)
+                .await
+                .map_or(0, |back| back % REPEAT),
+        }
+    }
+
+    async fn refund_once(&self, key: &str, taken: Taken) -> Result<u64, Error> {
+        match (&self.engine, taken.origin) {
             (_, Origin::None) => Ok(0),
             (Engine::Local(local), Origin::Local) => Ok(local.refund(key, taken)),
             (Engine::Hybrid(hybrid), Origin::Lease | Origin::Store) => {
@@ -229,10 +250,10 @@ impl Lane {
             }
             (Engine::Exact(exact), Origin::Store) => exact.refund(key, taken).await,
             // A decision of another engine (a lane rebuilt in another
-            // mode cannot happen; a decision of another limiter can).
+            // mode cannot happen; a decision of another limiter is refused
+            // before it gets here).
             _ => Ok(0),
-        };
-        back.unwrap_or(0)
+        }
     }
 
     pub(crate) async fn shutdown(&self) {

@@ -50,11 +50,21 @@ pub(crate) struct Inner {
     algorithm: Algorithm,
     /// This limiter's namespace.
     keys: KeyEncoder,
+    /// This limiter's identity in its decisions.
+    id: u64,
+    /// The first quota's period as built: quotas of the first position
+    /// with another period (tiers, `set_quota`) count in keys of their own.
+    period: std::time::Duration,
 }
 
+/// Identities of limiters (never 0).
+static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
 impl Inner {
+    /// Counts a decision and signs it as this limiter's.
     #[inline]
-    pub(crate) fn count(&self, decision: &Decision) {
+    pub(crate) fn count(&self, decision: &mut Decision) {
+        decision.limiter = self.id;
         self.counters
             .decision(decision.is_allowed(), decision.source());
     }
@@ -72,7 +82,11 @@ impl Inner {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        Lane::build(&self.recipe, quota, self.keys.for_quota(index), config)
+        let mut keys = self.keys.for_quota(index);
+        if index == 0 && quota.period() != self.period {
+            keys = keys.for_period(quota.period());
+        }
+        Lane::build(&self.recipe, quota, keys, config)
     }
 
     /// The lane of quota `index` (0: the first) for `key`.
@@ -225,23 +239,23 @@ impl Limiter {
     #[inline]
     fn check_local_key(&self, key: &str, cost: u64) -> Option<Decision> {
         let inner = &*self.inner;
-        let decision = if inner.several() {
+        let mut decision = if inner.several() {
             several::check_now(self, key, cost)?
         } else {
             inner.first_lane(key).check_now(key, cost)?
         };
-        inner.count(&decision);
+        inner.count(&mut decision);
         Some(decision)
     }
 
     async fn check_slow(&self, key: &str, cost: u64) -> Decision {
         let inner = &*self.inner;
-        let decision = if inner.several() {
+        let mut decision = if inner.several() {
             several::decide(self, key, cost).await
         } else {
             inner.first_lane(key).decide(key, cost).await
         };
-        inner.count(&decision);
+        inner.count(&mut decision);
         decision
     }
 
@@ -252,11 +266,13 @@ impl Limiter {
     /// The store's error, classified (see [`Error::kind`]).
     pub async fn try_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
         let key = &*local_key(key);
-        if self.inner.several() {
+        let mut decision = if self.inner.several() {
             several::try_decide(self, key, cost).await
         } else {
             self.inner.first_lane(key).try_decide(key, cost).await
-        }
+        }?;
+        decision.limiter = self.inner.id;
+        Ok(decision)
     }
 
     /// Gives an admitted request's permits back to the window they were
@@ -268,14 +284,17 @@ impl Limiter {
     /// denial, a peek, credit, a failure policy's decision or a bucket
     /// algorithm (token bucket and GCRA refill by themselves). Returns the
     /// permits given back, summed over the quotas; what was ignored is
-    /// counted in [`Stats::refunds_ignored`]. Refund a decision once:
-    /// each call gives back again while the window has room.
+    /// counted in [`Stats::refunds_ignored`].
     ///
-    /// `key` must be the key the decision was made for.
+    /// A decision is refunded once: each admission carries an identity the
+    /// store remembers past the end of its window, so refunding it again
+    /// (or a retry after a lost reply) gives nothing more back. A decision
+    /// of another limiter is ignored. `key` must be the key the decision
+    /// was made for.
     pub async fn refund(&self, key: &str, decision: &Decision) -> u64 {
         let key = &*local_key(key);
         let parts = decision.quotas();
-        if parts.len() != 1 + self.inner.also.len() {
+        if decision.limiter != self.inner.id || parts.len() != 1 + self.inner.also.len() {
             let taken: u64 = parts.iter().map(|d| d.taken.cost).sum();
             self.inner.counters.refunds_ignored.add(taken);
             return 0;
@@ -341,7 +360,8 @@ impl Limiter {
     /// without a quota of its own, see [`Builder::quota_for`]).
     ///
     /// The new limit applies to what the current window (or bucket) has
-    /// already counted: raising a limit mid-window admits the difference at
+    /// already counted (for a quota of the same period; another period
+    /// counts on its own, see [`Builder::quota_for`]): raising a limit mid-window admits the difference at
     /// once, lowering it below the count denies until the window ends. A
     /// hybrid limiter gives the permits it leased under the old quota back
     /// and leases under the new one from the next request on, so the fleet
@@ -496,8 +516,11 @@ impl Builder {
     /// ```
     ///
     /// The resolver runs on every decision, so keep it cheap (a map
-    /// lookup). Every quota counts in the limiter's one namespace, so a
-    /// key that changes tier keeps its count. At most 64 distinct quotas
+    /// lookup). Quotas of the first quota's period count in the same
+    /// keys, so a key that changes tier keeps its count; a quota of
+    /// another period counts in keys of its own (windows of different
+    /// lengths cannot share a count), so a key moving between periods has
+    /// a count per period, each kept. At most 64 distinct quotas
     /// are in use at once; past that, and for a quota the algorithm
     /// refuses, the default applies. Replace it at run time with
     /// [`Limiter::set_quota_for`].
@@ -666,6 +689,8 @@ impl Builder {
                 algorithm: self.algorithm,
                 keys,
                 recipe,
+                id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                period: self.quota.period(),
             }),
         })
     }

@@ -54,7 +54,9 @@ impl LocalEngine {
             returned: taken.cost,
             window: taken.window,
             origin: LeaseOrigin::default(),
-            op: self.ops.next(),
+            op: taken.op.unwrap_or_else(|| self.ops.next()),
+            remember_us: crate::exact::remember_refund(&self.params),
+            refund: true,
         };
         self.store.give_back(&self.params, &call).unwrap_or(0)
     }

@@ -122,18 +122,24 @@ impl<'a> Undo<'a> {
         self.list().retain(|(i, _)| *i != index);
     }
 
-    /// Gives everything taken back now (a quota denied).
-    async fn run(self) {
+    /// Gives everything taken back now (a quota denied): into the local
+    /// leases at once, the rest through the store in a task of its own, so
+    /// the decision is not held up by refunds (the quotas are short of
+    /// those permits until they land: a brief undershoot).
+    fn run(self) {
         let taken = std::mem::take(&mut *self.list());
-        for (index, taken) in taken {
-            if !self
-                .limiter
-                .inner
-                .lane(self.key, index)
-                .is_some_and(|lane| lane.untake(self.key, taken))
-            {
-                self.limiter.refund_taken(self.key, index, taken).await;
-            }
+        let late: Vec<(usize, Taken)> = taken
+            .into_iter()
+            .filter(|&(index, taken)| {
+                !self
+                    .limiter
+                    .inner
+                    .lane(self.key, index)
+                    .is_some_and(|lane| lane.untake(self.key, taken))
+            })
+            .collect();
+        if !late.is_empty() {
+            spawn_refunds(self.limiter.clone(), self.key.to_owned(), late);
         }
     }
 
@@ -199,24 +205,41 @@ pub(crate) async fn decide(limiter: &Limiter, key: &str, cost: u64) -> Decision 
             )
         });
     }
-    // A permit taken from one quota while another waits on the store
-    // would count in a window that may end before the decision does. So
-    // each round first lets every quota take (waiting for refills where
-    // it must), puts what came from local leases back, and takes it all
-    // again at one instant under the key's stripe.
+    match in_rounds(limiter, key, cost, false).await {
+        Ok(decision) => decision,
+        // Only a try returns errors.
+        Err(_) => unreachable_decision(limiter, key),
+    }
+}
+
+/// A permit taken from one quota while another waits on the store would
+/// count in a window that may end before the decision does. So each round
+/// first lets every quota take (waiting for refills where it must), puts
+/// what came from local leases back, and takes it all again at one instant
+/// under the key's stripe. `try_`: a store error ends it (what was taken
+/// given back), rather than becoming the policy's decision.
+async fn in_rounds(
+    limiter: &Limiter,
+    key: &str,
+    cost: u64,
+    try_: bool,
+) -> Result<Decision, crate::Error> {
     for _ in 0..ROUNDS {
-        match take_in_turn(limiter, key, cost).await {
-            Turn::Done(decision) => return decision,
+        match take_in_turn(limiter, key, cost, try_).await? {
+            Turn::Done(decision) => return Ok(decision),
             Turn::Retake => {}
         }
         if let Some(decision) = check_now(limiter, key, cost) {
-            return decision;
+            return Ok(decision);
         }
     }
-    // Leases keep slipping away between the rounds (a map at `max_keys`,
-    // refills failing): one more denial is the safe answer.
-    let inner = &*limiter.inner;
-    let lane = inner.first_lane(key);
+    Ok(unreachable_decision(limiter, key))
+}
+
+/// Leases keep slipping away between the rounds (a map at `max_keys`,
+/// refills failing): one more denial is the safe answer.
+fn unreachable_decision(limiter: &Limiter, key: &str) -> Decision {
+    let lane = limiter.inner.first_lane(key);
     let retry = std::time::Duration::from_millis(1);
     Decision::deny(
         lane.quota.limit(),
@@ -244,7 +267,12 @@ enum Turn {
 /// [`check_now`] to take at one instant. An admission decided by the store
 /// stands only while every part's window lasts; else all is given back and
 /// the round starts over.
-async fn take_in_turn(limiter: &Limiter, key: &str, cost: u64) -> Turn {
+async fn take_in_turn(
+    limiter: &Limiter,
+    key: &str,
+    cost: u64,
+    try_: bool,
+) -> Result<Turn, crate::Error> {
     let inner = &*limiter.inner;
     let count = 1 + inner.also.len();
     let undo = Undo::new(limiter, key);
@@ -257,29 +285,42 @@ async fn take_in_turn(limiter: &Limiter, key: &str, cost: u64) -> Turn {
         // The store decides after this, so its window lasts at least
         // `reset_after` from here.
         let started = tokio::time::Instant::now();
-        let decision = lane.decide(key, cost).await;
-        if decision.is_allowed() {
-            undo_ref.record(index, decision.taken);
+        let decision = if try_ {
+            lane.try_decide(key, cost).await
+        } else {
+            Ok(lane.decide(key, cost).await)
+        };
+        if let Ok(decision) = &decision {
+            if decision.is_allowed() {
+                undo_ref.record(index, decision.taken);
+            }
         }
-        Some((decision, started))
+        Some(decision.map(|d| (d, started)))
     });
     let results: Vec<_> = futures_util::future::join_all(takes)
         .await
         .into_iter()
         .flatten()
         .collect();
+    let results = match results.into_iter().collect::<Result<Vec<_>, _>>() {
+        Ok(results) => results,
+        Err(e) => {
+            undo.run();
+            return Err(e);
+        }
+    };
     let (mut parts, decided): (Vec<Decision>, Vec<_>) = results.into_iter().unzip();
     if parts.iter().any(|d| !d.is_allowed()) {
-        undo.run().await;
-        return Turn::Done(binding(parts));
+        undo.run();
+        return Ok(Turn::Done(binding(parts)));
     }
     if cost == 0 {
         undo.keep();
-        return Turn::Done(binding(parts));
+        return Ok(Turn::Done(binding(parts)));
     }
     if parts.iter().all(|d| d.taken.origin == Origin::Lease) {
-        undo.run().await;
-        return Turn::Retake;
+        undo.run();
+        return Ok(Turn::Retake);
     }
     // Some part was decided by the store (or by the failure policy): it
     // cannot be taken again locally. It stands if its window outlasts the
@@ -292,11 +333,11 @@ async fn take_in_turn(limiter: &Limiter, key: &str, cost: u64) -> Turn {
             && now.duration_since(*started) >= d.taken.lasts
     });
     if stale || !retake_leases(inner, &undo, key, cost, &mut parts) {
-        undo.run().await;
-        return Turn::Retake;
+        undo.run();
+        return Ok(Turn::Retake);
     }
     undo.keep();
-    Turn::Done(binding(parts))
+    Ok(Turn::Done(binding(parts)))
 }
 
 /// ...and the parts taken from leases are put back and taken again now,
@@ -388,33 +429,7 @@ pub(crate) async fn try_decide(
     if let Some(result) = decide_in_one_call(limiter, key, cost).await {
         return result;
     }
-    let inner = &*limiter.inner;
-    let count = 1 + inner.also.len();
-    let undo = Undo::new(limiter, key);
-    let mut parts = Vec::with_capacity(count);
-    for index in 0..count {
-        let Some(lane) = inner.lane(key, index) else {
-            break;
-        };
-        let result = lane.try_decide(key, cost).await;
-        drop(lane);
-        let decision = match result {
-            Ok(decision) => decision,
-            Err(e) => {
-                undo.run().await;
-                return Err(e);
-            }
-        };
-        if !decision.is_allowed() {
-            undo.run().await;
-            parts.push(decision);
-            return Ok(binding(parts));
-        }
-        undo.record(index, decision.taken);
-        parts.push(decision);
-    }
-    undo.keep();
-    Ok(binding(parts))
+    in_rounds(limiter, key, cost, true).await
 }
 
 /// Decides `cost` for every `(limiter, key)` pair, all-or-nothing: a
@@ -455,11 +470,9 @@ pub async fn check_all(pairs: &[(&Limiter, &str)], cost: u64) -> Decision {
     for (i, (limiter, key)) in pairs.iter().enumerate() {
         let decision = limiter.check(key, cost).await;
         if !decision.is_allowed() {
-            let done = std::mem::take(&mut guard.taken);
-            for (j, d) in done {
-                let (l, k) = pairs[j];
-                l.refund(k, &d).await;
-            }
+            // What the earlier pairs took goes back in a task of its own
+            // (the guard's drop), not holding up the denial.
+            drop(guard);
             let mut parts: Vec<Decision> = taken.into_iter().map(|(_, d)| d).collect();
             parts.push(decision);
             return binding_of_pairs(parts);

@@ -4,7 +4,9 @@
 //! its quota (`None`: the default). Every quota in use gets a lane of its
 //! own, built on first use, and every lane counts in the limiter's one
 //! namespace: a key that changes tier keeps what its window already
-//! counted, and the new limit applies to it. Resolvers and the default
+//! counted, and the new limit applies to it. (A quota of another period
+//! than the limiter's first counts in keys of its own: windows of
+//! different lengths cannot share one count.) Resolvers and the default
 //! quota are replaced at run time; the lanes they no longer pick are shut
 //! down, which gives their unused leased permits back, so the key's new
 //! lane can lease them within one refill.

@@ -320,6 +320,8 @@ async fn check_all_is_all_or_nothing_across_limiters() {
     }
     let total: i64 = admitted.values().sum();
     assert_eq!(total, 8, "the organisation binds");
+    // A denial's refunds run in a task of their own.
+    tokio::time::sleep(Duration::from_millis(20)).await;
     for user in ["alice", "bob"] {
         let counted = store
             .window_count("user", user, Algorithm::FixedWindow, w)
@@ -332,6 +334,7 @@ async fn check_all_is_all_or_nothing_across_limiters() {
     // Refund one admission across both.
     let d = check_all(&[(&users, "carol"), (&orgs, "acme")], 1).await;
     assert!(!d.is_allowed());
+    tokio::time::sleep(Duration::from_millis(20)).await;
     assert_eq!(
         store
             .window_count("user", "carol", Algorithm::FixedWindow, w)

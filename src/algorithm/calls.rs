@@ -64,6 +64,31 @@ pub(crate) struct OpId {
     seq: u64,
 }
 
+/// A fresh identity for an admission's refund, without a shared write: a
+/// random per-process nonce, this thread's tag and its own sequence.
+pub(crate) fn admission_op() -> OpId {
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    static THREADS: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static NEXT: Cell<u64> = const { Cell::new(0) };
+    }
+    let nonce = *NONCE.get_or_init(|| OpIds::default().nonce ^ 0xAD41_5510);
+    let seq = NEXT
+        .try_with(|next| {
+            let mut n = next.get();
+            if n == 0 {
+                // This thread's first: a tag in the top 24 bits.
+                n = THREADS.fetch_add(1, Ordering::Relaxed) << 40;
+            }
+            next.set(n + 1);
+            n
+        })
+        .unwrap_or_else(|_| THREADS.fetch_add(1, Ordering::Relaxed) << 40);
+    OpId { nonce, seq }
+}
+
 impl OpId {
     /// The identity key, in the same hash slot as the store key it reports on.
     pub(crate) fn key_for(&self, store_key: &str) -> String {
@@ -257,4 +282,13 @@ pub(crate) struct GiveBackCall {
     /// Token bucket, GCRA: the lease the permits came from.
     pub(crate) origin: LeaseOrigin,
     pub(crate) op: OpId,
+    /// How long the store remembers the identity (µs; 0: a minute). A
+    /// refund's lasts its window, so it is given back once however often
+    /// it is sent.
+    pub(crate) remember_us: u64,
+    /// A refund: a repeat answers [`REPEAT`] plus the first answer.
+    pub(crate) refund: bool,
 }
+
+/// Added to the first answer when a refund's identity was seen before.
+pub(crate) const REPEAT: u64 = 1 << 52;

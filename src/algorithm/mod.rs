@@ -29,7 +29,8 @@ mod token_bucket;
 mod window;
 
 pub(crate) use self::calls::{
-    AcquireReply, GiveBackCall, LeaseCall, LeaseOrigin, LeaseReply, OpId, OpIds, Params, MAX_REPORT,
+    admission_op, AcquireReply, GiveBackCall, LeaseCall, LeaseOrigin, LeaseReply, OpId, OpIds,
+    Params, MAX_REPORT, REPEAT,
 };
 pub(crate) use self::state::{Entry, State};
 

@@ -100,6 +100,8 @@ pub(crate) fn give_back_args(p: &Params, c: &GiveBackCall, args: &mut Vec<Arg>) 
         Arg::Uint(p.burst),
         Arg::Uint(c.returned),
         Arg::Int(c.window),
+        Arg::Uint(c.remember_us / 1000),
+        Arg::Text(if c.refund { "1".into() } else { "0".into() }),
     ]);
 }
 

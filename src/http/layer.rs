@@ -257,6 +257,9 @@ impl Prepared {
             let limiter = &policies[i].limiter;
             let first = match n {
                 0 => decisions[i].clone(),
+                // Past the budget, no policy is asked again: the request
+                // is answered within the budget and one decision.
+                _ if Instant::now() >= deadline => return,
                 _ => limiter.check(key, cost).await,
             };
             let decision = limiter.retry_until(key, cost, first, deadline).await;

@@ -204,18 +204,27 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         ResponseFuture::waiting(Box::pin(async move {
             let began = tokio::time::Instant::now();
-            let mut decisions = Vec::with_capacity(now.len());
+            // Dropped before the verdict (the client hung up, a timeout),
+            // what the policies took so far goes back: all-or-nothing.
+            let mut held = Held {
+                config: &config,
+                route,
+                key: &key,
+                decisions: Vec::with_capacity(now.len()),
+            };
             for (policy, decided) in config.policies(route).zip(now) {
-                decisions.push(match decided {
+                let decision = match decided {
                     Some(decision) => decision,
                     None => policy.limiter.check(&key, cost).await,
-                });
+                };
+                held.decisions.push(decision);
             }
-            if config.waits_for(&decisions) {
+            if config.waits_for(&held.decisions) {
                 config
-                    .wait_out(route, &key, cost, began, &mut decisions)
+                    .wait_out(route, &key, cost, began, &mut held.decisions)
                     .await;
             }
+            let decisions = std::mem::take(&mut held.decisions);
             match conclude(&config, route, &key, decisions, grpc) {
                 Verdict::Admit(admitted) => {
                     let response = inner.call(request).await?;
@@ -224,5 +233,22 @@ where
                 Verdict::Reject(response) => Ok(response.map(RateLimitBody::full)),
             }
         }))
+    }
+}
+
+/// The decisions of a request not concluded yet; dropped with them (the
+/// request's future dropped mid-decision), it refunds what they took.
+struct Held<'a> {
+    config: &'a Prepared,
+    route: usize,
+    key: &'a str,
+    decisions: Vec<Decision>,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if !self.decisions.is_empty() {
+            self.config.refund(self.route, self.key, &self.decisions);
+        }
     }
 }

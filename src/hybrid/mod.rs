@@ -460,14 +460,20 @@ impl HybridEngine {
         slot.untake(taken.window, taken.cost, s.time.precise_us())
     }
 
-    /// Gives `taken` back: to the local lease it came from if still held,
-    /// else to the store's count of its window, which takes it only while
-    /// the window lasts. Returns the permits taken back.
+    /// Gives `taken` back to the store's count of its window, which takes
+    /// it only while the window lasts, once per admission however often it
+    /// is sent (the refund carries the admission's identity). Not into the
+    /// local lease: that would take it back again on every call. Returns
+    /// the permits taken back.
     pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<u64, Error> {
-        if taken.origin == Origin::Lease && self.untake(key, taken) {
-            return Ok(taken.cost);
+        let back = self.shared.exact.refund(key, taken).await?;
+        if back > 0 && back < crate::algorithm::REPEAT {
+            // The store has room again: a key known exhausted asks anew.
+            if let Some(slot) = self.shared.slots.get(key) {
+                slot.denied_until.store(0, Ordering::Release);
+            }
         }
-        self.shared.exact.refund(key, taken).await
+        Ok(back)
     }
 
     /// Stops the sync task and gives every unused permit back.
@@ -855,6 +861,8 @@ impl Shared {
             window,
             origin,
             op: self.ops.next(),
+            remember_us: 0,
+            refund: false,
         };
         self.returns
             .lock()

@@ -196,15 +196,26 @@ impl MemoryStore {
 
     pub(crate) fn give_back(&self, p: &Params, call: &GiveBackCall) -> Result<u64, Error> {
         let now = self.now();
-        self.once(Some(call.op.key_for(&call.key)), now, |seen| match seen {
-            Some(back) => Ok((back, None)),
-            None => {
-                let give_back = p.algorithm.spec().give_back;
-                let back =
-                    self.with_entry(&call.key, now, |entry| give_back(entry, p, now, call))?;
-                Ok((back, Some(back)))
-            }
-        })
+        let remember = call.remember_us.max(OP_TTL_US);
+        let repeat = if call.refund {
+            crate::algorithm::REPEAT
+        } else {
+            0
+        };
+        self.once_for(
+            Some(call.op.key_for(&call.key)),
+            now,
+            remember,
+            |seen| match seen {
+                Some(back) => Ok((back + repeat, None)),
+                None => {
+                    let give_back = p.algorithm.spec().give_back;
+                    let back =
+                        self.with_entry(&call.key, now, |entry| give_back(entry, p, now, call))?;
+                    Ok((back, Some(back)))
+                }
+            },
+        )
     }
 
     /// Runs a report under its identity, as the scripts do with their
@@ -214,6 +225,17 @@ impl MemoryStore {
         &self,
         op: Option<String>,
         now: u64,
+        f: impl FnOnce(Option<u64>) -> Result<(R, Option<u64>), Error>,
+    ) -> Result<R, Error> {
+        self.once_for(op, now, OP_TTL_US, f)
+    }
+
+    /// [`once`](Self::once), remembering the identity for `keep_us` µs.
+    fn once_for<R>(
+        &self,
+        op: Option<String>,
+        now: u64,
+        keep_us: u64,
         f: impl FnOnce(Option<u64>) -> Result<(R, Option<u64>), Error>,
     ) -> Result<R, Error> {
         let Some(op) = op else {
@@ -231,7 +253,7 @@ impl MemoryStore {
         let seen = ops.get(&op).filter(|(_, e)| *e > now).map(|(v, _)| *v);
         let (reply, remember) = f(seen)?;
         if let Some(value) = remember {
-            ops.insert(op, (value, now + OP_TTL_US));
+            ops.insert(op, (value, now + keep_us));
         }
         Ok(reply)
     }
