@@ -113,6 +113,8 @@ struct Scenario {
     tiers: bool,
     /// Some decisions wait up to this long (`Limiter::acquire`).
     acquire_wait: Option<Duration>,
+    /// Every process doubles its quota then (`Limiter::set_quota`).
+    raise_at: Option<Duration>,
 }
 
 impl Scenario {
@@ -170,6 +172,7 @@ impl Scenario {
         let acquire_wait = extra
             .chance(0.3)
             .then(|| Duration::from_millis([5, 20, 60][extra.below(3) as usize]));
+        let raise_at = (extra.chance(0.25) && !tiers && second.is_none()).then(|| at(&mut extra));
         let mut s = Scenario {
             algorithm,
             max_debt: r.chance(0.35).then(|| 1 + r.below((burst / 2).clamp(1, 5))),
@@ -200,6 +203,7 @@ impl Scenario {
             refund_chance,
             tiers,
             acquire_wait,
+            raise_at,
         };
         // A decision `acquire` returns counts when its last check was
         // made, which the driver cannot see: it counts at the return. That
@@ -228,6 +232,11 @@ impl Scenario {
         } else {
             1
         }
+    }
+
+    /// The quota `set_quota` raises every process to.
+    fn raised_quota(&self) -> Quota {
+        self.tier_quota()
     }
 
     /// The quota of the odd keys when tiers are drawn.
@@ -324,6 +333,8 @@ struct Log {
     /// (key, window) → the store's count, sampled after the window ended.
     counts: HashMap<(usize, i64), i64>,
     restarts_us: Vec<u64>,
+    /// When every process doubled its quota.
+    raised_us: Option<u64>,
 }
 
 const NS: &str = "sim";
@@ -510,6 +521,9 @@ async fn control(
     if let Some(at) = s.reconfigure_at {
         events.push((at, 3));
     }
+    if let Some(at) = s.raise_at {
+        events.push((at, 4));
+    }
     events.sort();
     let mut next_sample_us = {
         let now = clock.now().as_micros() as u64;
@@ -549,11 +563,20 @@ async fn control(
                         .restarts_us
                         .push(clock.now().as_micros() as u64);
                 }
-                _ => {
+                3 => {
                     for (i, l) in fleet.limiters.iter().enumerate() {
                         l.reconfigure(s.config(i as u64 + 1))
                             .expect("a valid configuration");
                     }
+                }
+                _ => {
+                    // Before the first raise lands, so a decision after it
+                    // is judged by the new quota only if every process has it.
+                    let at = clock.now().as_micros() as u64;
+                    for l in &fleet.limiters {
+                        l.set_quota(s.raised_quota()).expect("a valid quota");
+                    }
+                    log.lock().unwrap().raised_us = Some(at);
                 }
             }
         }
@@ -675,9 +698,18 @@ fn judge(
         .iter()
         .filter(|d| d.allowed && d.cost > 0)
         .collect();
+    // Twice the quota from the raise on (the new limit applies to what was
+    // counted before it).
+    let raised = |t: u64| {
+        if log.raised_us.is_some_and(|r| r < t) {
+            2
+        } else {
+            1
+        }
+    };
     if let Some(bad) = admitted
         .iter()
-        .find(|d| d.cost > s.burst_of(d.key).max(s.limit_of(d.key)))
+        .find(|d| d.cost > s.burst_of(d.key).max(s.limit_of(d.key)) * raised(d.at_us))
     {
         return Err(format!("admitted a cost the quota can never hold: {bad:?}"));
     }
@@ -761,7 +793,7 @@ fn judge(
             // previous window's, weighted by what the trailing period still
             // covers of it, stay within the limit (strict), or within the
             // limit plus two windows' unreported credit (optimistic).
-            let cap = |key: usize| s.limit_of(key) + 2 * n * debt;
+            let cap = |key: usize, t: u64| s.limit_of(key) * raised(t) + 2 * n * debt;
             let mut per: HashMap<(usize, i64), u64> = HashMap::new();
             for d in &admitted {
                 *per.entry((d.key, (d.at_us / period_us) as i64))
@@ -793,10 +825,10 @@ fn judge(
                 let weighted = (before as f64 * left as f64 / period_us as f64).ceil() as u64;
                 let load = *count + weighted;
                 worst = worst.max(load);
-                if load > cap(d.key) {
+                if load > cap(d.key, d.at_us) {
                     return Err(format!(
                         "key {key} at {at} µs: load {load} ({count} + {weighted} of {before}) > {cap}",
-                        cap = cap(d.key),
+                        cap = cap(d.key, d.at_us),
                         key = d.key,
                         at = d.at_us,
                         count = *count,
@@ -808,7 +840,7 @@ fn judge(
         Algorithm::FixedWindow => {
             // At every admission, the window's admissions so far less what
             // may have been refunded to it by then stay within the cap.
-            let cap = |key: usize| s.limit_of(key) + n * debt;
+            let cap = |key: usize, t: u64| s.limit_of(key) * raised(t) + n * debt;
             let mut ordered = admitted.clone();
             ordered.sort_by_key(|d| d.at_us);
             let mut so_far: HashMap<(usize, i64), u64> = HashMap::new();
@@ -825,17 +857,20 @@ fn judge(
                 let load = count.saturating_sub(refunded_by(d.key, w, d.at_us));
                 net.insert((d.key, w), load);
                 worst = worst.max(load);
-                if load > cap(d.key) {
+                if load > cap(d.key, d.at_us) {
                     return Err(format!(
                         "key {key} window {w}: admitted {load} (after refunds) > {cap}",
                         key = d.key,
-                        cap = cap(d.key),
+                        cap = cap(d.key, d.at_us),
                     ));
                 }
             }
             let excess: u64 = net
                 .iter()
-                .map(|(&(key, _), c)| c.saturating_sub(s.limit_of(key)))
+                .map(|(&(key, w), c)| {
+                    let end = (w as u64 + 1) * period_us;
+                    c.saturating_sub(s.limit_of(key) * raised(end))
+                })
                 .sum();
             if log.restarts_us.is_empty() && excess > overshoot {
                 return Err(format!(
@@ -845,8 +880,10 @@ fn judge(
             summary += &format!("worst window {worst}/{}", s.limit);
         }
         _ => {
-            let rate_of = |key: usize| s.limit_of(key) as f64 / s.period.as_micros() as f64;
-            let rate = rate_of(1);
+            let rate_of = |key: usize, t: u64| {
+                (s.limit_of(key) * raised(t)) as f64 / s.period.as_micros() as f64
+            };
+            let rate = rate_of(1, u64::MAX);
             let h = s.horizon.as_micros() as f64;
             // Optimistic buckets: credit outstanding (N·max_debt) plus the
             // debt the store could not cover, which the overshoot metric
@@ -870,8 +907,9 @@ fn judge(
                         if restarted(a, b) {
                             continue;
                         }
-                        let allowed =
-                            s.burst_of(key) as f64 + rate_of(key) * ((b - a) as f64 + h) + slack;
+                        let allowed = (s.burst_of(key) * raised(b)) as f64
+                            + rate_of(key, b) * ((b - a) as f64 + h)
+                            + slack;
                         tightest = tightest.min(allowed - sum as f64);
                         if sum as f64 > allowed {
                             return Err(format!(
