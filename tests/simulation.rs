@@ -478,8 +478,14 @@ async fn drive(
         // Several quotas: a part the store decided early in a long decision
         // stands only if its window outlasts the decision, and leased parts
         // are taken at its end: it counts at its end.
+        // A decision by one store call counts when the store made it: at
+        // the call's midpoint. The call ends the decision and lasts at most
+        // the store's timeout, so a longer decision (a hybrid one that
+        // waited for a refill, then asked the store: its lane shut down by
+        // `set_quota`, say) counts at the midpoint of its last stretch.
         let at_us = if d.source() == Source::Store && s.second.is_none() && waited.is_zero() {
-            (begin_us + end_us) / 2
+            let call_us = s.faults.timeout.as_micros() as u64;
+            ((begin_us + end_us) / 2).max(end_us.saturating_sub(call_us / 2))
         } else {
             end_us
         };
