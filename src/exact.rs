@@ -93,7 +93,7 @@ impl ExactEngine {
             returned: taken.cost,
             window: taken.window,
             origin: LeaseOrigin::default(),
-            op: taken.op.unwrap_or_else(|| self.ops.next()),
+            op: taken.op().unwrap_or_else(|| self.ops.next()),
             remember_us: remember_refund(&self.params),
             refund: true,
         };

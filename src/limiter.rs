@@ -51,14 +51,14 @@ pub(crate) struct Inner {
     /// This limiter's namespace.
     keys: KeyEncoder,
     /// This limiter's identity in its decisions.
-    id: u64,
+    id: u32,
     /// The first quota's period as built: quotas of the first position
     /// with another period (tiers, `set_quota`) count in keys of their own.
     period: std::time::Duration,
 }
 
 /// Identities of limiters (never 0).
-static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+static NEXT_ID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
 
 impl Inner {
     /// Counts a decision and signs it as this limiter's.
@@ -689,7 +689,7 @@ impl Builder {
                 algorithm: self.algorithm,
                 keys,
                 recipe,
-                id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed).max(1),
                 period: self.quota.period(),
             }),
         })

@@ -54,7 +54,7 @@ impl LocalEngine {
             returned: taken.cost,
             window: taken.window,
             origin: LeaseOrigin::default(),
-            op: taken.op.unwrap_or_else(|| self.ops.next()),
+            op: taken.op().unwrap_or_else(|| self.ops.next()),
             remember_us: crate::exact::remember_refund(&self.params),
             refund: true,
         };

@@ -18,6 +18,8 @@
 //! [`check_all`] does the same across limiters and keys (a user and the
 //! user's organisation), which may live in different Redis slots or nodes.
 
+use std::sync::Arc;
+
 use crate::decision::{Origin, Taken};
 use crate::key::local_key;
 use crate::limiter::Limiter;
@@ -40,7 +42,7 @@ pub(crate) fn binding(parts: Vec<Decision>) -> Decision {
     };
     let mut decision = chosen.clone();
     decision.taken = Taken::default();
-    decision.parts = Some(parts.into());
+    decision.parts = Some(Arc::new(parts));
     decision
 }
 
@@ -330,7 +332,7 @@ async fn take_in_turn(
     let stale = parts.iter().zip(&decided).any(|(d, started)| {
         d.taken.refundable()
             && d.taken.origin != Origin::Lease
-            && now.duration_since(*started) >= d.taken.lasts
+            && now.duration_since(*started) >= d.taken.lasts()
     });
     if stale || !retake_leases(inner, &undo, key, cost, &mut parts) {
         undo.run();
@@ -494,7 +496,7 @@ fn binding_of_pairs(parts: Vec<Decision>) -> Decision {
         .flat_map(|d| d.quotas().iter().cloned())
         .collect();
     let mut decision = binding(flat);
-    decision.parts = Some(parts.into());
+    decision.parts = Some(Arc::new(parts));
     decision
 }
 

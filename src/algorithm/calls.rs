@@ -64,32 +64,42 @@ pub(crate) struct OpId {
     seq: u64,
 }
 
-/// A fresh identity for an admission's refund, without a shared write: a
-/// random per-process nonce, this thread's tag and its own sequence.
-pub(crate) fn admission_op() -> OpId {
+/// The nonce of this process's admission identities.
+fn admission_nonce() -> u64 {
+    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NONCE.get_or_init(|| OpIds::default().nonce ^ 0xAD41_5510)
+}
+
+/// A fresh sequence for an admission's refund identity, without a shared
+/// write: this thread's tag (top bits) and its own count.
+pub(crate) fn admission_seq() -> u64 {
     use std::cell::Cell;
     use std::sync::atomic::{AtomicU64, Ordering};
-    static NONCE: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     static THREADS: AtomicU64 = AtomicU64::new(1);
     thread_local! {
         static NEXT: Cell<u64> = const { Cell::new(0) };
     }
-    let nonce = *NONCE.get_or_init(|| OpIds::default().nonce ^ 0xAD41_5510);
-    let seq = NEXT
-        .try_with(|next| {
-            let mut n = next.get();
-            if n == 0 {
-                // This thread's first: a tag in the top 24 bits.
-                n = THREADS.fetch_add(1, Ordering::Relaxed) << 40;
-            }
-            next.set(n + 1);
-            n
-        })
-        .unwrap_or_else(|_| THREADS.fetch_add(1, Ordering::Relaxed) << 40);
-    OpId { nonce, seq }
+    NEXT.try_with(|next| {
+        let mut n = next.get();
+        if n == 0 {
+            n = THREADS.fetch_add(1, Ordering::Relaxed) << 40;
+        }
+        next.set(n + 1);
+        n
+    })
+    .unwrap_or_else(|_| THREADS.fetch_add(1, Ordering::Relaxed) << 40)
 }
 
 impl OpId {
+    /// The identity of this process's admission `seq` (see
+    /// [`admission_seq`]).
+    pub(crate) fn admission(seq: u64) -> OpId {
+        OpId {
+            nonce: admission_nonce(),
+            seq,
+        }
+    }
+
     /// The identity key, in the same hash slot as the store key it reports on.
     pub(crate) fn key_for(&self, store_key: &str) -> String {
         format!("{store_key}:op:{:x}.{:x}", self.nonce, self.seq)

@@ -29,7 +29,7 @@ mod token_bucket;
 mod window;
 
 pub(crate) use self::calls::{
-    admission_op, AcquireReply, GiveBackCall, LeaseCall, LeaseOrigin, LeaseReply, OpId, OpIds,
+    admission_seq, AcquireReply, GiveBackCall, LeaseCall, LeaseOrigin, LeaseReply, OpId, OpIds,
     Params, MAX_REPORT, REPEAT,
 };
 pub(crate) use self::state::{Entry, State};
