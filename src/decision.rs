@@ -269,6 +269,10 @@ mod tests {
     /// bytes).
     #[test]
     fn a_decision_stays_small() {
-        assert!(std::mem::size_of::<Decision>() <= 96, "{}", std::mem::size_of::<Decision>());
+        assert!(
+            std::mem::size_of::<Decision>() <= 96,
+            "{}",
+            std::mem::size_of::<Decision>()
+        );
     }
 }

@@ -689,7 +689,9 @@ impl Builder {
                 algorithm: self.algorithm,
                 keys,
                 recipe,
-                id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed).max(1),
+                id: NEXT_ID
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                    .max(1),
                 period: self.quota.period(),
             }),
         })
