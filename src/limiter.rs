@@ -301,6 +301,16 @@ impl Limiter {
         }
         let mut back = 0;
         for (index, part) in parts.iter().enumerate() {
+            // A key moved to a tier of another period since: its window
+            // indices count other windows, so the refund has nowhere to go.
+            let moved = self
+                .inner
+                .lane(key, index)
+                .is_some_and(|lane| lane.quota.period() != part.period());
+            if moved {
+                self.inner.counters.refunds_ignored.add(part.taken.cost);
+                continue;
+            }
             back += self.refund_taken(key, index, part.taken).await;
         }
         back

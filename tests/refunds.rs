@@ -290,3 +290,28 @@ async fn wait_up_to_answers_within_its_budget_and_one_decision() {
         "answered after {took:?}"
     );
 }
+
+/// A refund after the key moved to a tier of another period has no
+/// window to go to: it is ignored, and the new tier gains nothing.
+#[tokio::test]
+async fn a_refund_after_a_move_to_another_period_is_ignored() {
+    let clock = FakeClock::new(Duration::from_secs(3_600 * 1_000 + 10));
+    let moved = Arc::new(AtomicU8::new(0));
+    let m = moved.clone();
+    let limiter = Limiter::builder(Quota::new(3, Duration::from_secs(3_600)).unwrap())
+        .quota_for(move |_| {
+            (m.load(Ordering::SeqCst) == 1)
+                .then(|| Quota::new(3, Duration::from_micros(3_600_000_001)).unwrap())
+        })
+        .store(MemoryStore::with_clock(clock.clone()))
+        .namespace("moved")
+        .clock(clock.clone())
+        .build()
+        .unwrap();
+    let d = limiter.check("k", 1).await;
+    assert!(d.is_allowed());
+    moved.store(1, Ordering::SeqCst);
+    assert_eq!(drain(&limiter, "k").await, 3);
+    assert_eq!(limiter.refund("k", &d).await, 0);
+    assert_eq!(drain(&limiter, "k").await, 0, "the new tier gained nothing");
+}
