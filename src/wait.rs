@@ -27,13 +27,13 @@ impl Limiter {
     /// is waited out and asked again, until the request is admitted or
     /// the wait runs out.
     ///
-    /// - **Bounded.** It never sleeps past `max_wait`: the last attempt
-    ///   starts at or before the deadline, so `acquire` returns within
-    ///   `max_wait` plus the time of one `check` (a store round trip, or
-    ///   a strict hybrid's wait for a refill). A denial that can never
-    ///   pass (no `retry_after`: the cost is above the limit) or whose
-    ///   retry falls beyond what is left of the wait is returned at once,
-    ///   without sleeping for nothing. `max_wait` zero is one `check`.
+    /// - **Bounded.** It waits for a retry only if one more `check` (as
+    ///   long as the last one took) still fits before the deadline, so
+    ///   `acquire` answers by the end of `max_wait`, give or take how much
+    ///   one check's time varies. A denial that can never pass (no
+    ///   `retry_after`: the cost is above the limit) or whose retry falls
+    ///   beyond what is left of the wait is returned at once, without
+    ///   sleeping for nothing. `max_wait` zero is one `check`.
     /// - **Jittered.** Each wake-up comes a little after the retry time
     ///   (up to a tenth of the wait, at most 20 ms, at random), so many
     ///   waiters in many processes do not all ask at the instant a window
@@ -64,8 +64,10 @@ impl Limiter {
     /// ```
     pub async fn acquire(&self, key: &str, cost: u64, max_wait: Duration) -> Decision {
         let deadline = deadline_after(max_wait);
+        let began = Instant::now();
         let first = self.check(key, cost).await;
-        self.retry_until(key, cost, first, deadline).await
+        self.retry_until(key, cost, first, deadline, began.elapsed())
+            .await
     }
 
     /// [`acquire`](Limiter::acquire) from a decision already made, with
@@ -77,8 +79,13 @@ impl Limiter {
         cost: u64,
         mut decision: Decision,
         deadline: Instant,
+        first_took: Duration,
     ) -> Decision {
         let mut slept = false;
+        // How long a check takes here: a retry that would leave no time
+        // for it before the deadline is not waited for, so the answer
+        // comes by the deadline (give or take one check's jitter).
+        let mut check_took = first_took;
         loop {
             if decision.is_allowed() {
                 return decision;
@@ -88,7 +95,7 @@ impl Limiter {
             };
             let now = Instant::now();
             let left = deadline.saturating_duration_since(now);
-            if left.is_zero() || retry > left {
+            if left.is_zero() || retry.saturating_add(check_took) > left {
                 if slept {
                     self.counters().acquire_timeouts.add(1);
                 }
@@ -99,7 +106,9 @@ impl Limiter {
             self.counters().acquire_waits.add(1);
             slept = true;
             tokio::time::sleep_until(wake).await;
+            let began = Instant::now();
             decision = self.check(key, cost).await;
+            check_took = began.elapsed();
         }
     }
 }

@@ -255,14 +255,20 @@ impl Prepared {
         denied.sort_by_key(|&i| std::cmp::Reverse(decisions[i].retry_after()));
         for (n, i) in denied.into_iter().enumerate() {
             let limiter = &policies[i].limiter;
+            let asked = Instant::now();
             let first = match n {
                 0 => decisions[i].clone(),
                 // Past the budget, no policy is asked again: the request
                 // is answered within the budget and one decision.
-                _ if Instant::now() >= deadline => return,
+                _ if asked >= deadline => return,
                 _ => limiter.check(key, cost).await,
             };
-            let decision = limiter.retry_until(key, cost, first, deadline).await;
+            let took = if n == 0 {
+                Duration::ZERO
+            } else {
+                asked.elapsed()
+            };
+            let decision = limiter.retry_until(key, cost, first, deadline, took).await;
             let admitted = decision.is_allowed();
             decisions[i] = decision;
             if !admitted {
