@@ -74,19 +74,28 @@ pub(crate) fn check_now(limiter: &Limiter, key: &str, cost: u64) -> Option<Decis
 /// Undoes local takes under the stripe lock. A take that can no longer go
 /// back locally (its lease just expired) goes back through the store.
 fn undo_now(limiter: &Limiter, key: &str, parts: &[Decision]) {
-    let inner = &*limiter.inner;
-    let mut late = Vec::new();
-    for (index, part) in parts.iter().enumerate() {
-        if !part.taken.refundable() {
-            continue;
-        }
-        let undone = inner
-            .lane(key, index)
-            .is_some_and(|lane| lane.untake(key, part.taken));
-        if !undone {
-            late.push((index, part.taken));
-        }
-    }
+    let taken = parts
+        .iter()
+        .enumerate()
+        .filter(|(_, part)| part.taken.refundable())
+        .map(|(index, part)| (index, part.taken))
+        .collect();
+    give_back(limiter, key, taken);
+}
+
+/// Gives takes back: into the local leases at once, the rest through the
+/// store in a task of its own, so no decision is held up by refunds (the
+/// quotas are short of those permits until they land: a brief undershoot).
+fn give_back(limiter: &Limiter, key: &str, taken: Vec<(usize, Taken)>) {
+    let late: Vec<(usize, Taken)> = taken
+        .into_iter()
+        .filter(|&(index, taken)| {
+            !limiter
+                .inner
+                .lane(key, index)
+                .is_some_and(|lane| lane.untake(key, taken))
+        })
+        .collect();
     if !late.is_empty() {
         spawn_refunds(limiter.clone(), key.to_owned(), late);
     }
@@ -124,25 +133,10 @@ impl<'a> Undo<'a> {
         self.list().retain(|(i, _)| *i != index);
     }
 
-    /// Gives everything taken back now (a quota denied): into the local
-    /// leases at once, the rest through the store in a task of its own, so
-    /// the decision is not held up by refunds (the quotas are short of
-    /// those permits until they land: a brief undershoot).
+    /// Gives everything taken back now (a quota denied; see
+    /// [`give_back`]).
     fn run(self) {
-        let taken = std::mem::take(&mut *self.list());
-        let late: Vec<(usize, Taken)> = taken
-            .into_iter()
-            .filter(|&(index, taken)| {
-                !self
-                    .limiter
-                    .inner
-                    .lane(self.key, index)
-                    .is_some_and(|lane| lane.untake(self.key, taken))
-            })
-            .collect();
-        if !late.is_empty() {
-            spawn_refunds(self.limiter.clone(), self.key.to_owned(), late);
-        }
+        drop(self);
     }
 
     /// The decision completed: what was taken stays taken.
@@ -154,22 +148,8 @@ impl<'a> Undo<'a> {
 impl Drop for Undo<'_> {
     fn drop(&mut self) {
         let taken = std::mem::take(&mut *self.list());
-        if taken.is_empty() {
-            return;
-        }
-        let mut late = Vec::new();
-        for (index, taken) in taken {
-            let undone = self
-                .limiter
-                .inner
-                .lane(self.key, index)
-                .is_some_and(|lane| lane.untake(self.key, taken));
-            if !undone {
-                late.push((index, taken));
-            }
-        }
-        if !late.is_empty() {
-            spawn_refunds(self.limiter.clone(), self.key.to_owned(), late);
+        if !taken.is_empty() {
+            give_back(self.limiter, self.key, taken);
         }
     }
 }
