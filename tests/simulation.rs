@@ -485,7 +485,8 @@ async fn drive(
         // `set_quota`, say) counts at the midpoint of its last stretch.
         let at_us = if d.source() == Source::Store && s.second.is_none() && waited.is_zero() {
             let call_us = s.faults.timeout.as_micros() as u64;
-            ((begin_us + end_us) / 2).max(end_us.saturating_sub(call_us / 2))
+            let guess = ((begin_us + end_us) / 2).max(end_us.saturating_sub(call_us / 2));
+            within_counted_window(&s, &d, cost, (begin_us, end_us), guess)
         } else {
             end_us
         };
@@ -503,6 +504,37 @@ async fn drive(
             held.push((key, at_us, cost, d));
         }
     }
+}
+
+/// A windowed admission by one store call, placed in the window the store
+/// counted it in: the store's reply says when its window's count resets,
+/// and the one period boundary that fits the call's span names the window.
+/// The call's midpoint guesses wrong when the call straddles a boundary (a
+/// long call, or one made late in a decision that waited).
+fn within_counted_window(
+    s: &Scenario,
+    d: &Decision,
+    cost: u64,
+    (begin_us, end_us): (u64, u64),
+    guess: u64,
+) -> u64 {
+    if !windowed(s.algorithm) || !d.is_allowed() || cost == 0 {
+        return guess;
+    }
+    let period_us = s.period.as_micros() as u64;
+    let reset_us = d.reset_after().as_micros() as u64;
+    let (lo, hi) = (begin_us + reset_us, end_us + reset_us);
+    let boundary = lo.div_ceil(period_us) * period_us;
+    if boundary > hi || boundary + period_us <= hi {
+        return guess;
+    }
+    // A fixed window's count resets when it ends; a sliding window's once
+    // the next one has ended too.
+    let ends = match s.algorithm {
+        Algorithm::SlidingWindow => boundary - period_us,
+        _ => boundary,
+    };
+    guess.clamp(ends - period_us, ends - 1)
 }
 
 /// Restarts, outages, reconfiguration and, for the fixed window, sampling
