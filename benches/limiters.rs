@@ -1,6 +1,7 @@
 //! Nanoseconds per decision: the hybrid hot path, the denied-until path,
 //! per-process limiting, governor's keyed limiter, and the exact limiter on
-//! a private Redis — one, two and four threads each.
+//! a private Redis — one, two and four threads each (and every core, on a
+//! machine with more than four).
 //!
 //! `cargo bench --bench limiters` (needs `redis-server` on PATH for the
 //! exact group). Two-thread figures are wall time per decision across both
@@ -21,6 +22,16 @@ const MANY_KEYS: usize = 10_000;
 
 fn keys(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("user-{i:05}")).collect()
+}
+
+/// 2 and 4 threads, and every core where that is more.
+fn thread_counts() -> Vec<usize> {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut counts = vec![2, 4];
+    if cores > 4 {
+        counts.push(cores);
+    }
+    counts
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -83,7 +94,7 @@ fn bench_limiter(c: &mut Criterion, group: &str, limiter: &Limiter, key_counts: 
                 limiter.check(&ks[i], 1)
             })
         });
-        for threads in [2, 4] {
+        for threads in thread_counts() {
             g.bench_function(format!("{n}_keys/{threads}_threads"), |b| {
                 b.iter_custom(|iters| on_threads(limiter, &ks, threads, iters.max(threads as u64)))
             });
@@ -144,7 +155,7 @@ fn governor_keyed(c: &mut Criterion) {
                 black_box(limiter.check_key(&ks[i]).is_ok())
             })
         });
-        for threads in [2u64, 4] {
+        for threads in thread_counts().into_iter().map(|t| t as u64) {
             g.bench_function(format!("{n}_keys/{threads}_threads"), |b| {
                 b.iter_custom(|iters| {
                     let per = iters.max(threads) / threads;

@@ -378,3 +378,76 @@ impl slicelimit::Clock for OffsetClock {
         BASE.get_or_init(std::time::Instant::now).elapsed() + self.0
     }
 }
+
+/// Threads racing for one hot key each spend a stock of its permits of
+/// their own (the slot's count is written once per stock, not once per
+/// decision); every permit the store granted is still spent at most once.
+/// Two limiters, two threads each, drain a key's whole hour.
+#[test]
+fn threads_racing_for_one_hot_key_admit_at_most_what_the_store_granted() {
+    const LIMIT: u64 = 20_000;
+    let server = RedisServer::start();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let limiters: Vec<Limiter> = rt.block_on(async {
+        let mut limiters = Vec::new();
+        for _ in 0..2 {
+            limiters.push(
+                Limiter::builder(Quota::new(LIMIT, Duration::from_secs(3600)).unwrap())
+                    .store(store(&server).await)
+                    .namespace("racing")
+                    .hybrid(HybridConfig::strict())
+                    .build()
+                    .unwrap(),
+            );
+        }
+        limiters
+    });
+    let threads: Vec<_> = limiters
+        .iter()
+        .flat_map(|l| [l.clone(), l.clone()])
+        .map(|limiter| {
+            std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async {
+                    let (mut admitted, mut denied_since) = (0u64, None);
+                    // Until denied for 300 ms on end: refills in flight land.
+                    loop {
+                        if limiter.check("hot", 1).await.is_allowed() {
+                            admitted += 1;
+                            denied_since = None;
+                        } else {
+                            let since = *denied_since.get_or_insert_with(std::time::Instant::now);
+                            if since.elapsed() > Duration::from_millis(300) {
+                                return admitted;
+                            }
+                            tokio::task::yield_now().await;
+                        }
+                    }
+                })
+            })
+        })
+        .collect();
+    let admitted: u64 = threads.into_iter().map(|t| t.join().unwrap()).sum();
+    let stranded: u64 = limiters.iter().map(|l| l.stats().stranded).sum();
+    rt.block_on(async {
+        for l in &limiters {
+            l.shutdown().await;
+        }
+    });
+    assert!(admitted <= LIMIT, "admitted {admitted} > {LIMIT}");
+    // Stocks left when the threads stopped, and permits stranded on the
+    // way, are all that is missing.
+    assert!(
+        admitted + stranded + 4 * 64 >= LIMIT,
+        "admitted {admitted}, stranded {stranded} of {LIMIT}"
+    );
+    println!("racing threads: admitted {admitted} of {LIMIT}, stranded {stranded}");
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}

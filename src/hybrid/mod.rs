@@ -257,17 +257,77 @@ impl HybridEngine {
         // key; uncontended, the map's lock is cheaper than the probe.
         let contended = s.contended.load(Ordering::Relaxed);
         if contended {
-            if let Some(decided) = thread_cache::with(self.id, key, |slot| self.fast_on(slot, cost))
-            {
+            if let Some(decided) = thread_cache::with(self.id, key, |slot, stock| {
+                self.fast_stocked(slot, stock, cost)
+            }) {
                 return decided;
             }
         }
         let entry = s.slots.get(key)?;
         let decided = self.fast_on(entry.value(), cost);
         if contended && thread_cache::worth_caching() {
-            thread_cache::put(self.id, entry.value().clone());
+            let now = s.time.now_us();
+            let lost = thread_cache::put(self.id, entry.value().clone(), now);
+            s.counters.stranded.add(lost as u64);
         }
         decided
+    }
+
+    /// The fast path on a slot this thread cached: spends from the
+    /// thread's stock of its permits while the stock's lease is valid, and
+    /// refills the stock when it takes from the slot (see `thread_cache`).
+    #[inline]
+    fn fast_stocked(
+        &self,
+        slot: &Arc<Slot>,
+        stock: &std::cell::Cell<thread_cache::Stock>,
+        cost: u64,
+    ) -> Option<Decision> {
+        let s = &*self.shared;
+        if cost == 0 {
+            return self.fast_on(slot, cost);
+        }
+        let mut held = stock.get();
+        if held.permits > 0 {
+            match s.time.valid_until(held.deadline) {
+                Some(now) if held.permits as u64 >= cost => {
+                    held.permits -= cost as i64;
+                    stock.set(held);
+                    slot.touch(now);
+                    let left = slot.permits.load(Ordering::Relaxed);
+                    return Some(s.spent(slot, left + held.permits, now, cost, held.window));
+                }
+                // Too few for this cost: back to the slot, if its lease
+                // is still the one they came from.
+                Some(now) => {
+                    if !slot.restore(held.window, held.deadline, held.permits, now) {
+                        s.counters.stranded.add(held.permits as u64);
+                    }
+                }
+                None => s.counters.stranded.add(held.permits as u64),
+            }
+            stock.set(thread_cache::Stock::NONE);
+        }
+        match slot.take_spare(cost, &s.time, thread_cache::stock_for) {
+            (Take::Taken(left, now, contended, window), spare, deadline) => {
+                if contended && !s.contended.load(Ordering::Relaxed) {
+                    s.contended.store(true, Ordering::Relaxed);
+                }
+                stock.set(thread_cache::Stock {
+                    permits: spare,
+                    window,
+                    deadline,
+                });
+                slot.touch(now);
+                Some(s.spent(slot, left + spare, now, cost, window))
+            }
+            (Take::Late(lost), ..) => {
+                s.counters.stranded.add(lost as u64);
+                None
+            }
+            // A pre-lease to promote, or a denial to answer: the common way.
+            (Take::Empty, ..) => self.fast_on(slot, cost),
+        }
     }
 
     /// The fast path on a slot found: one clock read, after the permit

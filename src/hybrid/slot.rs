@@ -221,24 +221,40 @@ impl Slot {
     /// largest cost (callers check).
     #[inline]
     pub(crate) fn take(&self, cost: u64, time: &TimeSource) -> Take {
+        self.take_spare(cost, time, |_| 0).0
+    }
+
+    /// [`take`](Slot::take), taking besides `cost` a spare share of what
+    /// the slot holds: `spare(left after cost)` permits more, if there are
+    /// that many. Returns the spare permits taken (0 unless `Taken`) and
+    /// the deadline they are valid until: a thread's own stock (see
+    /// `thread_cache`), spent without touching the slot.
+    #[inline]
+    pub(crate) fn take_spare(
+        &self,
+        cost: u64,
+        time: &TimeSource,
+        spare: impl Fn(i64) -> i64,
+    ) -> (Take, i64, u64) {
         // Read before the deadline and again after the swap: an install
         // publishes its window after its permits, so an unchanged window
         // means the permits are that window's (for refunds).
         let window = self.window.load(Ordering::Acquire);
         let deadline = self.deadline.load(Ordering::Acquire);
         if deadline == 0 {
-            return Take::Empty;
+            return (Take::Empty, 0, 0);
         }
         let cost = cost.min(i64::MAX as u64) as i64;
         let mut current = self.permits.load(Ordering::Acquire);
         let mut contended = false;
         loop {
             if current < cost {
-                return Take::Empty;
+                return (Take::Empty, 0, 0);
             }
+            let extra = spare(current - cost).clamp(0, current - cost);
             match self.permits.compare_exchange_weak(
                 current,
-                current - cost,
+                current - cost - extra,
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
@@ -247,11 +263,12 @@ impl Slot {
                         Some(now) => {
                             let same = self.window.load(Ordering::Acquire) == window;
                             let window = (same && window != UNKNOWN_WINDOW).then_some(window);
-                            Take::Taken(current - cost, now, contended, window)
+                            let left = current - cost - extra;
+                            (Take::Taken(left, now, contended, window), extra, deadline)
                         }
-                        None if cost > 0 => Take::Late(cost),
-                        None => Take::Empty,
-                    }
+                        None if cost + extra > 0 => (Take::Late(cost + extra), 0, 0),
+                        None => (Take::Empty, 0, 0),
+                    };
                 }
                 Err(actual) => {
                     contended = true;
@@ -259,6 +276,31 @@ impl Slot {
                 }
             }
         }
+    }
+
+    /// Puts back a thread's spare permits, taken from the lease of
+    /// `window` valid until `deadline`, if the slot still holds that very
+    /// lease and it is still valid; `false` otherwise (they are stranded).
+    /// Under the `next` lock, which serialises installs.
+    pub(crate) fn restore(
+        &self,
+        window: Option<i64>,
+        deadline: u64,
+        permits: i64,
+        now: u64,
+    ) -> bool {
+        let _serial = self.next_lock();
+        let window = window.unwrap_or(UNKNOWN_WINDOW);
+        if permits <= 0
+            || self.evicted.load(Ordering::Acquire)
+            || self.window.load(Ordering::Acquire) != window
+            || self.deadline.load(Ordering::Acquire) != deadline
+            || now >= deadline
+        {
+            return false;
+        }
+        self.permits.fetch_add(permits, Ordering::AcqRel);
+        true
     }
 
     /// Puts back `cost` permits spent from `window`'s lease (a refund, or

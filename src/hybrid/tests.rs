@@ -617,3 +617,103 @@ async fn a_refill_landing_between_the_try_and_the_wait_is_used_not_asked_for_aga
     assert_eq!(r.slot("k").permits.load(Ordering::Acquire), 4);
     assert_eq!(r.round_trips(), 0, "the landed refill was asked for again");
 }
+
+/// Caches `key`'s slot in this thread (a miss caches every sixteenth time)
+/// with the engine marked contended, as racing threads leave it.
+fn cache_in_this_thread(r: &Rig, key: &str) {
+    r.engine.shared.contended.store(true, Ordering::Relaxed);
+    let mut cached = false;
+    for _ in 0..16 {
+        cached |= thread_cache::with(r.engine.id, key, |_, _| ()).is_some();
+        if !cached {
+            let entry = r.engine.shared.slots.get(key).expect("tracked");
+            if thread_cache::worth_caching() {
+                thread_cache::put(r.engine.id, entry.value().clone(), 0);
+            }
+        }
+    }
+    assert!(thread_cache::with(r.engine.id, key, |_, _| ()).is_some());
+}
+
+#[tokio::test]
+async fn a_contended_thread_spends_a_stock_of_its_own_and_the_slot_only_per_stock() {
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(160, 160),
+    );
+    assert!(r.check("k", 1).await.is_allowed());
+    let slot = r.slot("k");
+    assert_eq!(slot.permits.load(Ordering::Relaxed), 159);
+    cache_in_this_thread(&r, "k");
+    // One take: the cost and a sixteenth of what is left.
+    let d = r.engine.try_fast("k", 1).expect("local");
+    assert!(d.is_allowed());
+    let stock = thread_cache::stock_for(158);
+    assert_eq!(stock, 9);
+    assert_eq!(slot.permits.load(Ordering::Relaxed), 158 - stock);
+    // The stock is spent without touching the slot.
+    for _ in 0..stock {
+        assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
+    }
+    assert_eq!(slot.permits.load(Ordering::Relaxed), 158 - stock);
+    // Then the next take; low down, no stock at all: every permit is
+    // spent by whoever asks, none held back.
+    let mut admitted = 1 + 1 + stock;
+    while let Some(d) = r.engine.try_fast("k", 1) {
+        if !d.is_allowed() {
+            break;
+        }
+        admitted += 1;
+    }
+    assert_eq!(admitted, 160, "every leased permit, once");
+    assert_eq!(slot.permits.load(Ordering::Relaxed), 0);
+    assert_eq!(r.counters.stranded.get(), 0);
+}
+
+#[tokio::test]
+async fn a_thread_stock_dies_with_its_lease_and_counts_as_stranded() {
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(320, 320),
+    );
+    assert!(r.check("k", 1).await.is_allowed());
+    cache_in_this_thread(&r, "k");
+    assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
+    let slot = r.slot("k");
+    let stock = thread_cache::stock_for(318);
+    assert_eq!(slot.permits.load(Ordering::Relaxed), 318 - stock);
+    // Past the window's end the stock is void: no decision from it.
+    r.clock.advance(Duration::from_secs(1));
+    assert!(r.engine.try_fast("k", 1).is_none(), "the slow path decides");
+    assert!(
+        r.counters.stranded.get() >= stock as u64,
+        "{} stranded, {stock} in stock",
+        r.counters.stranded.get()
+    );
+}
+
+#[tokio::test]
+async fn a_stock_too_small_for_a_cost_goes_back_to_its_slot() {
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(320, 320),
+    );
+    assert!(r.check("k", 1).await.is_allowed());
+    cache_in_this_thread(&r, "k");
+    assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
+    let slot = r.slot("k");
+    let stock = thread_cache::stock_for(318);
+    // A cost above the stock: the stock goes back, the cost comes from
+    // the slot (with a new stock of what is left).
+    let cost = stock as u64 + 1;
+    assert!(r.engine.try_fast("k", cost).expect("local").is_allowed());
+    let left = 318 - cost as i64;
+    assert_eq!(
+        slot.permits.load(Ordering::Relaxed),
+        left - thread_cache::stock_for(left)
+    );
+    assert_eq!(r.counters.stranded.get(), 0);
+}

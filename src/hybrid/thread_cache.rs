@@ -12,8 +12,19 @@
 //! Used only while threads contend for keys (see `Shared::contended`).
 //! Bounded: `WAYS` entries per thread, each holding one `Arc<Slot>` (an
 //! evicted slot's memory is freed once its entry is replaced).
+//!
+//! A cached slot also keeps the thread's own stock of its permits. The
+//! slot's permit count is one cache line every thread writes; a thread
+//! that takes a few permits more than it needs, and spends them before
+//! it takes again, writes that line once per stock instead of once per
+//! decision. A stock is permits taken from the slot like any other: each
+//! is spent at most once, before the deadline of the lease it came from,
+//! so the bounds are those of the slot. What a stock still holds when its
+//! lease ends, or when its thread moves on, is stranded (a refill asks
+//! the store again), so a stock is small: a sixteenth of what the slot
+//! holds, at most [`STOCK_MAX`], and nothing once the slot runs low.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -22,10 +33,41 @@ use super::slot::Slot;
 /// Entries per thread (a power of two).
 const WAYS: usize = 256;
 
+/// The largest stock a thread takes of one key.
+pub(crate) const STOCK_MAX: i64 = 64;
+
+/// A thread's stock takes this share of what the slot holds.
+const STOCK_SHARE: i64 = 16;
+
+/// The spare permits a thread takes besides its cost, when `left` remain.
+#[inline]
+pub(crate) fn stock_for(left: i64) -> i64 {
+    (left / STOCK_SHARE).min(STOCK_MAX)
+}
+
+/// Permits a thread took from a slot and has not spent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Stock {
+    pub(crate) permits: i64,
+    /// The lease's window, if known (see `Take::Taken`).
+    pub(crate) window: Option<i64>,
+    /// Local µs at which they become void: the lease's deadline.
+    pub(crate) deadline: u64,
+}
+
+impl Stock {
+    pub(crate) const NONE: Stock = Stock {
+        permits: 0,
+        window: None,
+        deadline: 0,
+    };
+}
+
 struct Entry {
     /// The engine the slot belongs to (engines share threads).
     owner: u64,
     slot: Arc<Slot>,
+    stock: Cell<Stock>,
 }
 
 thread_local! {
@@ -71,9 +113,14 @@ fn way(owner: u64, key: &str) -> usize {
     (h as usize ^ (h >> 32) as usize) & (WAYS - 1)
 }
 
-/// Runs `f` on this thread's cached slot for `key`, if there is a live one.
+/// Runs `f` on this thread's cached slot for `key` and its stock, if
+/// there is a live one.
 #[inline]
-pub(crate) fn with<R>(owner: u64, key: &str, f: impl FnOnce(&Arc<Slot>) -> R) -> Option<R> {
+pub(crate) fn with<R>(
+    owner: u64,
+    key: &str,
+    f: impl FnOnce(&Arc<Slot>, &Cell<Stock>) -> R,
+) -> Option<R> {
     let i = way(owner, key);
     CACHE
         .try_with(|cache| {
@@ -85,20 +132,43 @@ pub(crate) fn with<R>(owner: u64, key: &str, f: impl FnOnce(&Arc<Slot>) -> R) ->
             {
                 return None;
             }
-            Some(f(&entry.slot))
+            Some(f(&entry.slot, &entry.stock))
         })
         .ok()
         .flatten()
 }
 
-/// Remembers `slot` for this thread.
-pub(crate) fn put(owner: u64, slot: Arc<Slot>) {
+/// Remembers `slot` for this thread. The stock of the entry it replaces
+/// goes back to its slot if that slot still holds the lease it came from
+/// (local time `now`); otherwise its permits are returned as stranded.
+pub(crate) fn put(owner: u64, slot: Arc<Slot>, now: u64) -> i64 {
     let i = way(owner, &slot.key);
-    let _ = CACHE.try_with(|cache| {
-        if let Ok(mut cache) = cache.try_borrow_mut() {
-            cache[i] = Some(Entry { owner, slot });
-        }
-    });
+    CACHE
+        .try_with(|cache| {
+            let Ok(mut cache) = cache.try_borrow_mut() else {
+                return 0;
+            };
+            let old = cache[i].replace(Entry {
+                owner,
+                slot,
+                stock: Cell::new(Stock::NONE),
+            });
+            match old {
+                Some(old) => {
+                    let stock = old.stock.get();
+                    if old
+                        .slot
+                        .restore(stock.window, stock.deadline, stock.permits, now)
+                    {
+                        0
+                    } else {
+                        stock.permits.max(0)
+                    }
+                }
+                None => 0,
+            }
+        })
+        .unwrap_or(0)
 }
 
 #[cfg(test)]
@@ -109,12 +179,15 @@ mod tests {
     fn hits_misses_and_evicted_slots() {
         let owner = engine_id();
         let slot = Arc::new(Slot::new("k".into(), 0));
-        assert!(with(owner, "k", |_| ()).is_none());
-        put(owner, slot.clone());
-        assert!(with(owner, "k", |_| ()).is_some());
-        assert!(with(owner + 1, "k", |_| ()).is_none(), "another engine's");
-        assert!(with(owner, "other", |_| ()).is_none());
+        assert!(with(owner, "k", |_, _| ()).is_none());
+        assert_eq!(put(owner, slot.clone(), 0), 0);
+        assert!(with(owner, "k", |_, _| ()).is_some());
+        assert!(
+            with(owner + 1, "k", |_, _| ()).is_none(),
+            "another engine's"
+        );
+        assert!(with(owner, "other", |_, _| ()).is_none());
         slot.evicted.store(true, Ordering::Release);
-        assert!(with(owner, "k", |_| ()).is_none(), "evicted: a miss");
+        assert!(with(owner, "k", |_, _| ()).is_none(), "evicted: a miss");
     }
 }
