@@ -289,10 +289,12 @@ impl Slot {
         permits: i64,
         now: u64,
     ) -> bool {
+        if permits <= 0 {
+            return false;
+        }
         let _serial = self.next_lock();
         let window = window.unwrap_or(UNKNOWN_WINDOW);
-        if permits <= 0
-            || self.evicted.load(Ordering::Acquire)
+        if self.evicted.load(Ordering::Acquire)
             || self.window.load(Ordering::Acquire) != window
             || self.deadline.load(Ordering::Acquire) != deadline
             || now >= deadline
