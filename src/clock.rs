@@ -141,7 +141,11 @@ impl TimeSource {
     }
 
     /// Local time in µs, possibly up to [`guard_us`](Self::guard_us) behind
-    /// (the hot path).
+    /// (the hot path). The kernel's coarse clock can also read up to one
+    /// tick *ahead* (its anchoring to the system clock is off by up to a
+    /// tick): fine against a deadline, where ahead only ends permits
+    /// sooner, but a start (a pre-lease's) is read on
+    /// [`precise_us`](Self::precise_us).
     #[inline]
     pub(crate) fn now_us(&self) -> u64 {
         match self {

@@ -345,10 +345,11 @@ impl HybridEngine {
             }
             Take::Empty => {
                 // A pre-lease of the window that has just begun: put it in
-                // place and spend from it. (The coarse clock may lag, which
-                // only delays the promotion: a pre-lease never starts early.)
+                // place and spend from it. Its start is read on the precise
+                // clock: the coarse one, anchored to it once, may read up to
+                // a kernel tick ahead, and a pre-lease must never start early.
                 if slot.has_next() {
-                    if let Some(replaced) = slot.promote(s.time.now_us()) {
+                    if let Some(replaced) = slot.promote(s.time.precise_us()) {
                         s.counters.stranded.add(replaced as u64);
                         if let Take::Taken(left, now, _, window) = slot.take(cost, &s.time) {
                             slot.touch(now);

@@ -259,6 +259,10 @@ impl Slot {
                 Ordering::Acquire,
             ) {
                 Ok(_) => {
+                    // A lease installed between the read and the swap (a
+                    // bucket renewal keeps the window) may end sooner: the
+                    // permits taken are valid until the earlier deadline.
+                    let deadline = deadline.min(self.deadline.load(Ordering::Acquire));
                     return match time.valid_until(deadline) {
                         Some(now) => {
                             let same = self.window.load(Ordering::Acquire) == window;

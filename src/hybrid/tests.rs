@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::*;
+use crate::hybrid::slot::NextLease;
 use crate::store::{LeaseCall, MemoryStore};
 use crate::{nonzero, Algorithm, Clock, FakeClock, Quota, Source};
 
@@ -22,6 +23,17 @@ struct Rig {
 }
 
 fn rig(quota: Quota, algorithm: Algorithm, config: HybridConfig) -> Rig {
+    rig_with(quota, algorithm, config, None)
+}
+
+/// A rig whose hot path reads `fast` (see `TimeSource::split`), not the
+/// rig's clock.
+fn rig_with(
+    quota: Quota,
+    algorithm: Algorithm,
+    config: HybridConfig,
+    fast: Option<FakeClock>,
+) -> Rig {
     let clock = FakeClock::new(ORIGIN);
     let store = MemoryStore::with_clock(clock.clone());
     let counters = Arc::new(Counters::new("test"));
@@ -34,7 +46,12 @@ fn rig(quota: Quota, algorithm: Algorithm, config: HybridConfig) -> Rig {
             keys: keys.clone(),
             params,
             clock: Some(Arc::new(clock.clone())),
-            fast_clock: None,
+            fast_clock: fast.map(|f| {
+                (
+                    Arc::new(f) as Arc<dyn crate::Clock>,
+                    Duration::from_millis(50),
+                )
+            }),
             counters: counters.clone(),
             max_cost: algorithm.max_cost(&quota),
             reconciler: Arc::new(crate::failure::Reconciler::new(Arc::new(clock.clone()))),
@@ -716,4 +733,46 @@ async fn a_stock_too_small_for_a_cost_goes_back_to_its_slot() {
         left - thread_cache::stock_for(left)
     );
     assert_eq!(r.counters.stranded.get(), 0);
+}
+
+#[tokio::test]
+async fn a_fast_clock_running_ahead_never_starts_a_pre_lease_early() {
+    // The kernel's coarse clock, anchored once, can read up to a tick
+    // ahead of the precise one: a pre-lease must start by the precise one.
+    let fast = FakeClock::new(ORIGIN);
+    let r = rig_with(
+        Quota::per_second(nonzero!(100)),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(10, 10),
+        Some(fast.clone()),
+    );
+    assert!(r.check("k", 1).await.is_allowed());
+    let slot = r.slot("k");
+    // Spend the window's lease, then hold a slice of the next window.
+    while slot.permits.load(Ordering::Relaxed) > 0 {
+        assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
+    }
+    let start = (ORIGIN + Duration::from_secs(1)).as_micros() as u64;
+    slot.hold_next(NextLease {
+        permits: 10,
+        window: (start / 1_000_000) as i64,
+        start,
+        deadline: start + 900_000,
+        window_end: start + 1_000_000,
+        low_water: 0,
+    });
+    // 1 ms before the boundary by the precise clock, 3 ms after it by the
+    // fast one: nothing of the next window is spent.
+    r.clock.set(ORIGIN + Duration::from_micros(999_000));
+    fast.set(ORIGIN + Duration::from_micros(1_003_000));
+    let early = r.engine.try_fast("k", 1);
+    assert!(
+        early.as_ref().is_none_or(|d| !d.is_allowed()),
+        "spent from the next window before it began: {early:?}"
+    );
+    assert!(slot.has_next(), "still held for its window");
+    // From the boundary on, it is promoted and spent.
+    r.clock.set(ORIGIN + Duration::from_secs(1));
+    assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
+    assert!(!slot.has_next());
 }
