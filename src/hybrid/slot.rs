@@ -262,7 +262,14 @@ impl Slot {
                     // A lease installed between the read and the swap (a
                     // bucket renewal keeps the window) may end sooner: the
                     // permits taken are valid until the earlier deadline.
-                    let deadline = deadline.min(self.deadline.load(Ordering::Acquire));
+                    // (0: an install is publishing its deadline; the one
+                    // read before stands, as for any take.)
+                    let after = self.deadline.load(Ordering::Acquire);
+                    let deadline = if after == 0 {
+                        deadline
+                    } else {
+                        deadline.min(after)
+                    };
                     return match time.valid_until(deadline) {
                         Some(now) => {
                             let same = self.window.load(Ordering::Acquire) == window;
