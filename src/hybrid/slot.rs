@@ -292,7 +292,6 @@ impl Slot {
     /// Puts back a thread's spare permits, taken from the lease of
     /// `window` valid until `deadline`, if the slot still holds that very
     /// lease and it is still valid; `false` otherwise (they are stranded).
-    /// Under the `next` lock, which serialises installs.
     pub(crate) fn restore(
         &self,
         window: Option<i64>,
@@ -300,38 +299,39 @@ impl Slot {
         permits: i64,
         now: u64,
     ) -> bool {
-        if permits <= 0 {
-            return false;
-        }
-        let _serial = self.next_lock();
-        let window = window.unwrap_or(UNKNOWN_WINDOW);
-        if self.evicted.load(Ordering::Acquire)
-            || self.window.load(Ordering::Acquire) != window
-            || self.deadline.load(Ordering::Acquire) != deadline
-            || now >= deadline
-        {
-            return false;
-        }
-        self.permits.fetch_add(permits, Ordering::AcqRel);
-        true
+        permits > 0
+            && self.put_back(
+                window.unwrap_or(UNKNOWN_WINDOW),
+                Some(deadline),
+                permits,
+                now,
+            )
     }
 
     /// Puts back `cost` permits spent from `window`'s lease (a refund, or
     /// the undoing of one quota's take when another denied), if the slot
     /// still holds a valid lease of that window; `false` otherwise (the
     /// caller returns them to the store, which takes them only while the
-    /// window lasts). Under the `next` lock, which serialises installs: a
-    /// lease of another window cannot slip in between the check and the add.
+    /// window lasts).
     pub(crate) fn untake(&self, window: i64, cost: u64, now: u64) -> bool {
+        self.put_back(window, None, cost.min(i64::MAX as u64) as i64, now)
+    }
+
+    /// Adds `permits` if the slot holds a lease of `window` (with this
+    /// `deadline`, when given) valid at `now`. Under the `next` lock, which
+    /// serialises installs: a lease of another window cannot slip in
+    /// between the check and the add.
+    fn put_back(&self, window: i64, deadline: Option<u64>, permits: i64, now: u64) -> bool {
         let _serial = self.next_lock();
+        let current = self.deadline.load(Ordering::Acquire);
         if self.evicted.load(Ordering::Acquire)
             || self.window.load(Ordering::Acquire) != window
-            || now >= self.deadline.load(Ordering::Acquire)
+            || deadline.is_some_and(|d| d != current)
+            || now >= current
         {
             return false;
         }
-        self.permits
-            .fetch_add(cost.min(i64::MAX as u64) as i64, Ordering::AcqRel);
+        self.permits.fetch_add(permits, Ordering::AcqRel);
         true
     }
 

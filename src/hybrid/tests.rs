@@ -635,6 +635,19 @@ async fn a_refill_landing_between_the_try_and_the_wait_is_used_not_asked_for_aga
     assert_eq!(r.round_trips(), 0, "the landed refill was asked for again");
 }
 
+/// A rig whose key "k" holds a lease of `lease` permits (one spent) and
+/// is cached in this thread, the engine marked contended.
+async fn stocked_rig(lease: u64) -> Rig {
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(lease, lease),
+    );
+    assert!(r.check("k", 1).await.is_allowed());
+    cache_in_this_thread(&r, "k");
+    r
+}
+
 /// Caches `key`'s slot in this thread (a miss caches every sixteenth time)
 /// with the engine marked contended, as racing threads leave it.
 fn cache_in_this_thread(r: &Rig, key: &str) {
@@ -654,15 +667,9 @@ fn cache_in_this_thread(r: &Rig, key: &str) {
 
 #[tokio::test]
 async fn a_contended_thread_spends_a_stock_of_its_own_and_the_slot_only_per_stock() {
-    let r = rig(
-        Quota::per_second(nonzero!(1000)),
-        Algorithm::FixedWindow,
-        strict().lease_bounds(160, 160),
-    );
-    assert!(r.check("k", 1).await.is_allowed());
+    let r = stocked_rig(160).await;
     let slot = r.slot("k");
     assert_eq!(slot.permits.load(Ordering::Relaxed), 159);
-    cache_in_this_thread(&r, "k");
     // One take: the cost and a sixteenth of what is left.
     let d = r.engine.try_fast("k", 1).expect("local");
     assert!(d.is_allowed());
@@ -690,13 +697,7 @@ async fn a_contended_thread_spends_a_stock_of_its_own_and_the_slot_only_per_stoc
 
 #[tokio::test]
 async fn a_thread_stock_dies_with_its_lease_and_counts_as_stranded() {
-    let r = rig(
-        Quota::per_second(nonzero!(1000)),
-        Algorithm::FixedWindow,
-        strict().lease_bounds(320, 320),
-    );
-    assert!(r.check("k", 1).await.is_allowed());
-    cache_in_this_thread(&r, "k");
+    let r = stocked_rig(320).await;
     assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
     let slot = r.slot("k");
     let stock = thread_cache::stock_for(318);
@@ -713,13 +714,7 @@ async fn a_thread_stock_dies_with_its_lease_and_counts_as_stranded() {
 
 #[tokio::test]
 async fn a_stock_too_small_for_a_cost_goes_back_to_its_slot() {
-    let r = rig(
-        Quota::per_second(nonzero!(1000)),
-        Algorithm::FixedWindow,
-        strict().lease_bounds(320, 320),
-    );
-    assert!(r.check("k", 1).await.is_allowed());
-    cache_in_this_thread(&r, "k");
+    let r = stocked_rig(320).await;
     assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
     let slot = r.slot("k");
     let stock = thread_cache::stock_for(318);
