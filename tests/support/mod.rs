@@ -24,9 +24,21 @@ fn server_binary() -> String {
     std::env::var("SLICELIMIT_REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
 }
 
+/// The highest port whose cluster bus port (the port + 10000) exists:
+/// a cluster-enabled `redis-server` on a higher one exits at start.
+const HIGHEST_CLUSTER_PORT: u16 = 55_535;
+
+/// A free port that a cluster node can use too: its bus port is free as
+/// well. Ephemeral ports run up to 60999 here, so about one in five is too
+/// high for a cluster node and is drawn again.
 fn free_port() -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
-    listener.local_addr().expect("local addr").port()
+    loop {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+        let port = listener.local_addr().expect("local addr").port();
+        if port <= HIGHEST_CLUSTER_PORT && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// One private Redis server.
@@ -76,6 +88,8 @@ impl RedisServer {
             .args(["--enable-debug-command", "yes"])
             .arg("--dir")
             .arg(&self.dir)
+            .arg("--logfile")
+            .arg(self.log_path())
             .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null());
@@ -90,7 +104,9 @@ impl RedisServer {
             if let Some(child) = self.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
                     self.child = None;
-                    return Err(format!("redis-server exited at start: {status}"));
+                    let log = std::fs::read_to_string(self.log_path()).unwrap_or_default();
+                    let last = log.lines().last().unwrap_or("(no log)");
+                    return Err(format!("redis-server exited at start: {status}: {last}"));
                 }
             }
             if TcpStream::connect(("127.0.0.1", self.port)).is_ok() && self.ping() {
@@ -100,6 +116,10 @@ impl RedisServer {
         }
         self.kill();
         Err("redis-server did not answer PING within 10 s".to_owned())
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.join(format!("redis-{}.log", self.port))
     }
 
     fn ping(&self) -> bool {
