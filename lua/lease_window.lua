@@ -24,7 +24,7 @@
 --                       what it can use, by its rate, before the window ends
 -- ARGV[11] lease_id     this lease's identity among the holder's, or 0. The
 --                       holder's last grant is kept ("g<holder>" = "id granted
---                       window"); a call carrying the same id again (its
+--                       total window", total: all it got in that window); a call carrying the same id again (its
 --                       reply was lost) gets that grant back, not a new one,
 --                       while its window is current or ahead.
 --
@@ -63,7 +63,9 @@
 -- the last window a holder asked in); a holder's first lease in the window gets available divided
 -- by the holders expected and not yet served, a later one available divided
 -- by all holders, both at most `ceiling` and, except for the last holder
--- expected (which takes what is left), share_cap * available.
+-- expected (which takes what is left), share_cap * available; a later one
+-- at least what the holder is short of limit / holders in this window
+-- (fixed window, when its last grant is recorded).
 -- grant = min(available, max(by_rate, by_headroom)): a key far under its
 -- limit is served in about one lease per process per window, a key near it
 -- in leases that shrink toward one permit, so strict stays exact.
@@ -135,8 +137,14 @@ local before_n = tonumber(got[6] or '0')
 local after_n = tonumber(got[7] or '0')
 local replayed = false
 local granted = 0
-if recorded and got[3] then
-  local id, g_granted, g_window = string.match(got[3], '^(%d+) (%d+) (-?%d+)$')
+-- The holder's last grant: "id granted total window", total being all it
+-- was granted in that window.
+local g_id, g_granted, g_total, g_window
+if got[3] then
+  g_id, g_granted, g_total, g_window = string.match(got[3], '^(%d+) (%d+) (%d+) (-?%d+)$')
+end
+if recorded and g_id then
+  local id = g_id
   if id == lease_id and tonumber(g_window) >= w then
     -- A second delivery: the first one's grant, not another.
     replayed = true
@@ -168,6 +176,8 @@ if not replayed then
     -- The last holder expected takes the rest of its share whole: capping
     -- it at share_cap would leave a remainder for a trickle of small leases.
     local last_expected = false
+    -- What this holder is still short of its share of the window.
+    local entitled = 0
     if last < tw then
       first_in_window = true
       fair = math.floor(available / math.max(1, expected - here))
@@ -176,6 +186,17 @@ if not replayed then
     else
       fair = math.floor(available / math.max(1, expected))
       unserved = math.max(0, expected - here)
+      -- A holder asking again before it had its share of the whole
+      -- window (limit / expected) may take what it is short of: without
+      -- it, every holder of a key over its limit took a quarter of what
+      -- was left, round after round (a trickle of calls in a window
+      -- whose holders were not known at its start). Not where a carry
+      -- counts: the window's budget then moves.
+      if extra == 0 then
+        local mine = 0
+        if g_window and tonumber(g_window) == tw then mine = tonumber(g_total) end
+        entitled = math.max(0, math.floor(limit / math.max(1, expected)) - mine)
+      end
     end
     -- Only when what remains cannot grow as the window goes on: a carry
     -- (the sliding window's weighted previous count) fades, and frees
@@ -190,6 +211,7 @@ if not replayed then
     if available <= tail then whole = math.min(available, ceiling) end
     granted = math.min(granted, math.max(1, fair, whole))
     if not last_expected then fair = math.min(fair, math.floor(available * share)) end
+    fair = math.max(fair, math.min(entitled, available))
     fair = math.min(fair, ceiling)
     if fair > granted then granted = math.min(fair, available) end
   end
@@ -213,8 +235,11 @@ if fresh then
   writes[#writes + 1] = string.format('%d', used)
   if tw > newest then newest = tw end
   if recorded then
+    local total = granted
+    if g_window and tonumber(g_window) == tw then total = total + tonumber(g_total) end
     writes[#writes + 1] = gf
-    writes[#writes + 1] = lease_id .. ' ' .. string.format('%d', granted) .. ' ' .. tf
+    writes[#writes + 1] = lease_id .. ' ' .. string.format('%d', granted) .. ' '
+      .. string.format('%d', total) .. ' ' .. tf
   end
 end
 if #writes > 0 then

@@ -21,8 +21,9 @@ pub(crate) struct Holders {
     pub(crate) counts: Vec<(i64, u64)>,
     /// Process → the last window it leased in.
     pub(crate) last: Vec<(String, i64)>,
-    /// Process → its last grant: (lease id, permits, window).
-    pub(crate) grants: Vec<(String, (u64, i64, i64))>,
+    /// Process → its last grant: (lease id, permits, all it was granted
+    /// in that window, window).
+    pub(crate) grants: Vec<(String, (u64, i64, i64, i64))>,
 }
 
 impl Holders {
@@ -54,17 +55,17 @@ impl Holders {
     pub(crate) fn forget_before(&mut self, window: i64) {
         self.counts.retain(|(w, _)| *w >= window);
         self.last.retain(|(_, w)| *w >= window);
-        self.grants.retain(|(_, (_, _, w))| *w >= window);
+        self.grants.retain(|(_, (_, _, _, w))| *w >= window);
     }
 
-    pub(crate) fn grant(&self, holder: &str) -> Option<(u64, i64, i64)> {
+    pub(crate) fn grant(&self, holder: &str) -> Option<(u64, i64, i64, i64)> {
         self.grants
             .iter()
             .find(|(h, _)| h == holder)
             .map(|(_, g)| *g)
     }
 
-    pub(crate) fn granted(&mut self, holder: &str, grant: (u64, i64, i64)) {
+    pub(crate) fn granted(&mut self, holder: &str, grant: (u64, i64, i64, i64)) {
         match self.grants.iter_mut().find(|(h, _)| h == holder) {
             Some((_, g)) => *g = grant,
             None => self.grants.push((holder.to_owned(), grant)),

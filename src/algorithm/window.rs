@@ -202,15 +202,18 @@ pub(crate) fn lease(
     let mut tw = w.max(call.min_window).min(w + 1);
     let recorded = call.want > 0 && call.lease_id != 0 && call.holder.is_some();
     // A second delivery of a lease whose reply was lost: its grant again.
-    let replay = call
+    let last_grant = call
         .holder
         .as_deref()
+        .and_then(|h| entry.as_ref()?.holders.as_deref()?.grant(h));
+    let replay = last_grant
         .filter(|_| recorded)
-        .and_then(|h| entry.as_ref()?.holders.as_deref()?.grant(h))
-        .filter(|&(id, _, window)| id == call.lease_id && window >= w);
-    if let Some((_, _, window)) = replay {
+        .filter(|&(id, _, _, window)| id == call.lease_id && window >= w);
+    if let Some((_, _, _, window)) = replay {
         tw = window;
     }
+    // All the holder was granted in the target window.
+    let mine = |tw: i64| last_grant.filter(|g| g.3 == tw).map_or(0, |g| g.2);
     let near = neighbours(entry, &call.key, tw, now, period)?;
     let extra = (rule.carry)(&near);
     let mut used = count_in(windows(entry, &call.key)?, tw) + extra;
@@ -224,7 +227,7 @@ pub(crate) fn lease(
     let mut unserved = 0i64;
     // Asked with nothing left, the key exists (and has its TTL): the asker
     // is counted all the same, so holders reflect demand.
-    if let Some((_, permits, _)) = replay {
+    if let Some((_, permits, _, _)) = replay {
         granted = permits;
     } else if let (Some(holder), true) = (&call.holder, call.want > 0) {
         let holders = entry.as_ref().and_then(|e| e.holders.as_deref());
@@ -243,6 +246,13 @@ pub(crate) fn lease(
         } else {
             available / expected.max(1)
         };
+        // Asked again short of its share of the whole window: up to what
+        // it is short of (fixed window, as the script).
+        let entitled = if !joined && extra == 0 {
+            (limit / expected.max(1) - mine(tw)).max(0)
+        } else {
+            0
+        };
         // Many holders: the rate's lease is cut to one holder's share.
         // (The last `need` permits still go whole to a process whose
         // ceiling says it can use them.)
@@ -258,7 +268,9 @@ pub(crate) fn lease(
         } else {
             fair.min((available as f64 * call.share_cap).floor() as i64)
         };
-        let fair = capped.min(call.ceiling.min(i64::MAX as u64) as i64);
+        let fair = capped
+            .max(entitled.min(available))
+            .min(call.ceiling.min(i64::MAX as u64) as i64);
         if fair > granted {
             granted = fair.min(available);
         }
@@ -294,7 +306,7 @@ pub(crate) fn lease(
         if let Some(e) = entry.as_mut() {
             e.holders
                 .get_or_insert_with(Default::default)
-                .granted(holder, (call.lease_id, granted, tw));
+                .granted(holder, (call.lease_id, granted, mine(tw) + granted, tw));
         }
     }
     // As the script: the TTL outlives the newest window counted by one

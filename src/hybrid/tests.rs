@@ -892,3 +892,34 @@ async fn a_prelease_finding_room_left_in_the_window_running_keeps_shares_asked_a
         "no denial once spent"
     );
 }
+
+#[tokio::test]
+async fn holders_asking_again_get_what_they_are_short_of_their_share_not_a_trickle() {
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict(),
+    );
+    let key = r.keys.store_key("k", Algorithm::FixedWindow);
+    let ask = |holder: &str, want: u64, id: u64| {
+        let call = LeaseCall {
+            lease_id: id,
+            need: 1,
+            ..holder_lease(key.clone(), want, holder)
+        };
+        r.store.lease(&r.params, &call).unwrap()
+    };
+    // A window nobody held before: four holders' first leases of 10.
+    for h in ["a", "b", "c", "d"] {
+        assert_eq!(ask(h, 10, 1).granted, 10);
+    }
+    // Then each asks for far more: each is short of a quarter by 240, and
+    // gets it, whatever its turn (a quarter of what was left each time
+    // gave 240, 180, 135 and 101, and more rounds of asks after them).
+    let second: Vec<u64> = ["c", "a", "d", "b"]
+        .iter()
+        .map(|h| ask(h, 900, 2).granted)
+        .collect();
+    assert_eq!(second, [240, 240, 240, 240]);
+    assert_eq!(r.store_count("k"), 1000);
+}

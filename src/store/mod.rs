@@ -9,6 +9,8 @@
 #[cfg(feature = "test-support")]
 pub(crate) mod faults;
 pub(crate) mod memory;
+#[cfg(test)]
+mod parity;
 pub(crate) mod redis;
 pub(crate) mod topology;
 

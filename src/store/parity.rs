@@ -1,0 +1,127 @@
+//! The lease script on a private `redis-server` and the embedded store's
+//! mirror of it answer the same calls alike: grants, what remains, the
+//! holders still expected and the room left in the window running.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use super::{LeaseCall, MemoryStore, RedisStore, Store};
+use crate::algorithm::{LeaseReply, Params};
+use crate::stats::Counters;
+use crate::{Algorithm, FakeClock, Quota};
+
+/// A `redis-server` of this test's own, on a free port; killed on drop.
+struct Server(Child, u16);
+
+impl Server {
+    fn start() -> Server {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let child = Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "redis-server (>= 7) is required and could not be started ({e}); \
+                     install it (Debian/Ubuntu: `sudo apt-get install -y redis-server`; \
+                     macOS: `brew install redis`)"
+                )
+            });
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Server(child, port)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn call(holder: &str, want: u64, ceiling: u64, next: bool, lease_id: u64) -> LeaseCall {
+    LeaseCall {
+        key: "sl:{parity}:fw".to_owned(),
+        want,
+        share_cap: 0.5,
+        debt: 0,
+        debt_window: -1,
+        min_window: if next { i64::MAX } else { -1 },
+        need: 1,
+        patience: 1,
+        op: None,
+        holder: Some(Arc::from(holder)),
+        ceiling,
+        lease_id,
+    }
+}
+
+/// The fields that do not depend on where in its window the clock reads.
+fn shape(r: &LeaseReply, first_window: i64) -> (u64, u64, u64, u64, i64) {
+    (
+        r.granted,
+        r.remaining,
+        r.unserved,
+        r.before_left,
+        r.window - first_window,
+    )
+}
+
+#[tokio::test]
+async fn the_lease_script_and_the_embedded_store_agree_on_shares() {
+    let server = Server::start();
+    let redis: Store = RedisStore::connect(&format!("redis://127.0.0.1:{}/", server.1))
+        .await
+        .expect("connect")
+        .into();
+    // A window of 30 days: both stores are in the same one, whatever the
+    // milliseconds between their clocks.
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    let memory: Store = MemoryStore::with_clock(FakeClock::new(now)).into();
+    let quota = Quota::new(1_000, Duration::from_secs(30 * 86_400)).unwrap();
+    let params = Params::new(&quota, Algorithm::FixedWindow);
+    let counters = Counters::new("parity");
+    // Four holders' first leases in a window nobody held before, their
+    // second asks (short of a quarter each), a lost reply sent again, the
+    // next window leased ahead, and asks of a window fully leased.
+    let mut calls = Vec::new();
+    for (i, h) in ["a", "b", "c", "d"].iter().enumerate() {
+        calls.push(call(h, 1, 31 + i as u64, false, 1));
+    }
+    for h in ["a", "b", "c", "d"] {
+        calls.push(call(h, 900, 900, false, 2));
+    }
+    calls.push(call("b", 900, 900, false, 2));
+    for (i, h) in ["c", "a", "b", "d"].iter().enumerate() {
+        calls.push(call(h, 600 - 100 * i as u64, 900, true, 3));
+    }
+    calls.push(call("a", 50, 900, false, 4));
+    calls.push(call("e", 10, 10, true, 1));
+    let mut first_window = None;
+    for (n, c) in calls.iter().enumerate() {
+        let mut replies = Vec::new();
+        for store in [&redis, &memory] {
+            let (result, _) = store
+                .lease_batch(&params, std::slice::from_ref(c), 1, &counters)
+                .await;
+            let reply = result.expect("answered").remove(0).expect("leased");
+            let w = *first_window.get_or_insert(reply.window);
+            replies.push(shape(&reply, w));
+        }
+        assert_eq!(
+            replies[0], replies[1],
+            "call {n} ({c:?}): Redis (left) and the embedded store disagree"
+        );
+    }
+}
