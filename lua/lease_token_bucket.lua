@@ -23,8 +23,7 @@
 --          full), retry_after_us (when nothing was granted: until `patience`
 --          tokens are present; else 0), now_us, uncovered (debt beyond the
 --          tokens present), 0, level (tokens left, rounded up), given_back
---          (the key's "gb"), 0, 0 (the window scripts' unserved holders and
---          before_left)}
+--          (the key's "gb")}
 --
 -- `now_us`, `level` and `given_back` are the lease's origin: a later
 -- give-back sends them, so the store can tell how full the bucket may have
@@ -98,4 +97,4 @@ if granted == 0 then
   retry = math.max(1, math.ceil((patience - tokens) * period / limit))
 end
 return {granted, math.max(0, math.floor(tokens)), 0, reset, retry, now, math.ceil(uncovered), 0,
-  math.ceil(tokens), gb or 0, 0, 0}
+  math.ceil(tokens), gb or 0}

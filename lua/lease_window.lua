@@ -35,12 +35,8 @@
 --          the target window or, if its own count leaves no room, from the
 --          next one on; else 0),
 --          now_us, uncovered (debt permits beyond the limit), window (index
---          of the target window), 0, 0 (the bucket scripts' level and
---          give-back count), unserved (holders expected in the target
---          window that have not asked in it yet: what remains is their
---          share; 0 when something carried counts against the window),
---          before_left (a pre-lease of the fixed window: what the window
---          still running has left unleased; else 0)}
+--          of the target window), 0, 0} (the last two are the bucket
+--          scripts' level and give-back count)
 --
 -- Sent with a carry file in front of it (lua/carry_fixed_window.lua or
 -- lua/carry_sliding_window.lua), which defines
@@ -164,7 +160,6 @@ end
 local extra = carry(before_n, after_n, tw, now, period)
 local available = math.max(0, limit - used - extra)
 local first_in_window = false
-local unserved = 0
 if not replayed then
   local cap = math.max(1, math.floor(available * share), math.min(available, tail))
   granted = math.min(want, available, cap)
@@ -182,10 +177,8 @@ if not replayed then
       first_in_window = true
       fair = math.floor(available / math.max(1, expected - here))
       last_expected = expected - here == 1
-      unserved = math.max(0, expected - here - 1)
     else
       fair = math.floor(available / math.max(1, expected))
-      unserved = math.max(0, expected - here)
       -- A holder asking again before it had its share of the whole
       -- window (limit / expected) may take what it is short of: without
       -- it, every holder of a key over its limit took a quarter of what
@@ -198,10 +191,6 @@ if not replayed then
         entitled = math.max(0, math.floor(limit / math.max(1, expected)) - mine)
       end
     end
-    -- Only when what remains cannot grow as the window goes on: a carry
-    -- (the sliding window's weighted previous count) fades, and frees
-    -- permits nobody holds yet.
-    if extra > 0 then unserved = 0 end
     -- Many holders: the rate's lease is cut to one holder's share, so thin
     -- processes do not strand what the others wait for.
     -- (A remainder of at most `tail` permits still goes whole to a
@@ -298,9 +287,4 @@ if granted == 0 then
     retry = wait_for(1, used, before_n, after_n, tw, now, period, limit)
   end
 end
--- A pre-lease also says whether the window still running has room: a
--- holder denied there once its share was spent asks it again.
-local before_left = 0
-if tw > w and extra == 0 then before_left = math.max(0, limit - before_n) end
-return {granted, math.max(0, limit - used - extra), start_after, reset, retry, now, uncovered, tw, 0, 0,
-  unserved, before_left}
+return {granted, math.max(0, limit - used - extra), start_after, reset, retry, now, uncovered, tw, 0, 0}

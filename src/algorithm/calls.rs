@@ -230,14 +230,6 @@ pub(crate) struct LeaseReply {
     pub(crate) level: u64,
     /// Token bucket, GCRA: the key's give-back counter at this grant.
     pub(crate) given_back: u64,
-    /// Window leases: holders the store expects in the target window (as
-    /// many as held the window before) that have not asked in it yet.
-    /// What remains is theirs: a holder cut to its share while some are
-    /// unserved will likely find nothing when it asks again.
-    pub(crate) unserved: u64,
-    /// A fixed-window pre-lease: what the window still running has left
-    /// unleased (0 otherwise).
-    pub(crate) before_left: u64,
 }
 
 /// Where a bucket lease came from: what a give-back of its permits must
@@ -268,10 +260,10 @@ impl LeaseOrigin {
 
 impl LeaseReply {
     pub(crate) fn from_values(v: &[i64]) -> Result<Self, Error> {
-        if v.len() != 12 {
+        if v.len() != 10 {
             return Err(Error::new(
                 crate::ErrorKind::Store,
-                format!("lease script returned {} values, expected 12", v.len()),
+                format!("lease script returned {} values, expected 10", v.len()),
             ));
         }
         let u = |i: usize| v[i].max(0) as u64;
@@ -286,8 +278,6 @@ impl LeaseReply {
             window: v[7],
             level: u(8),
             given_back: u(9),
-            unserved: u(10),
-            before_left: u(11),
         })
     }
 }

@@ -164,8 +164,6 @@ fn lease(
         window: 0,
         level: (g.level(tat, nowf) - 1e-9).ceil().max(0.0) as u64,
         given_back: gb.unwrap_or(0),
-        unserved: 0,
-        before_left: 0,
     })
 }
 

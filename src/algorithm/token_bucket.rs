@@ -154,8 +154,6 @@ fn lease(
         window: 0,
         level: tokens.ceil().max(0.0) as u64,
         given_back: gb.unwrap_or(0),
-        unserved: 0,
-        before_left: 0,
     })
 }
 

@@ -224,7 +224,6 @@ pub(crate) fn lease(
     let mut granted = (call.want as i64).min(available).min(cap);
     // The fair share of what remains, as the script computes it.
     let mut joined = false;
-    let mut unserved = 0i64;
     // Asked with nothing left, the key exists (and has its TTL): the asker
     // is counted all the same, so holders reflect demand.
     if let Some((_, permits, _, _)) = replay {
@@ -236,11 +235,6 @@ pub(crate) fn lease(
         let before = holders.map_or(0, |h| h.count(tw - 1)) as i64;
         let expected = here.max(before);
         joined = last < tw;
-        // Only when what remains cannot grow as the window goes on (a
-        // carry fades, and frees permits nobody holds yet).
-        if extra == 0 {
-            unserved = (expected - here - i64::from(joined)).max(0);
-        }
         let fair = if joined {
             available / (expected - here).max(1)
         } else {
@@ -333,12 +327,6 @@ pub(crate) fn lease(
         window: tw,
         level: 0,
         given_back: 0,
-        unserved: unserved as u64,
-        before_left: if tw > w && extra == 0 {
-            (limit - near.before).max(0) as u64
-        } else {
-            0
-        },
     })
 }
 

@@ -45,10 +45,6 @@ pub(crate) struct NextLease {
     /// pre-lease does not move the current lease's mark: that one is for
     /// the permits of the window still running.)
     pub(crate) low_water: u32,
-    /// 0, or until when (local µs) the key is denied here once these
-    /// permits are spent, without asking the store: they were this
-    /// process's share, and the rest of the window the other holders'.
-    pub(crate) dry_until: u64,
 }
 
 /// Permits admitted on credit and not yet reported.
@@ -139,12 +135,6 @@ pub(crate) struct Books {
     /// none). The next lease is sent under it, so the store hands back
     /// what it granted then instead of counting a second grant.
     pub(crate) lost_lease: u64,
-    /// Fixed window: a pre-lease found the window it was asked in with
-    /// permits unleased, or an ask after this process's share found some:
-    /// the other holders leave part of their shares, so a spent share is
-    /// followed by another ask, not a denial (see `sync::earmarked`).
-    /// Cleared when such an ask finds nothing.
-    pub(crate) leftovers_seen: bool,
 }
 
 /// The result of trying to spend local permits.
@@ -215,7 +205,6 @@ impl Slot {
                 sizing: Sizing::default(),
                 origin: LeaseOrigin::default(),
                 lost_lease: 0,
-                leftovers_seen: false,
             }),
         }
     }
@@ -556,8 +545,6 @@ impl Slot {
             Some(n) if n.window == lease.window => (
                 NextLease {
                     permits: n.permits + lease.permits,
-                    // The later grant knows more of the other holders.
-                    dry_until: lease.dry_until,
                     ..n
                 },
                 0,
@@ -616,10 +603,6 @@ impl Slot {
         *next = None;
         self.has_next.store(false, Ordering::Release);
         self.low_water.store(lease.low_water, Ordering::Relaxed);
-        if lease.dry_until > 0 {
-            self.denied_until
-                .fetch_max(lease.dry_until, Ordering::AcqRel);
-        }
         let installed = self.install_locked(
             lease.permits,
             lease.window,
@@ -784,7 +767,6 @@ mod tests {
             deadline: 200,
             window_end: 203,
             low_water: 0,
-            dry_until: 0,
         });
         assert_eq!(slot.promote(105), None);
         assert_eq!(slot.promote(106), Some(1));
@@ -867,7 +849,6 @@ mod model {
                 deadline: 200,
                 window_end: 203,
                 low_water: 0,
-                dry_until: 0,
             });
             let promoter = {
                 let slot = slot.clone();
@@ -913,8 +894,7 @@ mod size {
     fn a_slot_stays_within_its_budget() {
         let size = std::mem::size_of::<super::Slot>();
         // 152 + 24 for the origin of bucket leases (bounded give-backs)
-        // + 8 for a lost lease's identity (its grant is claimed back)
-        // + 8 for whether the other holders leave part of their shares.
-        assert!(size <= 192, "Slot grew to {size} bytes");
+        // + 8 for a lost lease's identity (its grant is claimed back).
+        assert!(size <= 184, "Slot grew to {size} bytes");
     }
 }

@@ -729,13 +729,6 @@ fn lease_answered(
         shared.give_back(&p.call.key, r.granted, r.window, origin_of(r));
     } else if r.granted > 0 {
         counters.lease_granted(r.granted);
-        if windowed && r.start_after_us > 0 && r.before_left > 0 {
-            // The window still running has room: the other holders left
-            // part of their shares (or gave it back). A denial here for
-            // the rest of it ends, and shares are asked after from now on.
-            slot.books().leftovers_seen = true;
-            slot.denied_until.store(0, Ordering::Release);
-        }
         install_grant(
             shared,
             config,
@@ -749,13 +742,7 @@ fn lease_answered(
                 now,
             },
         );
-        let low_water = if earmarked(shared, slot, p, r) {
-            // Nothing to top up from: spend the share, then wait for the
-            // next window (see `earmarked`).
-            0
-        } else {
-            low_water_after(shared, slot, p, r)
-        };
+        let low_water = low_water_after(shared, slot, p, r);
         if windowed && r.start_after_us > 0 {
             // A pre-lease: its mark applies once it is in place; the
             // current window's permits keep theirs (a mark sized from the
@@ -766,11 +753,6 @@ fn lease_answered(
             slot.low_water.store(low_water, Ordering::Relaxed);
         }
     } else if p.call.want > 0 {
-        if windowed && r.start_after_us == 0 {
-            // Asked after a share, and found nothing: the other holders
-            // use theirs whole.
-            slot.books().leftovers_seen = false;
-        }
         if r.start_after_us == 0 {
             // Redis answered before t1: from t1 + retry_after on, the
             // store surely has something again.
@@ -855,13 +837,6 @@ fn install_grant(
             // t1 + start_after.
             let deadline = (t0 + r.reset_after_us).saturating_sub(margin);
             let window_end = t1 + r.reset_after_us + margin;
-            // Once this share is spent, denied here until the window's
-            // lease ends, with no store call.
-            let dry_until = if earmarked(shared, slot, p, r) {
-                deadline
-            } else {
-                0
-            };
             if r.start_after_us > 0 {
                 let lease = NextLease {
                     permits: granted,
@@ -870,15 +845,11 @@ fn install_grant(
                     deadline,
                     window_end,
                     low_water: 0,
-                    dry_until,
                 };
                 counters.stranded.add(slot.hold_next(lease) as u64);
             } else {
                 match slot.install(granted, r.window, deadline, window_end, now, false) {
                     Installed::Replaced(n) | Installed::Stale(n) => counters.stranded.add(n as u64),
-                }
-                if dry_until > 0 {
-                    slot.denied_until.fetch_max(dry_until, Ordering::AcqRel);
                 }
             }
         }
@@ -906,24 +877,6 @@ fn install_grant(
             }
         }
     }
-}
-
-/// Whether a window grant was this process's share and the rest of the
-/// window is the other holders': the store cut it below what was asked
-/// while holders it expects (as many as held the window before) have not
-/// asked yet. Asking again once it is spent would find the window fully
-/// leased, a round trip for nothing per holder per window on every key
-/// over its limit; the key is denied here until the window ends instead.
-/// What that can cost: permits an expected holder never comes for, or
-/// leaves, or gives back, stay unused here until the next pre-lease of
-/// the key, which says whether the window still running has any left
-/// (`before_left`): then the denial ends, and this process asks again
-/// after its share from then on, until such an ask finds nothing.
-fn earmarked(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) -> bool {
-    shared.leases.windowed()
-        && r.granted < p.call.want
-        && r.unserved > 0
-        && !slot.books().leftovers_seen
 }
 
 /// The low-water mark after a grant: below it, a refill is requested.

@@ -755,7 +755,6 @@ async fn a_fast_clock_running_ahead_never_starts_a_pre_lease_early() {
         deadline: start + 900_000,
         window_end: start + 1_000_000,
         low_water: 0,
-        dry_until: 0,
     });
     // 1 ms before the boundary by the precise clock, 3 ms after it by the
     // fast one: nothing of the next window is spent.
@@ -772,7 +771,6 @@ async fn a_fast_clock_running_ahead_never_starts_a_pre_lease_early() {
     assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
     assert!(!slot.has_next());
 }
-
 /// Another process's lease of `key` as holder `holder`: counted among the
 /// key's holders, sized by the store's fair share.
 fn holder_lease(key: String, want: u64, holder: &str) -> LeaseCall {
@@ -782,115 +780,6 @@ fn holder_lease(key: String, want: u64, holder: &str) -> LeaseCall {
         ceiling: want,
         ..raw_lease(key, want, -1)
     }
-}
-
-#[tokio::test]
-async fn a_share_cut_for_holders_still_expected_is_spent_then_denied_without_asking() {
-    let r = rig(
-        Quota::per_second(nonzero!(100)),
-        Algorithm::FixedWindow,
-        strict().lease_bounds(80, 80),
-    );
-    let key = r.keys.store_key("k", Algorithm::FixedWindow);
-    // Window 0: this process and one other hold the key.
-    r.store
-        .lease(&r.params, &holder_lease(key.clone(), 10, "other"))
-        .unwrap();
-    assert!(r.check("k", 1).await.is_allowed());
-    // Window 1: asked first, for 80, while the store expects two holders:
-    // 50 granted, the other 50 the other holder's.
-    r.clock.set(ORIGIN + Duration::from_millis(1_010));
-    let trips = r.round_trips();
-    for _ in 0..50 {
-        assert!(r.check("k", 1).await.is_allowed());
-    }
-    assert_eq!(r.round_trips(), trips + 1);
-    assert_eq!(r.store_count("k"), 50);
-    let d = r.check("k", 1).await;
-    assert_eq!(d.source(), Source::DeniedCache, "spent: denied here");
-    assert_eq!(r.round_trips(), trips + 1, "without asking the store");
-    let other = r
-        .store
-        .lease(&r.params, &holder_lease(key, 80, "other"))
-        .unwrap();
-    assert_eq!(other.granted, 50, "the other holder's share was there");
-    // Until the window's lease ends (its end less the margin); then the
-    // next window is asked for.
-    r.clock.set(ORIGIN + Duration::from_millis(1_990));
-    assert_eq!(r.check("k", 1).await.source(), Source::DeniedCache);
-    assert_eq!(r.round_trips(), trips + 1);
-    r.clock.set(ORIGIN + Duration::from_millis(2_010));
-    assert!(r.check("k", 1).await.is_allowed());
-    assert_eq!(r.round_trips(), trips + 2);
-}
-
-#[tokio::test]
-async fn a_lease_cut_with_no_other_holder_expected_asks_again_once_spent() {
-    let r = rig(
-        Quota::per_second(nonzero!(100)),
-        Algorithm::FixedWindow,
-        strict().lease_bounds(80, 80),
-    );
-    let key = r.keys.store_key("k", Algorithm::FixedWindow);
-    // Window 0: this process is the key's only holder.
-    assert!(r.check("k", 1).await.is_allowed());
-    // Window 1: 60 taken first by a process not counted as a holder; this
-    // one, the only holder expected, is cut to the 40 left.
-    r.clock.set(ORIGIN + Duration::from_millis(1_010));
-    r.store.lease(&r.params, &raw_lease(key, 60, -1)).unwrap();
-    let trips = r.round_trips();
-    for _ in 0..40 {
-        assert!(r.check("k", 1).await.is_allowed());
-    }
-    assert_eq!(r.round_trips(), trips + 1);
-    // Spent: the store is asked (nothing is another holder's), and says
-    // the window is full.
-    assert!(!r.check("k", 1).await.is_allowed());
-    assert_eq!(r.round_trips(), trips + 2);
-}
-
-#[tokio::test]
-async fn a_prelease_finding_room_left_in_the_window_running_keeps_shares_asked_after() {
-    let config = strict()
-        .lease_bounds(80, 80)
-        .prelease_lead(Duration::from_millis(100));
-    let r = rig(
-        Quota::per_second(nonzero!(100)),
-        Algorithm::FixedWindow,
-        config,
-    );
-    let key = r.keys.store_key("k", Algorithm::FixedWindow);
-    r.store
-        .lease(&r.params, &holder_lease(key.clone(), 10, "other"))
-        .unwrap();
-    assert!(r.check("k", 1).await.is_allowed());
-    // Window 1: a share of 50, spent; the other holder takes only 5.
-    r.clock.set(ORIGIN + Duration::from_millis(1_010));
-    for _ in 0..50 {
-        assert!(r.check("k", 1).await.is_allowed());
-    }
-    assert_eq!(r.check("k", 1).await.source(), Source::DeniedCache);
-    r.store
-        .lease(&r.params, &holder_lease(key, 5, "other"))
-        .unwrap();
-    // The sweep's pre-lease of window 2 says window 1 has 45 left: the
-    // other holder leaves part of its share, so window 2's share, cut as
-    // window 1's was, is not followed by a denial but by another ask.
-    r.clock.set(ORIGIN + Duration::from_millis(1_850));
-    let slot = r.slot("k");
-    slot.swept_ahead.store(true, Ordering::Release);
-    r.engine.shared.request_refill(&slot, false);
-    r.sync().await;
-    assert!(slot.has_next());
-    assert!(slot.books().leftovers_seen);
-    assert_eq!(slot.denied_until.load(Ordering::Acquire), 0);
-    let start = slot.next_start().unwrap();
-    assert!(slot.promote(start).is_some());
-    assert_eq!(
-        slot.denied_until.load(Ordering::Acquire),
-        0,
-        "no denial once spent"
-    );
 }
 
 #[tokio::test]

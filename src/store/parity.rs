@@ -1,6 +1,6 @@
 //! The lease script on a private `redis-server` and the embedded store's
-//! mirror of it answer the same calls alike: grants, what remains, the
-//! holders still expected and the room left in the window running.
+//! mirror of it answer the same calls alike: grants, what remains and the
+//! window leased.
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -68,14 +68,8 @@ fn call(holder: &str, want: u64, ceiling: u64, next: bool, lease_id: u64) -> Lea
 }
 
 /// The fields that do not depend on where in its window the clock reads.
-fn shape(r: &LeaseReply, first_window: i64) -> (u64, u64, u64, u64, i64) {
-    (
-        r.granted,
-        r.remaining,
-        r.unserved,
-        r.before_left,
-        r.window - first_window,
-    )
+fn shape(r: &LeaseReply, first_window: i64) -> (u64, u64, u64, i64) {
+    (r.granted, r.remaining, r.uncovered, r.window - first_window)
 }
 
 #[tokio::test]
