@@ -139,20 +139,17 @@ local g_id, g_granted, g_total, g_window
 if got[3] then
   g_id, g_granted, g_total, g_window = string.match(got[3], '^(%d+) (%d+) (%d+) (-?%d+)$')
 end
-if recorded and g_id then
-  local id = g_id
-  if id == lease_id and tonumber(g_window) >= w then
-    -- A second delivery: the first one's grant, not another.
-    replayed = true
-    granted = tonumber(g_granted)
-    if tonumber(g_window) ~= tw then
-      tw = tonumber(g_window)
-      tf = string.format('%d', tw)
-      local near = redis.call('HMGET', KEYS[1], tf, string.format('%d', tw - 1), string.format('%d', tw + 1))
-      used = tonumber(near[1] or '0')
-      before_n = tonumber(near[2] or '0')
-      after_n = tonumber(near[3] or '0')
-    end
+if recorded and g_id == lease_id and tonumber(g_window) >= w then
+  -- A second delivery: the first one's grant, not another.
+  replayed = true
+  granted = tonumber(g_granted)
+  if tonumber(g_window) ~= tw then
+    tw = tonumber(g_window)
+    tf = string.format('%d', tw)
+    local near = redis.call('HMGET', KEYS[1], tf, string.format('%d', tw - 1), string.format('%d', tw + 1))
+    used = tonumber(near[1] or '0')
+    before_n = tonumber(near[2] or '0')
+    after_n = tonumber(near[3] or '0')
   end
 end
 -- What outside the target window counts against it: its count is

@@ -771,17 +771,6 @@ async fn a_fast_clock_running_ahead_never_starts_a_pre_lease_early() {
     assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
     assert!(!slot.has_next());
 }
-/// Another process's lease of `key` as holder `holder`: counted among the
-/// key's holders, sized by the store's fair share.
-fn holder_lease(key: String, want: u64, holder: &str) -> LeaseCall {
-    LeaseCall {
-        holder: Some(holder.into()),
-        share_cap: 0.5,
-        ceiling: want,
-        ..raw_lease(key, want, -1)
-    }
-}
-
 #[tokio::test]
 async fn holders_asking_again_get_what_they_are_short_of_their_share_not_a_trickle() {
     let r = rig(
@@ -790,11 +779,15 @@ async fn holders_asking_again_get_what_they_are_short_of_their_share_not_a_trick
         strict(),
     );
     let key = r.keys.store_key("k", Algorithm::FixedWindow);
+    // Another process's lease, counted among the key's holders.
     let ask = |holder: &str, want: u64, id: u64| {
         let call = LeaseCall {
-            lease_id: id,
+            holder: Some(holder.into()),
+            share_cap: 0.5,
+            ceiling: want,
             need: 1,
-            ..holder_lease(key.clone(), want, holder)
+            lease_id: id,
+            ..raw_lease(key.clone(), want, -1)
         };
         r.store.lease(&r.params, &call).unwrap()
     };
