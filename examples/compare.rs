@@ -536,7 +536,9 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
         t.await.unwrap();
     }
     let seconds = started.elapsed().as_secs_f64();
-    let steady_cpu = backend.cpu_seconds() - steady_from.await.unwrap();
+    let load_end_cpu = backend.cpu_seconds();
+    let steady_start_cpu = steady_from.await.unwrap();
+    let steady_cpu = load_end_cpu - steady_start_cpu;
     let round_trips = limiters.iter().map(|l| l.stats().round_trips).sum();
     let limiters_stats: Vec<_> = limiters.iter().map(|l| l.stats()).collect();
     let policy: u64 = limiters.iter().map(|l| l.stats().policy_decisions).sum();
@@ -550,6 +552,15 @@ async fn run_mode(backend: &Backend, args: &Args, mode: Mode) -> Outcome {
         l.shutdown().await;
     }
     let redis_cpu = backend.cpu_seconds() - cpu_before;
+    if std::env::var("COMPARE_DEBUG").is_ok() {
+        println!(
+            "  {}: Redis CPU first window {:.4}s, steady {:.4}s, shutdown {:.4}s",
+            mode.name(),
+            steady_start_cpu - cpu_before,
+            steady_cpu,
+            redis_cpu - (load_end_cpu - cpu_before)
+        );
+    }
     let (latency, admitted, demand, decisions, admissions) =
         Arc::try_unwrap(shared).ok().unwrap().into_inner().unwrap();
     let steady_decisions = demand

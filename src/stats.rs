@@ -138,6 +138,8 @@ pub(crate) struct Counters {
     pub(crate) refunds_ignored: Tally,
     pub(crate) acquire_waits: Tally,
     pub(crate) acquire_timeouts: Tally,
+    pub(crate) peeks: Tally,
+    pub(crate) peeks_full: Tally,
     pub(crate) meters: Meters,
 }
 
@@ -166,6 +168,8 @@ impl Counters {
             refunds_ignored: Tally::new(limiter, names::REFUNDS_IGNORED),
             acquire_waits: Tally::new(limiter, names::ACQUIRE_WAITS),
             acquire_timeouts: Tally::new(limiter, names::ACQUIRE_TIMEOUTS),
+            peeks: Tally::unmetered(),
+            peeks_full: Tally::unmetered(),
             meters: Meters::new(limiter),
         }
     }
@@ -246,6 +250,8 @@ impl Counters {
             refunds_ignored: self.refunds_ignored.get(),
             acquire_waits: self.acquire_waits.get(),
             acquire_timeouts: self.acquire_timeouts.get(),
+            peeks: self.peeks.get(),
+            peeks_full: self.peeks_full.get(),
         }
     }
 }
@@ -312,6 +318,14 @@ pub struct Stats {
     /// sleeping (it can never pass, or its retry lies beyond the whole
     /// wait) is not a wait and is not counted.
     pub acquire_timeouts: u64,
+    /// Hybrid: calls that took nothing and asked whether a window this
+    /// process holds a lease of, and will spend before it ends, had any
+    /// room left; sent along with a batch of leases, never on their own.
+    pub peeks: u64,
+    /// Peeks that found the window fully leased: the process denies the
+    /// key locally once its permits are spent, without asking again in
+    /// that window.
+    pub peeks_full: u64,
 }
 
 #[cfg(test)]

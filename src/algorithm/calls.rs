@@ -208,6 +208,27 @@ impl LeaseCall {
     }
 }
 
+impl LeaseCall {
+    /// Takes and records nothing: what the store has left of `window` (if
+    /// it is the store's current one, else of the current one).
+    pub(crate) fn peek(key: String, window: i64) -> Self {
+        LeaseCall {
+            key,
+            want: 0,
+            share_cap: 1.0,
+            debt: 0,
+            debt_window: -1,
+            min_window: window,
+            need: 1,
+            patience: 1,
+            op: None,
+            holder: None,
+            ceiling: 0,
+            lease_id: 0,
+        }
+    }
+}
+
 /// What a lease granted, and what the store knows about the key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct LeaseReply {

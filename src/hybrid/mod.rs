@@ -61,6 +61,8 @@ pub(crate) struct Shared {
     queue: Mutex<sync::RefillQueue>,
     /// Permits to give back in the next round.
     returns: Mutex<Vec<GiveBackCall>>,
+    /// Slots whose window is peeked at with the next batch sent.
+    watched: Mutex<Vec<sync::Watched>>,
     /// Debt of evicted slots (or of failed reports) to report next round,
     /// each under the identity it was first sent with.
     reports: Mutex<Vec<DebtReport>>,
@@ -199,6 +201,7 @@ impl HybridEngine {
             counters,
             queue: Mutex::new(sync::RefillQueue::default()),
             returns: Mutex::new(Vec::new()),
+            watched: Mutex::new(Vec::new()),
             reports: Mutex::new(Vec::new()),
             outstanding: DashMap::with_hasher(ahash::RandomState::new()),
             ops,

@@ -150,6 +150,10 @@ impl Drop for Unsent<'_> {
         let mut fallback = std::mem::take(&mut self.fallback);
         let mut debts = std::mem::take(&mut self.debts);
         for p in std::mem::take(&mut self.batches).into_iter().flatten() {
+            if p.peek {
+                // Took nothing, changed nothing: forgotten.
+                continue;
+            }
             match (p.report, p.slot) {
                 (Some(Reported::Fallback(r)), _) => fallback.push(r),
                 (Some(Reported::Debt(r)), _) => debts.push(r),
@@ -211,6 +215,9 @@ struct Pending {
     /// of need when it runs low (each would be cut smaller again by the
     /// time left, a trickle of ever smaller leases to the boundary).
     to_the_end: bool,
+    /// A peek at a watched slot's window (see [`Watched`]): it takes
+    /// nothing and leaves the slot's refill state alone.
+    peek: bool,
 }
 
 /// A report in flight, to be settled or resent as it was.
@@ -387,6 +394,7 @@ fn next_batch(
             renew: false,
             report: Some(Reported::Fallback(report)),
             to_the_end: false,
+            peek: false,
         });
     }
     while pending.len() < config.batch_size {
@@ -403,6 +411,7 @@ fn next_batch(
             renew: false,
             report: Some(Reported::Debt(report)),
             to_the_end: false,
+            peek: false,
         });
     }
     let room = config.batch_size.saturating_sub(pending.len());
@@ -420,6 +429,9 @@ fn next_batch(
             continue;
         }
         pending.push(lease_call(shared, config, slot, now));
+    }
+    if !pending.is_empty() {
+        add_peeks(shared, &mut pending, config.batch_size, now);
     }
     pending
 }
@@ -574,6 +586,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         renew,
         report: None,
         to_the_end,
+        peek: false,
     }
 }
 
@@ -591,6 +604,12 @@ fn apply(
         settle_report(shared, p.report, &result);
         return;
     };
+    if p.peek {
+        if let Ok(r) = result {
+            peek_answered(shared, config, &slot, &r, t1);
+        }
+        return;
+    }
     if p.call.debt > 0 {
         let mut books = slot.books();
         let debt = p.call.debt.min(u64::from(u32::MAX)) as u32;
@@ -751,6 +770,20 @@ fn lease_answered(
             slot.set_next_low_water(r.window, low_water);
         } else {
             slot.low_water.store(low_water, Ordering::Relaxed);
+            if windowed && r.remaining > 0 {
+                // The store has room in this window after all (a peek
+                // that found it full was overtaken by a give-back).
+                slot.denied_until.store(0, Ordering::Release);
+            }
+        }
+        if windowed && runs_out_early(slot, r) {
+            watch(
+                shared,
+                slot,
+                r,
+                t0.saturating_add(r.reset_after_us).saturating_sub(margin),
+                t1,
+            );
         }
     } else if p.call.want > 0 {
         if r.start_after_us == 0 {
@@ -929,6 +962,136 @@ fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) ->
         (p.call.want / 2).max(r.granted / 4)
     };
     low_water.min(u64::from(u32::MAX)) as u32
+}
+
+/// A slot whose window lease runs out before its window ends, granted
+/// while the store still had room in that window. The other holders of a
+/// key over its limit usually lease that room within milliseconds (a
+/// pre-lease round, a ramp's second asks), and then each of them, its
+/// share spent, would ask once more only to find nothing: one round trip
+/// per holder and key, each on its own. Instead the window is peeked at
+/// (a call that takes nothing) in a batch that goes out anyway, a few at
+/// a time with whatever lease the process asks for next, and a holder
+/// that finds it fully leased spends what it holds, then is denied here
+/// until the store has room again, as after an ask that got nothing. A
+/// window is peeked at most once per slot: one that still had room is
+/// asked when the slot runs out, as before.
+pub(crate) struct Watched {
+    slot: Arc<Slot>,
+    /// The window the lease is for (a pre-lease's: the next one, peeked
+    /// only once it is the slot's current window).
+    window: i64,
+    /// Not peeked before this local µs: the other holders' leases of the
+    /// same round land in the meantime.
+    after: u64,
+    /// The window's lease deadline (local µs): no peek after it.
+    until: u64,
+}
+
+/// How long after a grant its window is peeked at the earliest (at least
+/// two round trips): a round of pre-leases over a fleet lands well within
+/// it.
+const PEEK_AFTER_US: u64 = 10_000;
+
+/// The most slots watched at once; beyond it, slots ask as before.
+const MAX_WATCHED: usize = 4096;
+
+/// Whether the slot, by its rate, spends what it now holds of the reply's
+/// window before that window ends (a thick holder of a busy key).
+fn runs_out_early(slot: &Slot, r: &LeaseReply) -> bool {
+    let rate = slot.books().sizing.rate_per_us();
+    if rate <= 0.0 {
+        return false;
+    }
+    let serves = r.reset_after_us.saturating_sub(r.start_after_us) as f64;
+    let holds = if r.start_after_us > 0 {
+        r.granted as i64
+    } else {
+        slot.permits.load(Ordering::Acquire)
+    };
+    rate * serves > holds.max(0) as f64
+}
+
+/// Watches the slot's window `r.window` (or moves its watch there),
+/// peeked from `t1 + PEEK_AFTER_US` until `until`.
+fn watch(shared: &Shared, slot: &Arc<Slot>, r: &LeaseReply, until: u64, t1: u64) {
+    let after = t1 + PEEK_AFTER_US.max(2 * shared.rtt_us.load(Ordering::Relaxed));
+    let mut watched = shared.watched.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(w) = watched.iter_mut().find(|w| Arc::ptr_eq(&w.slot, slot)) {
+        if w.window <= r.window {
+            *w = Watched {
+                slot: slot.clone(),
+                window: r.window,
+                after,
+                until,
+            };
+        }
+    } else if watched.len() < MAX_WATCHED {
+        watched.push(Watched {
+            slot: slot.clone(),
+            window: r.window,
+            after,
+            until,
+        });
+    }
+}
+
+/// Adds peeks of watched slots that are due to a batch about to be sent,
+/// up to `max` calls in all; drops watches that can no longer tell
+/// anything (slot gone, window over, or already known full).
+fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize, now: u64) {
+    let mut watched = shared.watched.lock().unwrap_or_else(|p| p.into_inner());
+    let mut i = 0;
+    while i < watched.len() && pending.len() < max {
+        let w = &watched[i];
+        let slot = &w.slot;
+        let current = slot.window.load(Ordering::Acquire);
+        let over = slot.evicted.load(Ordering::Acquire)
+            || current > w.window
+            || now >= w.until
+            || slot.denied_until.load(Ordering::Acquire) > now;
+        if over {
+            watched.swap_remove(i);
+            continue;
+        }
+        // Not while a refill of the slot is queued or in flight: its
+        // reply tells the same.
+        let due =
+            current == w.window && now >= w.after && !slot.refill_pending.load(Ordering::Acquire);
+        if !due {
+            i += 1;
+            continue;
+        }
+        let w = watched.swap_remove(i);
+        shared.counters.peeks.add(1);
+        pending.push(Pending {
+            call: LeaseCall::peek(shared.store_key(&w.slot), w.window),
+            slot: Some(w.slot),
+            renew: false,
+            report: None,
+            to_the_end: false,
+            peek: true,
+        });
+    }
+}
+
+/// A peek's reply: a window found fully leased (the one the slot holds
+/// permits of) is denied here once they are spent, until the store has
+/// room again, and asks for nothing meanwhile.
+fn peek_answered(shared: &Shared, config: &HybridConfig, slot: &Slot, r: &LeaseReply, t1: u64) {
+    if r.remaining > 0
+        || r.start_after_us > 0
+        || r.retry_after_us == 0
+        || r.window != slot.window.load(Ordering::Acquire)
+    {
+        return;
+    }
+    let margin =
+        config.clock_margin.as_micros() as u64 + shared.time.tick_us() + drift_us(r.reset_after_us);
+    shared.counters.peeks_full.add(1);
+    slot.denied_until
+        .fetch_max(t1 + r.retry_after_us + margin, Ordering::AcqRel);
+    slot.low_water.store(0, Ordering::Relaxed);
 }
 
 /// Maintenance visits one slot in this many per tick: each slot once per

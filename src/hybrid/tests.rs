@@ -805,3 +805,81 @@ async fn holders_asking_again_get_what_they_are_short_of_their_share_not_a_trick
     assert_eq!(second, [240, 240, 240, 240]);
     assert_eq!(r.store_count("k"), 1000);
 }
+
+#[tokio::test]
+async fn a_window_others_leased_in_full_is_learned_from_a_peek_in_a_batch_not_an_ask() {
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(20, 20).prelease_lead(Duration::ZERO),
+    );
+    // A busy key: its first lease spent within 10 ms, so the next one runs
+    // out long before the window ends and the window is watched.
+    assert!(r.check("k", 1).await.is_allowed());
+    r.clock.advance(Duration::from_millis(10));
+    for _ in 0..11 {
+        assert!(r.check("k", 1).await.is_allowed());
+    }
+    r.sync().await;
+    assert_eq!(r.store_count("k"), 40);
+    // Another process leases the rest of the window.
+    let key = r.keys.store_key("k", Algorithm::FixedWindow);
+    assert_eq!(
+        r.store
+            .lease(&r.params, &raw_lease(key, 960, -1))
+            .unwrap()
+            .granted,
+        960
+    );
+    // The next batch sent (a cold key's first lease) peeks at the window:
+    // one round trip for both.
+    r.clock.advance(Duration::from_millis(20));
+    let trips = r.round_trips();
+    assert!(r.check("other", 1).await.is_allowed());
+    assert_eq!(r.round_trips(), trips + 1);
+    assert_eq!(
+        (r.counters.peeks.get(), r.counters.peeks_full.get()),
+        (1, 1)
+    );
+    // What k holds is spent, then it is denied here without asking.
+    let mut allowed = 0;
+    loop {
+        let d = r.check("k", 1).await;
+        if !d.is_allowed() {
+            assert_eq!(d.source(), Source::DeniedCache);
+            break;
+        }
+        allowed += 1;
+    }
+    assert_eq!(allowed, 40 - 12);
+    assert_eq!(r.round_trips(), trips + 1, "no ask of the full window");
+    assert_eq!(r.store_count("k"), 1000, "the peek took nothing");
+}
+
+#[tokio::test]
+async fn a_peek_that_finds_room_leaves_the_key_asking_as_before() {
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(20, 20).prelease_lead(Duration::ZERO),
+    );
+    assert!(r.check("k", 1).await.is_allowed());
+    r.clock.advance(Duration::from_millis(10));
+    for _ in 0..11 {
+        assert!(r.check("k", 1).await.is_allowed());
+    }
+    r.sync().await;
+    r.clock.advance(Duration::from_millis(20));
+    assert!(r.check("other", 1).await.is_allowed());
+    assert_eq!(
+        (r.counters.peeks.get(), r.counters.peeks_full.get()),
+        (1, 0)
+    );
+    // Spent, k asks again and is served.
+    let trips = r.round_trips();
+    for _ in 0..40 {
+        assert!(r.check("k", 1).await.is_allowed());
+    }
+    assert_eq!(r.round_trips(), trips + 1);
+    assert_eq!(r.store_count("k"), 60, "a third lease of 20");
+}

@@ -89,19 +89,29 @@ async fn the_lease_script_and_the_embedded_store_agree_on_shares() {
     // Four holders' first leases in a window nobody held before, their
     // second asks (short of a quarter each), a lost reply sent again, the
     // next window leased ahead, and asks of a window fully leased.
-    let mut calls = Vec::new();
+    // Peeks in between take and record nothing: the calls after them are
+    // answered as if they had not been made.
+    let peek = |next: bool| {
+        let c = call("", 0, 0, next, 0);
+        LeaseCall::peek(c.key, c.min_window)
+    };
+    let mut calls = vec![peek(false)];
     for (i, h) in ["a", "b", "c", "d"].iter().enumerate() {
         calls.push(call(h, 1, 31 + i as u64, false, 1));
     }
+    calls.push(peek(false));
     for h in ["a", "b", "c", "d"] {
         calls.push(call(h, 900, 900, false, 2));
     }
+    calls.push(peek(false));
+    calls.push(peek(true));
     calls.push(call("b", 900, 900, false, 2));
     for (i, h) in ["c", "a", "b", "d"].iter().enumerate() {
         calls.push(call(h, 600 - 100 * i as u64, 900, true, 3));
     }
     calls.push(call("a", 50, 900, false, 4));
     calls.push(call("e", 10, 10, true, 1));
+    calls.push(peek(true));
     let mut first_window = None;
     for (n, c) in calls.iter().enumerate() {
         let mut replies = Vec::new();
