@@ -94,10 +94,16 @@ fn parse_args() -> Args {
             a.ramp = true;
             continue;
         }
-        let v = it.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        if flag == "--help" || flag == "-h" {
+            println!("{USAGE}");
+            std::process::exit(0);
+        }
+        let v = it
+            .next()
+            .unwrap_or_else(|| usage_error(&format!("{flag} needs a value")));
         let n = || {
             v.parse::<u64>()
-                .unwrap_or_else(|_| panic!("{flag}: not a number: {v}"))
+                .unwrap_or_else(|_| usage_error(&format!("{flag}: not a number: {v}")))
         };
         match flag.as_str() {
             "--servers" => a.servers = n() as usize,
@@ -105,19 +111,47 @@ fn parse_args() -> Args {
             "--keys" => a.keys = n() as usize,
             "--limit" => a.limit = n(),
             "--period-ms" => a.period = Duration::from_millis(n()),
-            "--demand" => a.demand = v.parse().expect("--demand: a number"),
+            "--demand" => {
+                a.demand = v
+                    .parse()
+                    .unwrap_or_else(|_| usage_error(&format!("--demand: not a number: {v}")))
+            }
             "--duration-s" => a.duration = Duration::from_secs(n()),
             "--json" => a.json = Some(v),
             "--plot" => a.plot = Some(v),
             "--cluster" => a.cluster = Some(v.split(',').map(str::to_owned).collect()),
             "--modes" => a.modes = v.split(',').map(str::to_owned).collect(),
             "--demand-per-key" => {
-                a.demand_per_key = Some(v.parse().expect("--demand-per-key: a number"))
+                a.demand_per_key = Some(v.parse().unwrap_or_else(|_| {
+                    usage_error(&format!("--demand-per-key: not a number: {v}"))
+                }))
             }
-            other => panic!("unknown flag {other}"),
+            other => usage_error(&format!("unknown flag {other}")),
         }
     }
     a
+}
+
+const USAGE: &str = "\
+compare: per-process, exact and hybrid limiters side by side on one load
+
+  --servers N          limiters, each its own connection (4)
+  --tasks N            driver tasks per server (4)
+  --keys N             keys (20)
+  --limit N            permits per key per period (1000)
+  --period-ms N        the period (1000)
+  --demand X           Zipf demand, a multiple of the limit (2.0)
+  --demand-per-key R   the long tail instead: R requests/s per key, uniform
+  --duration-s N       seconds per mode (4)
+  --modes A,B,...      only these rows
+  --json PATH, --plot PATH, --ramp, --cluster URL,URL,...
+
+REDIS_URL names a Redis; else a private redis-server is started, or the
+embedded store is used when there is none. COMPARE_DEBUG=1 adds detail.";
+
+fn usage_error(message: &str) -> ! {
+    eprintln!("compare: {message}\n\n{USAGE}");
+    std::process::exit(2)
 }
 
 /// Where the shared budgets live for this run.

@@ -106,6 +106,10 @@ async fn exact_race_and_strict_hybrid_bound_hold_across_three_primaries() {
     for l in &fleet {
         l.shutdown().await;
     }
+    // A batch goes out as a pipeline per hash slot: a peek would be a
+    // round trip of its own, so none is sent.
+    let peeks: u64 = fleet.iter().map(|l| l.stats().peeks).sum();
+    assert_eq!(peeks, 0, "peeks sent to a cluster");
     let ((key, window), worst) = tally.worst();
     assert!(
         worst <= spec.limit,

@@ -18,6 +18,7 @@ mod thread_cache;
 
 pub use self::config::{Consistency, HybridConfig};
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -62,7 +63,7 @@ pub(crate) struct Shared {
     /// Permits to give back in the next round.
     returns: Mutex<Vec<GiveBackCall>>,
     /// Slots whose window is peeked at with the next batch sent.
-    watched: Mutex<Vec<sync::Watched>>,
+    watched: Mutex<HashMap<usize, sync::Watched>>,
     /// Debt of evicted slots (or of failed reports) to report next round,
     /// each under the identity it was first sent with.
     reports: Mutex<Vec<DebtReport>>,
@@ -201,7 +202,7 @@ impl HybridEngine {
             counters,
             queue: Mutex::new(sync::RefillQueue::default()),
             returns: Mutex::new(Vec::new()),
-            watched: Mutex::new(Vec::new()),
+            watched: Mutex::new(HashMap::new()),
             reports: Mutex::new(Vec::new()),
             outstanding: DashMap::with_hasher(ahash::RandomState::new()),
             ops,
@@ -362,12 +363,12 @@ impl HybridEngine {
                 }
                 // Known exhausted: answer from the denied-until time. The
                 // coarse clock may lag, which only lengthens the denial.
-                let until = slot.denied_until.load(Ordering::Acquire);
-                if until == 0 || cost == 0 {
+                if cost == 0 || slot.denied_until.load(Ordering::Relaxed) == 0 {
                     return None;
                 }
                 let now = s.time.now_us();
-                (now < until).then(|| s.cached_denial(slot, until, now))
+                slot.denied(now)
+                    .map(|until| s.cached_denial(slot, until, now))
             }
             Take::Late(lost) => {
                 s.counters.stranded.add(lost as u64);
@@ -458,9 +459,8 @@ impl HybridEngine {
             if cost == 0 {
                 return Ok(s.lease_decision(&slot, 0, now));
             }
-            let denied_until = slot.denied_until.load(Ordering::Acquire);
-            if now < denied_until {
-                return Ok(s.cached_denial(&slot, denied_until, now));
+            if let Some(until) = slot.denied(now) {
+                return Ok(s.cached_denial(&slot, until, now));
             }
             slot.need
                 .fetch_max(cost.min(u64::from(u32::MAX)) as u32, Ordering::AcqRel);
@@ -534,7 +534,7 @@ impl HybridEngine {
         if back > 0 && back < crate::algorithm::REPEAT {
             // The store has room again: a key known exhausted asks anew.
             if let Some(slot) = self.shared.slots.get(key) {
-                slot.denied_until.store(0, Ordering::Release);
+                slot.deny_until(0);
             }
         }
         Ok(back)

@@ -83,6 +83,12 @@ pub(crate) struct Slot {
     pub(crate) early_refill: AtomicBool,
     /// The store said the key is exhausted until this local µs.
     pub(crate) denied_until: AtomicU64,
+    /// Nonzero: `denied_until` is a peek's (the window was found fully
+    /// leased while the slot still held permits of it), believed only if
+    /// the slot runs out before this local µs and within the window's
+    /// lease; then it stands as an ask's would (this is cleared). 0: an
+    /// ask's, or none.
+    pub(crate) peek_trust: AtomicU64,
     /// A refill is queued or in flight; at most one per key.
     pub(crate) refill_pending: AtomicBool,
     /// The refill is in a batch the sync task has sent (or is building):
@@ -188,6 +194,7 @@ impl Slot {
             low_water: AtomicU32::new(0),
             early_refill: AtomicBool::new(false),
             denied_until: AtomicU64::new(0),
+            peek_trust: AtomicU64::new(0),
             refill_pending: AtomicBool::new(false),
             in_flight: AtomicBool::new(false),
             promoted: AtomicBool::new(false),
@@ -449,6 +456,45 @@ impl Slot {
     pub(crate) fn refill_done(&self) {
         self.in_flight.store(false, Ordering::Release);
         self.refill_pending.store(false, Ordering::Release);
+    }
+
+    /// Until when (local µs) the key is known exhausted, if it is at `now`:
+    /// the store's answer to an ask that got nothing, or a peek's that
+    /// found the window full, if the slot ran out soon enough after it
+    /// (see `peek_trust`). A peek too old to deny on is forgotten, so the
+    /// slot asks: permits given back meanwhile are found.
+    pub(crate) fn denied(&self, now: u64) -> Option<u64> {
+        let until = self.denied_until.load(Ordering::Acquire);
+        if now >= until {
+            return None;
+        }
+        let trust = self.peek_trust.load(Ordering::Acquire);
+        if trust == 0 {
+            return Some(until);
+        }
+        if now < trust && now < self.deadline.load(Ordering::Acquire) {
+            // Run out while the peek is fresh: as good as an ask now.
+            let _ = self
+                .peek_trust
+                .compare_exchange(trust, 0, Ordering::AcqRel, Ordering::Acquire);
+            return Some(until);
+        }
+        if self
+            .peek_trust
+            .compare_exchange(trust, 0, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            let _ =
+                self.denied_until
+                    .compare_exchange(until, 0, Ordering::AcqRel, Ordering::Acquire);
+        }
+        None
+    }
+
+    /// A definitive denial (an ask's answer) until `until`, or none (0).
+    pub(crate) fn deny_until(&self, until: u64) {
+        self.peek_trust.store(0, Ordering::Release);
+        self.denied_until.store(until, Ordering::Release);
     }
 
     /// Within `lead` of the current lease's deadline, with early refills on.
@@ -894,7 +940,9 @@ mod size {
     fn a_slot_stays_within_its_budget() {
         let size = std::mem::size_of::<super::Slot>();
         // 152 + 24 for the origin of bucket leases (bounded give-backs)
-        // + 8 for a lost lease's identity (its grant is claimed back).
-        assert!(size <= 184, "Slot grew to {size} bytes");
+        // + 8 for a lost lease's identity (its grant is claimed back)
+        // + 8 for how long a peek's word is taken (no ask per holder of
+        // a window others leased in full).
+        assert!(size <= 192, "Slot grew to {size} bytes");
     }
 }

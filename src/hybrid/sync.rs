@@ -8,7 +8,7 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::sizing::SizingRule;
@@ -430,7 +430,7 @@ fn next_batch(
         }
         pending.push(lease_call(shared, config, slot, now));
     }
-    if !pending.is_empty() {
+    if !pending.is_empty() && !shared.store.is_sharded() {
         add_peeks(shared, &mut pending, config.batch_size, now);
     }
     pending
@@ -773,32 +773,27 @@ fn lease_answered(
             if windowed && r.remaining > 0 {
                 // The store has room in this window after all (a peek
                 // that found it full was overtaken by a give-back).
-                slot.denied_until.store(0, Ordering::Release);
+                slot.deny_until(0);
             }
         }
-        if windowed && runs_out_early(slot, r) {
-            watch(
-                shared,
-                slot,
-                r,
-                t0.saturating_add(r.reset_after_us).saturating_sub(margin),
-                t1,
-            );
+        if windowed && !shared.store.is_sharded() {
+            if let Some(rate) = runs_out_early(slot, r) {
+                let until = t0.saturating_add(r.reset_after_us).saturating_sub(margin);
+                watch(shared, slot, r, rate, until, t1);
+            }
         }
     } else if p.call.want > 0 {
         if r.start_after_us == 0 {
             // Redis answered before t1: from t1 + retry_after on, the
             // store surely has something again.
-            slot.denied_until
-                .store(t1 + r.retry_after_us + margin, Ordering::Release);
+            slot.deny_until(t1 + r.retry_after_us + margin);
         } else if now >= slot.deadline.load(Ordering::Acquire) {
             // Nothing left of the next window, which has not begun in the
             // store, while this process's permits of the current one are
             // void: nothing can be admitted here before the next window
             // starts. Denied until then (asking again at once would spin
             // on the store).
-            slot.denied_until
-                .store(t1 + r.start_after_us + margin, Ordering::Release);
+            slot.deny_until(t1 + r.start_after_us + margin);
         }
         // Nothing to be had: spend what is held, then ask again (the
         // denied-until time keeps that from costing round trips).
@@ -969,15 +964,17 @@ fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) ->
 /// key over its limit usually lease that room within milliseconds (a
 /// pre-lease round, a ramp's second asks), and then each of them, its
 /// share spent, would ask once more only to find nothing: one round trip
-/// per holder and key, each on its own. Instead the window is peeked at
-/// (a call that takes nothing) in a batch that goes out anyway, a few at
-/// a time with whatever lease the process asks for next, and a holder
-/// that finds it fully leased spends what it holds, then is denied here
-/// until the store has room again, as after an ask that got nothing. A
-/// window is peeked at most once per slot: one that still had room is
-/// asked when the slot runs out, as before.
+/// per holder and key, each on its own. Instead, shortly before the slot
+/// runs out (by its rate), the window is peeked at (a call that takes
+/// nothing) in a batch that goes out anyway, with whatever lease the
+/// process asks for next. A holder that finds it fully leased spends what
+/// it holds and, if it runs out within [`peek_trust_us`] of the peek, is
+/// denied here until the window ends, as after an ask that got nothing;
+/// later, it asks as before (permits given back meanwhile are found). One
+/// peek per grant; none on a cluster, where a batch goes out as a pipeline
+/// per hash slot and a peek would cost a round trip of its own.
 pub(crate) struct Watched {
-    slot: Arc<Slot>,
+    slot: Weak<Slot>,
     /// The window the lease is for (a pre-lease's: the next one, peeked
     /// only once it is the slot's current window).
     window: i64,
@@ -986,6 +983,8 @@ pub(crate) struct Watched {
     after: u64,
     /// The window's lease deadline (local µs): no peek after it.
     until: u64,
+    /// The slot's rate when the lease was granted (permits per µs).
+    rate_per_us: f64,
 }
 
 /// How long after a grant its window is peeked at the earliest (at least
@@ -996,12 +995,20 @@ const PEEK_AFTER_US: u64 = 10_000;
 /// The most slots watched at once; beyond it, slots ask as before.
 const MAX_WATCHED: usize = 4096;
 
+/// How long a peek that found the window full is believed: a period, at
+/// most a second. The slot is peeked at when, by its rate, it runs out
+/// within this time, and denied on the peek's word only if it does; a
+/// permit given back longer before it runs out is found by its ask.
+fn peek_trust_us(period_us: u64) -> u64 {
+    period_us.min(1_000_000)
+}
+
 /// Whether the slot, by its rate, spends what it now holds of the reply's
 /// window before that window ends (a thick holder of a busy key).
-fn runs_out_early(slot: &Slot, r: &LeaseReply) -> bool {
+fn runs_out_early(slot: &Slot, r: &LeaseReply) -> Option<f64> {
     let rate = slot.books().sizing.rate_per_us();
     if rate <= 0.0 {
-        return false;
+        return None;
     }
     let serves = r.reset_after_us.saturating_sub(r.start_after_us) as f64;
     let holds = if r.start_after_us > 0 {
@@ -1009,30 +1016,29 @@ fn runs_out_early(slot: &Slot, r: &LeaseReply) -> bool {
     } else {
         slot.permits.load(Ordering::Acquire)
     };
-    rate * serves > holds.max(0) as f64
+    (rate * serves > holds.max(0) as f64).then_some(rate)
 }
 
 /// Watches the slot's window `r.window` (or moves its watch there),
 /// peeked from `t1 + PEEK_AFTER_US` until `until`.
-fn watch(shared: &Shared, slot: &Arc<Slot>, r: &LeaseReply, until: u64, t1: u64) {
-    let after = t1 + PEEK_AFTER_US.max(2 * shared.rtt_us.load(Ordering::Relaxed));
+fn watch(shared: &Shared, slot: &Arc<Slot>, r: &LeaseReply, rate_per_us: f64, until: u64, t1: u64) {
+    let entry = Watched {
+        slot: Arc::downgrade(slot),
+        window: r.window,
+        after: t1 + PEEK_AFTER_US.max(2 * shared.rtt_us.load(Ordering::Relaxed)),
+        until,
+        rate_per_us,
+    };
     let mut watched = shared.watched.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(w) = watched.iter_mut().find(|w| Arc::ptr_eq(&w.slot, slot)) {
-        if w.window <= r.window {
-            *w = Watched {
-                slot: slot.clone(),
-                window: r.window,
-                after,
-                until,
-            };
+    let id = Arc::as_ptr(slot) as usize;
+    let room = watched.len() < MAX_WATCHED;
+    match watched.get_mut(&id) {
+        Some(w) if w.window <= r.window => *w = entry,
+        Some(_) => {}
+        None if room => {
+            watched.insert(id, entry);
         }
-    } else if watched.len() < MAX_WATCHED {
-        watched.push(Watched {
-            slot: slot.clone(),
-            window: r.window,
-            after,
-            until,
-        });
+        None => {}
     }
 }
 
@@ -1040,57 +1046,66 @@ fn watch(shared: &Shared, slot: &Arc<Slot>, r: &LeaseReply, until: u64, t1: u64)
 /// up to `max` calls in all; drops watches that can no longer tell
 /// anything (slot gone, window over, or already known full).
 fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize, now: u64) {
+    let trust = peek_trust_us(shared.params.period_us) as f64;
     let mut watched = shared.watched.lock().unwrap_or_else(|p| p.into_inner());
-    let mut i = 0;
-    while i < watched.len() && pending.len() < max {
-        let w = &watched[i];
-        let slot = &w.slot;
+    watched.retain(|_, w| {
+        let Some(slot) = w.slot.upgrade() else {
+            return false;
+        };
         let current = slot.window.load(Ordering::Acquire);
-        let over = slot.evicted.load(Ordering::Acquire)
+        if slot.evicted.load(Ordering::Acquire)
             || current > w.window
             || now >= w.until
-            || slot.denied_until.load(Ordering::Acquire) > now;
-        if over {
-            watched.swap_remove(i);
-            continue;
+            || slot.denied_until.load(Ordering::Acquire) > now
+        {
+            return false;
         }
-        // Not while a refill of the slot is queued or in flight: its
-        // reply tells the same.
-        let due =
-            current == w.window && now >= w.after && !slot.refill_pending.load(Ordering::Acquire);
-        if !due {
-            i += 1;
-            continue;
+        // Due once its lease is in place and, by the rate, soon spent;
+        // not while a refill of the slot is queued or in flight (its reply
+        // tells the same).
+        let soon = slot.permits.load(Ordering::Acquire).max(0) as f64 <= w.rate_per_us * trust;
+        let due = current == w.window
+            && now >= w.after
+            && soon
+            && !slot.refill_pending.load(Ordering::Acquire);
+        if !due || pending.len() >= max {
+            return true;
         }
-        let w = watched.swap_remove(i);
         shared.counters.peeks.add(1);
         pending.push(Pending {
-            call: LeaseCall::peek(shared.store_key(&w.slot), w.window),
-            slot: Some(w.slot),
+            call: LeaseCall::peek(shared.store_key(&slot), w.window),
+            slot: Some(slot),
             renew: false,
             report: None,
             to_the_end: false,
             peek: true,
         });
-    }
+        false
+    });
 }
 
 /// A peek's reply: a window found fully leased (the one the slot holds
-/// permits of) is denied here once they are spent, until the store has
-/// room again, and asks for nothing meanwhile.
+/// permits of) is denied here once they are spent, if that is soon, until
+/// the store has room again, and asks for nothing meanwhile.
 fn peek_answered(shared: &Shared, config: &HybridConfig, slot: &Slot, r: &LeaseReply, t1: u64) {
     if r.remaining > 0
         || r.start_after_us > 0
         || r.retry_after_us == 0
         || r.window != slot.window.load(Ordering::Acquire)
+        || slot.denied_until.load(Ordering::Acquire) > t1
     {
         return;
     }
     let margin =
         config.clock_margin.as_micros() as u64 + shared.time.tick_us() + drift_us(r.reset_after_us);
     shared.counters.peeks_full.add(1);
+    // The trust first: a request that sees the denial sees it is a peek's.
+    slot.peek_trust.store(
+        t1 + peek_trust_us(shared.params.period_us),
+        Ordering::Release,
+    );
     slot.denied_until
-        .fetch_max(t1 + r.retry_after_us + margin, Ordering::AcqRel);
+        .store(t1 + r.retry_after_us + margin, Ordering::Release);
     slot.low_water.store(0, Ordering::Relaxed);
 }
 

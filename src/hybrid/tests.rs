@@ -808,39 +808,9 @@ async fn holders_asking_again_get_what_they_are_short_of_their_share_not_a_trick
 
 #[tokio::test]
 async fn a_window_others_leased_in_full_is_learned_from_a_peek_in_a_batch_not_an_ask() {
-    let r = rig(
-        Quota::per_second(nonzero!(1000)),
-        Algorithm::FixedWindow,
-        strict().lease_bounds(20, 20).prelease_lead(Duration::ZERO),
-    );
-    // A busy key: its first lease spent within 10 ms, so the next one runs
-    // out long before the window ends and the window is watched.
-    assert!(r.check("k", 1).await.is_allowed());
-    r.clock.advance(Duration::from_millis(10));
-    for _ in 0..11 {
-        assert!(r.check("k", 1).await.is_allowed());
-    }
-    r.sync().await;
-    assert_eq!(r.store_count("k"), 40);
-    // Another process leases the rest of the window.
-    let key = r.keys.store_key("k", Algorithm::FixedWindow);
-    assert_eq!(
-        r.store
-            .lease(&r.params, &raw_lease(key, 960, -1))
-            .unwrap()
-            .granted,
-        960
-    );
-    // The next batch sent (a cold key's first lease) peeks at the window:
-    // one round trip for both.
-    r.clock.advance(Duration::from_millis(20));
+    let r = peek_rig();
+    a_full_peek(&r).await;
     let trips = r.round_trips();
-    assert!(r.check("other", 1).await.is_allowed());
-    assert_eq!(r.round_trips(), trips + 1);
-    assert_eq!(
-        (r.counters.peeks.get(), r.counters.peeks_full.get()),
-        (1, 1)
-    );
     // What k holds is spent, then it is denied here without asking.
     let mut allowed = 0;
     loop {
@@ -852,7 +822,7 @@ async fn a_window_others_leased_in_full_is_learned_from_a_peek_in_a_batch_not_an
         allowed += 1;
     }
     assert_eq!(allowed, 40 - 12);
-    assert_eq!(r.round_trips(), trips + 1, "no ask of the full window");
+    assert_eq!(r.round_trips(), trips, "no ask of the full window");
     assert_eq!(r.store_count("k"), 1000, "the peek took nothing");
 }
 
@@ -882,4 +852,117 @@ async fn a_peek_that_finds_room_leaves_the_key_asking_as_before() {
     }
     assert_eq!(r.round_trips(), trips + 1);
     assert_eq!(r.store_count("k"), 60, "a third lease of 20");
+}
+
+/// A busy key `k` holding 40 of the current window (12 spent), the other
+/// 960 leased by another process, and a peek sent with another key's
+/// first lease that finds the window full. Returns k's store key.
+async fn a_full_peek(r: &Rig) -> String {
+    assert!(r.check("k", 1).await.is_allowed());
+    r.clock.advance(Duration::from_millis(10));
+    for _ in 0..11 {
+        assert!(r.check("k", 1).await.is_allowed());
+    }
+    r.sync().await;
+    let key = r.keys.store_key("k", Algorithm::FixedWindow);
+    assert_eq!(
+        r.store
+            .lease(&r.params, &raw_lease(key.clone(), 960, -1))
+            .unwrap()
+            .granted,
+        960
+    );
+    r.clock.advance(Duration::from_millis(20));
+    // The peek goes with another key's first lease: one round trip.
+    let trips = r.round_trips();
+    assert!(r.check("other", 1).await.is_allowed());
+    assert_eq!(r.round_trips(), trips + 1);
+    assert_eq!(
+        (r.counters.peeks.get(), r.counters.peeks_full.get()),
+        (1, 1)
+    );
+    key
+}
+
+fn peek_rig() -> Rig {
+    peek_rig_of(Quota::per_second(nonzero!(1000)))
+}
+
+fn peek_rig_of(quota: Quota) -> Rig {
+    rig(
+        quota,
+        Algorithm::FixedWindow,
+        strict().lease_bounds(20, 20).prelease_lead(Duration::ZERO),
+    )
+}
+
+#[tokio::test]
+async fn a_peek_is_believed_only_for_a_while_so_permits_given_back_later_are_found() {
+    // 1 000 per 10 s: a window long enough to outlast a peek's word.
+    let r = peek_rig_of(Quota::new(1000, Duration::from_secs(10)).unwrap());
+    let key = a_full_peek(&r).await;
+    // The other process gives 500 back; k runs out after the peek's trust
+    // (a second here): it asks, and finds them.
+    let window = (r.clock.now().as_micros() as u64 / r.params.period_us) as i64;
+    let back = crate::algorithm::GiveBackCall {
+        key,
+        returned: 500,
+        window,
+        origin: Default::default(),
+        op: crate::algorithm::OpId::admission(u64::MAX - 7),
+        remember_us: 0,
+        refund: false,
+    };
+    assert_eq!(r.store.give_back(&r.params, &back).unwrap(), 500);
+    r.clock.advance(Duration::from_millis(1_010));
+    for _ in 0..28 {
+        assert!(r.check("k", 1).await.is_allowed());
+    }
+    let trips = r.round_trips();
+    assert!(
+        r.check("k", 1).await.is_allowed(),
+        "asked, not denied on the old peek"
+    );
+    assert_eq!(r.round_trips(), trips + 1);
+}
+
+#[tokio::test]
+async fn a_full_peek_of_a_window_the_slot_never_ran_out_in_denies_nothing_after_it() {
+    let r = peek_rig();
+    a_full_peek(&r).await;
+    // k's demand stops; its window ends with 28 unspent. 1 ms into the
+    // next (empty) window it is served.
+    let now = r.clock.now().as_micros() as u64;
+    let period = r.params.period_us;
+    r.clock
+        .advance(Duration::from_micros(period - now % period + 1_000));
+    let d = r.check("k", 1).await;
+    assert!(d.is_allowed(), "{:?}", d.source());
+}
+
+#[tokio::test]
+async fn a_watched_slot_is_not_kept_alive_once_evicted() {
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict()
+            .lease_bounds(20, 20)
+            .prelease_lead(Duration::ZERO)
+            .idle_ttl(Duration::from_secs(1)),
+    );
+    assert!(r.check("k", 1).await.is_allowed());
+    r.clock.advance(Duration::from_millis(10));
+    for _ in 0..11 {
+        assert!(r.check("k", 1).await.is_allowed());
+    }
+    r.sync().await;
+    assert_eq!(r.engine.shared.watched.lock().unwrap().len(), 1);
+    let weak = Arc::downgrade(&r.slot("k"));
+    for _ in 0..60 {
+        r.clock.advance(Duration::from_secs(5));
+        r.maintain();
+    }
+    assert!(r.engine.shared.slots.get("k").is_none(), "evicted");
+    *r.engine.shared.queue.lock().unwrap() = Default::default();
+    assert!(weak.upgrade().is_none(), "the watch keeps no slot alive");
 }
