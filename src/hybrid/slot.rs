@@ -81,13 +81,13 @@ pub(crate) struct Slot {
     /// is requested even above the low-water mark. Off after the store
     /// had nothing to give, until the next lease.
     pub(crate) early_refill: AtomicBool,
-    /// The store said the key is exhausted until this local µs.
+    /// The store said the key is exhausted until this local µs: even,
+    /// an ask's answer (definitive); odd, a peek's (see `peek_trust`).
     pub(crate) denied_until: AtomicU64,
-    /// Nonzero: `denied_until` is a peek's (the window was found fully
-    /// leased while the slot still held permits of it), believed only if
-    /// the slot runs out before this local µs and within the window's
-    /// lease; then it stands as an ask's would (this is cleared). 0: an
-    /// ask's, or none.
+    /// When `denied_until` is a peek's (odd: the window was found fully
+    /// leased while the slot still held permits of it), it is believed
+    /// only if the slot runs out before this local µs and within the
+    /// window's lease; then it stands as an ask's would (made even).
     pub(crate) peek_trust: AtomicU64,
     /// A refill is queued or in flight; at most one per key.
     pub(crate) refill_pending: AtomicBool,
@@ -462,39 +462,46 @@ impl Slot {
     /// the store's answer to an ask that got nothing, or a peek's that
     /// found the window full, if the slot ran out soon enough after it
     /// (see `peek_trust`). A peek too old to deny on is forgotten, so the
-    /// slot asks: permits given back meanwhile are found.
+    /// slot asks: permits given back meanwhile are found. (An ask's denial
+    /// is even, a peek's odd: forgetting a peek never erases an ask's
+    /// answer stored meanwhile, whatever its value.)
     pub(crate) fn denied(&self, now: u64) -> Option<u64> {
         let until = self.denied_until.load(Ordering::Acquire);
         if now >= until {
             return None;
         }
-        let trust = self.peek_trust.load(Ordering::Acquire);
-        if trust == 0 {
+        if until & 1 == 0 {
             return Some(until);
         }
+        let trust = self.peek_trust.load(Ordering::Acquire);
         if now < trust && now < self.deadline.load(Ordering::Acquire) {
             // Run out while the peek is fresh: as good as an ask now.
-            let _ = self
-                .peek_trust
-                .compare_exchange(trust, 0, Ordering::AcqRel, Ordering::Acquire);
-            return Some(until);
+            let _ = self.denied_until.compare_exchange(
+                until,
+                until + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            return Some(until + 1);
         }
-        if self
-            .peek_trust
-            .compare_exchange(trust, 0, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            let _ =
-                self.denied_until
-                    .compare_exchange(until, 0, Ordering::AcqRel, Ordering::Acquire);
-        }
+        let _ = self
+            .denied_until
+            .compare_exchange(until, 0, Ordering::AcqRel, Ordering::Acquire);
         None
     }
 
     /// A definitive denial (an ask's answer) until `until`, or none (0).
     pub(crate) fn deny_until(&self, until: u64) {
-        self.peek_trust.store(0, Ordering::Release);
-        self.denied_until.store(until, Ordering::Release);
+        self.denied_until
+            .store(until.saturating_add(1) & !1, Ordering::Release);
+    }
+
+    /// A peek's denial until `until`, believed until `trust` (see
+    /// `denied`).
+    pub(crate) fn deny_on_peek(&self, until: u64, trust: u64) {
+        // The trust first: a request that sees the denial sees its trust.
+        self.peek_trust.store(trust, Ordering::Release);
+        self.denied_until.store(until | 1, Ordering::Release);
     }
 
     /// Within `lead` of the current lease's deadline, with early refills on.
@@ -708,6 +715,30 @@ mod tests {
 
     fn at(us: u64) -> TimeSource {
         TimeSource::Precise(Arc::new(FakeClock::new(Duration::from_micros(us))))
+    }
+
+    #[test]
+    fn a_peeks_denial_is_believed_only_while_fresh_and_never_erases_an_asks() {
+        let slot = Slot::new("k".into(), 0);
+        slot.install(5, 7, 100, 103, 10, false);
+        // Fresh (before the trust and the deadline): it stands, and from
+        // then on as an ask's would.
+        slot.deny_on_peek(1_000, 50);
+        assert_eq!(slot.denied(40), Some(1_002));
+        assert_eq!(slot.denied(60), Some(1_002), "latched");
+        // Stale: forgotten, so the slot asks.
+        slot.deny_on_peek(1_000, 50);
+        assert_eq!(slot.denied(60), None);
+        assert_eq!(slot.denied_until.load(Ordering::Acquire), 0);
+        // Past the window's lease: forgotten too.
+        slot.deny_on_peek(1_000, 500);
+        assert_eq!(slot.denied(100), None);
+        // An ask's answer stored over a peek's, even to the same µs, is
+        // not the value a stale peek's forgetting may clear.
+        slot.deny_on_peek(1_000, 50);
+        slot.deny_until(1_000);
+        assert_eq!(slot.denied(60), Some(1_000));
+        assert_eq!(slot.denied(60), Some(1_000));
     }
 
     #[test]

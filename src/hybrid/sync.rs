@@ -1004,7 +1004,8 @@ fn peek_trust_us(period_us: u64) -> u64 {
 }
 
 /// Whether the slot, by its rate, spends what it now holds of the reply's
-/// window before that window ends (a thick holder of a busy key).
+/// window before that window ends (a thick holder of a busy key), and the
+/// window may be fully leased by then; its rate if so.
 fn runs_out_early(slot: &Slot, r: &LeaseReply) -> Option<f64> {
     let rate = slot.books().sizing.rate_per_us();
     if rate <= 0.0 {
@@ -1016,7 +1017,11 @@ fn runs_out_early(slot: &Slot, r: &LeaseReply) -> Option<f64> {
     } else {
         slot.permits.load(Ordering::Acquire)
     };
-    (rate * serves > holds.max(0) as f64).then_some(rate)
+    // And what the store has left after the grant is short of what it
+    // still needs: others may take it first. (With more left, its ask
+    // when it runs out is served; a peek would only find room.)
+    let short = rate * serves - holds.max(0) as f64;
+    (short > 0.0 && (r.remaining as f64) < short).then_some(rate)
 }
 
 /// Watches the slot's window `r.window` (or moves its watch there),
@@ -1049,6 +1054,9 @@ fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize, now: u64) 
     let trust = peek_trust_us(shared.params.period_us) as f64;
     let mut watched = shared.watched.lock().unwrap_or_else(|p| p.into_inner());
     watched.retain(|_, w| {
+        if pending.len() >= max {
+            return true;
+        }
         let Some(slot) = w.slot.upgrade() else {
             return false;
         };
@@ -1068,7 +1076,7 @@ fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize, now: u64) 
             && now >= w.after
             && soon
             && !slot.refill_pending.load(Ordering::Acquire);
-        if !due || pending.len() >= max {
+        if !due {
             return true;
         }
         shared.counters.peeks.add(1);
@@ -1099,13 +1107,10 @@ fn peek_answered(shared: &Shared, config: &HybridConfig, slot: &Slot, r: &LeaseR
     let margin =
         config.clock_margin.as_micros() as u64 + shared.time.tick_us() + drift_us(r.reset_after_us);
     shared.counters.peeks_full.add(1);
-    // The trust first: a request that sees the denial sees it is a peek's.
-    slot.peek_trust.store(
+    slot.deny_on_peek(
+        t1 + r.retry_after_us + margin,
         t1 + peek_trust_us(shared.params.period_us),
-        Ordering::Release,
     );
-    slot.denied_until
-        .store(t1 + r.retry_after_us + margin, Ordering::Release);
     slot.low_water.store(0, Ordering::Relaxed);
 }
 
