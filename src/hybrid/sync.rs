@@ -777,7 +777,7 @@ fn lease_answered(
             }
         }
         if windowed && !shared.store.is_sharded() {
-            if let Some(rate) = runs_out_early(slot, r) {
+            if let Some(rate) = runs_out_early(slot, r, config.max_lease) {
                 let until = t0.saturating_add(r.reset_after_us).saturating_sub(margin);
                 watch(shared, slot, r, rate, until, t1);
             }
@@ -1004,9 +1004,9 @@ fn peek_trust_us(period_us: u64) -> u64 {
 }
 
 /// Whether the slot, by its rate, spends what it now holds of the reply's
-/// window before that window ends (a thick holder of a busy key), and the
+/// window before that window ends (a thick holder of a busy key) and the
 /// window may be fully leased by then; its rate if so.
-fn runs_out_early(slot: &Slot, r: &LeaseReply) -> Option<f64> {
+fn runs_out_early(slot: &Slot, r: &LeaseReply, max_lease: u64) -> Option<f64> {
     let rate = slot.books().sizing.rate_per_us();
     if rate <= 0.0 {
         return None;
@@ -1017,11 +1017,12 @@ fn runs_out_early(slot: &Slot, r: &LeaseReply) -> Option<f64> {
     } else {
         slot.permits.load(Ordering::Acquire)
     };
-    // And what the store has left after the grant is short of what it
-    // still needs: others may take it first. (With more left, its ask
-    // when it runs out is served; a peek would only find room.)
+    // Not a lease cut by `max_lease` with what the slot still needs left
+    // in the store: a key far under its limit, whose ask when it runs out
+    // is served (a peek would only find room).
     let short = rate * serves - holds.max(0) as f64;
-    (short > 0.0 && (r.remaining as f64) < short).then_some(rate)
+    let capped = r.granted >= max_lease && r.remaining as f64 >= short;
+    (short > 0.0 && !capped).then_some(rate)
 }
 
 /// Watches the slot's window `r.window` (or moves its watch there),
