@@ -188,43 +188,40 @@ pub(crate) struct LeaseCall {
 }
 
 impl LeaseCall {
-    /// Grants nothing; only records `debt` permits (against the store's
-    /// current window when `window` is unknown).
-    pub(crate) fn report(key: String, debt: u64, op: OpId) -> Self {
-        LeaseCall {
-            key,
-            want: 0,
-            share_cap: 1.0,
-            debt: debt.min(MAX_REPORT),
-            debt_window: -1,
-            min_window: -1,
-            need: 1,
-            patience: 1,
-            op: Some(op),
-            holder: None,
-            ceiling: 0,
-            lease_id: 0,
-        }
-    }
-}
-
-impl LeaseCall {
-    /// Takes and records nothing: what the store has left of `window` (if
-    /// it is the store's current one, else of the current one).
-    pub(crate) fn peek(key: String, window: i64) -> Self {
+    /// Asks for nothing and records nothing, in the store's current window.
+    fn nothing(key: String) -> Self {
         LeaseCall {
             key,
             want: 0,
             share_cap: 1.0,
             debt: 0,
             debt_window: -1,
-            min_window: window,
+            min_window: -1,
             need: 1,
             patience: 1,
             op: None,
             holder: None,
             ceiling: 0,
             lease_id: 0,
+        }
+    }
+
+    /// Grants nothing; only records `debt` permits (against the store's
+    /// current window when `window` is unknown).
+    pub(crate) fn report(key: String, debt: u64, op: OpId) -> Self {
+        LeaseCall {
+            debt: debt.min(MAX_REPORT),
+            op: Some(op),
+            ..LeaseCall::nothing(key)
+        }
+    }
+
+    /// Takes and records nothing: what the store has left of `window` (if
+    /// it is the store's current one, else of the current one).
+    pub(crate) fn peek(key: String, window: i64) -> Self {
+        LeaseCall {
+            min_window: window,
+            ..LeaseCall::nothing(key)
         }
     }
 }
