@@ -140,6 +140,7 @@ pub(crate) struct Counters {
     pub(crate) acquire_timeouts: Tally,
     pub(crate) peeks: Tally,
     pub(crate) peeks_full: Tally,
+    pub(crate) rides: Tally,
     pub(crate) meters: Meters,
 }
 
@@ -170,6 +171,7 @@ impl Counters {
             acquire_timeouts: Tally::new(limiter, names::ACQUIRE_TIMEOUTS),
             peeks: Tally::unmetered(),
             peeks_full: Tally::unmetered(),
+            rides: Tally::unmetered(),
             meters: Meters::new(limiter),
         }
     }
@@ -252,6 +254,7 @@ impl Counters {
             acquire_timeouts: self.acquire_timeouts.get(),
             peeks: self.peeks.get(),
             peeks_full: self.peeks_full.get(),
+            rides: self.rides.get(),
         }
     }
 }
@@ -326,6 +329,10 @@ pub struct Stats {
     /// key locally once its permits are spent, without asking again in
     /// that window.
     pub peeks_full: u64,
+    /// Hybrid: refills ahead of need sent early, with a batch that went
+    /// out anyway, because by its rate the key would have asked within a
+    /// fraction of its window (a round trip of its own saved).
+    pub rides: u64,
 }
 
 #[cfg(test)]

@@ -64,6 +64,9 @@ pub(crate) struct Shared {
     returns: Mutex<Vec<GiveBackCall>>,
     /// Slots whose window is peeked at with the next batch sent.
     watched: Mutex<HashMap<usize, sync::Watched>>,
+    /// Slots whose refill ahead of need is soon due: sent early with a
+    /// batch that goes out anyway (see [`sync::Ahead`]).
+    ahead: Mutex<HashMap<usize, sync::Ahead>>,
     /// Debt of evicted slots (or of failed reports) to report next round,
     /// each under the identity it was first sent with.
     reports: Mutex<Vec<DebtReport>>,
@@ -203,6 +206,7 @@ impl HybridEngine {
             queue: Mutex::new(sync::RefillQueue::default()),
             returns: Mutex::new(Vec::new()),
             watched: Mutex::new(HashMap::new()),
+            ahead: Mutex::new(HashMap::new()),
             reports: Mutex::new(Vec::new()),
             outstanding: DashMap::with_hasher(ahash::RandomState::new()),
             ops,

@@ -10,7 +10,7 @@
 pub(crate) const TAU_US: f64 = 1_000_000.0;
 
 /// A first measure of at least this many permits seeds the rate.
-const SEED_PERMITS: f64 = 8.0;
+pub(crate) const SEED_PERMITS: f64 = 8.0;
 
 /// Per-key sizing state, owned by the sync task.
 #[derive(Debug, Clone, Default)]

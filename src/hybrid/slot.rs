@@ -634,6 +634,12 @@ impl Slot {
         }
     }
 
+    /// The permits of the held slice of the next window (0: none).
+    #[cfg(test)]
+    pub(crate) fn next_permits(&self) -> i64 {
+        self.next_lock().as_ref().map_or(0, |n| n.permits)
+    }
+
     /// When a held slice becomes usable, if one is held.
     pub(crate) fn next_start(&self) -> Option<u64> {
         if !self.has_next() {

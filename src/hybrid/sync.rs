@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::sizing::SizingRule;
+use super::sizing::{SizingRule, SEED_PERMITS};
 use super::slot::{Credit, Installed, NextLease, Slot};
 use futures_util::future::join_all;
 
@@ -431,6 +431,7 @@ fn next_batch(
         pending.push(lease_call(shared, config, slot, now));
     }
     if !pending.is_empty() && !shared.store.is_sharded() {
+        add_rides(shared, config, &mut pending, now);
         add_peeks(shared, &mut pending, config.batch_size, now);
     }
     pending
@@ -775,6 +776,9 @@ fn lease_answered(
                 // that found it full was overtaken by a give-back).
                 slot.deny_until(0);
             }
+            if windowed && !shared.store.is_sharded() {
+                expect_refill(shared, slot, r, low_water, now);
+            }
         }
         if windowed && !shared.store.is_sharded() {
             if let Some(rate) = runs_out_early(slot, r, config.max_lease) {
@@ -907,6 +911,11 @@ fn install_grant(
     }
 }
 
+/// A window lease covers its window when it holds this much more than the
+/// rate spends until the window ends (the rate is an average; demand runs
+/// ahead of it).
+const COVER_MARGIN: f64 = 1.2;
+
 /// The low-water mark after a grant: below it, a refill is requested.
 fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) -> u32 {
     let windowed = shared.leases.windowed();
@@ -942,7 +951,7 @@ fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) ->
         } else {
             slot.permits.load(Ordering::Acquire)
         };
-        rate > 0.0 && lasting.max(0) as f64 >= rate * serves * 1.2
+        rate > 0.0 && lasting.max(0) as f64 >= rate * serves * COVER_MARGIN
     };
     let low_water = if contested || thin {
         0
@@ -1017,10 +1026,13 @@ fn runs_out_early(slot: &Slot, r: &LeaseReply, max_lease: u64) -> Option<f64> {
     } else {
         slot.permits.load(Ordering::Acquire)
     };
+    // With the margin `low_water_after` gives a lease that covers its
+    // window: a slot refilled at half (not covered) is watched, or its
+    // refill would ask a window often fully leased by then, alone.
     // Not a lease cut by `max_lease` with what the slot still needs left
     // in the store: a key far under its limit, whose ask when it runs out
     // is served (a peek would only find room).
-    let short = rate * serves - holds.max(0) as f64;
+    let short = rate * serves * COVER_MARGIN - holds.max(0) as f64;
     let capped = r.granted >= max_lease && r.remaining as f64 >= short;
     (short > 0.0 && !capped).then_some(rate)
 }
@@ -1062,10 +1074,12 @@ fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize, now: u64) 
             return false;
         };
         let current = slot.window.load(Ordering::Acquire);
+        // (A denial known now is of the current window: a watch of the
+        // next one, a pre-lease's, stays.)
         if slot.evicted.load(Ordering::Acquire)
             || current > w.window
             || now >= w.until
-            || slot.denied_until.load(Ordering::Acquire) > now
+            || (current == w.window && slot.denied_until.load(Ordering::Acquire) > now)
         {
             return false;
         }
@@ -1119,6 +1133,135 @@ fn peek_answered(shared: &Shared, config: &HybridConfig, slot: &Slot, r: &LeaseR
 /// `SWEEP_SLICES × MAINTENANCE` (1 s). Skipping a slot reads only the
 /// map's table, not the slot, so a tick over a million idle keys costs a
 /// few milliseconds instead of a full walk.
+/// A slot that, by its rate, falls to its low-water mark shortly, before
+/// its window's lease ends: a refill ahead of need that would go out on
+/// its own. Keys that ramp up together (a burst of new keys, each past its
+/// first lease) would each send theirs alone, a round trip apiece a few
+/// milliseconds apart. Instead, a batch that goes out anyway takes along
+/// the refills of watched slots due within [`ride_horizon_us`]: sized by
+/// the same rule (what the rate spends until the window ends, less what is
+/// held), only sent a little earlier. None on a cluster (a pipeline per
+/// hash slot: riding saves nothing there).
+pub(crate) struct Ahead {
+    slot: Weak<Slot>,
+    /// The window of the lease the mark belongs to.
+    window: i64,
+    /// When the lease was installed (local µs), and what the slot held
+    /// then: the rate since is what it spends now (a first lease's rate is
+    /// not known when it is granted).
+    since: u64,
+    held: i64,
+    /// The rate known at the grant (permits per µs; 0: none yet).
+    rate_per_us: f64,
+}
+
+/// How far ahead of its mark a refill rides along: an eighth of a period,
+/// at most 100 ms (a fraction of the window's permits fetched early, by
+/// processes that spend them).
+fn ride_horizon_us(period_us: u64) -> u64 {
+    (period_us / 8).min(100_000)
+}
+
+/// Notes the slot, just granted a lease of its current window, as one
+/// whose refill may ride along (see [`Ahead`]), unless by its rate it
+/// does not fall to `low_water` before the lease ends.
+fn expect_refill(shared: &Shared, slot: &Arc<Slot>, r: &LeaseReply, low_water: u32, now: u64) {
+    let rate = slot.books().sizing.rate_per_us();
+    let held = slot.permits.load(Ordering::Acquire);
+    let above = held - i64::from(low_water);
+    if low_water == 0 || above <= 0 {
+        return;
+    }
+    if rate > 0.0
+        && now.saturating_add((above as f64 / rate) as u64) >= slot.deadline.load(Ordering::Acquire)
+    {
+        return;
+    }
+    let mut ahead = shared.ahead.lock().unwrap_or_else(|p| p.into_inner());
+    let id = Arc::as_ptr(slot) as usize;
+    if ahead.len() < MAX_WATCHED || ahead.contains_key(&id) {
+        ahead.insert(
+            id,
+            Ahead {
+                slot: Arc::downgrade(slot),
+                window: r.window,
+                since: now,
+                held,
+                rate_per_us: rate,
+            },
+        );
+    }
+}
+
+/// Adds to a batch about to be sent the refills of slots that, by what
+/// they spend, fall to their low-water mark within the ride horizon, up
+/// to the batch size. Drops entries that no longer apply: slot gone, lease
+/// over or replaced, a refill already pending, nothing held (the slot
+/// asks, or is denied, on its own), or, once watched for a horizon, not
+/// due before the lease ends at the rate seen.
+fn add_rides(shared: &Shared, config: &HybridConfig, pending: &mut Vec<Pending>, now: u64) {
+    let horizon = ride_horizon_us(shared.params.period_us);
+    let room = config.batch_size.saturating_sub(pending.len());
+    let mut rides: Vec<Arc<Slot>> = Vec::new();
+    shared
+        .ahead
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .retain(|_, a| {
+            if rides.len() >= room {
+                return true;
+            }
+            let Some(slot) = a.slot.upgrade() else {
+                return false;
+            };
+            let deadline = slot.deadline.load(Ordering::Acquire);
+            if slot.evicted.load(Ordering::Acquire)
+                || slot.window.load(Ordering::Acquire) != a.window
+                || now >= deadline
+            {
+                return false;
+            }
+            let held = slot.permits.load(Ordering::Acquire);
+            let elapsed = now.saturating_sub(a.since);
+            let spent = a.held - held;
+            // A rate the lease's sizing can use: known at the grant, or
+            // seen over enough permits to seed it (a ride sized from two
+            // requests would be a permit or two, and then a trickle).
+            let rate = if spent as f64 >= SEED_PERMITS && elapsed > 0 {
+                spent as f64 / elapsed as f64
+            } else {
+                a.rate_per_us
+            };
+            let above = held - i64::from(slot.low_water.load(Ordering::Relaxed));
+            let eta = if rate > 0.0 {
+                (above.max(0) as f64 / rate) as u64
+            } else {
+                u64::MAX
+            };
+            if eta > horizon {
+                // Kept while it may still fall due in time.
+                return elapsed <= horizon || now.saturating_add(eta) < deadline;
+            }
+            if held <= 0
+                || slot.denied_until.load(Ordering::Acquire) > now
+                // Claimed first, then marked in flight (as a queue entry
+                // taken by `RefillQueue::pop`): a request that asks
+                // meanwhile finds the refill on its way.
+                || slot.refill_pending.swap(true, Ordering::AcqRel)
+            {
+                return false;
+            }
+            slot.in_flight.store(true, Ordering::Release);
+            slot.promoted.store(false, Ordering::Release);
+            rides.push(slot);
+            false
+        });
+    shared.counters.rides.add(rides.len() as u64);
+    for slot in rides {
+        pending.push(lease_call(shared, config, slot, now));
+    }
+}
+
 pub(crate) const SWEEP_SLICES: usize = 10;
 
 /// Which slice of the sweep a slot is in: from its address, which (unlike

@@ -34,6 +34,17 @@ fn rig_with(
     config: HybridConfig,
     fast: Option<FakeClock>,
 ) -> Rig {
+    rig_on(quota, algorithm, config, fast, |store, _| store.into())
+}
+
+/// A rig whose engine talks to `wrap(embedded store, clock)`.
+fn rig_on(
+    quota: Quota,
+    algorithm: Algorithm,
+    config: HybridConfig,
+    fast: Option<FakeClock>,
+    wrap: impl FnOnce(MemoryStore, FakeClock) -> crate::store::Store,
+) -> Rig {
     let clock = FakeClock::new(ORIGIN);
     let store = MemoryStore::with_clock(clock.clone());
     let counters = Arc::new(Counters::new("test"));
@@ -42,7 +53,7 @@ fn rig_with(
     let engine = HybridEngine::start(
         config,
         Wiring {
-            store: store.clone().into(),
+            store: wrap(store.clone(), clock.clone()),
             keys: keys.clone(),
             params,
             clock: Some(Arc::new(clock.clone())),
@@ -828,14 +839,12 @@ async fn a_window_others_leased_in_full_is_learned_from_a_peek_in_a_batch_not_an
 
 #[tokio::test]
 async fn a_peek_that_finds_room_leaves_the_key_asking_as_before() {
-    let r = rig(
-        Quota::per_second(nonzero!(1000)),
-        Algorithm::FixedWindow,
-        strict().lease_bounds(20, 20).prelease_lead(Duration::ZERO),
-    );
+    let r = peek_rig();
     assert!(r.check("k", 1).await.is_allowed());
-    r.clock.advance(Duration::from_millis(10));
+    // About 100 a second: k's next refill is not due soon enough to ride
+    // with another key's lease (see `sync::Ahead`).
     for _ in 0..11 {
+        r.clock.advance(Duration::from_millis(10));
         assert!(r.check("k", 1).await.is_allowed());
     }
     r.sync().await;
@@ -859,8 +868,10 @@ async fn a_peek_that_finds_room_leaves_the_key_asking_as_before() {
 /// first lease that finds the window full. Returns k's store key.
 async fn a_full_peek(r: &Rig) -> String {
     assert!(r.check("k", 1).await.is_allowed());
-    r.clock.advance(Duration::from_millis(10));
+    // About 100 a second: k's next refill is not due soon enough to ride
+    // with another key's lease (see `sync::Ahead`).
     for _ in 0..11 {
+        r.clock.advance(Duration::from_millis(10));
         assert!(r.check("k", 1).await.is_allowed());
     }
     r.sync().await;
@@ -884,8 +895,11 @@ async fn a_full_peek(r: &Rig) -> String {
     key
 }
 
+/// 1 000 per 10 s: k's rate (about 100 a second) needs more of the window
+/// than the others leave it, yet its refill is not due within a ride's
+/// horizon (100 ms), so what it learns comes from a peek.
 fn peek_rig() -> Rig {
-    peek_rig_of(Quota::per_second(nonzero!(1000)))
+    peek_rig_of(Quota::new(1000, Duration::from_secs(10)).unwrap())
 }
 
 fn peek_rig_of(quota: Quota) -> Rig {
@@ -899,7 +913,7 @@ fn peek_rig_of(quota: Quota) -> Rig {
 #[tokio::test]
 async fn a_peek_is_believed_only_for_a_while_so_permits_given_back_later_are_found() {
     // 1 000 per 10 s: a window long enough to outlast a peek's word.
-    let r = peek_rig_of(Quota::new(1000, Duration::from_secs(10)).unwrap());
+    let r = peek_rig();
     let key = a_full_peek(&r).await;
     // The other process gives 500 back; k runs out after the peek's trust
     // (a second here): it asks, and finds them.
@@ -943,7 +957,7 @@ async fn a_full_peek_of_a_window_the_slot_never_ran_out_in_denies_nothing_after_
 #[tokio::test]
 async fn a_watched_slot_is_not_kept_alive_once_evicted() {
     let r = rig(
-        Quota::per_second(nonzero!(1000)),
+        Quota::new(1000, Duration::from_secs(10)).unwrap(),
         Algorithm::FixedWindow,
         strict()
             .lease_bounds(20, 20)
@@ -951,8 +965,10 @@ async fn a_watched_slot_is_not_kept_alive_once_evicted() {
             .idle_ttl(Duration::from_secs(1)),
     );
     assert!(r.check("k", 1).await.is_allowed());
-    r.clock.advance(Duration::from_millis(10));
+    // About 100 a second: k's next refill is not due soon enough to ride
+    // with another key's lease (see `sync::Ahead`).
     for _ in 0..11 {
+        r.clock.advance(Duration::from_millis(10));
         assert!(r.check("k", 1).await.is_allowed());
     }
     r.sync().await;
@@ -965,4 +981,201 @@ async fn a_watched_slot_is_not_kept_alive_once_evicted() {
     assert!(r.engine.shared.slots.get("k").is_none(), "evicted");
     *r.engine.shared.queue.lock().unwrap() = Default::default();
     assert!(weak.upgrade().is_none(), "the watch keeps no slot alive");
+}
+
+/// `b` holds a first lease (31 of 1 000) with a low-water mark of 7 and
+/// has spent `spent` of it over `spent` ms; then `a`'s first request goes
+/// out.
+async fn b_spending_then_a_asks(spent: u32) -> Rig {
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict().prelease_lead(Duration::ZERO),
+    );
+    assert!(r.check("b", 1).await.is_allowed());
+    assert_eq!(r.slot("b").permits.load(Ordering::Acquire), 30);
+    for _ in 0..spent {
+        r.clock.advance(Duration::from_millis(1));
+        assert!(r.check("b", 1).await.is_allowed());
+    }
+    r.clock.advance(Duration::from_millis(1));
+    assert!(r.check("a", 1).await.is_allowed());
+    r
+}
+
+#[tokio::test]
+async fn a_refill_due_soon_rides_with_another_keys_lease() {
+    // b spends a permit a millisecond: 20 more and it is at its mark.
+    let r = b_spending_then_a_asks(10).await;
+    assert_eq!(r.round_trips(), 2, "b's refill went with a's first lease");
+    assert_eq!(r.counters.rides.get(), 1);
+    let b = r.slot("b");
+    assert!(!b.refill_pending.load(Ordering::Acquire));
+    assert!(!b.in_flight.load(Ordering::Acquire));
+    let held = b.permits.load(Ordering::Acquire);
+    assert!(
+        held > 100,
+        "a lease sized by b's rate, not a permit: {held}"
+    );
+    // b spends well past its old mark without a round trip of its own.
+    for _ in 0..30 {
+        r.clock.advance(Duration::from_millis(1));
+        assert!(r.check("b", 1).await.is_allowed());
+    }
+    assert_eq!(r.round_trips(), 2);
+}
+
+#[tokio::test]
+async fn a_refill_rides_only_once_the_slot_has_shown_its_rate() {
+    // Three permits say nothing of b's rate: a lease sized from them would
+    // be a permit or two. b keeps its first lease and asks on its own.
+    let r = b_spending_then_a_asks(3).await;
+    assert_eq!(r.round_trips(), 2);
+    assert_eq!(r.counters.rides.get(), 0);
+    assert_eq!(r.slot("b").permits.load(Ordering::Acquire), 27);
+    assert!(!r.slot("b").refill_pending.load(Ordering::Acquire));
+}
+
+#[cfg(feature = "test-support")]
+#[tokio::test]
+async fn a_ride_dropped_before_it_is_answered_leaves_its_slot_free_to_ask() {
+    use crate::store::{Faults, FaultyStore};
+    use std::future::Future;
+    // A store a second away: a round is still waiting when it is dropped.
+    let faulty = std::sync::Mutex::new(None);
+    let r = rig_on(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict().prelease_lead(Duration::ZERO),
+        None,
+        |store, clock| {
+            let store = FaultyStore::new(store, Faults::default(), 1, clock);
+            *faulty.lock().unwrap() = Some(store.clone());
+            store.into()
+        },
+    );
+    let faulty = faulty.into_inner().unwrap().unwrap();
+    assert!(r.check("b", 1).await.is_allowed());
+    for _ in 0..10 {
+        r.clock.advance(Duration::from_millis(1));
+        assert!(r.check("b", 1).await.is_allowed());
+    }
+    // a's first lease is queued; the round that would carry it and b's
+    // ride is dropped before the store answers.
+    r.engine.shared.request_refill(
+        &r.engine
+            .shared
+            .insert("a", r.clock.now().as_micros() as u64)
+            .unwrap(),
+        true,
+    );
+    let _ = faulty.with_latency(Duration::from_secs(1));
+    {
+        let round = sync::round(&r.engine.shared);
+        tokio::pin!(round);
+        let waiting =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(round.as_mut().poll(cx).is_pending()));
+        assert!(waiting.await, "the round waits on the store");
+        assert_eq!(r.counters.rides.get(), 1);
+    }
+    let b = r.slot("b");
+    assert!(!b.refill_pending.load(Ordering::Acquire));
+    assert!(!b.in_flight.load(Ordering::Acquire));
+    assert_eq!(r.store_count("b"), 31, "nothing of the ride was leased");
+    // b spends down to its mark (7 of the 20 it holds) and asks for
+    // itself.
+    for _ in 0..13 {
+        r.clock.advance(Duration::from_millis(1));
+        assert!(r.check("b", 1).await.is_allowed());
+    }
+    assert!(!b.refill_pending.load(Ordering::Acquire), "above its mark");
+    r.clock.advance(Duration::from_millis(1));
+    assert!(r.check("b", 1).await.is_allowed());
+    assert!(b.refill_pending.load(Ordering::Acquire), "asked");
+}
+
+#[tokio::test]
+async fn a_pre_leased_window_stays_watched_while_the_current_one_is_denied() {
+    // k's leases are 20 at most; another process takes what k leaves of
+    // every window.
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict().lease_bounds(20, 20),
+    );
+    let key = r.keys.store_key("k", Algorithm::FixedWindow);
+    let period = r.params.period_us;
+    let now_us = |r: &Rig| r.clock.now().as_micros() as u64;
+    let window = |r: &Rig| (now_us(r) / period) as i64;
+    assert!(r.check("k", 1).await.is_allowed());
+    // About 100 a second: k's next refill is not due soon enough to ride
+    // with another key's lease (see `sync::Ahead`).
+    for _ in 0..11 {
+        r.clock.advance(Duration::from_millis(10));
+        assert!(r.check("k", 1).await.is_allowed());
+    }
+    r.sync().await;
+    let rest = |r: &Rig, min_window: i64| {
+        r.store
+            .lease(&r.params, &raw_lease(key.clone(), 1000, min_window))
+            .unwrap()
+            .granted
+    };
+    assert!(rest(&r, -1) > 900);
+    // k spends what it holds, asks, gets nothing: denied for the window.
+    let mut denied = false;
+    for _ in 0..60 {
+        if !r.check("k", 1).await.is_allowed() {
+            denied = true;
+            break;
+        }
+    }
+    assert!(denied);
+    // Near the window's end k is pre-leased the next one, of which the
+    // other process has already taken 950, and watched (what is left
+    // falls short of k's rate); the other takes the rest.
+    let w = window(&r);
+    r.clock
+        .advance(Duration::from_micros(period - now_us(&r) % period - 60_000));
+    assert_eq!(
+        r.store
+            .lease(&r.params, &raw_lease(key.clone(), 950, w + 1))
+            .unwrap()
+            .granted,
+        950
+    );
+    r.maintain();
+    r.sync().await;
+    let held = r.slot("k").next_permits();
+    assert!(held > 0, "pre-leased");
+    assert_eq!(rest(&r, w + 1), 50 - held as u64, "the rest taken");
+    // A batch goes out (another key's first lease) while k is still
+    // denied in the current window: the watch of the next one stays.
+    r.clock.advance(Duration::from_millis(20));
+    assert!(r.check("other", 1).await.is_allowed());
+    assert_eq!(r.counters.peeks.get(), 0, "not due before its window");
+    // The next window: k spends from its pre-lease; a batch goes out with
+    // the peek, which finds the window full.
+    r.clock
+        .advance(Duration::from_micros(period - now_us(&r) % period + 5_000));
+    assert_eq!(window(&r), w + 1);
+    assert!(r.check("k", 1).await.is_allowed());
+    assert!(r.check("other2", 1).await.is_allowed());
+    assert_eq!(
+        (r.counters.peeks.get(), r.counters.peeks_full.get()),
+        (1, 1)
+    );
+    // k spends the rest of its 20 and is denied here, without an ask.
+    let trips = r.round_trips();
+    let mut allowed = 1;
+    loop {
+        let d = r.check("k", 1).await;
+        if !d.is_allowed() {
+            assert_eq!(d.source(), Source::DeniedCache);
+            break;
+        }
+        allowed += 1;
+    }
+    assert_eq!(allowed, held);
+    assert_eq!(r.round_trips(), trips, "no ask of the full window");
 }
