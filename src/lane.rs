@@ -128,7 +128,7 @@ impl Lane {
     /// The decision if it needs no store call (a hybrid key with local
     /// permits or known exhausted, any per-process decision); `None`
     /// otherwise, with nothing taken.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn check_now(&self, key: &str, cost: u64) -> Option<Decision> {
         let decision = match &self.engine {
             Engine::Local(local) => local.check(key, cost),

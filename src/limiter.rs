@@ -236,7 +236,7 @@ impl Limiter {
 
     /// [`check_now`](Limiter::check_now) for a key already through
     /// [`local_key`].
-    #[inline]
+    #[inline(always)]
     fn check_local_key(&self, key: &str, cost: u64) -> Option<Decision> {
         let inner = &*self.inner;
         let mut decision = if inner.several() {

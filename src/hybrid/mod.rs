@@ -255,7 +255,7 @@ impl HybridEngine {
 
     /// The request path's common case, without a future: a known key with
     /// valid local permits. `None` means "take the slow path".
-    #[inline]
+    #[inline(always)]
     pub(crate) fn try_fast(&self, key: &str, cost: u64) -> Option<Decision> {
         let s = &*self.shared;
         if cost > s.max_cost || s.closed.load(Ordering::Relaxed) {
@@ -284,7 +284,7 @@ impl HybridEngine {
     /// The fast path on a slot this thread cached: spends from the
     /// thread's stock of its permits while the stock's lease is valid, and
     /// refills the stock when it takes from the slot (see `thread_cache`).
-    #[inline]
+    #[inline(always)]
     fn fast_stocked(
         &self,
         slot: &Arc<Slot>,
@@ -727,7 +727,7 @@ impl Shared {
 
     /// Permits were just taken, `left` remain: a refill if one is due,
     /// and the decision.
-    #[inline]
+    #[inline(always)]
     fn spent(
         &self,
         slot: &Arc<Slot>,
@@ -744,6 +744,7 @@ impl Shared {
             .with_taken(Taken::new(Origin::Lease, cost, window))
     }
 
+    #[inline(always)]
     fn lease_decision(&self, slot: &Slot, left: i64, now: u64) -> Decision {
         let remaining =
             left.max(0) as u64 + u64::from(slot.store_remaining.load(Ordering::Relaxed));

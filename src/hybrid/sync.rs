@@ -1129,10 +1129,6 @@ fn peek_answered(shared: &Shared, config: &HybridConfig, slot: &Slot, r: &LeaseR
     slot.low_water.store(0, Ordering::Relaxed);
 }
 
-/// Maintenance visits one slot in this many per tick: each slot once per
-/// `SWEEP_SLICES × MAINTENANCE` (1 s). Skipping a slot reads only the
-/// map's table, not the slot, so a tick over a million idle keys costs a
-/// few milliseconds instead of a full walk.
 /// A slot that, by its rate, falls to its low-water mark shortly, before
 /// its window's lease ends: a refill ahead of need that would go out on
 /// its own. Keys that ramp up together (a burst of new keys, each past its
@@ -1262,6 +1258,10 @@ fn add_rides(shared: &Shared, config: &HybridConfig, pending: &mut Vec<Pending>,
     }
 }
 
+/// Maintenance visits one slot in this many per tick: each slot once per
+/// `SWEEP_SLICES × MAINTENANCE` (1 s). Skipping a slot reads only the
+/// map's table, not the slot, so a tick over a million idle keys costs a
+/// few milliseconds instead of a full walk.
 pub(crate) const SWEEP_SLICES: usize = 10;
 
 /// Which slice of the sweep a slot is in: from its address, which (unlike
