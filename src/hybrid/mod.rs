@@ -67,6 +67,9 @@ pub(crate) struct Shared {
     /// Slots whose refill ahead of need is soon due: sent early with a
     /// batch that goes out anyway (see [`sync::Ahead`]).
     ahead: Mutex<HashMap<usize, sync::Ahead>>,
+    /// When `ahead` was last scanned for refills to send along (local µs;
+    /// 0: never), so a burst of batches does not scan it once each.
+    ride_scan_at: AtomicU64,
     /// Debt of evicted slots (or of failed reports) to report next round,
     /// each under the identity it was first sent with.
     reports: Mutex<Vec<DebtReport>>,
@@ -207,6 +210,7 @@ impl HybridEngine {
             returns: Mutex::new(Vec::new()),
             watched: Mutex::new(HashMap::new()),
             ahead: Mutex::new(HashMap::new()),
+            ride_scan_at: AtomicU64::new(0),
             reports: Mutex::new(Vec::new()),
             outstanding: DashMap::with_hasher(ahash::RandomState::new()),
             ops,

@@ -1158,6 +1158,14 @@ fn ride_horizon_us(period_us: u64) -> u64 {
     (period_us / 8).min(100_000)
 }
 
+/// How often a large `ahead` is scanned at most (see [`add_rides`]).
+fn ride_scan_every_us(horizon_us: u64) -> u64 {
+    horizon_us / 8
+}
+
+/// Up to this many entries, `ahead` is scanned with every batch.
+pub(crate) const RIDE_SCAN_ALWAYS: usize = 256;
+
 /// Notes the slot, just granted a lease of its current window, as one
 /// whose refill may ride along (see [`Ahead`]), unless by its rate it
 /// does not fall to `low_water` before the lease ends.
@@ -1197,61 +1205,70 @@ fn expect_refill(shared: &Shared, slot: &Arc<Slot>, r: &LeaseReply, low_water: u
 /// due before the lease ends at the rate seen.
 fn add_rides(shared: &Shared, config: &HybridConfig, pending: &mut Vec<Pending>, now: u64) {
     let horizon = ride_horizon_us(shared.params.period_us);
+    let mut ahead = shared.ahead.lock().unwrap_or_else(|p| p.into_inner());
+    // A scan visits every entry (a `Weak` upgraded each). Past a few
+    // hundred entries, at most one scan per eighth of the horizon, which
+    // still finds a refill an eighth ahead of its mark at worst: scanning
+    // per batch, a burst of new keys asked one at a time (a batch each,
+    // every one an entry) cost the sync task a quadratic walk, two thirds
+    // of its time warming 10 000 keys.
+    let last = shared.ride_scan_at.load(Ordering::Relaxed);
+    if ahead.len() > RIDE_SCAN_ALWAYS && now < last.saturating_add(ride_scan_every_us(horizon)) {
+        return;
+    }
+    shared.ride_scan_at.store(now, Ordering::Relaxed);
     let room = config.batch_size.saturating_sub(pending.len());
     let mut rides: Vec<Arc<Slot>> = Vec::new();
-    shared
-        .ahead
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .retain(|_, a| {
-            if rides.len() >= room {
-                return true;
-            }
-            let Some(slot) = a.slot.upgrade() else {
-                return false;
-            };
-            let deadline = slot.deadline.load(Ordering::Acquire);
-            if slot.evicted.load(Ordering::Acquire)
-                || slot.window.load(Ordering::Acquire) != a.window
-                || now >= deadline
-            {
-                return false;
-            }
-            let held = slot.permits.load(Ordering::Acquire);
-            let elapsed = now.saturating_sub(a.since);
-            let spent = a.held - held;
-            // A rate the lease's sizing can use: known at the grant, or
-            // seen over enough permits to seed it (a ride sized from two
-            // requests would be a permit or two, and then a trickle).
-            let rate = if spent as f64 >= SEED_PERMITS && elapsed > 0 {
-                spent as f64 / elapsed as f64
-            } else {
-                a.rate_per_us
-            };
-            let above = held - i64::from(slot.low_water.load(Ordering::Relaxed));
-            let eta = if rate > 0.0 {
-                (above.max(0) as f64 / rate) as u64
-            } else {
-                u64::MAX
-            };
-            if eta > horizon {
-                // Kept while it may still fall due in time.
-                return elapsed <= horizon || now.saturating_add(eta) < deadline;
-            }
-            if held <= 0
-                || slot.denied_until.load(Ordering::Acquire) > now
-                // Claimed first, then marked in flight (as a queue entry
-                // taken by `RefillQueue::pop`): a request that asks
-                // meanwhile finds the refill on its way.
-                || slot.refill_pending.swap(true, Ordering::AcqRel)
-            {
-                return false;
-            }
-            slot.in_flight.store(true, Ordering::Release);
-            slot.promoted.store(false, Ordering::Release);
-            rides.push(slot);
-            false
-        });
+    ahead.retain(|_, a| {
+        if rides.len() >= room {
+            return true;
+        }
+        let Some(slot) = a.slot.upgrade() else {
+            return false;
+        };
+        let deadline = slot.deadline.load(Ordering::Acquire);
+        if slot.evicted.load(Ordering::Acquire)
+            || slot.window.load(Ordering::Acquire) != a.window
+            || now >= deadline
+        {
+            return false;
+        }
+        let held = slot.permits.load(Ordering::Acquire);
+        let elapsed = now.saturating_sub(a.since);
+        let spent = a.held - held;
+        // A rate the lease's sizing can use: known at the grant, or
+        // seen over enough permits to seed it (a ride sized from two
+        // requests would be a permit or two, and then a trickle).
+        let rate = if spent as f64 >= SEED_PERMITS && elapsed > 0 {
+            spent as f64 / elapsed as f64
+        } else {
+            a.rate_per_us
+        };
+        let above = held - i64::from(slot.low_water.load(Ordering::Relaxed));
+        let eta = if rate > 0.0 {
+            (above.max(0) as f64 / rate) as u64
+        } else {
+            u64::MAX
+        };
+        if eta > horizon {
+            // Kept while it may still fall due in time.
+            return elapsed <= horizon || now.saturating_add(eta) < deadline;
+        }
+        if held <= 0
+            || slot.denied_until.load(Ordering::Acquire) > now
+            // Claimed first, then marked in flight (as a queue entry
+            // taken by `RefillQueue::pop`): a request that asks
+            // meanwhile finds the refill on its way.
+            || slot.refill_pending.swap(true, Ordering::AcqRel)
+        {
+            return false;
+        }
+        slot.in_flight.store(true, Ordering::Release);
+        slot.promoted.store(false, Ordering::Release);
+        rides.push(slot);
+        false
+    });
+    drop(ahead);
     shared.counters.rides.add(rides.len() as u64);
     for slot in rides {
         pending.push(lease_call(shared, config, slot, now));

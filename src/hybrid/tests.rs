@@ -1179,3 +1179,30 @@ async fn a_pre_leased_window_stays_watched_while_the_current_one_is_denied() {
     assert_eq!(allowed, held);
     assert_eq!(r.round_trips(), trips, "no ask of the full window");
 }
+
+#[tokio::test]
+async fn a_burst_of_new_keys_scans_the_refills_due_soon_once_per_pace_not_per_batch() {
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict().prelease_lead(Duration::ZERO),
+    );
+    // Each new key's first lease is a batch of its own, and each leaves an
+    // entry whose refill may ride along later.
+    for i in 0..300 {
+        assert!(r.check(&format!("k{i}"), 1).await.is_allowed());
+    }
+    let entries = r.engine.shared.ahead.lock().unwrap().len();
+    assert!(entries > sync::RIDE_SCAN_ALWAYS, "{entries} entries");
+    let scanned = || r.engine.shared.ride_scan_at.load(Ordering::Relaxed);
+    let first = scanned();
+    // Another batch a millisecond later: not scanned again (the pace for
+    // a 1 s period is 12.5 ms).
+    r.clock.advance(Duration::from_millis(1));
+    assert!(r.check("late", 1).await.is_allowed());
+    assert_eq!(scanned(), first);
+    // Once the pace has passed, the next batch scans.
+    r.clock.advance(Duration::from_millis(13));
+    assert!(r.check("later", 1).await.is_allowed());
+    assert!(scanned() > first);
+}
