@@ -110,18 +110,28 @@ pub(crate) fn engine_id() -> u64 {
 fn way(owner: u64, key: &str) -> usize {
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
     let bytes = key.as_bytes();
-    let mut h = (owner ^ bytes.len() as u64).wrapping_mul(K);
-    let mut words = bytes.chunks_exact(8);
-    for word in &mut words {
+    let n = bytes.len();
+    let word = |at: usize| {
         let mut w = [0u8; 8];
-        w.copy_from_slice(word);
-        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(K);
-    }
-    let rest = words.remainder();
-    if !rest.is_empty() {
-        let mut w = [0u8; 8];
-        w[..rest.len()].copy_from_slice(rest);
-        h = (h ^ u64::from_le_bytes(w)).wrapping_mul(K);
+        w.copy_from_slice(&bytes[at..at + 8]);
+        u64::from_le_bytes(w)
+    };
+    let mut h = (owner ^ n as u64).wrapping_mul(K);
+    if n >= 8 {
+        let mut at = 0;
+        while at + 8 < n {
+            h = (h ^ word(at)).wrapping_mul(K);
+            at += 8;
+        }
+        // The last word ends at the key's end (it may overlap the one
+        // before): no partial word to assemble.
+        h = (h ^ word(n - 8)).wrapping_mul(K);
+    } else {
+        let w = bytes
+            .iter()
+            .enumerate()
+            .fold(0u64, |w, (i, &b)| w | u64::from(b) << (8 * i));
+        h = (h ^ w).wrapping_mul(K);
     }
     // The high bits mix every word; the low ones only the last.
     (h >> (64 - WAYS.trailing_zeros())) as usize
@@ -188,6 +198,32 @@ pub(crate) fn put(owner: u64, slot: Arc<Slot>, now: u64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn ways_spread_keys_of_every_length_and_owner() {
+        // Keys differing anywhere (first word, middle, the overlapping
+        // last word, a short key's last byte) and owners alike.
+        for len in [1usize, 5, 7, 8, 9, 15, 16, 17, 40, 64] {
+            for at in [0, len / 2, len - 1] {
+                let mut ways = std::collections::HashSet::new();
+                for c in 0..=255u8 {
+                    let mut key = vec![b'k'; len];
+                    key[at] = c;
+                    // Only valid UTF-8 keys are asked for.
+                    if let Ok(key) = std::str::from_utf8(&key) {
+                        ways.insert(way(1, key));
+                    }
+                }
+                assert!(
+                    ways.len() >= 64,
+                    "len {len}, byte {at}: {} ways",
+                    ways.len()
+                );
+            }
+        }
+        let owners: std::collections::HashSet<usize> = (0..256).map(|o| way(o, "user-1")).collect();
+        assert!(owners.len() >= 128, "{} ways for 256 owners", owners.len());
+    }
 
     #[test]
     fn hits_misses_and_evicted_slots() {
