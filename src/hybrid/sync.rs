@@ -1131,9 +1131,10 @@ fn peek_answered(shared: &Shared, config: &HybridConfig, slot: &Slot, r: &LeaseR
 
 /// A slot that, by its rate, falls to its low-water mark shortly, before
 /// its window's lease ends: a refill ahead of need that would go out on
-/// its own. Keys that ramp up together (a burst of new keys, each past its
-/// first lease) would each send theirs alone, a round trip apiece a few
-/// milliseconds apart. Instead, a batch that goes out anyway takes along
+/// its own. Keys that ramp up together (past their first refill) or run
+/// down leases refilled at half would each send theirs alone, a round
+/// trip apiece a few milliseconds apart. Only slots whose rate was known
+/// at the grant (see [`expect_refill`]). Instead, a batch that goes out anyway takes along
 /// the refills of watched slots due within [`ride_horizon_us`]: sized by
 /// the same rule (what the rate spends until the window ends, less what is
 /// held), only sent a little earlier. None on a cluster (a pipeline per
@@ -1143,11 +1144,10 @@ pub(crate) struct Ahead {
     /// The window of the lease the mark belongs to.
     window: i64,
     /// When the lease was installed (local µs), and what the slot held
-    /// then: the rate since is what it spends now (a first lease's rate is
-    /// not known when it is granted).
+    /// then: the rate since is what it spends now.
     since: u64,
     held: i64,
-    /// The rate known at the grant (permits per µs; 0: none yet).
+    /// The rate known at the grant (permits per µs, above 0).
     rate_per_us: f64,
 }
 
@@ -1173,12 +1173,15 @@ fn expect_refill(shared: &Shared, slot: &Arc<Slot>, r: &LeaseReply, low_water: u
     let rate = slot.books().sizing.rate_per_us();
     let held = slot.permits.load(Ordering::Acquire);
     let above = held - i64::from(low_water);
-    if low_water == 0 || above <= 0 {
+    // Not a slot whose rate is not known yet (a first lease): its ride
+    // would seed the rate from the few requests since the grant, and a
+    // burst of eight, 1 ms apart, then silence, sized a lease for the
+    // rest of the window (991 of 1 000 held by one process, none left for
+    // the others). Its own refill at the mark seeds it, as without rides.
+    if low_water == 0 || above <= 0 || rate <= 0.0 {
         return;
     }
-    if rate > 0.0
-        && now.saturating_add((above as f64 / rate) as u64) >= slot.deadline.load(Ordering::Acquire)
-    {
+    if now.saturating_add((above as f64 / rate) as u64) >= slot.deadline.load(Ordering::Acquire) {
         return;
     }
     let mut ahead = shared.ahead.lock().unwrap_or_else(|p| p.into_inner());
@@ -1195,6 +1198,22 @@ fn expect_refill(shared: &Shared, slot: &Arc<Slot>, r: &LeaseReply, low_water: u
             },
         );
     }
+}
+
+/// Notes `slot` as one whose refill may ride along, at a rate so slow it
+/// is not due within the horizon (tests of the scan's pace).
+#[cfg(test)]
+pub(crate) fn note_ahead(shared: &Shared, slot: &Arc<Slot>, window: i64, now: u64) {
+    shared.ahead.lock().unwrap().insert(
+        Arc::as_ptr(slot) as usize,
+        Ahead {
+            slot: Arc::downgrade(slot),
+            window,
+            since: now,
+            held: slot.permits.load(Ordering::Acquire),
+            rate_per_us: 1e-9,
+        },
+    );
 }
 
 /// Adds to a batch about to be sent the refills of slots that, by what
@@ -1236,9 +1255,9 @@ fn add_rides(shared: &Shared, config: &HybridConfig, pending: &mut Vec<Pending>,
         let held = slot.permits.load(Ordering::Acquire);
         let elapsed = now.saturating_sub(a.since);
         let spent = a.held - held;
-        // A rate the lease's sizing can use: known at the grant, or
-        // seen over enough permits to seed it (a ride sized from two
-        // requests would be a permit or two, and then a trickle).
+        // When it falls due: by the rate known at the grant, or by what it
+        // spent since, once that is enough permits to say (two requests
+        // a moment apart say little).
         let rate = if spent as f64 >= SEED_PERMITS && elapsed > 0 {
             spent as f64 / elapsed as f64
         } else {
