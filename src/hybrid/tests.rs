@@ -1037,7 +1037,7 @@ async fn a_refill_due_soon_rides_with_another_keys_lease() {
 }
 
 #[tokio::test]
-async fn a_first_lease_never_rides_so_a_short_burst_does_not_size_the_rest_of_the_window() {
+async fn a_first_lease_rides_only_once_half_spent_so_a_short_burst_does_not_size_the_window() {
     // b's rate is not known when its first lease is granted: eight
     // requests a millisecond apart, then silence. A ride would seed its
     // rate from them and lease it the rest of the window (it did: 991 of
@@ -1061,6 +1061,28 @@ async fn a_first_lease_never_rides_so_a_short_burst_does_not_size_the_rest_of_th
     let key = r.keys.store_key("b", Algorithm::FixedWindow);
     let other = r.store.lease(&r.params, &raw_lease(key, 1000, -1)).unwrap();
     assert_eq!(other.granted, 969, "another process gets the rest");
+}
+
+#[tokio::test]
+async fn a_first_lease_half_spent_rides_with_another_keys_lease() {
+    // b spends half of what its first lease holds above its mark (12 of
+    // 24), a permit a millisecond: its refill is due within the horizon
+    // and goes with a's first lease.
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        strict().prelease_lead(Duration::ZERO),
+    );
+    assert!(r.check("b", 1).await.is_allowed());
+    for _ in 0..13 {
+        r.clock.advance(Duration::from_millis(1));
+        assert!(r.check("b", 1).await.is_allowed());
+    }
+    r.clock.advance(Duration::from_millis(1));
+    assert!(r.check("a", 1).await.is_allowed());
+    assert_eq!(r.counters.rides.get(), 1);
+    assert_eq!(r.round_trips(), 2, "b's refill went with a's first lease");
+    assert!(r.slot("b").permits.load(Ordering::Acquire) > 100);
 }
 
 #[cfg(feature = "test-support")]
