@@ -1036,22 +1036,28 @@ async fn a_refill_due_soon_rides_with_another_keys_lease() {
     assert_eq!(r.round_trips(), 3);
 }
 
-#[tokio::test]
-async fn a_first_lease_rides_only_once_half_spent_so_a_short_burst_does_not_size_the_window() {
-    // b's rate is not known when its first lease is granted: eight
-    // requests a millisecond apart, then silence. A ride would seed its
-    // rate from them and lease it the rest of the window (it did: 991 of
-    // 1 000 held, nothing left for another process).
+/// `b` takes its first lease (31 of 1 000, a mark of 7; its rate not
+/// known yet) and spends `spent` more, a permit a millisecond.
+async fn b_first_lease_spent(spent: u32) -> Rig {
     let r = rig(
         Quota::per_second(nonzero!(1000)),
         Algorithm::FixedWindow,
         strict().prelease_lead(Duration::ZERO),
     );
     assert!(r.check("b", 1).await.is_allowed());
-    for _ in 0..8 {
+    for _ in 0..spent {
         r.clock.advance(Duration::from_millis(1));
         assert!(r.check("b", 1).await.is_allowed());
     }
+    r
+}
+
+#[tokio::test]
+async fn a_first_lease_rides_only_once_half_spent_so_a_short_burst_does_not_size_the_window() {
+    // Eight requests a millisecond apart, then silence. A ride would seed
+    // b's rate from them and lease it the rest of the window (it did: 991
+    // of 1 000 held, nothing left for another process).
+    let r = b_first_lease_spent(8).await;
     r.clock.advance(Duration::from_millis(2));
     assert!(r.check("a", 1).await.is_allowed());
     r.sync().await;
@@ -1068,16 +1074,7 @@ async fn a_first_lease_half_spent_rides_with_another_keys_lease() {
     // b spends half of what its first lease holds above its mark (12 of
     // 24), a permit a millisecond: its refill is due within the horizon
     // and goes with a's first lease.
-    let r = rig(
-        Quota::per_second(nonzero!(1000)),
-        Algorithm::FixedWindow,
-        strict().prelease_lead(Duration::ZERO),
-    );
-    assert!(r.check("b", 1).await.is_allowed());
-    for _ in 0..13 {
-        r.clock.advance(Duration::from_millis(1));
-        assert!(r.check("b", 1).await.is_allowed());
-    }
+    let r = b_first_lease_spent(13).await;
     r.clock.advance(Duration::from_millis(1));
     assert!(r.check("a", 1).await.is_allowed());
     assert_eq!(r.counters.rides.get(), 1);
