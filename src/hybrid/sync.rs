@@ -1133,8 +1133,10 @@ fn peek_answered(shared: &Shared, config: &HybridConfig, slot: &Slot, r: &LeaseR
 /// its window's lease ends: a refill ahead of need that would go out on
 /// its own. Keys that ramp up together (past their first refill) or run
 /// down leases refilled at half would each send theirs alone, a round
-/// trip apiece a few milliseconds apart. Instead, a batch that goes out anyway takes along
-/// the refills of watched slots due within [`ride_horizon_us`]: sized by
+/// trip apiece a few milliseconds apart. Instead, a batch that goes out
+/// anyway takes along the refills of watched slots (only those whose rate
+/// was known at the grant, see [`expect_refill`]) due within
+/// [`ride_horizon_us`]: sized by
 /// the same rule (what the rate spends until the window ends, less what is
 /// held), only sent a little earlier. None on a cluster (a pipeline per
 /// hash slot: riding saves nothing there).
@@ -1143,11 +1145,10 @@ pub(crate) struct Ahead {
     /// The window of the lease the mark belongs to.
     window: i64,
     /// When the lease was installed (local µs), and what the slot held
-    /// then: the rate since is what it spends now (a first lease's rate is
-    /// not known when it is granted).
+    /// then: the rate since is what it spends now.
     since: u64,
     held: i64,
-    /// The rate known at the grant (permits per µs; 0: none yet).
+    /// The rate known at the grant (permits per µs, above 0).
     rate_per_us: f64,
 }
 
@@ -1173,12 +1174,16 @@ fn expect_refill(shared: &Shared, slot: &Arc<Slot>, r: &LeaseReply, low_water: u
     let rate = slot.books().sizing.rate_per_us();
     let held = slot.permits.load(Ordering::Acquire);
     let above = held - i64::from(low_water);
-    if low_water == 0 || above <= 0 {
+    // Not a slot whose rate is not known yet (a first lease): a ride seeds
+    // the rate from what was spent since the grant, and a short burst then
+    // silence sized a lease for the rest of the window (eight requests
+    // 1 ms apart, or one of cost 12: 987 of 1 000 held by one process,
+    // none left for the others; without rides it keeps its first lease).
+    // Its own refill at the mark seeds it, as without rides.
+    if low_water == 0 || above <= 0 || rate <= 0.0 {
         return;
     }
-    if rate > 0.0
-        && now.saturating_add((above as f64 / rate) as u64) >= slot.deadline.load(Ordering::Acquire)
-    {
+    if now.saturating_add((above as f64 / rate) as u64) >= slot.deadline.load(Ordering::Acquire) {
         return;
     }
     let mut ahead = shared.ahead.lock().unwrap_or_else(|p| p.into_inner());
@@ -1221,6 +1226,11 @@ pub(crate) fn note_ahead(shared: &Shared, slot: &Arc<Slot>, window: i64, now: u6
 /// due before the lease ends at the rate seen.
 fn add_rides(shared: &Shared, config: &HybridConfig, pending: &mut Vec<Pending>, now: u64) {
     let horizon = ride_horizon_us(shared.params.period_us);
+    let room = config.batch_size.saturating_sub(pending.len());
+    // A full batch takes nothing along and does not use up the scan's turn.
+    if room == 0 {
+        return;
+    }
     let mut ahead = shared.ahead.lock().unwrap_or_else(|p| p.into_inner());
     // A scan visits every entry (a `Weak` upgraded each). Past a few
     // hundred entries, at most one scan per eighth of the horizon, which
@@ -1233,7 +1243,6 @@ fn add_rides(shared: &Shared, config: &HybridConfig, pending: &mut Vec<Pending>,
         return;
     }
     shared.ride_scan_at.store(now, Ordering::Relaxed);
-    let room = config.batch_size.saturating_sub(pending.len());
     let mut rides: Vec<Arc<Slot>> = Vec::new();
     ahead.retain(|_, a| {
         if rides.len() >= room {
@@ -1252,24 +1261,15 @@ fn add_rides(shared: &Shared, config: &HybridConfig, pending: &mut Vec<Pending>,
         let held = slot.permits.load(Ordering::Acquire);
         let elapsed = now.saturating_sub(a.since);
         let spent = a.held - held;
-        let mark = i64::from(slot.low_water.load(Ordering::Relaxed));
         // When it falls due: by the rate known at the grant, or by what it
         // spent since, once that is enough permits to say (two requests
-        // a moment apart say little). A slot whose rate was not known at
-        // the grant (a first lease) must also have spent half of what it
-        // held above its mark, the evidence a refill at half a lease
-        // has: the ride seeds its rate from what it spent, and a burst of
-        // eight, 1 ms apart, then silence, leased one process 991 of a
-        // window's 1 000.
-        let seen = spent as f64 >= SEED_PERMITS
-            && elapsed > 0
-            && (a.rate_per_us > 0.0 || 2 * spent >= a.held - mark);
-        let rate = if seen {
+        // a moment apart say little).
+        let rate = if spent as f64 >= SEED_PERMITS && elapsed > 0 {
             spent as f64 / elapsed as f64
         } else {
             a.rate_per_us
         };
-        let above = held - mark;
+        let above = held - i64::from(slot.low_water.load(Ordering::Relaxed));
         let eta = if rate > 0.0 {
             (above.max(0) as f64 / rate) as u64
         } else {

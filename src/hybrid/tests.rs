@@ -1052,17 +1052,15 @@ async fn b_first_lease_spent(spent: u32) -> Rig {
     r
 }
 
-#[tokio::test]
-async fn a_first_lease_rides_only_once_half_spent_so_a_short_burst_does_not_size_the_window() {
-    // Eight requests a millisecond apart, then silence. A ride would seed
-    // b's rate from them and lease it the rest of the window (it did: 991
-    // of 1 000 held, nothing left for another process).
-    let r = b_first_lease_spent(8).await;
+/// After `b`'s first lease and a burst (see [`b_first_lease_spent`]),
+/// `a`'s first lease goes out: b's refill does not ride along, b keeps
+/// its first lease, and another process gets the rest of the window.
+async fn a_first_lease_does_not_ride(r: Rig, held: i64) {
     r.clock.advance(Duration::from_millis(2));
     assert!(r.check("a", 1).await.is_allowed());
     r.sync().await;
     assert_eq!(r.counters.rides.get(), 0);
-    assert_eq!(r.slot("b").permits.load(Ordering::Acquire), 22);
+    assert_eq!(r.slot("b").permits.load(Ordering::Acquire), held);
     assert_eq!(r.store_count("b"), 31);
     let key = r.keys.store_key("b", Algorithm::FixedWindow);
     let other = r.store.lease(&r.params, &raw_lease(key, 1000, -1)).unwrap();
@@ -1070,16 +1068,17 @@ async fn a_first_lease_rides_only_once_half_spent_so_a_short_burst_does_not_size
 }
 
 #[tokio::test]
-async fn a_first_lease_half_spent_rides_with_another_keys_lease() {
-    // b spends half of what its first lease holds above its mark (12 of
-    // 24), a permit a millisecond: its refill is due within the horizon
-    // and goes with a's first lease.
-    let r = b_first_lease_spent(13).await;
+async fn a_first_lease_never_rides_so_a_short_burst_does_not_size_the_window() {
+    // b's rate is not known at its first grant. A ride would seed it from
+    // the burst and lease b the rest of the window (it did: eight requests
+    // 1 ms apart, then silence, left b 991 of 1 000; twelve, 987).
+    a_first_lease_does_not_ride(b_first_lease_spent(8).await, 22).await;
+    a_first_lease_does_not_ride(b_first_lease_spent(12).await, 18).await;
+    // One request of cost 12 did the same.
+    let r = b_first_lease_spent(0).await;
     r.clock.advance(Duration::from_millis(1));
-    assert!(r.check("a", 1).await.is_allowed());
-    assert_eq!(r.counters.rides.get(), 1);
-    assert_eq!(r.round_trips(), 2, "b's refill went with a's first lease");
-    assert!(r.slot("b").permits.load(Ordering::Acquire) > 100);
+    assert!(r.check("b", 12).await.is_allowed());
+    a_first_lease_does_not_ride(r, 18).await;
 }
 
 #[cfg(feature = "test-support")]
