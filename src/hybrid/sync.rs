@@ -1136,10 +1136,9 @@ fn peek_answered(shared: &Shared, config: &HybridConfig, slot: &Slot, r: &LeaseR
 /// trip apiece a few milliseconds apart. Instead, a batch that goes out
 /// anyway takes along the refills of watched slots (only those whose rate
 /// was known at the grant, see [`expect_refill`]) due within
-/// [`ride_horizon_us`]: sized by
-/// the same rule (what the rate spends until the window ends, less what is
-/// held), only sent a little earlier. None on a cluster (a pipeline per
-/// hash slot: riding saves nothing there).
+/// [`ride_horizon_us`]: sized by the same rule (what the rate spends until
+/// the window ends, less what is held), only sent a little earlier. None
+/// on a cluster (a pipeline per hash slot: riding saves nothing there).
 pub(crate) struct Ahead {
     slot: Weak<Slot>,
     /// The window of the lease the mark belongs to.
