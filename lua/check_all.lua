@@ -6,7 +6,7 @@
 -- ARGV[2]  width     the arguments each quota takes (the algorithm's ARGV)
 -- ARGV[3..] quota i's arguments at 3 + (i - 1) * width
 --
--- Returns  n replies of the algorithm, flattened (5 values each): when every
+-- Returns  n replies of the algorithm, flattened (7 values each): when every
 --          quota admits, each is counted and replies as its own script
 --          would; when one denies, nothing is written, and each reply is
 --          what its quota would have answered (allowed 1 for those that
@@ -37,7 +37,7 @@ end
 
 local out = {}
 for i = 1, n do
-  for j = 1, 5 do
+  for j = 1, 7 do
     out[#out + 1] = replies[i][j]
   end
 end

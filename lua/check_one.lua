@@ -4,5 +4,5 @@
 -- KEYS     as the algorithm's file: KEYS[1], the key's state.
 -- ARGV     as the algorithm's file.
 -- Returns  the algorithm's reply: {allowed, remaining, reset_after_us,
---          retry_after_us, now_us}.
+--          retry_after_us, now_us, level, given_back}.
 return check(KEYS, ARGV, true)

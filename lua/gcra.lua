@@ -10,7 +10,10 @@
 --
 -- Returns  {allowed (0|1), remaining, reset_after_us (until the TAT, when the
 --          full burst is available again), retry_after_us (0 allowed,
---          -1 never), now_us}
+--          -1 never), now_us, level (permits available after it, rounded
+--          up), given_back (the key's "gb", 0 if none)}
+--          `now_us`, `level` and `given_back` are what this decision took
+--          permits at: a refund (give_back.lua) sends them back.
 --
 -- Emission interval T = period / limit; tolerance = burst * T. A request of
 -- cost n is allowed when max(TAT, now) + n*T - now <= tolerance.
@@ -30,7 +33,9 @@ local function check(KEYS, ARGV, apply)
 
   local interval = period / limit
   local tolerance = burst * interval
-  local tat = tonumber(redis.call('HGET', KEYS[1], 't') or '0') or 0
+  local state = redis.call('HMGET', KEYS[1], 't', 'gb')
+  local tat = tonumber(state[1] or '0') or 0
+  local gb = tonumber(state[2]) or 0
   if tat < now then tat = now end
 
   local new_tat = tat + cost * interval
@@ -51,5 +56,6 @@ local function check(KEYS, ARGV, apply)
 
   local remaining = math.floor((tolerance - (tat - now)) / interval + 1e-9)
   if remaining < 0 then remaining = 0 end
-  return {allowed, remaining, math.ceil(tat - now), retry, now}
+  local level = math.max(0, math.ceil((tolerance - (tat - now)) / interval - 1e-9))
+  return {allowed, remaining, math.ceil(tat - now), retry, now, level, gb}
 end

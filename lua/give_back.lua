@@ -21,7 +21,11 @@
 --          first answer, so the caller can tell a repeat from a first send
 -- ARGV[7]  tb, gc: the bucket's level right after that lease (its reply's
 --          level), rounded up
--- ARGV[8]  tb, gc: the key's give-back counter then (its reply's given_back)
+-- ARGV[8]  tb, gc: the key's give-back counter then (its reply's given_back;
+--          0 from an exact check of a key that had none)
+-- ARGV[9]  tb, gc: "1" for a refund (as ARGV[8] for w)
+-- ARGV[10] tb, gc: how long to remember the identity, ms (at least 60 s; a
+--          refund's until its bucket would be full again)
 --
 -- Returns  the number of permits actually given back: fixed-window permits
 --          count only for the current or the next window (an ended window's
@@ -38,7 +42,7 @@
 -- Complexity: O(1).
 local seen = redis.call('GET', KEYS[2])
 if seen then
-  if ARGV[1] == 'w' and ARGV[8] == '1' then
+  if (ARGV[1] == 'w' and ARGV[8] == '1') or (ARGV[1] ~= 'w' and ARGV[9] == '1') then
     return 4503599627370496 + tonumber(seen)
   end
   return tonumber(seen)
@@ -54,6 +58,8 @@ local returned = tonumber(ARGV[5])
 local remember = 60000
 if algorithm == 'w' then
   remember = math.max(remember, tonumber(ARGV[7]) or 0)
+else
+  remember = math.max(remember, tonumber(ARGV[10]) or 0)
 end
 
 local function done(back)
@@ -79,8 +85,9 @@ local origin = tonumber(ARGV[6])
 local level = tonumber(ARGV[7])
 local gb_then = tonumber(ARGV[8])
 local rate = limit / period
-local gb = tonumber(redis.call('HGET', KEYS[1], 'gb'))
-if gb == nil or gb < gb_then or origin > now then
+-- A key no lease has written has no counter: nothing was given back to it.
+local gb = tonumber(redis.call('HGET', KEYS[1], 'gb')) or 0
+if gb < gb_then or origin > now then
   return done(0)
 end
 local peak = level + (now - origin) * rate + (gb - gb_then)

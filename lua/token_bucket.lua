@@ -10,7 +10,10 @@
 --                     always allowed, even when debt left the bucket negative)
 --
 -- Returns  {allowed (0|1), remaining (whole tokens), reset_after_us (until
---          full), retry_after_us (0 allowed, -1 never), now_us}
+--          full), retry_after_us (0 allowed, -1 never), now_us, level (tokens
+--          left, rounded up), given_back (the key's "gb", 0 if none)}
+--          `now_us`, `level` and `given_back` are what this decision took
+--          tokens at: a refund (give_back.lua) sends them back.
 --
 -- A missing key is a full bucket. The key expires when the bucket would be
 -- full again, at which point forgetting it changes nothing. Quotas are
@@ -28,9 +31,10 @@ local function check(KEYS, ARGV, apply)
   local burst = tonumber(ARGV[3])
   local cost = tonumber(ARGV[4])
 
-  local state = redis.call('HMGET', KEYS[1], 'tk', 'ts')
+  local state = redis.call('HMGET', KEYS[1], 'tk', 'ts', 'gb')
   local tokens = tonumber(state[1])
   local ts = tonumber(state[2])
+  local gb = tonumber(state[3]) or 0
   if tokens == nil or ts == nil then
     tokens = burst
     ts = now
@@ -55,5 +59,6 @@ local function check(KEYS, ARGV, apply)
     redis.call('HSET', KEYS[1], 'tk', string.format('%.17g', tokens), 'ts', string.format('%d', now))
     redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil(reset / 1000) + 1))
   end
-  return {allowed, math.max(0, math.floor(tokens)), reset, retry, now}
+  return {allowed, math.max(0, math.floor(tokens)), reset, retry, now,
+    math.max(0, math.ceil(tokens)), gb}
 end

@@ -8,7 +8,9 @@
 -- ARGV[2]  period_us  the period in microseconds (integer >= 1000)
 -- ARGV[3]  cost       permits this request takes (integer >= 0; 0 = peek)
 --
--- Returns  {allowed (0|1), remaining, reset_after_us, retry_after_us, now_us}
+-- Returns  {allowed (0|1), remaining, reset_after_us, retry_after_us, now_us,
+--          0, 0} (the last two are the bucket scripts' level and give-back
+--          counter)
 --          remaining: limit minus the load after this call; reset_after_us:
 --          until the whole limit is free again if nothing more is admitted;
 --          retry_after_us is 0 when allowed, -1 when cost > limit (never),
@@ -76,5 +78,5 @@ local function check(KEYS, ARGV, apply)
   local reset = reset_after(used, before, w, now, period)
   local remaining = limit - used - extra
   if remaining < 0 then remaining = 0 end
-  return {allowed, remaining, reset, retry, now}
+  return {allowed, remaining, reset, retry, now, 0, 0}
 end

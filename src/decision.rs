@@ -6,6 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::algorithm::LeaseOrigin;
+
 /// Where a [`Decision`] came from, so callers and metrics can tell.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -85,38 +87,49 @@ fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX - 1)
 }
 
-/// Where an admission's permits came from, for [`Limiter::refund`](crate::Limiter::refund).
+/// Where a decision's permits came from: where giving them back goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) enum Origin {
-    /// Nothing refundable: a denial, a peek, credit, a failure policy's
-    /// decision, or a bucket (which refills by itself).
+    /// Nothing was taken: a denial, a peek, a failure policy's decision.
     #[default]
     None,
-    /// Counted by the store in this window.
+    /// Counted by the store: a window's count, or a bucket's tokens.
     Store,
-    /// Spent from a lease of this window.
+    /// Spent from a lease this process holds.
     Lease,
-    /// Counted by the per-process limiter in this window.
+    /// Admitted on credit (optimistic hybrid): debt not yet reported.
+    Credit,
+    /// Counted by the per-process limiter.
     Local,
 }
 
-/// What a decision took: `cost` permits of window `window` from `origin`.
+/// What a decision took: `cost` permits from `origin`, in `window`.
+///
+/// Every admission that took something records it here, whatever the
+/// algorithm and mode, so a denial of another quota (or pair) gives all
+/// of it back, and a refund finds where it came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[repr(C)]
 pub(crate) struct Taken {
     pub(crate) cost: u64,
+    /// Window algorithms: the window index. Buckets: the store's time of
+    /// the take (µs; `Origin::Store` and `Local`), 0 for a lease's.
     pub(crate) window: i64,
     /// The admission's identity (with this process's nonce): its refund
     /// counts once.
     pub(crate) seq: u64,
-    /// How long the window lasted after the decision, ms, rounded down, by
-    /// the store's clock (`Origin::Store`; 0 otherwise).
-    lasts_ms: u32,
+    /// Buckets taken by the store: the key's give-back counter then.
+    given_back: u64,
+    /// Windows taken by the store: how long the window lasted after the
+    /// decision, ms, rounded down, by the store's clock. Buckets taken by
+    /// the store: the level right after the take, rounded up
+    /// (`u32::MAX`: too large to record; no refund then).
+    aux: u32,
     pub(crate) origin: Origin,
 }
 
 impl Taken {
-    /// `cost` permits of `window`, from `origin`: refundable when both are
+    /// `cost` permits of `window`, from `origin`: nothing unless both are
     /// known and something was taken.
     pub(crate) fn new(origin: Origin, cost: u64, window: Option<i64>) -> Taken {
         match window {
@@ -124,22 +137,52 @@ impl Taken {
                 origin,
                 cost,
                 window,
-                lasts_ms: 0,
+                given_back: 0,
+                aux: 0,
                 seq: crate::algorithm::admission_seq(),
             },
             _ => Taken::default(),
         }
     }
 
+    /// `cost` tokens taken by the store from a bucket at `from`.
+    pub(crate) fn of_bucket(origin: Origin, cost: u64, from: LeaseOrigin) -> Taken {
+        if cost == 0 {
+            return Taken::default();
+        }
+        Taken {
+            origin,
+            cost,
+            window: i64::try_from(from.at_us).unwrap_or(i64::MAX),
+            seq: crate::algorithm::admission_seq(),
+            given_back: from.given_back,
+            aux: u32::try_from(from.level).unwrap_or(u32::MAX),
+        }
+    }
+
+    /// Where a bucket take by the store started from (for its give-back).
+    pub(crate) fn bucket_origin(&self) -> LeaseOrigin {
+        LeaseOrigin {
+            at_us: self.window.max(0) as u64,
+            // Unknown: as full as a bucket can be, so nothing goes back.
+            level: if self.aux == u32::MAX {
+                u64::MAX >> 11
+            } else {
+                u64::from(self.aux)
+            },
+            given_back: self.given_back,
+        }
+    }
+
     /// The same, with the time its window lasted after the decision.
     pub(crate) fn lasting(mut self, lasts: Duration) -> Taken {
-        self.lasts_ms = u32::try_from(lasts.as_millis()).unwrap_or(u32::MAX);
+        self.aux = u32::try_from(lasts.as_millis()).unwrap_or(u32::MAX);
         self
     }
 
     /// How long the window lasted after the decision (rounded down).
     pub(crate) fn lasts(&self) -> Duration {
-        Duration::from_millis(u64::from(self.lasts_ms))
+        Duration::from_millis(u64::from(self.aux))
     }
 
     /// The admission's identity, for the store.
@@ -148,6 +191,7 @@ impl Taken {
             .then(|| crate::algorithm::OpId::admission(self.seq))
     }
 
+    /// Whether anything was taken (and so can be given back).
     pub(crate) fn refundable(&self) -> bool {
         self.origin != Origin::None
     }
@@ -261,10 +305,27 @@ impl Decision {
     }
 
     /// Whether [`Limiter::refund`](crate::Limiter::refund) can give this
-    /// decision's permits back: it admitted a cost above 0 from a window
-    /// (fixed or sliding) this process or the store counted.
+    /// decision's permits back: it admitted a cost above 0. A denial is
+    /// never refundable: it took nothing (whatever one quota took before
+    /// another denied was given back at once).
     pub fn is_refundable(&self) -> bool {
-        self.quotas().iter().any(|d| d.taken.refundable())
+        self.allowed && self.quotas().iter().any(|d| d.taken.refundable())
+    }
+
+    /// The same decision with nothing taken, in every part: a denial's
+    /// parts were given back when it was decided.
+    pub(crate) fn took_nothing(mut self) -> Self {
+        self.forget_taken();
+        self
+    }
+
+    fn forget_taken(&mut self) {
+        self.taken = Taken::default();
+        if let Some(parts) = &mut self.parts {
+            for part in Arc::make_mut(parts).iter_mut() {
+                part.forget_taken();
+            }
+        }
     }
 }
 

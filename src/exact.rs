@@ -78,25 +78,20 @@ impl ExactEngine {
         cost: u64,
         applied: bool,
     ) -> Decision {
-        let window = window_of(&self.params, reply.now_us).filter(|_| applied);
-        let period = self.params.period_us.max(1);
-        let lasts = Duration::from_micros(period - reply.now_us % period);
-        decision_from(reply, self.params.limit, Source::Store)
-            .with_taken(Taken::new(Origin::Store, cost, window).lasting(lasts))
+        let taken = if applied {
+            taken_by_check(&self.params, reply, cost, Origin::Store)
+        } else {
+            Taken::default()
+        };
+        decision_from(reply, self.params.limit, Source::Store).with_taken(taken)
     }
 
-    /// Gives `taken` back to the store's count of its window, which takes
-    /// it only while that window lasts. Returns the permits it took back.
+    /// Gives `taken` back to the store: to its window's count while that
+    /// window lasts, or to its bucket as far as the bucket could have
+    /// held it had it never been taken. Returns the permits it took back.
     pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<u64, Error> {
-        let call = GiveBackCall {
-            key: self.keys.store_key(key, self.params.algorithm),
-            returned: taken.cost,
-            window: taken.window,
-            origin: LeaseOrigin::default(),
-            op: taken.op().unwrap_or_else(|| self.ops.next()),
-            remember_us: remember_refund(&self.params),
-            refund: true,
-        };
+        let store_key = self.keys.store_key(key, self.params.algorithm);
+        let call = refund_call(&self.params, store_key, &taken, &self.ops);
         let (replies, _) = self
             .store
             .give_back_batch(&self.params, std::slice::from_ref(&call), &self.counters)
@@ -116,8 +111,58 @@ pub(crate) fn window_of(params: &Params, now_us: u64) -> Option<i64> {
         .then(|| (now_us / params.period_us.max(1)) as i64)
 }
 
+/// What a check by a store (shared or per-process) that admitted `cost`
+/// took: permits of the window it counted them in, or a bucket's tokens
+/// at the reply's level and time.
+pub(crate) fn taken_by_check(
+    params: &Params,
+    reply: &crate::store::AcquireReply,
+    cost: u64,
+    origin: Origin,
+) -> Taken {
+    match window_of(params, reply.now_us) {
+        Some(window) => {
+            let period = params.period_us.max(1);
+            let lasts = Duration::from_micros(period - reply.now_us % period);
+            Taken::new(origin, cost, Some(window)).lasting(lasts)
+        }
+        None => Taken::of_bucket(origin, cost, LeaseOrigin::of_check(reply)),
+    }
+}
+
+/// The give-back that refunds `taken` to `store_key`, under the
+/// admission's identity.
+pub(crate) fn refund_call(
+    params: &Params,
+    store_key: String,
+    taken: &Taken,
+    ops: &OpIds,
+) -> GiveBackCall {
+    let windowed = params.algorithm.spec().leases.windowed();
+    GiveBackCall {
+        key: store_key,
+        returned: taken.cost,
+        window: if windowed { taken.window } else { 0 },
+        origin: if windowed {
+            LeaseOrigin::default()
+        } else {
+            taken.bucket_origin()
+        },
+        op: taken.op().unwrap_or_else(|| ops.next()),
+        remember_us: remember_refund(params),
+        refund: true,
+    }
+}
+
 /// How long a refund's identity is remembered: past the end of its window,
-/// after which the store ignores it anyway.
+/// or past the time its bucket takes to fill from empty, after which the
+/// store gives it nothing back anyway.
 pub(crate) fn remember_refund(params: &Params) -> u64 {
-    params.period_us.saturating_add(1_000_000)
+    let lasts = if params.algorithm.spec().leases.windowed() {
+        params.period_us
+    } else {
+        let fill = params.burst as f64 * params.period_us as f64 / params.limit.max(1) as f64;
+        fill.min(u64::MAX as f64 / 2.0) as u64
+    };
+    lasts.saturating_add(1_000_000)
 }

@@ -213,7 +213,7 @@ impl Lane {
     /// or the per-process count. `false` if it needs the store.
     pub(crate) fn untake(&self, key: &str, taken: Taken) -> bool {
         match (&self.engine, taken.origin) {
-            (Engine::Hybrid(hybrid), Origin::Lease) => hybrid.untake(key, taken),
+            (Engine::Hybrid(hybrid), Origin::Lease | Origin::Credit) => hybrid.untake(key, taken),
             (Engine::Local(local), Origin::Local) => local.refund(key, taken) == taken.cost,
             _ => false,
         }
@@ -245,7 +245,7 @@ impl Lane {
         match (&self.engine, taken.origin) {
             (_, Origin::None) => Ok(0),
             (Engine::Local(local), Origin::Local) => Ok(local.refund(key, taken)),
-            (Engine::Hybrid(hybrid), Origin::Lease | Origin::Store) => {
+            (Engine::Hybrid(hybrid), Origin::Lease | Origin::Store | Origin::Credit) => {
                 hybrid.refund(key, taken).await
             }
             (Engine::Exact(exact), Origin::Store) => exact.refund(key, taken).await,
@@ -253,6 +253,15 @@ impl Lane {
             // mode cannot happen; a decision of another limiter is refused
             // before it gets here).
             _ => Ok(0),
+        }
+    }
+
+    /// Gives up whatever this lane holds for `key` (see
+    /// `HybridEngine::release`); other engines hold nothing per key that
+    /// another quota's lane would not see.
+    pub(crate) fn release(&self, key: &str) {
+        if let Engine::Hybrid(hybrid) = &self.engine {
+            hybrid.release(key);
         }
     }
 

@@ -97,6 +97,17 @@ impl Inner {
         }
     }
 
+    /// The slow path of `key`: a key whose first quota changed (tiers)
+    /// leaves the lanes of its other quotas before it is decided.
+    fn release_elsewhere(&self, key: &str) {
+        self.first.release_elsewhere(key, &self.first_lane(key));
+    }
+
+    /// How this limiter counts.
+    pub(crate) fn algorithm(&self) -> Algorithm {
+        self.algorithm
+    }
+
     pub(crate) fn several(&self) -> bool {
         !self.also.is_empty()
     }
@@ -250,6 +261,7 @@ impl Limiter {
 
     async fn check_slow(&self, key: &str, cost: u64) -> Decision {
         let inner = &*self.inner;
+        inner.release_elsewhere(key);
         let mut decision = if inner.several() {
             several::decide(self, key, cost).await
         } else {
@@ -266,6 +278,7 @@ impl Limiter {
     /// The store's error, classified (see [`Error::kind`]).
     pub async fn try_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
         let key = &*local_key(key);
+        self.inner.release_elsewhere(key);
         let mut decision = if self.inner.several() {
             several::try_decide(self, key, cost).await
         } else {
@@ -275,24 +288,35 @@ impl Limiter {
         Ok(decision)
     }
 
-    /// Gives an admitted request's permits back to the window they were
-    /// taken from, for each of the limiter's quotas: a request that failed
-    /// (a 5xx, a cancelled job) need not cost its client the quota.
+    /// Gives an admitted request's permits back to where they were taken
+    /// from, for each of the limiter's quotas: a request that failed (a
+    /// 5xx, a cancelled job) need not cost its client the quota.
     ///
-    /// A refund never goes to a later window than its permits came from:
-    /// one arriving after that window ended is ignored, as is one for a
-    /// denial, a peek, credit, a failure policy's decision or a bucket
-    /// algorithm (token bucket and GCRA refill by themselves). Returns the
-    /// permits given back, summed over the quotas; what was ignored is
-    /// counted in [`Stats::refunds_ignored`].
+    /// A window's permits go back to the window they came from, never a
+    /// later one: a refund arriving after that window ended is ignored. A
+    /// bucket's tokens (token bucket, GCRA) go back as far as the bucket
+    /// could have held them had they never been taken (never above its
+    /// burst, nor what it would have dropped at full meanwhile); a hybrid
+    /// limiter's, only while the lease they came from lasts. Credit
+    /// (optimistic hybrid) goes back as unreported debt, or to its window.
+    /// A denial took nothing and gives nothing back, nor does a peek or a
+    /// failure policy's decision. Returns the permits given back, summed
+    /// over the quotas; what was ignored is counted in
+    /// [`Stats::refunds_ignored`].
     ///
     /// A decision is refunded once: each admission carries an identity the
-    /// store remembers past the end of its window, so refunding it again
-    /// (or a retry after a lost reply) gives nothing more back. A decision
+    /// store (or, for what goes back into a local lease, the limiter)
+    /// remembers for as long as a refund could still land, so refunding it
+    /// again (or a retry after a lost reply) gives nothing more back. A decision
     /// of another limiter is ignored. `key` must be the key the decision
     /// was made for.
     pub async fn refund(&self, key: &str, decision: &Decision) -> u64 {
         let key = &*local_key(key);
+        // A denial took nothing: what one quota took before another
+        // denied went back when it was decided.
+        if !decision.is_allowed() {
+            return 0;
+        }
         let parts = decision.quotas();
         if decision.limiter != self.inner.id || parts.len() != 1 + self.inner.also.len() {
             let taken: u64 = parts.iter().map(|d| d.taken.cost).sum();

@@ -7,9 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::algorithm::{GiveBackCall, LeaseOrigin, OpIds};
+use crate::algorithm::OpIds;
 use crate::decision::{Origin, Source, Taken};
-use crate::exact::window_of;
+use crate::exact::{refund_call, taken_by_check};
 use crate::store::{AcquireReply, MemoryStore, Params};
 use crate::{Algorithm, Clock, Decision, Quota};
 
@@ -37,27 +37,19 @@ impl LocalEngine {
 
     pub(crate) fn check(&self, key: &str, cost: u64) -> Decision {
         match self.store.acquire(key, &self.params, cost) {
-            Ok(reply) => decision_from(&reply, self.params.limit, self.source).with_taken(
-                Taken::new(Origin::Local, cost, window_of(&self.params, reply.now_us)),
-            ),
+            Ok(reply) => decision_from(&reply, self.params.limit, self.source)
+                .with_taken(taken_by_check(&self.params, &reply, cost, Origin::Local)),
             // A private store holds one layout per limiter, so this cannot
             // happen; deny rather than panic if it ever does.
             Err(_) => Decision::deny(self.params.limit, 0, Duration::ZERO, None, self.source),
         }
     }
 
-    /// Gives `taken` back to its window while that window lasts; returns
-    /// the permits taken back.
+    /// Gives `taken` back to its window while that window lasts, or to
+    /// its bucket; returns the permits taken back (a repeat: `REPEAT`
+    /// plus the first answer).
     pub(crate) fn refund(&self, key: &str, taken: Taken) -> u64 {
-        let call = GiveBackCall {
-            key: key.to_owned(),
-            returned: taken.cost,
-            window: taken.window,
-            origin: LeaseOrigin::default(),
-            op: taken.op().unwrap_or_else(|| self.ops.next()),
-            remember_us: crate::exact::remember_refund(&self.params),
-            refund: true,
-        };
+        let call = refund_call(&self.params, key.to_owned(), &taken, &self.ops);
         self.store.give_back(&self.params, &call).unwrap_or(0)
     }
 }

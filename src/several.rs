@@ -27,7 +27,9 @@ use crate::Decision;
 
 /// The binding decision of several: a denial if any denied (the one with
 /// the longest wait; "never" is longest), else the admission with the
-/// fewest permits left. Keeps every part for [`Decision::quotas`].
+/// fewest permits left. Keeps every part for [`Decision::quotas`]. A
+/// denial's parts record nothing taken: the caller gave back what the
+/// admitting parts took, so nothing is left for a refund to give.
 pub(crate) fn binding(parts: Vec<Decision>) -> Decision {
     let denied = parts.iter().filter(|d| !d.is_allowed()).max_by_key(|d| {
         // None: can never succeed.
@@ -43,6 +45,9 @@ pub(crate) fn binding(parts: Vec<Decision>) -> Decision {
     let mut decision = chosen.clone();
     decision.taken = Taken::default();
     decision.parts = Some(Arc::new(parts));
+    if !decision.is_allowed() {
+        return decision.took_nothing();
+    }
     decision
 }
 
@@ -308,10 +313,13 @@ async fn take_in_turn(
     // cannot be taken again locally. It stands if its window outlasts the
     // round (the store decided after `started`, so its window lasts at
     // least `taken.lasts` from then)...
+    // (Only a window's count by a store can be stale: a bucket's tokens
+    // and credit do not end with a window.)
     let now = tokio::time::Instant::now();
+    let windowed = inner.algorithm().spec().leases.windowed();
     let stale = parts.iter().zip(&decided).any(|(d, started)| {
-        d.taken.refundable()
-            && d.taken.origin != Origin::Lease
+        windowed
+            && matches!(d.taken.origin, Origin::Store | Origin::Local)
             && now.duration_since(*started) >= d.taken.lasts()
     });
     if stale || !retake_leases(inner, &undo, key, cost, &mut parts) {
@@ -477,6 +485,9 @@ fn binding_of_pairs(parts: Vec<Decision>) -> Decision {
         .collect();
     let mut decision = binding(flat);
     decision.parts = Some(Arc::new(parts));
+    if !decision.is_allowed() {
+        return decision.took_nothing();
+    }
     decision
 }
 

@@ -131,6 +131,21 @@ impl Tiers {
         Some(lane)
     }
 
+    /// `key` is decided by `lane` now: every other lane gives up what it
+    /// holds for the key, so a key moved to a lower tier does not spend
+    /// a lease granted under a higher one (and the count it left behind
+    /// in the store is what the new limit is held against).
+    pub(crate) fn release_elsewhere(&self, key: &str, lane: &Lane) {
+        if !self.on.load(Ordering::Relaxed) {
+            return;
+        }
+        for other in self.all() {
+            if !std::ptr::eq(&*other, lane) {
+                other.release(key);
+            }
+        }
+    }
+
     /// Replaces the default quota; the old lane is shut down.
     pub(crate) fn set_default(&self, lane: Lane) {
         let old = self.default.swap(Arc::new(lane));

@@ -37,6 +37,8 @@ pub(crate) fn give_back_args(
         Arg::Uint(c.origin.at_us),
         Arg::Uint(c.origin.level),
         Arg::Uint(c.origin.given_back),
+        Arg::Uint(u64::from(c.refund)),
+        Arg::Uint(c.remember_us / 1000),
     ]);
 }
 
@@ -83,7 +85,9 @@ pub(crate) fn target(v: &LeaseView) -> LeaseTarget {
 /// (`gb`, the key's give-back counter). `None`: the give-back is refused
 /// (the key was recreated, or the origin is in the future).
 pub(crate) fn peak(p: &Params, origin: LeaseOrigin, gb: Option<u64>, now: u64) -> Option<f64> {
-    let gb = gb?;
+    // A key no lease has written has no counter: nothing was given back
+    // to it (an exact check's origin then says 0).
+    let gb = gb.unwrap_or(0);
     if gb < origin.given_back || origin.at_us > now {
         return None;
     }

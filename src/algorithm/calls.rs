@@ -33,14 +33,26 @@ pub(crate) struct AcquireReply {
     /// 0 when allowed, `None` when the cost can never be admitted.
     pub(crate) retry_after_us: Option<u64>,
     pub(crate) now_us: u64,
+    /// Buckets: the level right after the decision, rounded up (0 for
+    /// windows). With `now_us` and `given_back`, where a refund of this
+    /// decision's take starts from (see [`LeaseOrigin`]).
+    pub(crate) level: u64,
+    /// Buckets: the key's give-back counter at the decision.
+    pub(crate) given_back: u64,
 }
+
+/// Values in one check script's reply.
+pub(crate) const CHECK_REPLY_LEN: usize = 7;
 
 impl AcquireReply {
     pub(crate) fn from_values(v: &[i64]) -> Result<Self, Error> {
-        if v.len() != 5 {
+        if v.len() != CHECK_REPLY_LEN {
             return Err(Error::new(
                 crate::ErrorKind::Store,
-                format!("check script returned {} values, expected 5", v.len()),
+                format!(
+                    "check script returned {} values, expected {CHECK_REPLY_LEN}",
+                    v.len()
+                ),
             ));
         }
         Ok(AcquireReply {
@@ -49,6 +61,8 @@ impl AcquireReply {
             reset_after_us: v[2].max(0) as u64,
             retry_after_us: (v[3] >= 0).then_some(v[3] as u64),
             now_us: v[4].max(0) as u64,
+            level: v[5].max(0) as u64,
+            given_back: v[6].max(0) as u64,
         })
     }
 }
@@ -264,6 +278,15 @@ pub(crate) struct LeaseOrigin {
 }
 
 impl LeaseOrigin {
+    /// Where an exact check's take of a bucket starts from.
+    pub(crate) fn of_check(reply: &AcquireReply) -> LeaseOrigin {
+        LeaseOrigin {
+            at_us: reply.now_us,
+            level: reply.level,
+            given_back: reply.given_back,
+        }
+    }
+
     /// The more conservative of two origins for permits merged into one
     /// lease: the earlier grant (the longer a lease is out, the more its
     /// bucket may have refilled), the higher level and the lower counter.

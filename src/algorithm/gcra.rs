@@ -117,6 +117,8 @@ fn check(
         reset_after_us: (tat - nowf).ceil().max(0.0) as u64,
         retry_after_us: retry,
         now_us: now,
+        level: (g.level(tat, nowf) - 1e-9).ceil().max(0.0) as u64,
+        given_back: gb.unwrap_or(0),
     })
 }
 
@@ -200,7 +202,7 @@ fn give_back(
     if let Some(e) = entry {
         e.state = State::Gcra {
             tat: (tat - back * g.interval).ceil(),
-            gb: gb.map(|g| g + back as u64),
+            gb: Some(gb.unwrap_or(0) + back as u64),
         };
     }
     Ok(back as u64)

@@ -30,7 +30,7 @@ mod window;
 
 pub(crate) use self::calls::{
     admission_seq, AcquireReply, GiveBackCall, LeaseCall, LeaseOrigin, LeaseReply, OpId, OpIds,
-    Params, MAX_REPORT, REPEAT,
+    Params, CHECK_REPLY_LEN, MAX_REPORT, REPEAT,
 };
 pub(crate) use self::state::{Entry, State};
 

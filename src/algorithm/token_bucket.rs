@@ -107,6 +107,8 @@ fn check(
         reset_after_us: bucket_reset(p, tokens).max(0.0) as u64,
         retry_after_us: retry,
         now_us: now,
+        level: tokens.ceil().max(0.0) as u64,
+        given_back: gb.unwrap_or(0),
     })
 }
 
@@ -186,7 +188,7 @@ fn give_back(
         e.state = State::Bucket {
             tokens: tokens + back,
             ts: now,
-            gb: gb.map(|g| g + back as u64),
+            gb: Some(gb.unwrap_or(0) + back as u64),
         };
     }
     Ok(back as u64)

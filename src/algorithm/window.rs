@@ -161,6 +161,8 @@ pub(crate) fn check(
         reset_after_us: reset,
         retry_after_us: retry,
         now_us: now,
+        level: 0,
+        given_back: 0,
     })
 }
 

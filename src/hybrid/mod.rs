@@ -166,7 +166,41 @@ pub(crate) struct HybridEngine {
     id: u64,
     shared: Arc<Shared>,
     task: Mutex<Option<JoinHandle<()>>>,
+    /// Admissions refunded into a local lease or into unreported credit,
+    /// so a second refund of one gives nothing more back.
+    local_refunds: Mutex<LocalRefunds>,
     _guard: StopGuard,
+}
+
+/// Identities of admissions given back locally, each kept until the
+/// lease or credit it went back into has surely ended.
+#[derive(Default)]
+struct LocalRefunds {
+    /// Admission → local µs after which it can no longer go back locally.
+    until: HashMap<u64, u64>,
+}
+
+/// The most local refunds remembered at once; past it, a refund that
+/// would go back locally is ignored (and counted) instead.
+const MAX_LOCAL_REFUNDS: usize = 65_536;
+
+impl LocalRefunds {
+    /// Records `seq`; `false` if it was refunded before, or there is no
+    /// room to remember it.
+    fn first(&mut self, seq: u64, now: u64, until: u64) -> bool {
+        if self.until.len() >= MAX_LOCAL_REFUNDS / 2 {
+            self.until.retain(|_, &mut end| end > now);
+        }
+        if self.until.contains_key(&seq) || self.until.len() >= MAX_LOCAL_REFUNDS {
+            return false;
+        }
+        self.until.insert(seq, until);
+        true
+    }
+
+    fn forget(&mut self, seq: u64) {
+        self.until.remove(&seq);
+    }
 }
 
 impl HybridEngine {
@@ -240,6 +274,7 @@ impl HybridEngine {
             _guard: StopGuard(shared.clone()),
             shared,
             task: Mutex::new(Some(task)),
+            local_refunds: Mutex::new(LocalRefunds::default()),
         })
     }
 
@@ -494,13 +529,14 @@ impl HybridEngine {
                 ));
             }
             if let Consistency::Optimistic { max_debt } = config.consistency {
-                if s.try_credit(&slot, cost, now, max_debt) {
+                if let Some(window) = s.try_credit(&slot, cost, now, max_debt) {
                     return Ok(Decision::allow(
                         s.params.limit,
                         0,
                         s.reset_after(&slot, now),
                         Source::Credit,
-                    ));
+                    )
+                    .with_taken(Taken::new(Origin::Credit, cost, Some(window))));
                 }
             }
             let left = give_up_at.saturating_duration_since(tokio::time::Instant::now());
@@ -522,23 +558,59 @@ impl HybridEngine {
         }
     }
 
-    /// Puts back permits spent from a lease of `taken.window`, if this
-    /// process still holds that lease (no store call); `false` otherwise.
+    /// Puts back what `taken` took locally: permits into the lease they
+    /// were spent from, if this process still holds it, or credit into
+    /// the debt not yet reported (no store call); `false` otherwise.
     pub(crate) fn untake(&self, key: &str, taken: Taken) -> bool {
         let s = &*self.shared;
         let Some(slot) = s.slots.get(key).map(|e| e.value().clone()) else {
             return false;
         };
-        slot.untake(taken.window, taken.cost, s.time.precise_us())
+        match taken.origin {
+            Origin::Lease => slot.untake(taken.window, taken.cost, s.time.precise_us()),
+            Origin::Credit => slot.untake_credit(taken.window, taken.cost),
+            _ => false,
+        }
     }
 
-    /// Gives `taken` back to the store's count of its window, which takes
-    /// it only while the window lasts, once per admission however often it
-    /// is sent (the refund carries the admission's identity). Not into the
-    /// local lease: that would take it back again on every call. Returns
-    /// the permits taken back.
+    /// Gives `taken` back, once per admission however often it is sent.
+    ///
+    /// A window's permits go to the store's count of their window, which
+    /// takes them only while the window lasts (the refund carries the
+    /// admission's identity); not into the local lease, which would take
+    /// them back again on every call. A bucket lease's permits have no
+    /// window to go to: they go back into the lease while it lasts, and
+    /// credit into the debt not yet reported (else, for a window, to its
+    /// count), each admission once (remembered here). Returns the permits
+    /// taken back (`REPEAT` or more: refunded before).
     pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<u64, Error> {
-        let back = self.shared.exact.refund(key, taken).await?;
+        let s = &*self.shared;
+        let windowed = s.leases.windowed();
+        let local = match taken.origin {
+            Origin::Lease => !windowed,
+            Origin::Credit => true,
+            _ => false,
+        };
+        if local {
+            let now = s.time.precise_us();
+            let config = s.config.load();
+            let until =
+                now + config.lease_ttl.as_micros() as u64 + 2 * s.params.period_us + 1_000_000;
+            let mut refunds = self.local_refunds.lock().unwrap_or_else(|p| p.into_inner());
+            if !refunds.first(taken.seq, now, until) {
+                return Ok(crate::algorithm::REPEAT);
+            }
+            if self.untake(key, taken) {
+                return Ok(taken.cost);
+            }
+            refunds.forget(taken.seq);
+            drop(refunds);
+            // Credit already reported counts in its window.
+            if taken.origin != Origin::Credit || !windowed {
+                return Ok(0);
+            }
+        }
+        let back = s.exact.refund(key, taken).await?;
         if back > 0 && back < crate::algorithm::REPEAT {
             // The store has room again: a key known exhausted asks anew.
             if let Some(slot) = self.shared.slots.get(key) {
@@ -546,6 +618,20 @@ impl HybridEngine {
             }
         }
         Ok(back)
+    }
+
+    /// Stops serving `key` from this engine: its slot leaves the map,
+    /// its unused permits go back to the store and its credit is reported,
+    /// all sent at once. For a key now decided by another quota's engine
+    /// (tiers): a lease must not outlive the quota it was granted under.
+    pub(crate) fn release(&self, key: &str) {
+        let s = &*self.shared;
+        if let Some((_, slot)) = s.slots.remove(key) {
+            s.retire(&slot, s.time.precise_us());
+            s.refilled(&slot).notify_waiters();
+            s.urgent.store(true, Ordering::Release);
+            s.wake.notify_one();
+        }
     }
 
     /// Stops the sync task and gives every unused permit back.
@@ -743,7 +829,8 @@ impl Shared {
         if slot.wants_refill(left, now, self.early_lead()) {
             self.request_refill(slot, false);
         }
-        let window = window.filter(|_| self.leases.windowed());
+        // A bucket lease's window is 0: its permits go back into the
+        // lease, never to a window.
         self.lease_decision(slot, left, now)
             .with_taken(Taken::new(Origin::Lease, cost, window))
     }
@@ -782,8 +869,9 @@ impl Shared {
     }
 
     /// Optimistic mode: admit on credit if this process's unreported debt
-    /// for the key stays within `max_debt` and belongs to one window.
-    fn try_credit(&self, slot: &Slot, cost: u64, now: u64, max_debt: u64) -> bool {
+    /// for the key stays within `max_debt` and belongs to one window; the
+    /// window it is charged to (0 for a bucket).
+    fn try_credit(&self, slot: &Slot, cost: u64, now: u64, max_debt: u64) -> Option<i64> {
         // Window leases: near a boundary the debt could land in either
         // window, so no credit there, and each window's overshoot stays
         // attributable. Before the key's first lease, the window comes
@@ -793,12 +881,9 @@ impl Shared {
         let windowed = self.leases.windowed();
         let window = if windowed {
             match slot.window_at(now, self.params.period_us) {
-                Some(UNKNOWN_WINDOW) => match self.store_window(now) {
-                    Some(window) => window,
-                    None => return false,
-                },
+                Some(UNKNOWN_WINDOW) => self.store_window(now)?,
                 Some(window) => window,
-                None => return false,
+                None => return None,
             }
         } else {
             0
@@ -809,16 +894,16 @@ impl Shared {
             match self.outstanding.get(&self.store_key(slot)) {
                 None => 0,
                 Some(ledger) if !windowed => ledger.pending,
-                Some(ledger) if window <= ledger.closed_through => return false,
+                Some(ledger) if window <= ledger.closed_through => return None,
                 Some(ledger) if window == ledger.window => ledger.used,
                 Some(_) => 0,
             }
         };
         if !slot.take_credit(window, cost, max_debt.saturating_sub(queued)) {
-            return false;
+            return None;
         }
         self.counters.credit_admitted.add(cost);
-        true
+        Some(window)
     }
 
     /// Takes a slot out of service: valid permits go back to the store,

@@ -12,8 +12,16 @@ pub(crate) const TAU_US: f64 = 1_000_000.0;
 /// A first measure of at least this many permits seeds the rate.
 pub(crate) const SEED_PERMITS: f64 = 8.0;
 
+/// A window lease holds at most what the process spent in this window
+/// and the one before, or this fraction of the limit (1 / 16), whichever
+/// is more: a process that bursts and goes quiet holds at most a
+/// sixteenth of the limit (plus what its previous lease left) where
+/// others may be asking, however fast its burst looked (a rate seeded by
+/// 25 requests a millisecond apart asked for the whole window).
+pub(crate) const EARNED_FLOOR_DIVISOR: u64 = 16;
+
 /// Per-key sizing state, owned by the sync task.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub(crate) struct Sizing {
     /// Local permits right after the last refill was applied.
     /// Saturating: sizing needs the order of magnitude, not the last permit.
@@ -24,6 +32,13 @@ pub(crate) struct Sizing {
     rate: f64,
     /// The last lease asked for (saturating: it only seeds doubling).
     last_want: u32,
+    /// Window leases: the window `spent` counts in (`NO_WINDOW`: none
+    /// yet; not an `Option`, which would add a word to every slot).
+    spent_window: i64,
+    /// Permits spent in `spent_window`, and in the window before it
+    /// (saturating: they bound a lease, which `max_lease` bounds anyway).
+    spent: u32,
+    spent_before: u32,
 }
 
 /// Bounds and horizon for one decision about a lease's size.
@@ -34,14 +49,38 @@ pub(crate) struct SizingRule {
     pub(crate) horizon_us: u64,
 }
 
+/// `Sizing::spent_window` before anything was spent.
+const NO_WINDOW: i64 = i64::MIN;
+
+impl Default for Sizing {
+    fn default() -> Self {
+        Sizing {
+            level: 0,
+            at: 0,
+            rate: 0.0,
+            last_want: 0,
+            spent_window: NO_WINDOW,
+            spent: 0,
+            spent_before: 0,
+        }
+    }
+}
+
 impl Sizing {
-    /// Folds in what was consumed since the last refill and returns the
-    /// smoothed rate (permits per µs).
-    pub(crate) fn observe(&mut self, permits_now: i64, debt: u64, now: u64) -> f64 {
+    /// Folds in what was consumed since the last refill (in `window`, for
+    /// window leases) and returns the smoothed rate (permits per µs).
+    pub(crate) fn observe(
+        &mut self,
+        permits_now: i64,
+        debt: u64,
+        now: u64,
+        window: Option<i64>,
+    ) -> f64 {
         if self.at == 0 || now <= self.at {
             return self.rate;
         }
         let consumed = (i64::from(self.level) - permits_now.max(0)).max(0) as f64 + debt as f64;
+        self.spent_in(window, consumed as u64);
         let dt = (now - self.at) as f64;
         let instant = consumed / dt;
         if self.rate == 0.0 && consumed >= SEED_PERMITS {
@@ -58,6 +97,44 @@ impl Sizing {
         let alpha = 1.0 - (-dt / TAU_US).exp();
         self.rate += alpha * (instant - self.rate);
         self.rate
+    }
+
+    /// Counts `permits` spent in `window`.
+    fn spent_in(&mut self, window: Option<i64>, permits: u64) {
+        let Some(window) = window else {
+            return;
+        };
+        let w = self.spent_window;
+        match w {
+            NO_WINDOW => {
+                self.spent_before = 0;
+                self.spent = 0;
+            }
+            w if window == w => {}
+            w if window < w => return,
+            w if window == w + 1 => {
+                self.spent_before = self.spent;
+                self.spent = 0;
+            }
+            _ => {
+                self.spent_before = 0;
+                self.spent = 0;
+            }
+        }
+        self.spent_window = window;
+        self.spent = self
+            .spent
+            .saturating_add(u32::try_from(permits).unwrap_or(u32::MAX));
+    }
+
+    /// The most a window lease may hold (see [`EARNED_FLOOR_DIVISOR`]):
+    /// what was spent in the last two windows, at least a sixteenth of
+    /// `limit` and `min_lease`.
+    pub(crate) fn earned(&self, limit: u64, min_lease: u64) -> u64 {
+        (limit / EARNED_FLOOR_DIVISOR)
+            .max(min_lease)
+            .max(1)
+            .max(u64::from(self.spent) + u64::from(self.spent_before))
     }
 
     /// The size of the next lease. `time_left_us` caps it at what the
@@ -168,7 +245,7 @@ mod tests {
         let mut round_trips = 0;
         for _ in 0..200 {
             now += want * 100; // 100 µs per permit
-            s.observe(0, 0, now);
+            s.observe(0, 0, now, None);
             want = s.want_to_the_end(RULE, 0, now, 1, None).0;
             s.applied(want as i64, now);
             round_trips += 1;
@@ -180,7 +257,7 @@ mod tests {
         // Then steady state: refill at half the lease.
         for _ in 0..100 {
             now += want / 2 * 100;
-            s.observe(want as i64 / 2, 0, now);
+            s.observe(want as i64 / 2, 0, now, None);
             want = s.want_to_the_end(RULE, want as i64 / 2, now, 1, None).0;
             s.applied(want as i64, now);
         }
@@ -197,7 +274,7 @@ mod tests {
             level: 0,
             at: 1,
             rate: 1.0, // a million per second
-            last_want: 0,
+            ..Sizing::default()
         };
         assert_eq!(s.want_to_the_end(RULE, 0, 10, 1, None), (10_000, false));
         assert_eq!(
@@ -226,10 +303,10 @@ mod tests {
     fn the_rate_decays_when_the_key_goes_quiet() {
         let mut s = Sizing::default();
         s.applied(100, 1);
-        s.observe(0, 0, 100_001);
+        s.observe(0, 0, 100_001, None);
         let hot = s.rate_per_us();
         s.applied(100, 100_001);
-        s.observe(100, 0, 5_100_001);
+        s.observe(100, 0, 5_100_001, None);
         assert!(s.rate_per_us() < hot / 10.0);
     }
 }

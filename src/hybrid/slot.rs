@@ -368,6 +368,23 @@ impl Slot {
         true
     }
 
+    /// Gives back `cost` permits admitted on credit in `window` (another
+    /// quota denied the request), if they are still unreported debt;
+    /// `false` otherwise (reported: they count in the store).
+    pub(crate) fn untake_credit(&self, window: i64, cost: u64) -> bool {
+        let mut books = self.books();
+        if self.evicted.load(Ordering::Acquire) {
+            return false;
+        }
+        let credit = &mut books.credit;
+        if credit.window != window || u64::from(credit.debt) < cost {
+            return false;
+        }
+        // cost <= debt <= u32::MAX here.
+        credit.debt -= cost as u32;
+        true
+    }
+
     /// Takes the slot out of service: marks it evicted, then collects its
     /// unreported credit (see [`take_credit`](Slot::take_credit)).
     ///
@@ -979,7 +996,9 @@ mod size {
         // 152 + 24 for the origin of bucket leases (bounded give-backs)
         // + 8 for a lost lease's identity (its grant is claimed back)
         // + 8 for how long a peek's word is taken (no ask per holder of
-        // a window others leased in full).
-        assert!(size <= 192, "Slot grew to {size} bytes");
+        // a window others leased in full)
+        // + 16 for what the key spent in this window and the last (a
+        // window lease is earned by use).
+        assert!(size <= 208, "Slot grew to {size} bytes");
     }
 }

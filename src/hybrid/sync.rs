@@ -523,8 +523,14 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         max_lease: config.max_lease,
         horizon_us: config.refill_horizon.as_micros() as u64,
     };
-    books.sizing.observe(permits, u64::from(credit.debt), now);
     let window = slot.window.load(Ordering::Acquire);
+    let windowed = shared.leases.windowed();
+    books.sizing.observe(
+        permits,
+        u64::from(credit.debt),
+        now,
+        (windowed && window != super::slot::UNKNOWN_WINDOW).then_some(window),
+    );
     let deadline = slot.deadline.load(Ordering::Acquire);
     // Permits that would arrive void (they end within a round trip and
     // the margin) are not worth asking for.
@@ -550,12 +556,21 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         books
             .sizing
             .want_to_the_end(rule, if ahead { 0 } else { permits }, now, need, time_left);
-    let ceiling = books.sizing.ceiling(
+    let mut ceiling = books.sizing.ceiling(
         want,
         time_left.unwrap_or(config.lease_ttl.as_micros() as u64),
         (shared.params.limit.max(shared.params.burst) / 32).max(1),
         config.max_lease,
     );
+    // A window lease is earned by use (see `sizing::EARNED_FLOOR_DIVISOR`):
+    // what a burst seemed to promise is not taken from processes that
+    // keep asking.
+    let mut want = want;
+    if windowed {
+        let earned = books.sizing.earned(shared.params.limit, config.min_lease);
+        want = want.min(earned).max(need);
+        ceiling = ceiling.min(earned).max(want);
+    }
     // Window leases have an identity; after a lost reply the next one
     // reuses it (see `LeaseCall::lease_id`).
     let lease_id = if shared.leases.identified() {

@@ -816,7 +816,7 @@ impl RedisStore {
         let reply = reply.and_then(|reply| {
             let values = reply.extract_error().map_err(Error::from_redis)?;
             let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
-            if values.len() != 5 * keys.len() {
+            if values.len() != crate::algorithm::CHECK_REPLY_LEN * keys.len() {
                 return Err(Error::new(
                     ErrorKind::Store,
                     format!(
@@ -826,7 +826,10 @@ impl RedisStore {
                     ),
                 ));
             }
-            values.chunks(5).map(AcquireReply::from_values).collect()
+            values
+                .chunks(crate::algorithm::CHECK_REPLY_LEN)
+                .map(AcquireReply::from_values)
+                .collect()
         });
         let cost = StoreCost {
             round_trips,
