@@ -888,6 +888,16 @@ impl Shared {
         } else {
             0
         };
+        // Credit is taken only where the store's last word on this window
+        // leaves room for it beyond the refill in flight: past that it
+        // would be overshoot for certain, and the request waits for the
+        // refill's answer instead.
+        let mut room = max_debt;
+        if windowed && window == slot.window.load(Ordering::Acquire) {
+            let left = u64::from(slot.store_remaining.load(Ordering::Relaxed));
+            let asked = slot.books().sizing.last_want();
+            room = room.min(left.saturating_sub(asked));
+        }
         let queued = if self.outstanding.is_empty() {
             0
         } else {
@@ -899,7 +909,7 @@ impl Shared {
                 Some(_) => 0,
             }
         };
-        if !slot.take_credit(window, cost, max_debt.saturating_sub(queued)) {
+        if !slot.take_credit(window, cost, room.saturating_sub(queued)) {
             return None;
         }
         self.counters.credit_admitted.add(cost);

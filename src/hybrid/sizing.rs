@@ -197,6 +197,11 @@ impl Sizing {
         self.level = level.clamp(0, i64::from(u32::MAX)) as u32;
     }
 
+    /// The last lease asked for.
+    pub(crate) fn last_want(&self) -> u64 {
+        u64::from(self.last_want)
+    }
+
     /// Permits consumed per µs, smoothed.
     pub(crate) fn rate_per_us(&self) -> f64 {
         self.rate

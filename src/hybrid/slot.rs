@@ -57,6 +57,10 @@ pub(crate) struct Credit {
     /// counts against `max_debt`, or credit could be taken twice in one
     /// window before the store says it is exhausted.
     pub(crate) in_flight: u32,
+    /// Of `in_flight`, permits a denial of another quota gave back after
+    /// they were sent: the store counts them, so they go back to it (and
+    /// are not overshoot) once the call is answered.
+    pub(crate) recalled: u32,
 }
 
 pub(crate) struct Slot {
@@ -369,20 +373,37 @@ impl Slot {
     }
 
     /// Gives back `cost` permits admitted on credit in `window` (another
-    /// quota denied the request), if they are still unreported debt;
-    /// `false` otherwise (reported: they count in the store).
+    /// quota denied the request): out of the unreported debt, or, if a
+    /// lease call is carrying it to the store, recalled from its answer
+    /// (see [`Credit::recalled`]). `false` if neither (the store has it).
     pub(crate) fn untake_credit(&self, window: i64, cost: u64) -> bool {
         let mut books = self.books();
-        if self.evicted.load(Ordering::Acquire) {
-            return false;
-        }
         let credit = &mut books.credit;
-        if credit.window != window || u64::from(credit.debt) < cost {
+        if credit.window != window {
             return false;
         }
-        // cost <= debt <= u32::MAX here.
-        credit.debt -= cost as u32;
-        true
+        if !self.evicted.load(Ordering::Acquire) && u64::from(credit.debt) >= cost {
+            // cost <= debt <= u32::MAX here.
+            credit.debt -= cost as u32;
+            return true;
+        }
+        if u64::from(credit.in_flight - credit.recalled.min(credit.in_flight)) >= cost {
+            credit.recalled += cost as u32;
+            return true;
+        }
+        false
+    }
+
+    /// A lease call carrying `debt` of this slot's credit was answered
+    /// (or will never be): returns what of it was recalled meanwhile.
+    pub(crate) fn credit_settled(&self, debt: u64) -> u32 {
+        let mut books = self.books();
+        let credit = &mut books.credit;
+        let debt = debt.min(u64::from(u32::MAX)) as u32;
+        credit.in_flight = credit.in_flight.saturating_sub(debt);
+        let recalled = credit.recalled.min(debt);
+        credit.recalled -= recalled;
+        recalled
     }
 
     /// Takes the slot out of service: marks it evicted, then collects its
@@ -409,6 +430,7 @@ impl Slot {
                 debt,
                 window: books.credit.window,
                 in_flight: books.credit.in_flight,
+                recalled: books.credit.recalled,
             },
             closed: books.credit_closed,
             origin: books.origin,
@@ -998,7 +1020,9 @@ mod size {
         // + 8 for how long a peek's word is taken (no ask per holder of
         // a window others leased in full)
         // + 16 for what the key spent in this window and the last (a
-        // window lease is earned by use).
-        assert!(size <= 208, "Slot grew to {size} bytes");
+        // window lease is earned by use)
+        // + 8 for credit recalled from a lease call in flight (a denial
+        // of another quota gives its credit back).
+        assert!(size <= 216, "Slot grew to {size} bytes");
     }
 }

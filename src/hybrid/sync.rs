@@ -160,11 +160,8 @@ impl Drop for Unsent<'_> {
                 (None, Some(slot)) => {
                     lose_lease(&slot, &p.call);
                     if let Some(op) = p.call.op.filter(|_| p.call.debt > 0) {
-                        {
-                            let mut books = slot.books();
-                            let debt = p.call.debt.min(u64::from(u32::MAX)) as u32;
-                            books.credit.in_flight = books.credit.in_flight.saturating_sub(debt);
-                        }
+                        let recalled = slot.credit_settled(p.call.debt);
+                        give_recalled_back(shared, &p.call, recalled);
                         shared.queue_report(DebtReport {
                             key: p.call.key.clone(),
                             debt: p.call.debt,
@@ -514,6 +511,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         debt: books.credit.debt,
         window: books.credit.window,
         in_flight: 0,
+        recalled: 0,
     };
     books.credit.in_flight += books.credit.debt;
     books.credit.debt = 0;
@@ -626,17 +624,36 @@ fn apply(
         }
         return;
     }
-    if p.call.debt > 0 {
-        let mut books = slot.books();
-        let debt = p.call.debt.min(u64::from(u32::MAX)) as u32;
-        books.credit.in_flight = books.credit.in_flight.saturating_sub(debt);
-    }
+    let recalled = if p.call.debt > 0 {
+        let recalled = slot.credit_settled(p.call.debt);
+        give_recalled_back(shared, &p.call, recalled);
+        recalled
+    } else {
+        0
+    };
     match result {
         Err(_) => lease_failed(shared, &slot, &p.call, t0),
-        Ok(r) => lease_answered(shared, config, &slot, &p, &r, t0, t1),
+        Ok(mut r) => {
+            // Recalled credit goes back to the store: it was never
+            // admitted, so what it left uncovered is no overshoot.
+            r.uncovered = r.uncovered.saturating_sub(u64::from(recalled));
+            lease_answered(shared, config, &slot, &p, &r, t0, t1)
+        }
     }
     slot.refill_done();
     shared.refilled(&slot).notify_waiters();
+}
+
+/// Credit a lease call reported and another quota's denial recalled
+/// meanwhile: the store counted it, so it goes back (to the window it
+/// was reported in).
+fn give_recalled_back(shared: &Shared, call: &LeaseCall, recalled: u32) {
+    // (A bucket's recalled credit stays taken: its give-back would need
+    // the lease's origin, and a bucket refills by itself.)
+    if recalled > 0 && shared.leases.windowed() {
+        let origin = LeaseOrigin::default();
+        shared.give_back(&call.key, u64::from(recalled), call.debt_window, origin);
+    }
 }
 
 /// A report's reply: an evicted slot's debt, or the fallback's admissions.
