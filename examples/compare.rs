@@ -20,7 +20,9 @@
 //! `--plot PATH`, `--ramp`, `--cluster URL,URL,…`, `--modes NAME,…` (only
 //! these rows; the ratios, JSON and plot need every mode; one mode outside
 //! the default table, `hybrid-strict-sliding-window-no-prelease`, runs only
-//! when named). `COMPARE_DEBUG=1` also prints per-mode script counts,
+//! when named), `--rtt-ms X` and `--jitter-ms J` (Redis behind a
+//! delaying proxy started here: X/2 ms each way plus up to J ms of jitter,
+//! bytes kept in order). `COMPARE_DEBUG=1` also prints per-mode script counts,
 //! limiter counters and the busiest windows.
 //!
 //! `worst over` is the most any key was admitted beyond the limit: per
@@ -70,6 +72,10 @@ struct Args {
     demand_per_key: Option<f64>,
     /// Run only these modes (by name); all when empty.
     modes: Vec<String>,
+    /// A network round trip to stand in for (a delaying proxy in front
+    /// of Redis), and its jitter each way.
+    rtt: Duration,
+    jitter: Duration,
 }
 
 fn parse_args() -> Args {
@@ -87,6 +93,8 @@ fn parse_args() -> Args {
         cluster: None,
         demand_per_key: None,
         modes: Vec::new(),
+        rtt: Duration::ZERO,
+        jitter: Duration::ZERO,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -121,6 +129,19 @@ fn parse_args() -> Args {
             "--plot" => a.plot = Some(v),
             "--cluster" => a.cluster = Some(v.split(',').map(str::to_owned).collect()),
             "--modes" => a.modes = v.split(',').map(str::to_owned).collect(),
+            "--rtt-ms" | "--jitter-ms" => {
+                let ms: f64 = v
+                    .parse()
+                    .ok()
+                    .filter(|ms: &f64| ms.is_finite() && *ms >= 0.0 && *ms < 10_000.0)
+                    .unwrap_or_else(|| usage_error(&format!("{flag}: not a duration in ms: {v}")));
+                let d = Duration::from_secs_f64(ms / 1_000.0);
+                if flag == "--rtt-ms" {
+                    a.rtt = d;
+                } else {
+                    a.jitter = d;
+                }
+            }
             "--demand-per-key" => {
                 a.demand_per_key = Some(v.parse().unwrap_or_else(|_| {
                     usage_error(&format!("--demand-per-key: not a number: {v}"))
@@ -144,6 +165,9 @@ compare: per-process, exact and hybrid limiters side by side on one load
   --demand-per-key R   the long tail instead: R requests/s per key, uniform
   --duration-s N       seconds per mode (4)
   --modes A,B,...      only these rows
+  --rtt-ms X           talk to Redis through a proxy that delays each way
+                       by X/2 ms (a network round trip of X ms; 0: none)
+  --jitter-ms J        and by up to J ms more each way, at random, in order
   --json PATH, --plot PATH, --ramp, --cluster URL,URL,...
 
 REDIS_URL names a Redis; else a private redis-server is started, or the
@@ -160,6 +184,9 @@ enum Backend {
         urls: Vec<String>,
         cluster: bool,
         _server: Option<support::RedisServer>,
+        /// Where the limiters connect: a delaying proxy in front of
+        /// `urls[0]` (`--rtt-ms`), or `urls[0]` itself.
+        via: Option<String>,
     },
     Embedded(MemoryStore),
 }
@@ -168,6 +195,7 @@ impl Backend {
     fn describe(&self) -> String {
         match self {
             Backend::Redis { urls, cluster: true, .. } => format!("Redis Cluster ({} nodes)", urls.len()),
+            Backend::Redis { urls, via: Some(via), .. } => format!("Redis at {} through a delaying proxy at {via}", urls[0]),
             Backend::Redis { urls, .. } => format!("Redis at {}", urls[0]),
             Backend::Embedded(_) => "the embedded MemoryStore (no redis-server on PATH and no REDIS_URL): round trips are in-process calls, not network".into(),
         }
@@ -189,10 +217,12 @@ impl Backend {
                     .expect("cluster")
                     .into()
             }
-            Backend::Redis { urls, .. } => RedisStore::connect_with(&urls[0], options)
-                .await
-                .expect("redis")
-                .into(),
+            Backend::Redis { urls, via, .. } => {
+                RedisStore::connect_with(via.as_ref().unwrap_or(&urls[0]), options)
+                    .await
+                    .expect("redis")
+                    .into()
+            }
             Backend::Embedded(store) => store.clone().into(),
         }
     }
@@ -1096,6 +1126,35 @@ fn plot(path: &str, args: &Args, outcomes: &[Outcome]) {
     root.present().expect("write the SVG");
 }
 
+/// With `--rtt-ms`, the URL of a delaying proxy in front of the Redis at
+/// `url` (on this host), run on a thread of its own so its timers do not
+/// queue behind the load.
+fn delayed(url: &str, args: &Args) -> Option<String> {
+    if args.rtt.is_zero() && args.jitter.is_zero() {
+        return None;
+    }
+    let port: u16 = url
+        .trim_end_matches('/')
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| usage_error(&format!("--rtt-ms: no port in {url}")));
+    let each_way = support::proxy::Delay::jittered(args.rtt / 2, args.jitter);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("the proxy's runtime");
+        runtime.block_on(async move {
+            let proxy = support::proxy::Proxy::start_with(port, each_way, each_way).await;
+            let _ = tx.send(proxy.url());
+            std::future::pending::<()>().await;
+        });
+    });
+    Some(rx.recv().expect("the delaying proxy starts"))
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = parse_args();
@@ -1104,9 +1163,11 @@ async fn main() {
             urls: urls.clone(),
             cluster: true,
             _server: None,
+            via: None,
         }
     } else if let Some(url) = std::env::var("REDIS_URL").ok().filter(|u| !u.is_empty()) {
         Backend::Redis {
+            via: delayed(&url, &args),
             urls: vec![url],
             cluster: false,
             _server: None,
@@ -1114,6 +1175,7 @@ async fn main() {
     } else if redis_server_available() {
         let server = support::RedisServer::start();
         Backend::Redis {
+            via: delayed(&server.url(), &args),
             urls: vec![server.url()],
             cluster: false,
             _server: Some(server),

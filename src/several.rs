@@ -426,8 +426,9 @@ pub(crate) async fn try_decide(
 /// user **and** the user's organisation, a route **and** the whole API.
 ///
 /// Each pair is decided in turn (with all of its limiter's quotas); when
-/// one denies, what the earlier pairs took is given back to the windows it
-/// came from, and the decision is that denial. The keys may live in
+/// one denies, everything the earlier pairs took (window permits, bucket
+/// tokens, credit) is given back where it came from, and the decision is
+/// that denial, which takes nothing and is not refundable. The keys may live in
 /// different Redis slots, or nodes of a cluster, so there is no one atomic
 /// script: no pair ever admits past its own limit (no overshoot), and
 /// while a refund is in flight the earlier pairs hold `cost` permits fewer
@@ -436,7 +437,7 @@ pub(crate) async fn try_decide(
 /// [`Stats::refunds_ignored`](crate::Stats::refunds_ignored). Dropping the
 /// future midway gives back what was taken, in a task of its own.
 ///
-/// The decision is the binding one (see [`binding`] rules on
+/// The decision is the binding one (see the rules on
 /// [`Decision::quotas`]): each pair's decision is one of its parts, in
 /// order, and each is counted by its own limiter. An empty list admits.
 ///

@@ -1,8 +1,10 @@
 //! A TCP proxy in front of a test server that can blackhole the
 //! connections it already carries while it keeps accepting new ones — a
 //! backend gone silent behind a load balancer, a half-open TCP connection.
-//! It can also delay every byte by a fixed time each way, to stand in for
-//! a network round trip on loopback.
+//! It can also delay every byte, by a fixed time each way plus a random
+//! jitter, to stand in for a network round trip on loopback: bytes keep
+//! their order on each connection (TCP does not reorder), so a chunk is
+//! never delivered before the one read ahead of it.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -28,6 +30,12 @@ impl Proxy {
     /// As [`start`](Proxy::start), every byte delivered `one_way` after it
     /// arrived, in order (a round trip of twice `one_way`).
     pub async fn start_delayed(upstream: u16, one_way: Duration) -> Proxy {
+        Proxy::start_with(upstream, Delay::fixed(one_way), Delay::fixed(one_way)).await
+    }
+
+    /// As [`start`](Proxy::start), bytes to the server delayed by `up`
+    /// and bytes back by `down`.
+    pub async fn start_with(upstream: u16, up: Delay, down: Delay) -> Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().unwrap().port();
         let cutoff = Arc::new(AtomicU64::new(0));
@@ -45,8 +53,8 @@ impl Proxy {
                 let id = g.fetch_add(1, Ordering::Relaxed);
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                tokio::spawn(pipe(cr, sw, id, c.clone(), one_way));
-                tokio::spawn(pipe(sr, cw, id, c.clone(), one_way));
+                tokio::spawn(pipe(cr, sw, id, c.clone(), up));
+                tokio::spawn(pipe(sr, cw, id, c.clone(), down));
             }
         });
         Proxy {
@@ -80,12 +88,45 @@ impl Drop for Proxy {
     }
 }
 
+/// One direction's delay: `fixed` plus a uniformly drawn part of up to
+/// `jitter`, per chunk read.
+#[derive(Debug, Clone, Copy)]
+pub struct Delay {
+    pub fixed: Duration,
+    pub jitter: Duration,
+}
+
+impl Delay {
+    pub fn fixed(fixed: Duration) -> Delay {
+        Delay {
+            fixed,
+            jitter: Duration::ZERO,
+        }
+    }
+
+    pub fn jittered(fixed: Duration, jitter: Duration) -> Delay {
+        Delay { fixed, jitter }
+    }
+}
+
+/// A uniform draw in `[0, max]` (xorshift, seeded per connection).
+fn draw(state: &mut u64, max: Duration) -> Duration {
+    if max.is_zero() {
+        return Duration::ZERO;
+    }
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    let nanos = max.as_nanos().min(u128::from(u64::MAX)) as u64;
+    Duration::from_nanos(*state % (nanos + 1))
+}
+
 async fn pipe(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     id: u64,
     cutoff: Arc<AtomicU64>,
-    delay: Duration,
+    delay: Delay,
 ) {
     // Reads are stamped and handed to a writer that sends each chunk at
     // its time, so a delay holds back bytes without holding back reads.
@@ -99,6 +140,9 @@ async fn pipe(
         }
     });
     let mut buf = vec![0u8; 16 * 1024];
+    let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (id + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    // In order: a chunk is never due before the one ahead of it.
+    let mut last_due = Instant::now();
     loop {
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
@@ -108,10 +152,9 @@ async fn pipe(
             // Blackholed: swallow, keep the socket open, answer nothing.
             continue;
         }
-        if tx
-            .send((Instant::now() + delay, buf[..n].to_vec()))
-            .is_err()
-        {
+        let due = (Instant::now() + delay.fixed + draw(&mut seed, delay.jitter)).max(last_due);
+        last_due = due;
+        if tx.send((due, buf[..n].to_vec())).is_err() {
             break;
         }
     }
