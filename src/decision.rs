@@ -101,6 +101,9 @@ pub(crate) enum Origin {
     Credit,
     /// Counted by the per-process limiter.
     Local,
+    /// Counted by the failure policy's per-process fallback while the
+    /// store was unavailable, and recorded to be reported to it.
+    Fallback,
 }
 
 /// What a decision took: `cost` permits from `origin`, in `window`.

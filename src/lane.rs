@@ -190,12 +190,11 @@ impl Lane {
         !self.failure.reconciler.has_pending() || self.failure.reconcile().await
     }
 
-    /// The failure policy's decision. Nothing it admits is refundable: the
-    /// store never counted it.
+    /// The failure policy's decision: what a fallback admits is taken
+    /// from the fallback's count (and recorded for the store), so it can
+    /// go back; fail-open and fail-closed take nothing.
     pub(crate) fn policy_decision(&self, key: &str, cost: u64) -> Decision {
-        let mut decision = self.failure.decide(key, cost);
-        decision.taken = Taken::default();
-        decision
+        self.failure.decide(key, cost)
     }
 
     /// Like [`decide`](Lane::decide), with the store's error instead of
@@ -215,6 +214,7 @@ impl Lane {
         match (&self.engine, taken.origin) {
             (Engine::Hybrid(hybrid), Origin::Lease | Origin::Credit) => hybrid.untake(key, taken),
             (Engine::Local(local), Origin::Local) => local.refund(key, taken) == taken.cost,
+            (_, Origin::Fallback) => self.failure.untake(key, taken) > 0,
             _ => false,
         }
     }
@@ -245,6 +245,7 @@ impl Lane {
         match (&self.engine, taken.origin) {
             (_, Origin::None) => Ok(0),
             (Engine::Local(local), Origin::Local) => Ok(local.refund(key, taken)),
+            (_, Origin::Fallback) => Ok(self.failure.untake(key, taken)),
             (Engine::Hybrid(hybrid), Origin::Lease | Origin::Store | Origin::Credit) => {
                 hybrid.refund(key, taken).await
             }

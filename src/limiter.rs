@@ -299,8 +299,10 @@ impl Limiter {
     /// burst, nor what it would have dropped at full meanwhile); a hybrid
     /// limiter's, only while the lease they came from lasts. Credit
     /// (optimistic hybrid) goes back as unreported debt, or to its window.
-    /// A denial took nothing and gives nothing back, nor does a peek or a
-    /// failure policy's decision. Returns the permits given back, summed
+    /// What a `LocalFallback` admitted goes back to the fallback's count
+    /// and, if not reported yet, out of what will be reported. A denial
+    /// took nothing and gives nothing back, nor does a peek or a fail-open
+    /// or fail-closed decision. Returns the permits given back, summed
     /// over the quotas; what was ignored is counted in
     /// [`Stats::refunds_ignored`].
     ///

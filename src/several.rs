@@ -184,12 +184,15 @@ pub(crate) async fn decide(limiter: &Limiter, key: &str, cost: u64) -> Decision 
         let inner = &*limiter.inner;
         return result.unwrap_or_else(|_| {
             let count = 1 + inner.also.len();
-            binding(
-                (0..count)
-                    .filter_map(|i| inner.lane(key, i))
-                    .map(|l| l.policy_decision(key, cost).with_period(l.quota.period()))
-                    .collect(),
-            )
+            let parts: Vec<Decision> = (0..count)
+                .filter_map(|i| inner.lane(key, i))
+                .map(|l| l.policy_decision(key, cost).with_period(l.quota.period()))
+                .collect();
+            // A fallback that admitted where another denied gives it back.
+            if parts.iter().any(|d| !d.is_allowed()) {
+                undo_now(limiter, key, &parts);
+            }
+            binding(parts)
         });
     }
     match in_rounds(limiter, key, cost, false).await {

@@ -103,6 +103,21 @@ impl Reconciler {
     }
 
     /// Permits dropped because the ledger was full, since the last call.
+    /// Takes back `cost` recorded for `key` and not reported yet (a
+    /// fallback admission undone); what was reported stays.
+    pub(super) fn unrecord(&self, key: &str, cost: u64) {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = pending.fresh.get_mut(key) {
+            *n = n.saturating_sub(cost);
+            if *n == 0 {
+                pending.fresh.remove(key);
+            }
+        }
+        if pending.fresh.is_empty() && pending.resend.is_empty() {
+            self.has_pending.store(false, Ordering::Release);
+        }
+    }
+
     pub(crate) fn take_dropped(&self) -> u64 {
         self.dropped.swap(0, Ordering::Relaxed)
     }

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use crate::algorithm::Params;
 use crate::clock::micros;
-use crate::decision::Source;
+use crate::decision::{Origin, Source, Taken};
 use crate::key::KeyEncoder;
 use crate::local::LocalEngine;
 use crate::stats::Counters;
@@ -119,8 +119,31 @@ impl FailureLayer {
             if dropped > 0 {
                 self.counters.reports_dropped.add(dropped);
             }
+            let mut taken = decision.taken;
+            taken.origin = Origin::Fallback;
+            return decision.with_taken(taken);
         }
-        decision
+        // Fail-open and fail-closed take nothing.
+        decision.with_taken(Taken::default())
+    }
+
+    /// Gives back what the fallback admitted (another quota denied the
+    /// request, or it was refunded): out of the fallback's count and, if
+    /// not reported yet, out of what will be. Returns the permits given
+    /// back (0 if refunded before: the fallback's count knows the
+    /// admission).
+    pub(crate) fn untake(&self, key: &str, taken: Taken) -> u64 {
+        let Some(fallback) = &self.fallback else {
+            return 0;
+        };
+        let mut local = taken;
+        local.origin = Origin::Local;
+        let back = fallback.refund(key, local);
+        if back == 0 || back >= crate::algorithm::REPEAT {
+            return 0;
+        }
+        self.reconciler.unrecord(key, back);
+        back
     }
 
     /// After an outage, reports what the fallback admitted meanwhile;
