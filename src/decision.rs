@@ -128,6 +128,9 @@ pub(crate) struct Taken {
     /// the store: the level right after the take, rounded up
     /// (`u32::MAX`: too large to record; no refund then).
     aux: u32,
+    /// Leases and credit: the hybrid engine that took it (0: none), so it
+    /// goes back only where it came from.
+    pub(crate) engine: u16,
     pub(crate) origin: Origin,
 }
 
@@ -142,10 +145,17 @@ impl Taken {
                 window,
                 given_back: 0,
                 aux: 0,
+                engine: 0,
                 seq: crate::algorithm::admission_seq(),
             },
             _ => Taken::default(),
         }
+    }
+
+    /// The same, taken by hybrid engine `tag`.
+    pub(crate) fn by(mut self, tag: u16) -> Taken {
+        self.engine = tag;
+        self
     }
 
     /// `cost` tokens taken by the store from a bucket at `from`.
@@ -160,6 +170,7 @@ impl Taken {
             seq: crate::algorithm::admission_seq(),
             given_back: from.given_back,
             aux: u32::try_from(from.level).unwrap_or(u32::MAX),
+            engine: 0,
         }
     }
 

@@ -7,7 +7,7 @@
 //! counts decisions: the limiter counts each decision once, whatever
 //! number of lanes it went through.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::algorithm::REPEAT;
@@ -43,6 +43,8 @@ pub(crate) struct Recipe {
     pub(crate) injected: Option<Arc<dyn Clock>>,
     pub(crate) fast_clock: Option<(Arc<dyn Clock>, Duration)>,
     pub(crate) counters: Arc<Counters>,
+    /// Refunds gone back into local leases or credit, for every lane.
+    pub(crate) local_refunds: Arc<Mutex<crate::hybrid::LocalRefunds>>,
 }
 
 pub(crate) enum Engine {
@@ -92,6 +94,7 @@ impl Lane {
                     counters: recipe.counters.clone(),
                     max_cost: recipe.algorithm.max_cost(&quota),
                     reconciler: failure.reconciler.clone(),
+                    local_refunds: recipe.local_refunds.clone(),
                     store_clock: failure.store_clock.clone(),
                 },
             )?),
@@ -260,9 +263,17 @@ impl Lane {
     /// Gives up whatever this lane holds for `key` (see
     /// `HybridEngine::release`); other engines hold nothing per key that
     /// another quota's lane would not see.
-    pub(crate) fn release(&self, key: &str) {
+    pub(crate) async fn release(&self, key: &str) {
         if let Engine::Hybrid(hybrid) = &self.engine {
-            hybrid.release(key);
+            hybrid.release(key).await;
+        }
+    }
+
+    /// Forgets every denial a hybrid engine cached: its keys ask the
+    /// store again (see `Tiers::set_default`).
+    pub(crate) fn forget_denials(&self) {
+        if let Engine::Hybrid(hybrid) = &self.engine {
+            hybrid.forget_denials();
         }
     }
 

@@ -99,8 +99,11 @@ impl Inner {
 
     /// The slow path of `key`: a key whose first quota changed (tiers)
     /// leaves the lanes of its other quotas before it is decided.
-    fn release_elsewhere(&self, key: &str) {
-        self.first.release_elsewhere(key, &self.first_lane(key));
+    async fn release_elsewhere(&self, key: &str) {
+        // The lane's address only: no guard of the lane map is held
+        // across the give-backs' round trips.
+        let lane = &*self.first_lane(key) as *const Lane as usize;
+        self.first.release_elsewhere(key, lane).await;
     }
 
     /// How this limiter counts.
@@ -261,12 +264,15 @@ impl Limiter {
 
     async fn check_slow(&self, key: &str, cost: u64) -> Decision {
         let inner = &*self.inner;
-        inner.release_elsewhere(key);
+        inner.release_elsewhere(key).await;
         let mut decision = if inner.several() {
             several::decide(self, key, cost).await
         } else {
             inner.first_lane(key).decide(key, cost).await
         };
+        // The key's tier changed while it was decided: the lane it was
+        // decided by must not keep what it leased meanwhile.
+        inner.release_elsewhere(key).await;
         inner.count(&mut decision);
         decision
     }
@@ -278,7 +284,7 @@ impl Limiter {
     /// The store's error, classified (see [`Error::kind`]).
     pub async fn try_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
         let key = &*local_key(key);
-        self.inner.release_elsewhere(key);
+        self.inner.release_elsewhere(key).await;
         let mut decision = if self.inner.several() {
             several::try_decide(self, key, cost).await
         } else {
@@ -705,6 +711,7 @@ impl Builder {
             injected: self.clock,
             fast_clock: self.fast_clock,
             counters: counters.clone(),
+            local_refunds: Default::default(),
         };
         let keys = KeyEncoder::new(&namespace);
         let first = Lane::build(&recipe, self.quota, keys.for_quota(0), config.clone())?;

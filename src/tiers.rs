@@ -135,21 +135,32 @@ impl Tiers {
     /// holds for the key, so a key moved to a lower tier does not spend
     /// a lease granted under a higher one (and the count it left behind
     /// in the store is what the new limit is held against).
-    pub(crate) fn release_elsewhere(&self, key: &str, lane: &Lane) {
+    /// (`lane`: the address of the lane that decides `key`.)
+    pub(crate) async fn release_elsewhere(&self, key: &str, lane: usize) {
         if !self.on.load(Ordering::Relaxed) {
             return;
         }
         for other in self.all() {
-            if !std::ptr::eq(&*other, lane) {
-                other.release(key);
+            if &*other as *const Lane as usize != lane {
+                other.release(key).await;
             }
         }
     }
 
-    /// Replaces the default quota; the old lane is shut down.
+    /// Replaces the default quota; the old lane is shut down. Once its
+    /// unused permits are back in the store, the new lane forgets the
+    /// denials it cached meanwhile: a key it found exhausted while they
+    /// were still out (a lower limit set mid-window) asks again, rather
+    /// than stay denied with room in the store until the window ends.
     pub(crate) fn set_default(&self, lane: Lane) {
-        let old = self.default.swap(Arc::new(lane));
-        retire(vec![old]);
+        let new = Arc::new(lane);
+        let old = self.default.swap(new.clone());
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                old.shutdown().await;
+                new.forget_denials();
+            });
+        }
     }
 
     /// Replaces the resolver (`None`: every key gets the default); the

@@ -752,3 +752,57 @@ async fn an_optimistic_denial_takes_no_credit() {
         stats.overshoot
     );
 }
+
+/// A sibling of the demotion: `set_quota` lowering the default limit
+/// mid-window while the old lane's unused lease is still on its way back.
+/// The new lane may ask first and find the window counted past its limit
+/// (its 30 admissions plus the lease out); once the lease is back, the
+/// window has room under the new limit again, and the key must get it
+/// rather than stay denied until the window ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lowered_quota_admits_what_the_old_lease_gave_back() {
+    let server = RedisServer::start();
+    let ns = "lowered";
+    let limiter = Limiter::builder(Quota::new(DEFAULT_LIMIT, TIER_PERIOD).unwrap())
+        .store(store(&server).await)
+        .hybrid(HybridConfig::strict())
+        .namespace(ns)
+        .build()
+        .unwrap();
+    let clock = RedisClock::of(&server);
+    let start = clock.clear_of_boundary(TIER_PERIOD, secs(5)).await;
+    let window = start / TIER_PERIOD.as_micros() as u64;
+    let mut first = 0;
+    for _ in 0..30 {
+        if limiter.check("k", 1).await.is_allowed() {
+            first += 1;
+        }
+    }
+    tokio::time::sleep(ms(100)).await;
+    let leased = window_count(&server, ns, "k", window);
+    // The new limit lies between what was admitted and what was leased.
+    let lowered = first + (leased - first) / 2;
+    limiter
+        .set_quota(Quota::new(lowered.max(first + 1), TIER_PERIOD).unwrap())
+        .unwrap();
+    let after = spend_until_denied(&limiter, "k").await;
+    let end = start + TIER_PERIOD.as_micros() as u64;
+    assert!(clock.now_us() + 100_000 < end, "the test needs one window");
+    let counted = window_count(&server, ns, "k", window);
+    limiter.shutdown().await;
+    println!(
+        "lowered to {lowered}: {first} admitted before, {leased} counted with the lease out; \
+         {after} admitted after; {counted} counted at the end"
+    );
+    assert_eq!(first, 30);
+    assert!(
+        leased > first,
+        "the first lane leased nothing beyond its use"
+    );
+    let room = lowered.max(first + 1) - first;
+    assert!(
+        after >= room.saturating_sub(1) && after <= room,
+        "{after} admitted after lowering the limit to {lowered} with {first} used: \
+         expected {room} (the window had room once the old lease was back)"
+    );
+}

@@ -108,6 +108,8 @@ pub(crate) struct Shared {
     exact: ExactEngine,
     /// The largest cost that can ever be admitted.
     max_cost: u64,
+    /// This engine's tag in what its leases and credit took.
+    tag: u16,
     /// Smoothed store round trip, µs.
     rtt_us: AtomicU64,
     /// What the failure policy's fallback admitted, to report on recovery.
@@ -159,6 +161,10 @@ pub(crate) struct Wiring {
     pub(crate) reconciler: Arc<Reconciler>,
     /// The fallback's clock, kept on the store's time by lease replies.
     pub(crate) store_clock: Arc<crate::failure::StoreAligned>,
+    /// Refunds gone back locally, shared by every lane of a limiter: a
+    /// key's first quota may be decided by another lane (tiers) when the
+    /// same admission is refunded again.
+    pub(crate) local_refunds: Arc<Mutex<LocalRefunds>>,
 }
 
 pub(crate) struct HybridEngine {
@@ -168,16 +174,35 @@ pub(crate) struct HybridEngine {
     task: Mutex<Option<JoinHandle<()>>>,
     /// Admissions refunded into a local lease or into unreported credit,
     /// so a second refund of one gives nothing more back.
-    local_refunds: Mutex<LocalRefunds>,
+    local_refunds: Arc<Mutex<LocalRefunds>>,
     _guard: StopGuard,
 }
 
-/// Identities of admissions given back locally, each kept until the
-/// lease or credit it went back into has surely ended.
+/// A tag for this engine in what its leases and credit took, so a take
+/// goes back only into the engine it came from (never 0).
+fn engine_tag() -> u16 {
+    static NEXT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed).max(1)
+}
+
+/// Admissions refunded that could go back locally, and where each went,
+/// each kept until the lease or credit it could go back into has surely
+/// ended: a second refund of one must not go back locally again (the
+/// debt or lease it would go into may hold others' permits by then).
 #[derive(Default)]
-struct LocalRefunds {
-    /// Admission → local µs after which it can no longer go back locally.
-    until: HashMap<u64, u64>,
+pub(crate) struct LocalRefunds {
+    /// Admission → (local µs after which it is forgotten, where it went).
+    seen: HashMap<u64, (u64, Went)>,
+}
+
+/// Where a refund that could go back locally went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Went {
+    /// Into the lease or the unreported debt: a repeat gives nothing.
+    Local,
+    /// To the store (its credit was reported): a repeat goes there too,
+    /// and the store knows the admission's identity.
+    Store,
 }
 
 /// The most local refunds remembered at once; past it, a refund that
@@ -185,21 +210,27 @@ struct LocalRefunds {
 const MAX_LOCAL_REFUNDS: usize = 65_536;
 
 impl LocalRefunds {
-    /// Records `seq`; `false` if it was refunded before, or there is no
-    /// room to remember it.
-    fn first(&mut self, seq: u64, now: u64, until: u64) -> bool {
-        if self.until.len() >= MAX_LOCAL_REFUNDS / 2 {
-            self.until.retain(|_, &mut end| end > now);
+    /// Where an earlier refund of `seq` went, if one did; else records
+    /// that this one goes `went`. `Some(Local)` too when there is no room
+    /// to remember it (nothing goes back then).
+    fn route(&mut self, seq: u64, now: u64, until: u64, went: Went) -> Option<Went> {
+        if self.seen.len() >= MAX_LOCAL_REFUNDS / 2 {
+            self.seen.retain(|_, &mut (end, _)| end > now);
         }
-        if self.until.contains_key(&seq) || self.until.len() >= MAX_LOCAL_REFUNDS {
-            return false;
+        if let Some(&(_, before)) = self.seen.get(&seq) {
+            return Some(before);
         }
-        self.until.insert(seq, until);
-        true
+        if self.seen.len() >= MAX_LOCAL_REFUNDS {
+            return Some(Went::Local);
+        }
+        self.seen.insert(seq, (until, went));
+        None
     }
 
-    fn forget(&mut self, seq: u64) {
-        self.until.remove(&seq);
+    fn set(&mut self, seq: u64, went: Went) {
+        if let Some(entry) = self.seen.get_mut(&seq) {
+            entry.1 = went;
+        }
     }
 }
 
@@ -222,6 +253,7 @@ impl HybridEngine {
             max_cost,
             reconciler,
             store_clock: fallback_clock,
+            local_refunds,
         } = wiring;
         let ops = OpIds::default();
         let holder = ops.holder();
@@ -258,6 +290,7 @@ impl HybridEngine {
             closed: AtomicBool::new(false),
             contended: AtomicBool::new(false),
             max_cost,
+            tag: engine_tag(),
             rtt_us: AtomicU64::new(0),
             reconciler,
             fallback_clock,
@@ -274,7 +307,7 @@ impl HybridEngine {
             _guard: StopGuard(shared.clone()),
             shared,
             task: Mutex::new(Some(task)),
-            local_refunds: Mutex::new(LocalRefunds::default()),
+            local_refunds,
         })
     }
 
@@ -536,7 +569,7 @@ impl HybridEngine {
                         s.reset_after(&slot, now),
                         Source::Credit,
                     )
-                    .with_taken(Taken::new(Origin::Credit, cost, Some(window))));
+                    .with_taken(Taken::new(Origin::Credit, cost, Some(window)).by(s.tag)));
                 }
             }
             let left = give_up_at.saturating_duration_since(tokio::time::Instant::now());
@@ -563,6 +596,9 @@ impl HybridEngine {
     /// the debt not yet reported (no store call); `false` otherwise.
     pub(crate) fn untake(&self, key: &str, taken: Taken) -> bool {
         let s = &*self.shared;
+        if taken.engine != s.tag {
+            return false;
+        }
         let Some(slot) = s.slots.get(key).map(|e| e.value().clone()) else {
             return false;
         };
@@ -591,23 +627,31 @@ impl HybridEngine {
             Origin::Credit => true,
             _ => false,
         };
+        // Taken by another engine (a lane of another tier): nothing of it
+        // is here to go back into.
+        if local && taken.engine != s.tag && (taken.origin != Origin::Credit || !windowed) {
+            return Ok(0);
+        }
         if local {
             let now = s.time.precise_us();
             let config = s.config.load();
             let until =
                 now + config.lease_ttl.as_micros() as u64 + 2 * s.params.period_us + 1_000_000;
             let mut refunds = self.local_refunds.lock().unwrap_or_else(|p| p.into_inner());
-            if !refunds.first(taken.seq, now, until) {
-                return Ok(crate::algorithm::REPEAT);
-            }
-            if self.untake(key, taken) {
-                return Ok(taken.cost);
-            }
-            refunds.forget(taken.seq);
-            drop(refunds);
-            // Credit already reported counts in its window.
-            if taken.origin != Origin::Credit || !windowed {
-                return Ok(0);
+            match refunds.route(taken.seq, now, until, Went::Local) {
+                Some(Went::Local) => return Ok(crate::algorithm::REPEAT),
+                Some(Went::Store) => {}
+                None => {
+                    if self.untake(key, taken) {
+                        return Ok(taken.cost);
+                    }
+                    // Credit already reported counts in its window; the
+                    // rest has nowhere to go.
+                    if taken.origin != Origin::Credit || !windowed {
+                        return Ok(0);
+                    }
+                    refunds.set(taken.seq, Went::Store);
+                }
             }
         }
         let back = s.exact.refund(key, taken).await?;
@@ -620,17 +664,27 @@ impl HybridEngine {
         Ok(back)
     }
 
-    /// Stops serving `key` from this engine: its slot leaves the map,
-    /// its unused permits go back to the store and its credit is reported,
-    /// all sent at once. For a key now decided by another quota's engine
-    /// (tiers): a lease must not outlive the quota it was granted under.
-    pub(crate) fn release(&self, key: &str) {
+    /// Stops serving `key` from this engine: its slot leaves the map, its
+    /// unused permits are back in the store when this returns (so the
+    /// engine that decides the key now is held to a count without them),
+    /// and its credit is reported by the sync task. For a key now decided
+    /// by another quota's engine (tiers): a lease must not outlive the
+    /// quota it was granted under.
+    pub(crate) async fn release(&self, key: &str) {
         let s = &*self.shared;
         if let Some((_, slot)) = s.slots.remove(key) {
             s.retire(&slot, s.time.precise_us());
             s.refilled(&slot).notify_waiters();
-            s.urgent.store(true, Ordering::Release);
+            sync::give_back_all(s).await;
             s.wake.notify_one();
+        }
+    }
+
+    /// Forgets every cached denial: each key asks the store again on its
+    /// next request.
+    pub(crate) fn forget_denials(&self) {
+        for entry in self.shared.slots.iter() {
+            entry.value().deny_until(0);
         }
     }
 
@@ -832,7 +886,7 @@ impl Shared {
         // A bucket lease's window is 0: its permits go back into the
         // lease, never to a window.
         self.lease_decision(slot, left, now)
-            .with_taken(Taken::new(Origin::Lease, cost, window))
+            .with_taken(Taken::new(Origin::Lease, cost, window).by(self.tag))
     }
 
     #[inline(always)]

@@ -471,7 +471,7 @@ fn settle(
 
 /// Sends the queued give-backs. They go last: a waiter's lease matters
 /// more than returning permits nobody is asking for yet.
-async fn give_back_all(shared: &Shared) {
+pub(crate) async fn give_back_all(shared: &Shared) {
     let returns = std::mem::take(&mut *shared.returns.lock().unwrap_or_else(|p| p.into_inner()));
     for chunk in returns.chunks(shared.config.load().batch_size) {
         let (result, _) = shared

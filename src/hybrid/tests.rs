@@ -66,6 +66,7 @@ fn rig_on(
             counters: counters.clone(),
             max_cost: algorithm.max_cost(&quota),
             reconciler: Arc::new(crate::failure::Reconciler::new(Arc::new(clock.clone()))),
+            local_refunds: Default::default(),
             store_clock: crate::failure::FailureLayer::new(crate::failure::LayerParts {
                 policy: crate::FailurePolicy::FailOpen,
                 algorithm,
