@@ -806,3 +806,74 @@ async fn a_lowered_quota_admits_what_the_old_lease_gave_back() {
          expected {room} (the window had room once the old lease was back)"
     );
 }
+
+/// Bursts that are a large share of the limit (a review found a process
+/// bursting 8 of 20 kept about as many again idle in its lease, and the
+/// window was used at 60 %): the burst's leftover goes back once the key
+/// has been idle a sixteenth of the period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_burst_gives_back_what_it_will_not_spend() {
+    let server = RedisServer::start();
+    let run = burst_then_steady(&server, "burst-8-of-20", 20, secs(5), 8).await;
+    assert_shared("burst of 8, 20 per 5 s", 20, &run);
+    let run = burst_then_steady(&server, "burst-100-of-400", 400, secs(5), 100).await;
+    assert_shared("burst of 100, 400 per 5 s", 400, &run);
+}
+
+/// A refund of a hybrid bucket admission goes back only into the lease it
+/// was taken from (found by review: refunds of admissions drained from an
+/// earlier lease went into a fresh lease of a full bucket, past its
+/// burst). 10 per 2 s (burst 10, 5 a second): drain, wait until the
+/// bucket is full again, take one (a fresh lease), refund the ten old
+/// admissions, then spend for 400 ms: at most burst + rate × (T + h).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_refund_does_not_fill_a_bucket_past_its_burst() {
+    let server = RedisServer::start();
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let limiter = Limiter::builder(Quota::new(10, secs(2)).unwrap())
+            .algorithm(algorithm)
+            .store(store(&server).await)
+            .hybrid(HybridConfig::strict())
+            .namespace(&format!("bucket-refund-{}", algorithm.as_str()))
+            .build()
+            .unwrap();
+        let mut old = Vec::new();
+        let drained = std::time::Instant::now();
+        while drained.elapsed() < ms(300) {
+            let d = limiter.check("k", 1).await;
+            if d.is_allowed() {
+                old.push(d);
+            } else {
+                tokio::time::sleep(ms(2)).await;
+            }
+        }
+        tokio::time::sleep(ms(2_500)).await;
+        let t0 = std::time::Instant::now();
+        assert!(limiter.check("k", 1).await.is_allowed());
+        let mut refunded = 0;
+        for d in &old {
+            refunded += limiter.refund("k", d).await;
+        }
+        let mut admitted = 1u64;
+        while t0.elapsed() < ms(400) {
+            if limiter.check("k", 1).await.is_allowed() {
+                admitted += 1;
+            } else {
+                tokio::time::sleep(ms(1)).await;
+            }
+        }
+        let bound = 10.0 + 5.0 * (t0.elapsed().as_secs_f64() + 1.0);
+        limiter.shutdown().await;
+        println!(
+            "{algorithm:?}: {} drained, {refunded} refunded into a full bucket's new lease; \
+             then {admitted} admitted (bound {bound:.1})",
+            old.len()
+        );
+        assert!(old.len() >= 10, "{algorithm:?}: drained only {}", old.len());
+        assert!(
+            admitted as f64 <= bound,
+            "{algorithm:?}: {admitted} admitted in 400 ms after refunds into a full bucket \
+             (bound {bound:.1})"
+        );
+    }
+}

@@ -603,7 +603,18 @@ impl HybridEngine {
             return false;
         };
         match taken.origin {
-            Origin::Lease => slot.untake(taken.window, taken.cost, s.time.precise_us()),
+            Origin::Lease if s.leases.windowed() => {
+                slot.untake(taken.window, taken.cost, s.time.precise_us())
+            }
+            // A bucket's permits go back only into the lease they were
+            // taken from: one applied after the take was granted with the
+            // bucket's level then, and a take from an earlier lease going
+            // into it would be a permit the bucket never had.
+            Origin::Lease => {
+                let taken_at = taken.window.max(0) as u64;
+                slot.books().sizing.applied_at() <= taken_at
+                    && slot.untake(0, taken.cost, s.time.precise_us())
+            }
             Origin::Credit => slot.untake_credit(taken.window, taken.cost),
             _ => false,
         }
@@ -883,8 +894,14 @@ impl Shared {
         if slot.wants_refill(left, now, self.early_lead()) {
             self.request_refill(slot, false);
         }
-        // A bucket lease's window is 0: its permits go back into the
-        // lease, never to a window.
+        // A bucket lease has no window: its take records when it was
+        // made (local µs), so it goes back only into a lease in place by
+        // then (see `untake`).
+        let window = if self.leases.windowed() {
+            window
+        } else {
+            window.map(|_| now as i64)
+        };
         self.lease_decision(slot, left, now)
             .with_taken(Taken::new(Origin::Lease, cost, window).by(self.tag))
     }

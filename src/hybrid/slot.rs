@@ -606,6 +606,26 @@ impl Slot {
         Installed::Replaced(old.max(0))
     }
 
+    /// Takes every permit above `keep` out of a lease still valid at
+    /// `now`, to be given back; returns them and their window (`None`:
+    /// nothing above `keep`, or no valid lease). Under the `next` lock,
+    /// which serialises installs, so the window is the permits' own.
+    pub(crate) fn trim(&self, keep: i64, now: u64) -> Option<(i64, i64)> {
+        let _serial = self.next_lock();
+        if self.evicted.load(Ordering::Acquire) || now >= self.deadline.load(Ordering::Acquire) {
+            return None;
+        }
+        let before = self
+            .permits
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+                (p > keep).then_some(keep)
+            })
+            .ok()?;
+        let trimmed = before - keep;
+        self.books().sizing.moved(0, trimmed);
+        Some((trimmed, self.window.load(Ordering::Acquire)))
+    }
+
     /// Voids permits whose deadline has passed; returns how many there were.
     pub(crate) fn expire(&self, now: u64) -> i64 {
         if now < self.deadline.load(Ordering::Acquire) {

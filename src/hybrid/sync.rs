@@ -1403,6 +1403,32 @@ fn uses_a_share(shared: &Shared, slot: &Slot) -> bool {
 /// of the map (`None`: all of it; all of it too while over `max_keys`).
 /// Network work it creates (give-backs, reports) goes out with the next
 /// round.
+/// A window lease idle for this share of its period gives back what it
+/// holds above the earned floor (`sizing::EARNED_FLOOR_DIVISOR`).
+const IDLE_TRIM_DIVISOR: u64 = 16;
+
+/// A process that burst and went quiet gives back what it holds above a
+/// sixteenth of the limit once its key has been idle for a sixteenth of
+/// the period: others asking in the same window must not be denied while
+/// it sits unused here (the fairness promise). A key used steadily is
+/// never idle that long; a thin key holds less than the floor anyway.
+fn trim_idle(shared: &Shared, slot: &Slot, idle_ms: u64, now: u64) {
+    let period = shared.params.period_us;
+    if !shared.leases.windowed() || idle_ms * 1_000 < period / IDLE_TRIM_DIVISOR {
+        return;
+    }
+    let keep = (shared.params.limit / super::sizing::EARNED_FLOOR_DIVISOR)
+        .max(1)
+        .min(i64::MAX as u64) as i64;
+    if slot.permits.load(Ordering::Relaxed) <= keep {
+        return;
+    }
+    if let Some((trimmed, window)) = slot.trim(keep, now) {
+        let origin = slot.books().origin;
+        shared.give_back(&shared.store_key(slot), trimmed as u64, window, origin);
+    }
+}
+
 pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
     let config = shared.config.load();
     let now = shared.time.precise_us();
@@ -1455,6 +1481,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
         }
         shared.counters.stranded.add(slot.expire_next(now) as u64);
         let idle_for = slot.idle_ms(now);
+        trim_idle(shared, slot, idle_for, now);
         if let Some(lead) = prelease_lead {
             prelease_if_active(shared, slot, now, idle_for, lead);
         }
