@@ -822,7 +822,17 @@ fn lease_answered(
         if r.start_after_us == 0 {
             // Redis answered before t1: from t1 + retry_after on, the
             // store surely has something again.
-            slot.deny_until(t1 + r.retry_after_us + margin);
+            let mut until = t1 + r.retry_after_us + margin;
+            // The first denial after a calm spell asks once more, after
+            // the time an idle holder takes to give back what it will not
+            // spend (`trim_idle`): a window fully leased is not always
+            // fully spent.
+            let before = slot.denied_until.load(Ordering::Acquire);
+            let calm = before.saturating_add(shared.params.period_us) <= t1;
+            if windowed && calm {
+                until = until.min(t1 + trim_delay_us(shared.params.period_us));
+            }
+            slot.deny_until(until);
         } else if now >= slot.deadline.load(Ordering::Acquire) {
             // Nothing left of the next window, which has not begun in the
             // store, while this process's permits of the current one are
@@ -1406,6 +1416,12 @@ fn uses_a_share(shared: &Shared, slot: &Slot) -> bool {
 /// A window lease idle for this share of its period gives back what it
 /// holds above the earned floor (`sizing::EARNED_FLOOR_DIVISOR`).
 const IDLE_TRIM_DIVISOR: u64 = 16;
+
+/// The longest an idle holder's surplus takes to go back: its idle time,
+/// a full sweep of the maintenance, and a tick.
+fn trim_delay_us(period_us: u64) -> u64 {
+    period_us / IDLE_TRIM_DIVISOR + (SWEEP_SLICES as u64 + 1) * MAINTENANCE.as_micros() as u64
+}
 
 /// A process that burst and went quiet gives back what it holds above a
 /// sixteenth of the limit once its key has been idle for a sixteenth of
