@@ -281,6 +281,28 @@ async fn spend_until_denied(limiter: &Limiter, key: &str) -> u64 {
     }
 }
 
+/// 30 requests for "k" on `limiter` with at least 5 s of a window of
+/// `TIER_PERIOD` left, then 100 ms for a refill in flight to land. Returns
+/// the window's start (µs), its index, the admissions, and Redis' count
+/// of the window (the admissions and what was leased beyond them).
+async fn thirty_then_count(
+    server: &RedisServer,
+    limiter: &Limiter,
+    ns: &str,
+) -> (u64, u64, u64, u64) {
+    let clock = RedisClock::of(server);
+    let start = clock.clear_of_boundary(TIER_PERIOD, secs(5)).await;
+    let window = start / TIER_PERIOD.as_micros() as u64;
+    let mut first = 0;
+    for _ in 0..30 {
+        if limiter.check("k", 1).await.is_allowed() {
+            first += 1;
+        }
+    }
+    tokio::time::sleep(ms(100)).await;
+    (start, window, first, window_count(server, ns, "k", window))
+}
+
 /// The three phases of a demotion in one window: 30 on the default quota,
 /// promoted and spent until denied, demoted and spent until denied.
 /// Returns the admissions of each phase, and Redis' count of the window
@@ -293,17 +315,7 @@ async fn promote_then_demote(
     promote: impl Fn(bool),
 ) -> ([u64; 3], [u64; 2]) {
     let clock = RedisClock::of(server);
-    let start = clock.clear_of_boundary(TIER_PERIOD, secs(5)).await;
-    let window = start / TIER_PERIOD.as_micros() as u64;
-    let mut first = 0;
-    for _ in 0..30 {
-        if limiter.check("k", 1).await.is_allowed() {
-            first += 1;
-        }
-    }
-    // A refill the default lane sent meanwhile lands.
-    tokio::time::sleep(ms(100)).await;
-    let before = window_count(server, ns, "k", window);
+    let (start, window, first, before) = thirty_then_count(server, limiter, ns).await;
     promote(true);
     let second = spend_until_denied(limiter, "k").await;
     promote(false);
@@ -770,16 +782,7 @@ async fn a_lowered_quota_admits_what_the_old_lease_gave_back() {
         .build()
         .unwrap();
     let clock = RedisClock::of(&server);
-    let start = clock.clear_of_boundary(TIER_PERIOD, secs(5)).await;
-    let window = start / TIER_PERIOD.as_micros() as u64;
-    let mut first = 0;
-    for _ in 0..30 {
-        if limiter.check("k", 1).await.is_allowed() {
-            first += 1;
-        }
-    }
-    tokio::time::sleep(ms(100)).await;
-    let leased = window_count(&server, ns, "k", window);
+    let (start, window, first, leased) = thirty_then_count(&server, &limiter, ns).await;
     // The new limit lies between what was admitted and what was leased.
     let lowered = first + (leased - first) / 2;
     limiter
