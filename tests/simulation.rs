@@ -1548,29 +1548,11 @@ fn judge(
                 + (n * debt) as f64
                 + overshoot as f64
                 + rate * 2.0 * s.attribution_slack.as_micros() as f64;
-            let mut by_key: HashMap<usize, Vec<(u64, u64)>> = HashMap::new();
-            for &(key, at, cost) in events {
-                by_key.entry(key).or_default().push((at, cost));
-            }
-            for (key, mut events) in by_key {
-                events.sort();
-                for i in 0..events.len() {
-                    let mut sum = 0u64;
-                    for j in i..events.len() {
-                        let (a, b) = (events[i].0, events[j].0);
-                        sum += events[j].1;
-                        if restarted(a, b) {
-                            continue;
-                        }
-                        let allowed = *limit as f64 + rate * ((b - a) as f64 + h_us as f64) + slack;
-                        if sum as f64 > allowed {
-                            return Err(format!(
-                                "{name}: key {key}: {sum} admitted in [{a}, {b}] µs, bound {allowed:.1}"
-                            ));
-                        }
-                    }
-                }
-            }
+            let events = events.iter().map(|&(key, at, cost)| (key, at, cost));
+            interval_bound(events, &restarted, |_, a, b| {
+                *limit as f64 + rate * ((b - a) as f64 + h_us as f64) + slack
+            })
+            .map_err(|e| format!("{name}: {e}"))?;
         }
         others.clear();
     }
@@ -1717,33 +1699,12 @@ fn judge(
                 + (n * debt) as f64
                 + overshoot as f64
                 + rate * 2.0 * s.attribution_slack.as_micros() as f64;
-            let mut by_key: HashMap<usize, Vec<(u64, u64)>> = HashMap::new();
-            for d in &admitted {
-                by_key.entry(d.key).or_default().push((d.at_us, d.cost));
-            }
-            let mut tightest = f64::MAX;
-            for (key, mut events) in by_key {
-                events.sort();
-                for i in 0..events.len() {
-                    let mut sum = 0u64;
-                    for j in i..events.len() {
-                        let (a, b) = (events[i].0, events[j].0);
-                        sum += events[j].1;
-                        if restarted(a, b) {
-                            continue;
-                        }
-                        let allowed = (s.burst_of(key) * raised(b)) as f64
-                            + rate_of(key, b) * ((b - a) as f64 + h)
-                            + slack;
-                        tightest = tightest.min(allowed - sum as f64);
-                        if sum as f64 > allowed {
-                            return Err(format!(
-                                "key {key}: {sum} admitted in [{a}, {b}] µs, bound {allowed:.1}"
-                            ));
-                        }
-                    }
-                }
-            }
+            let events = admitted.iter().map(|d| (d.key, d.at_us, d.cost));
+            let tightest = interval_bound(events, &restarted, |key, a, b| {
+                (s.burst_of(key) * raised(b)) as f64
+                    + rate_of(key, b) * ((b - a) as f64 + h)
+                    + slack
+            })?;
             summary += &format!("tightest interval {tightest:.1} under the bound");
         }
     }
@@ -1858,6 +1819,44 @@ fn judge_demotions(
         }
     }
     Ok(())
+}
+
+/// A bucket's bound over every interval of each key's admissions
+/// (`(key, at µs, cost)`): what was admitted from its a-th admission to
+/// its b-th at most `bound(key, a, b)`, intervals touched by a restart
+/// (`restarted(a, b)`) exempt. Returns how far under the bound the
+/// tightest interval stayed.
+fn interval_bound(
+    events: impl Iterator<Item = (usize, u64, u64)>,
+    restarted: &dyn Fn(u64, u64) -> bool,
+    bound: impl Fn(usize, u64, u64) -> f64,
+) -> Result<f64, String> {
+    let mut by_key: HashMap<usize, Vec<(u64, u64)>> = HashMap::new();
+    for (key, at, cost) in events {
+        by_key.entry(key).or_default().push((at, cost));
+    }
+    let mut tightest = f64::MAX;
+    for (key, mut events) in by_key {
+        events.sort();
+        for i in 0..events.len() {
+            let mut sum = 0u64;
+            for j in i..events.len() {
+                let (a, b) = (events[i].0, events[j].0);
+                sum += events[j].1;
+                if restarted(a, b) {
+                    continue;
+                }
+                let allowed = bound(key, a, b);
+                tightest = tightest.min(allowed - sum as f64);
+                if sum as f64 > allowed {
+                    return Err(format!(
+                        "key {key}: {sum} admitted in [{a}, {b}] µs, bound {allowed:.1}"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(tightest)
 }
 
 /// A process that bursts then goes quiet must not keep the window from
