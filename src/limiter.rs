@@ -55,6 +55,8 @@ pub(crate) struct Inner {
     /// The first quota's period as built: quotas of the first position
     /// with another period (tiers, `set_quota`) count in keys of their own.
     period: std::time::Duration,
+    /// The store's circuit breaker openings before this limiter was built.
+    trips_at_build: u64,
 }
 
 /// Identities of limiters (never 0).
@@ -486,7 +488,15 @@ impl Limiter {
 
     /// Counters since the limiter was built.
     pub fn stats(&self) -> Stats {
-        self.inner.counters.snapshot()
+        let mut stats = self.inner.counters.snapshot();
+        let trips = self
+            .inner
+            .recipe
+            .store
+            .as_ref()
+            .map_or(0, Store::circuit_trips);
+        stats.circuit_trips = trips.saturating_sub(self.inner.trips_at_build);
+        stats
     }
 
     /// The live counters, for what is built on `check` outside this
@@ -713,6 +723,7 @@ impl Builder {
             counters: counters.clone(),
             local_refunds: Default::default(),
         };
+        let trips_at_build = recipe.store.as_ref().map_or(0, Store::circuit_trips);
         let keys = KeyEncoder::new(&namespace);
         let first = Lane::build(&recipe, self.quota, keys.for_quota(0), config.clone())?;
         let also = self
@@ -736,6 +747,7 @@ impl Builder {
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
                     .max(1),
                 period: self.quota.period(),
+                trips_at_build,
             }),
         })
     }

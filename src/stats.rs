@@ -121,6 +121,7 @@ pub(crate) struct Counters {
     pub(crate) round_trips: Tally,
     pub(crate) store_calls: Tally,
     store_errors: Tally,
+    store_timeouts: Tally,
     pub(crate) policy_decisions: Tally,
     pub(crate) credit_admitted: Tally,
     pub(crate) overshoot: Tally,
@@ -152,6 +153,7 @@ impl Counters {
             round_trips: Tally::new(limiter, names::ROUND_TRIPS),
             store_calls: Tally::new(limiter, names::STORE_CALLS),
             store_errors: Tally::unmetered(),
+            store_timeouts: Tally::unmetered(),
             policy_decisions: Tally::unmetered(),
             credit_admitted: Tally::new(limiter, names::CREDIT),
             overshoot: Tally::new(limiter, names::OVERSHOOT),
@@ -190,6 +192,9 @@ impl Counters {
 
     fn store_error(&self, kind: ErrorKind) {
         self.store_errors.add(1);
+        if kind == ErrorKind::Timeout {
+            self.store_timeouts.add(1);
+        }
         self.meters.error(kind);
     }
 
@@ -236,6 +241,8 @@ impl Counters {
             round_trips: self.round_trips.get(),
             store_calls: self.store_calls.get(),
             store_errors: self.store_errors.get(),
+            store_timeouts: self.store_timeouts.get(),
+            circuit_trips: 0,
             policy_decisions: self.policy_decisions.get(),
             credit_admitted: self.credit_admitted.get(),
             overshoot: self.overshoot.get(),
@@ -276,6 +283,13 @@ pub struct Stats {
     pub store_calls: u64,
     /// Store calls (or batch items) that failed.
     pub store_errors: u64,
+    /// Of those, calls that got no answer within the store's response
+    /// timeout.
+    pub store_timeouts: u64,
+    /// Times the circuit breaker of the limiter's store opened since the
+    /// limiter was built (on a cluster, any primary's; a store shared by
+    /// several limiters counts its openings in each).
+    pub circuit_trips: u64,
     /// Decisions made by the failure policy.
     pub policy_decisions: u64,
     /// Permits admitted on credit (optimistic hybrid).

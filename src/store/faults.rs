@@ -313,6 +313,10 @@ impl FaultyStore {
     pub(crate) fn circuit_state(&self) -> crate::CircuitState {
         self.inner.breaker.state()
     }
+
+    pub(crate) fn circuit_trips(&self) -> u64 {
+        self.inner.breaker.trips()
+    }
 }
 
 #[cfg(test)]

@@ -96,6 +96,17 @@ impl Store {
         }
     }
 
+    /// Times the store's circuit breakers have opened (see
+    /// [`RedisStore::circuit_trips`]).
+    pub(crate) fn circuit_trips(&self) -> u64 {
+        match self {
+            Store::Redis(s) => s.circuit_trips(),
+            Store::Memory(_) => 0,
+            #[cfg(feature = "test-support")]
+            Store::Faulty(s) => s.circuit_trips(),
+        }
+    }
+
     /// Checks and counts one request; returns what that cost. Not counted
     /// on any limiter (see [`acquire`](Self::acquire)).
     pub(crate) async fn send_acquire(

@@ -50,6 +50,10 @@ impl Proxy {
                 let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
                     continue;
                 };
+                // Each delayed chunk is written on its own: Nagle's algorithm
+                // would hold it back until the last one was acknowledged.
+                let _ = client.set_nodelay(true);
+                let _ = server.set_nodelay(true);
                 let id = g.fetch_add(1, Ordering::Relaxed);
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();

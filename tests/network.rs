@@ -1,0 +1,204 @@
+//! The hybrid limiter at a real network round trip: a private
+//! `redis-server` behind the delaying proxy (`support::proxy`), 1.5 ms
+//! each way plus up to 2 ms of jitter each way (a 3–7 ms round trip, 5 ms
+//! on average), four limiters with the default store options and the
+//! default hybrid configuration.
+//!
+//! A healthy Redis that far away must never look unhealthy: no timeout,
+//! no circuit breaker opening, no decision by the failure policy. And the
+//! bounds hold as on loopback: strict admits at most the limit in every
+//! window, optimistic at most `processes × max_debt` more.
+//!
+//! Admissions are placed in windows by the local clock, which is Redis'
+//! (one machine): a lease's permits are spent only between its window's
+//! start and its deadline, both inside the window Redis counted them in.
+
+mod support;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use slicelimit::{HybridConfig, Limiter, Quota, RedisOptions, RedisStore, Stats};
+use support::load::wall_us;
+use support::proxy::{Delay, Proxy};
+use support::RedisServer;
+
+const LIMIT: u64 = 100;
+const PERIOD: Duration = Duration::from_secs(1);
+const PROCESSES: usize = 4;
+
+/// Admissions of the hot key per window (by local µs ÷ period), and
+/// denials of keys far under their limit.
+#[derive(Default)]
+struct Tally {
+    hot: HashMap<u64, u64>,
+    thin_denied: u64,
+    thin_decisions: u64,
+}
+
+async fn fleet(proxy: &Proxy, config: HybridConfig, name: &str) -> Vec<Limiter> {
+    let quota = Quota::new(LIMIT, PERIOD).unwrap();
+    let mut limiters = Vec::new();
+    for i in 0..PROCESSES {
+        // The default options: what a user gets is what must hold at a
+        // real round trip.
+        let store = RedisStore::connect_with(&proxy.url(), RedisOptions::default())
+            .await
+            .expect("connect through the proxy");
+        limiters.push(
+            Limiter::builder(quota)
+                .store(store)
+                .hybrid(config.clone())
+                .namespace(name)
+                .name(&format!("{name}-{i}"))
+                .build()
+                .unwrap(),
+        );
+    }
+    limiters
+}
+
+/// Drives every limiter for `run`, open loop: one hot key at 2.5× its
+/// limit over the fleet, and 200 keys each asked about once a window per
+/// process (far under their limit). Every request is a task of its own,
+/// so a slow decision never holds back the next.
+async fn drive(limiters: &[Limiter], run: Duration) -> Tally {
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let stop_at = wall_us() + run.as_micros() as u64;
+    let period_us = PERIOD.as_micros() as u64;
+    let mut drivers = Vec::new();
+    for (p, limiter) in limiters.iter().enumerate() {
+        let (limiter, tally) = (limiter.clone(), tally.clone());
+        drivers.push(tokio::spawn(async move {
+            // Hot: 250/s over the fleet. Thin: 200 keys × 4/s over it.
+            let mut tick = tokio::time::interval(Duration::from_millis(4));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut n = 0u64;
+            let mut requests = Vec::new();
+            while wall_us() < stop_at {
+                tick.tick().await;
+                n += 1;
+                let key = (n as usize * 7 + p * 50) % 200;
+                let (l, t) = (limiter.clone(), tally.clone());
+                requests.push(tokio::spawn(async move {
+                    let d = l.check(&format!("user-{key}"), 1).await;
+                    let mut t = t.lock().unwrap();
+                    t.thin_decisions += 1;
+                    t.thin_denied += u64::from(!d.is_allowed());
+                }));
+                if n.is_multiple_of(4) {
+                    let (l, t) = (limiter.clone(), tally.clone());
+                    requests.push(tokio::spawn(async move {
+                        if l.check("hot", 1).await.is_allowed() {
+                            let at = wall_us();
+                            *t.lock().unwrap().hot.entry(at / period_us).or_default() += 1;
+                        }
+                    }));
+                }
+            }
+            for r in requests {
+                r.await.unwrap();
+            }
+        }));
+    }
+    for d in drivers {
+        d.await.unwrap();
+    }
+    Arc::try_unwrap(tally)
+        .ok()
+        .expect("every request finished")
+        .into_inner()
+        .unwrap()
+}
+
+fn total(limiters: &[Limiter]) -> Stats {
+    let mut sum = Stats::default();
+    for l in limiters {
+        let s = l.stats();
+        sum.store_errors += s.store_errors;
+        sum.store_timeouts += s.store_timeouts;
+        sum.circuit_trips += s.circuit_trips;
+        sum.policy_decisions += s.policy_decisions;
+        sum.allowed += s.allowed;
+        sum.denied += s.denied;
+        sum.overshoot += s.overshoot;
+    }
+    sum
+}
+
+/// The windows wholly inside the run (not the first or the last).
+fn full_windows(hot: &HashMap<u64, u64>) -> Vec<u64> {
+    let (Some(first), Some(last)) = (hot.keys().min(), hot.keys().max()) else {
+        return Vec::new();
+    };
+    (first + 1..*last)
+        .map(|w| hot.get(&w).copied().unwrap_or(0))
+        .collect()
+}
+
+fn five_ms_away(server: &RedisServer) -> impl std::future::Future<Output = Proxy> {
+    let each_way = Delay::jittered(Duration::from_micros(1_500), Duration::from_millis(2));
+    Proxy::start_with(server.port(), each_way, each_way)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_redis_five_ms_away_never_looks_unhealthy() {
+    let server = RedisServer::start();
+    let proxy = five_ms_away(&server).await;
+    let limiters = fleet(&proxy, HybridConfig::strict(), "net-strict").await;
+    let tally = drive(&limiters, Duration::from_secs(60)).await;
+    let stats = total(&limiters);
+    for l in &limiters {
+        l.shutdown().await;
+    }
+    println!(
+        "60 s at 3–7 ms: {stats:?}; thin denials {} of {}",
+        tally.thin_denied, tally.thin_decisions
+    );
+    assert_eq!(stats.store_timeouts, 0, "{stats:?}");
+    assert_eq!(stats.circuit_trips, 0, "{stats:?}");
+    assert_eq!(stats.policy_decisions, 0, "{stats:?}");
+    assert_eq!(stats.store_errors, 0, "{stats:?}");
+    // Strict: never past the limit, in any window.
+    let worst = tally.hot.values().copied().max().unwrap_or(0);
+    assert!(
+        worst <= LIMIT,
+        "hot key admitted {worst} in a window: {:?}",
+        tally.hot
+    );
+    // And nearly all of it used, at 2.5× demand.
+    let full = full_windows(&tally.hot);
+    assert!(full.len() >= 50, "{full:?}");
+    let used = full.iter().sum::<u64>() as f64 / (full.len() as u64 * LIMIT) as f64;
+    assert!(
+        used >= 0.9,
+        "hot key used {used:.3} of its windows: {full:?}"
+    );
+    // Keys far under their limit are never denied.
+    assert_eq!(tally.thin_denied, 0, "of {}", tally.thin_decisions);
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_optimistic_bound_holds_five_ms_away() {
+    const MAX_DEBT: u64 = 5;
+    let server = RedisServer::start();
+    let proxy = five_ms_away(&server).await;
+    let limiters = fleet(&proxy, HybridConfig::optimistic(MAX_DEBT), "net-optimistic").await;
+    let tally = drive(&limiters, Duration::from_secs(10)).await;
+    let stats = total(&limiters);
+    for l in &limiters {
+        l.shutdown().await;
+    }
+    let bound = LIMIT + PROCESSES as u64 * MAX_DEBT;
+    let worst = tally.hot.values().copied().max().unwrap_or(0);
+    println!("optimistic at 3–7 ms: worst {worst} (bound {bound}); {stats:?}");
+    assert!(
+        worst <= bound,
+        "hot key admitted {worst} > {bound}: {:?}",
+        tally.hot
+    );
+    assert_eq!(stats.policy_decisions, 0, "{stats:?}");
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}
