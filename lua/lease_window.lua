@@ -27,10 +27,6 @@
 --                       total window", total: all it got in that window); a call carrying the same id again (its
 --                       reply was lost) gets that grant back, not a new one,
 --                       while its window is current or ahead.
--- ARGV[12] ahead_cap    a lease of the next window taken ahead of need by a
---                       thin holder (a few permits a window): granted only
---                       while the current window and the next each hold at
---                       most this many; 0: no such cap
 --
 -- Returns  {granted, remaining (what the target window's load leaves after
 --          this grant), start_after_us (0, or until the target window starts),
@@ -88,7 +84,6 @@ local tail = tonumber(ARGV[8] or '1')
 local holder = ARGV[9]
 local ceiling = tonumber(ARGV[10] or '0')
 local lease_id = ARGV[11] or '0'
-local ahead_cap = tonumber(ARGV[12] or '0')
 
 local w = math.floor(now / period)
 if debt_window < 0 then debt_window = w end
@@ -205,16 +200,6 @@ if not replayed then
     fair = math.max(fair, math.min(entitled, available))
     fair = math.min(fair, ceiling)
     if fair > granted then granted = math.min(fair, available) end
-  end
-end
--- A thin holder's pre-lease: only while the key is far under its limit.
--- Near it, what a thousand thin holders took ahead of need would strand
--- where others are short; far under it, nobody is.
-if not replayed and ahead_cap > 0 and tw > w then
-  if before_n > ahead_cap then
-    granted = 0
-  else
-    granted = math.max(0, math.min(granted, ahead_cap - used - extra))
   end
 end
 -- Every write of this call in one HSET (each call into Redis costs more

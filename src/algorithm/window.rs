@@ -83,7 +83,6 @@ pub(crate) fn lease_args(p: &Params, c: &LeaseCall, args: &mut Vec<Arg>) {
         Arg::Text(c.holder.as_deref().unwrap_or("").to_owned().into()),
         Arg::Uint(c.ceiling),
         Arg::Uint(c.lease_id),
-        Arg::Uint(c.ahead_cap),
     ]);
 }
 
@@ -271,16 +270,6 @@ pub(crate) fn lease(
         if fair > granted {
             granted = fair.min(available);
         }
-    }
-    // A thin holder's pre-lease, only while the key is far under its
-    // limit (as the script).
-    let ahead_cap = call.ahead_cap.min(i64::MAX as u64) as i64;
-    if replay.is_none() && ahead_cap > 0 && tw > w {
-        granted = if near.before > ahead_cap {
-            0
-        } else {
-            granted.min(ahead_cap - used).max(0)
-        };
     }
     if joined {
         if let Some(holder) = &call.holder {

@@ -138,7 +138,6 @@ fn raw_lease(key: String, want: u64, min_window: i64) -> LeaseCall {
         holder: None,
         ceiling: 0,
         lease_id: 0,
-        ahead_cap: 0,
     }
 }
 
