@@ -1155,6 +1155,23 @@ fn delayed(url: &str, args: &Args) -> Option<String> {
     Some(rx.recv().expect("the delaying proxy starts"))
 }
 
+/// What one round trip through the proxy takes, idle: its delays plus
+/// the timer's rounding (about a millisecond each way).
+fn ping_round_trip(url: &str) -> (Duration, Duration) {
+    let mut conn = redis::Client::open(url)
+        .and_then(|c| c.get_connection())
+        .expect("connect through the proxy");
+    let mut samples: Vec<Duration> = (0..100)
+        .map(|_| {
+            let began = Instant::now();
+            let _: String = redis::cmd("PING").query(&mut conn).expect("PING");
+            began.elapsed()
+        })
+        .collect();
+    samples.sort();
+    (samples[50], samples[98])
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = parse_args();
@@ -1185,6 +1202,10 @@ async fn main() {
     };
     let store = backend.describe();
     println!("machine: {}\nstore: {store}", machine());
+    if let Backend::Redis { via: Some(via), .. } = &backend {
+        let (p50, p99) = ping_round_trip(via);
+        println!("round trip through the proxy (100 PINGs, idle): p50 {p50:.2?}, p99 {p99:.2?}");
+    }
     if let Some(rate) = args.demand_per_key {
         long_tail(&backend, &args, rate).await;
         return;

@@ -27,6 +27,12 @@
 --                       total window", total: all it got in that window); a call carrying the same id again (its
 --                       reply was lost) gets that grant back, not a new one,
 --                       while its window is current or ahead.
+-- ARGV[12] ahead_cap    a lease of the next window taken ahead of need by a
+--                       thin holder (a few permits a window): granted only
+--                       while the current window's count projected to its
+--                       end, the next window's count, and every holder's
+--                       ask stay within this many; refused, it records
+--                       nothing; 0: no such cap
 --
 -- Returns  {granted, remaining (what the target window's load leaves after
 --          this grant), start_after_us (0, or until the target window starts),
@@ -84,6 +90,7 @@ local tail = tonumber(ARGV[8] or '1')
 local holder = ARGV[9]
 local ceiling = tonumber(ARGV[10] or '0')
 local lease_id = ARGV[11] or '0'
+local ahead_cap = tonumber(ARGV[12] or '0')
 
 local w = math.floor(now / period)
 if debt_window < 0 then debt_window = w end
@@ -201,6 +208,23 @@ if not replayed then
     fair = math.min(fair, ceiling)
     if fair > granted then granted = math.min(fair, available) end
   end
+end
+-- A thin holder's pre-lease: only while the key is far under its limit
+-- (the current window's count, projected to its end, within the cap) and
+-- every holder's pre-lease would fit within the cap. Near the limit, what
+-- a thousand thin holders took ahead of need would strand where others
+-- are short; far under it, nobody is.
+if not replayed and ahead_cap > 0 and tw > w then
+  local holders = math.max(tonumber(got[4] or '0'), tonumber(got[5] or '0'), 1)
+  if before_n * period > ahead_cap * math.max(1, now - w * period)
+    or holders * want > ahead_cap then
+    granted = 0
+  else
+    granted = math.max(0, math.min(granted, ahead_cap - used - extra))
+  end
+  -- Refused, the ask is not a holder of the next window: it may never
+  -- ask for it.
+  if granted == 0 then first_in_window = false end
 end
 -- Every write of this call in one HSET (each call into Redis costs more
 -- than the Lua around it). The script runs atomically, so setting a count

@@ -199,6 +199,10 @@ pub(crate) struct LeaseCall {
     /// gets that grant back instead of a second one, while its window
     /// lasts.
     pub(crate) lease_id: u64,
+    /// Fixed window: a thin holder's lease of the next window, taken ahead
+    /// of need, is granted only while the current window and the next
+    /// each hold at most this many permits (0: no such cap).
+    pub(crate) ahead_cap: u64,
 }
 
 impl LeaseCall {
@@ -217,6 +221,7 @@ impl LeaseCall {
             holder: None,
             ceiling: 0,
             lease_id: 0,
+            ahead_cap: 0,
         }
     }
 

@@ -83,6 +83,7 @@ pub(crate) fn lease_args(p: &Params, c: &LeaseCall, args: &mut Vec<Arg>) {
         Arg::Text(c.holder.as_deref().unwrap_or("").to_owned().into()),
         Arg::Uint(c.ceiling),
         Arg::Uint(c.lease_id),
+        Arg::Uint(c.ahead_cap),
     ]);
 }
 
@@ -269,6 +270,30 @@ pub(crate) fn lease(
             .min(call.ceiling.min(i64::MAX as u64) as i64);
         if fair > granted {
             granted = fair.min(available);
+        }
+    }
+    // A thin holder's pre-lease, only while the key is far under its
+    // limit: the current window's count projected to its end, and every
+    // holder's ask, within the cap (as the script).
+    let ahead_cap = call.ahead_cap.min(i64::MAX as u64) as i64;
+    if replay.is_none() && ahead_cap > 0 && tw > w {
+        let elapsed = now.saturating_sub(w as u64 * period).max(1) as i128;
+        let projected_over =
+            i128::from(near.before) * i128::from(period) > i128::from(ahead_cap) * elapsed;
+        let holders = entry
+            .as_ref()
+            .and_then(|e| e.holders.as_deref())
+            .map_or(0, |h| h.count(tw).max(h.count(tw - 1)))
+            .max(1) as i128;
+        let crowded = holders * i128::from(call.want) > i128::from(ahead_cap);
+        granted = if projected_over || crowded {
+            0
+        } else {
+            granted.min(ahead_cap - used).max(0)
+        };
+        // Refused, the ask is not a holder of the next window.
+        if granted == 0 {
+            joined = false;
         }
     }
     if joined {

@@ -424,18 +424,8 @@ impl HybridEngine {
                 Some(s.spent(slot, left, now, cost, window))
             }
             Take::Empty => {
-                // A pre-lease of the window that has just begun: put it in
-                // place and spend from it. Its start is read on the precise
-                // clock: the coarse one, anchored to it once, may read up to
-                // a kernel tick ahead, and a pre-lease must never start early.
-                if slot.has_next() {
-                    if let Some(replaced) = slot.promote(s.time.precise_us()) {
-                        s.counters.stranded.add(replaced as u64);
-                        if let Take::Taken(left, now, _, window) = slot.take(cost, &s.time) {
-                            slot.touch(now);
-                            return Some(s.spent(slot, left, now, cost, window));
-                        }
-                    }
+                if let Some(decided) = self.promoted(slot, cost) {
+                    return Some(decided);
                 }
                 // Known exhausted: answer from the denied-until time. The
                 // coarse clock may lag, which only lengthens the denial.
@@ -446,10 +436,32 @@ impl HybridEngine {
                 slot.denied(now)
                     .map(|until| s.cached_denial(slot, until, now))
             }
+            // The lease ended (its permits are void): the next window's
+            // may be held already.
             Take::Late(lost) => {
                 s.counters.stranded.add(lost as u64);
-                None
+                self.promoted(slot, cost)
             }
+        }
+    }
+
+    /// A pre-lease of the window that has just begun, put in place and
+    /// spent from. Its start is read on the precise clock: the coarse one,
+    /// anchored to it once, may read up to a kernel tick ahead, and a
+    /// pre-lease must never start early.
+    fn promoted(&self, slot: &Arc<Slot>, cost: u64) -> Option<Decision> {
+        let s = &*self.shared;
+        if !slot.has_next() {
+            return None;
+        }
+        let replaced = slot.promote(s.time.precise_us())?;
+        s.counters.stranded.add(replaced as u64);
+        match slot.take(cost, &s.time) {
+            Take::Taken(left, now, _, window) => {
+                slot.touch(now);
+                Some(s.spent(slot, left, now, cost, window))
+            }
+            _ => None,
         }
     }
 
@@ -551,8 +563,13 @@ impl HybridEngine {
                 retried = true;
                 continue;
             }
+            // A pre-lease of the next window held: waited for. A thin
+            // holder's comes early, while its window has room: it asks the
+            // current window unless the pre-lease starts sooner than a
+            // refill could land (two round trips).
             let next_start = slot.next_start();
-            if next_start.is_none() {
+            let soon = 2 * s.rtt_us.load(Ordering::Relaxed) + 1_000;
+            if next_start.is_none_or(|start| start > now + soon && s.thin(&slot)) {
                 s.request_refill(&slot, true);
             }
             if slot.refill_failed.load(Ordering::Acquire) {
@@ -802,6 +819,12 @@ impl Shared {
 
     /// How long before a window ends its next one is leased ahead (zero:
     /// never, also for an algorithm whose next window is not leased ahead).
+    /// Whether this process spends only a few permits of the key a
+    /// window (see `sync::uses_a_share`).
+    fn thin(&self, slot: &Slot) -> bool {
+        !sync::uses_a_share(self, slot)
+    }
+
     fn prelease_lead(&self, config: &HybridConfig) -> Duration {
         match self.leases {
             LeaseKind::Window if self.pre_leases => config.prelease_lead,

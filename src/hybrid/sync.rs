@@ -564,8 +564,17 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
     // what a burst seemed to promise is not taken from processes that
     // keep asking.
     let mut want = want;
+    let mut ahead_cap = 0;
     if windowed {
         let earned = books.sizing.earned(shared.params.limit, config.min_lease);
+        // A thin holder's pre-lease: what its next window will likely
+        // use, only while the key is far under its limit (the store
+        // checks; see `uses_a_share`).
+        let rate = books.sizing.rate_per_us();
+        if ahead && rate > 0.0 && rate * (period as f64) < THICK_PER_WINDOW {
+            want = want.max(thin_want(rate, period));
+            ahead_cap = (shared.params.limit / THIN_AHEAD_CAP_DIVISOR).max(1);
+        }
         want = want.min(earned).max(need);
         ceiling = ceiling.min(earned).max(want);
     }
@@ -593,6 +602,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         holder: Some(shared.holder.clone()),
         ceiling,
         lease_id,
+        ahead_cap,
     };
     Pending {
         slot: Some(slot),
@@ -818,7 +828,9 @@ fn lease_answered(
                 watch(shared, slot, r, rate, until, t1);
             }
         }
-    } else if p.call.want > 0 {
+    } else if p.call.want > 0 && p.call.ahead_cap == 0 {
+        // (A thin holder's pre-lease refused changes nothing: the key is
+        // near its limit, or crowded, and its current lease stands.)
         if r.start_after_us == 0 {
             // Redis answered before t1: from t1 + retry_after on, the
             // store surely has something again.
@@ -1359,30 +1371,85 @@ fn slice_of(slot: &Arc<Slot>) -> usize {
 /// keys ahead of a boundary.
 const LEASE_COST_US: u64 = 25;
 
-/// Fixed window: a key used in its current window whose window ends within
-/// `lead` gets a pre-lease of the next one now, from the background,
-/// rather than a wait on the first request after the boundary (keys asked
-/// less often than the pre-lease lead would otherwise never be
-/// pre-leased by a request).
-fn prelease_if_active(shared: &Shared, slot: &Arc<Slot>, now: u64, idle_ms: u64, lead: u64) {
+/// When, in the window about to end, keys get a pre-lease of the next one
+/// from the background, rather than a wait on the first request after
+/// the boundary (keys asked less often than the pre-lease lead would
+/// otherwise never be pre-leased by a request).
+struct PreleasePlan {
+    /// The boundary ahead (local µs).
+    end: u64,
+    /// This tick is the round: every key used in its window is due.
+    round: bool,
+    /// The round's lead: no thin holder is due later than this before
+    /// `end`.
+    lead: u64,
+    /// Thin holders are due earlier, each at its own time spread over
+    /// this much before the round, so that a thousand thin keys' leases
+    /// do not reach the store in one burst (measured: four processes'
+    /// rounds of 1,000 thin keys held Redis for ~100 ms, and requests
+    /// waiting for a refill behind them past their wait).
+    spread: u64,
+}
+
+fn prelease_if_active(
+    shared: &Shared,
+    slot: &Arc<Slot>,
+    now: u64,
+    idle_ms: u64,
+    plan: &PreleasePlan,
+) {
+    let to_end = plan.end.saturating_sub(now);
+    let due_thin = to_end <= plan.lead + spread_of(slot, plan.spread);
+    if !plan.round && !due_thin {
+        return;
+    }
+    // A pre-lease whose window has begun with no request yet to put it
+    // in place goes in place now, so that the next one can follow it.
+    if let Some(replaced) = slot.promote(now) {
+        shared.counters.stranded.add(replaced as u64);
+    }
     let deadline = slot.deadline.load(Ordering::Acquire);
-    let window_start = slot
-        .window_end
-        .load(Ordering::Relaxed)
-        .saturating_sub(shared.params.period_us);
-    let active = now.saturating_sub(idle_ms * 1_000) >= window_start;
     if slot.window.load(Ordering::Acquire) == super::slot::UNKNOWN_WINDOW
         || now >= deadline
-        || deadline - now > lead
-        || !active
-        || !uses_a_share(shared, slot)
+        || deadline > plan.end
         || slot.has_next()
         || slot.refill_pending.load(Ordering::Acquire)
     {
         return;
     }
+    let window_start = slot
+        .window_end
+        .load(Ordering::Relaxed)
+        .saturating_sub(shared.params.period_us);
+    let idle_us = idle_ms.saturating_mul(1_000);
+    let mut books = slot.books();
+    let rate = books.sizing.rate_per_us();
+    // Used in this window, or within its last few usual gaps (a thin
+    // holder with one request a window skips about a third of them).
+    let active = now.saturating_sub(idle_us) >= window_start
+        || (rate > 0.0 && (idle_us as f64) < IDLE_TRIM_GAPS / rate);
+    let thin = rate * (shared.params.period_us as f64) < THICK_PER_WINDOW;
+    // A thin holder is asked once per boundary (the store may refuse it,
+    // the key being near its limit); others in the round.
+    let boundary = (plan.end / shared.params.period_us.max(1)) as u32;
+    if !active || (!plan.round && !thin) || (thin && books.ahead_asked == boundary) {
+        return;
+    }
+    if thin {
+        books.ahead_asked = boundary;
+    }
+    drop(books);
     slot.swept_ahead.store(true, Ordering::Release);
     shared.request_refill(slot, false);
+}
+
+/// A slot's own share of `span`, from its address (see `slice_of`).
+fn spread_of(slot: &Arc<Slot>, span: u64) -> u64 {
+    if span == 0 {
+        return 0;
+    }
+    let address = Arc::as_ptr(slot) as usize as u64;
+    address.wrapping_mul(0xD1B5_4A32_D192_ED03).rotate_left(29) % span
 }
 
 /// The first window boundary after `now`, from `known`, the end of some
@@ -1398,15 +1465,29 @@ fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
     })
 }
 
-/// A key is pre-leased only where this process spends several permits a
-/// window: its share of the next window then surely gets used. A thin
-/// holder's would often strand (a process expecting one request a window
-/// sees none about a third of the time), and a thousand thin holders'
-/// pre-leases can take a whole window's budget that then sits idle, so a
-/// thin holder waits for a request instead.
-fn uses_a_share(shared: &Shared, slot: &Slot) -> bool {
-    const THICK: f64 = 4.0;
-    slot.books().sizing.rate_per_us() * shared.params.period_us as f64 >= THICK
+/// Whether this process spends several permits of the key a window: its
+/// share of the next window then surely gets used. A thin holder's often
+/// strands (a process expecting one request a window sees none about a
+/// third of the time), and a thousand thin holders' pre-leases can take a
+/// whole window's budget that then sits idle; so a thin holder is
+/// pre-leased only while the key is far under its limit (`THIN_AHEAD_CAP`),
+/// where nobody is short of what strands.
+pub(super) fn uses_a_share(shared: &Shared, slot: &Slot) -> bool {
+    slot.books().sizing.rate_per_us() * shared.params.period_us as f64 >= THICK_PER_WINDOW
+}
+
+/// Permits a window from which a holder counts as using a share of it.
+const THICK_PER_WINDOW: f64 = 4.0;
+
+/// A thin holder's pre-leases stop once the key's current window or its
+/// next holds more than this share of the limit.
+const THIN_AHEAD_CAP_DIVISOR: u64 = 2;
+
+/// What a thin holder's pre-lease asks for: enough that a window with
+/// twice its usual requests (and two more) rarely waits on the store —
+/// a holder's requests in a window vary as much as their number.
+fn thin_want(rate_per_us: f64, period_us: u64) -> u64 {
+    (2.0 * rate_per_us * period_us as f64).ceil() as u64 + 2
 }
 
 /// Expires leases, evicts idle slots and enforces `max_keys`, on one slice
@@ -1473,7 +1554,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
     // what leasing every key in the map takes Redis (`LEASE_COST_US`
     // each); at most half a window.
     let period = shared.params.period_us;
-    let prelease_lead = (!shared.prelease_lead(&config).is_zero())
+    let plan = (!shared.prelease_lead(&config).is_zero())
         .then(|| {
             let leasing = shared.slots.len() as u64 * LEASE_COST_US;
             (MAINTENANCE.as_micros() as u64
@@ -1484,16 +1565,20 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
         })
         .and_then(|lead| {
             let end = next_boundary(shared.window_end_hint.load(Ordering::Relaxed), now, period)?;
-            let due = end - now <= lead && shared.preleased_for.swap(end, Ordering::AcqRel) != end;
-            // Every key whose window ends by then (its deadline is the end
-            // less a margin).
-            due.then_some(end - now + 1)
+            let round =
+                end - now <= lead && shared.preleased_for.swap(end, Ordering::AcqRel) != end;
+            Some(PreleasePlan {
+                end,
+                round,
+                lead,
+                spread: (period / 2).saturating_sub(lead),
+            })
         });
     for entry in shared.slots.iter() {
         let slot = entry.value();
         if slice.is_some_and(|s| slice_of(slot) != s) {
-            if let Some(lead) = prelease_lead {
-                prelease_if_active(shared, slot, now, slot.idle_ms(now), lead);
+            if let Some(plan) = &plan {
+                prelease_if_active(shared, slot, now, slot.idle_ms(now), plan);
             }
             continue;
         }
@@ -1511,8 +1596,8 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
         shared.counters.stranded.add(slot.expire_next(now) as u64);
         let idle_for = slot.idle_ms(now);
         trim_idle(shared, slot, idle_for, now);
-        if let Some(lead) = prelease_lead {
-            prelease_if_active(shared, slot, now, idle_for, lead);
+        if let Some(plan) = &plan {
+            prelease_if_active(shared, slot, now, idle_for, plan);
         }
         if idle_for * 1_000 >= idle_us && !slot.refill_pending.load(Ordering::Acquire) {
             idle.push((idle_for, entry.key().clone()));

@@ -138,6 +138,7 @@ fn raw_lease(key: String, want: u64, min_window: i64) -> LeaseCall {
         holder: None,
         ceiling: 0,
         lease_id: 0,
+        ahead_cap: 0,
     }
 }
 
@@ -1264,4 +1265,39 @@ async fn a_burst_of_new_keys_scans_the_refills_due_soon_once_per_pace_not_per_ba
     r.clock.advance(Duration::from_millis(13));
     assert!(r.check("later", 1).await.is_allowed());
     assert!(scanned() > first);
+}
+
+/// A key asked about once a window, far under its limit, finds its next
+/// window's permits in place: a thin holder is pre-leased (a few permits,
+/// at a time of its own in the window's second half), and the first
+/// request after the boundary costs no round trip.
+#[tokio::test]
+async fn a_thin_key_far_under_its_limit_is_preleased() {
+    let r = rig(
+        Quota::new(100, Duration::from_secs(1)).unwrap(),
+        Algorithm::FixedWindow,
+        strict(),
+    );
+    let at = |window: u64, ms: u64| ORIGIN + Duration::from_millis(window * 1_000 + ms);
+    let mut waits = Vec::new();
+    for window in 0..8 {
+        for tick in 0..10 {
+            r.clock.set(at(window, tick * 100 + 50));
+            if tick == 2 {
+                let trips = r.round_trips();
+                assert!(r.check("thin", 1).await.is_allowed());
+                if r.round_trips() > trips {
+                    waits.push(window);
+                }
+            }
+            r.maintain();
+            r.sync().await;
+        }
+    }
+    // The first windows, until the key's rate is known, ask; then none.
+    assert!(
+        waits.iter().all(|&w| w < 3),
+        "requests waited on the store in windows {waits:?}"
+    );
+    assert!(r.slot("thin").has_next(), "the next window is pre-leased");
 }

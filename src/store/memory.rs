@@ -441,6 +441,7 @@ mod tests {
             holder: None,
             ceiling: 0,
             lease_id: 0,
+            ahead_cap: 0,
         };
         let r = s.lease(&p, &call).unwrap();
         assert_eq!((r.granted, r.remaining), (50, 50));
@@ -484,6 +485,7 @@ mod tests {
             holder: Some("c".into()),
             ceiling: 1,
             lease_id: 1,
+            ahead_cap: 0,
         };
         assert_eq!(s.lease(&p, &ask).unwrap().granted, 0);
         // Late debt into W, whose count exists.

@@ -64,6 +64,7 @@ fn call(holder: &str, want: u64, ceiling: u64, next: bool, lease_id: u64) -> Lea
         holder: Some(Arc::from(holder)),
         ceiling,
         lease_id,
+        ahead_cap: 0,
     }
 }
 
@@ -95,7 +96,14 @@ async fn the_lease_script_and_the_embedded_store_agree_on_shares() {
         let c = call("", 0, 0, next, 0);
         LeaseCall::peek(c.key, c.min_window)
     };
-    let mut calls = vec![peek(false)];
+    // A thin holder's lease of the next window ahead of need: granted up
+    // to the cap while the key is far under its limit, nothing once the
+    // current window holds more than the cap.
+    let thin = |holder: &str, want: u64, cap: u64| LeaseCall {
+        ahead_cap: cap,
+        ..call(holder, want, want, true, 1)
+    };
+    let mut calls = vec![peek(false), thin("t", 3, 500), thin("u", 5, 4)];
     for (i, h) in ["a", "b", "c", "d"].iter().enumerate() {
         calls.push(call(h, 1, 31 + i as u64, false, 1));
     }
@@ -112,6 +120,7 @@ async fn the_lease_script_and_the_embedded_store_agree_on_shares() {
     calls.push(call("a", 50, 900, false, 4));
     calls.push(call("e", 10, 10, true, 1));
     calls.push(peek(true));
+    calls.push(thin("v", 3, 500));
     let mut first_window = None;
     for (n, c) in calls.iter().enumerate() {
         let mut replies = Vec::new();
