@@ -5,13 +5,17 @@
 //! jitter, to stand in for a network round trip on loopback: bytes keep
 //! their order on each connection (TCP does not reorder), so a chunk is
 //! never delivered before the one read ahead of it.
+//!
+//! Each direction of each connection is a reader thread and a writer
+//! thread, with blocking sockets: a thread's sleep keeps a delay to tens
+//! of microseconds, where an async runtime's timer rounds it up to the next
+//! millisecond (a 0.5 ms round trip came out at 2.4 ms).
 
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::time::{Duration, Instant};
+use std::time::{Duration, Instant};
 
 pub struct Proxy {
     port: u16,
@@ -36,29 +40,34 @@ impl Proxy {
     /// As [`start`](Proxy::start), bytes to the server delayed by `up`
     /// and bytes back by `down`.
     pub async fn start_with(upstream: u16, up: Delay, down: Delay) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
         let port = listener.local_addr().unwrap().port();
         let cutoff = Arc::new(AtomicU64::new(0));
         let generation = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let (c, g, st) = (cutoff.clone(), generation.clone(), stop.clone());
-        tokio::spawn(async move {
-            while !st.load(Ordering::Relaxed) {
-                let Ok((client, _)) = listener.accept().await else {
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if st.load(Ordering::Relaxed) {
                     return;
-                };
-                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)).await else {
+                }
+                let Ok(client) = client else {
                     continue;
                 };
-                // Each delayed chunk is written on its own: Nagle's algorithm
-                // would hold it back until the last one was acknowledged.
+                let Ok(server) = TcpStream::connect(("127.0.0.1", upstream)) else {
+                    continue;
+                };
+                // Each delayed chunk is written on its own: Nagle's
+                // algorithm would hold it back until the last one was
+                // acknowledged.
                 let _ = client.set_nodelay(true);
                 let _ = server.set_nodelay(true);
                 let id = g.fetch_add(1, Ordering::Relaxed);
-                let (cr, cw) = client.into_split();
-                let (sr, sw) = server.into_split();
-                tokio::spawn(pipe(cr, sw, id, c.clone(), up));
-                tokio::spawn(pipe(sr, cw, id, c.clone(), down));
+                let (Ok(client2), Ok(server2)) = (client.try_clone(), server.try_clone()) else {
+                    continue;
+                };
+                pipe(client, server, id, c.clone(), up);
+                pipe(server2, client2, id, c.clone(), down);
             }
         });
         Proxy {
@@ -89,6 +98,8 @@ impl Proxy {
 impl Drop for Proxy {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        // Wakes the accepting thread, which then sees the flag.
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
     }
 }
 
@@ -125,43 +136,42 @@ fn draw(state: &mut u64, max: Duration) -> Duration {
     Duration::from_nanos(*state % (nanos + 1))
 }
 
-async fn pipe(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    id: u64,
-    cutoff: Arc<AtomicU64>,
-    delay: Delay,
-) {
-    // Reads are stamped and handed to a writer that sends each chunk at
-    // its time, so a delay holds back bytes without holding back reads.
-    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
-    let writer = tokio::spawn(async move {
-        while let Some((at, bytes)) = rx.recv().await {
-            tokio::time::sleep_until(at).await;
-            if to.write_all(&bytes).await.is_err() {
+/// Forwards `from` to `to`: a reader stamps each chunk with its due time
+/// and a writer sends it then, so a delay holds back bytes without
+/// holding back reads.
+fn pipe(mut from: TcpStream, mut to: TcpStream, id: u64, cutoff: Arc<AtomicU64>, delay: Delay) {
+    let (tx, rx) = std::sync::mpsc::channel::<(Instant, Vec<u8>)>();
+    std::thread::spawn(move || {
+        for (at, bytes) in rx {
+            let now = Instant::now();
+            if at > now {
+                std::thread::sleep(at - now);
+            }
+            if to.write_all(&bytes).is_err() {
+                return;
+            }
+        }
+        let _ = to.shutdown(Shutdown::Write);
+    });
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 16 * 1024];
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (id + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+        // In order: a chunk is never due before the one ahead of it.
+        let mut last_due = Instant::now();
+        loop {
+            let n = match from.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if id < cutoff.load(Ordering::Relaxed) {
+                // Blackholed: swallow, keep the socket open, answer nothing.
+                continue;
+            }
+            let due = (Instant::now() + delay.fixed + draw(&mut seed, delay.jitter)).max(last_due);
+            last_due = due;
+            if tx.send((due, buf[..n].to_vec())).is_err() {
                 return;
             }
         }
     });
-    let mut buf = vec![0u8; 16 * 1024];
-    let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (id + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
-    // In order: a chunk is never due before the one ahead of it.
-    let mut last_due = Instant::now();
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        if id < cutoff.load(Ordering::Relaxed) {
-            // Blackholed: swallow, keep the socket open, answer nothing.
-            continue;
-        }
-        let due = (Instant::now() + delay.fixed + draw(&mut seed, delay.jitter)).max(last_due);
-        last_due = due;
-        if tx.send((due, buf[..n].to_vec())).is_err() {
-            break;
-        }
-    }
-    drop(tx);
-    let _ = writer.await;
 }
