@@ -28,6 +28,10 @@ const LIMIT: u64 = 100;
 const PERIOD: Duration = Duration::from_secs(1);
 const PROCESSES: usize = 4;
 
+/// One fleet at a time: the tests measure a healthy Redis, not one that
+/// two fleets and their proxies share two cores with.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Admissions of the hot key per window (by local µs ÷ period), and
 /// denials of keys far under their limit.
 #[derive(Default)]
@@ -144,6 +148,7 @@ fn five_ms_away(server: &RedisServer) -> impl std::future::Future<Output = Proxy
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_healthy_redis_five_ms_away_never_looks_unhealthy() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     let server = RedisServer::start();
     let proxy = five_ms_away(&server).await;
     let limiters = fleet(&proxy, HybridConfig::strict(), "net-strict").await;
@@ -182,6 +187,7 @@ async fn a_healthy_redis_five_ms_away_never_looks_unhealthy() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_optimistic_bound_holds_five_ms_away() {
+    let _alone = ONE_AT_A_TIME.lock().await;
     const MAX_DEBT: u64 = 5;
     let server = RedisServer::start();
     let proxy = five_ms_away(&server).await;

@@ -135,6 +135,10 @@ struct Scenario {
     acquire_wait: Option<Duration>,
     /// Every process doubles its quota then (`Limiter::set_quota`).
     raise_at: Option<Duration>,
+    /// A network round trip every store call pays on top of the faults'
+    /// delay (`FaultyStore::with_latency`): a Redis in the same zone, in
+    /// another, or a loaded managed one.
+    network: Duration,
     // Drawn apart from everything above (`Scenario::draw_more`), so a seed
     // that draws none of what follows keeps the scenario it always had.
     /// Refunds of any decision, admitted or denied, with several quotas
@@ -274,6 +278,14 @@ impl Scenario {
             .chance(0.3)
             .then(|| Duration::from_millis([5, 20, 60][extra.below(3) as usize]));
         let raise_at = (extra.chance(0.25) && !tiers && second.is_none()).then(|| at(&mut extra));
+        // Drawn apart too: the round trips of a real network, under the
+        // faults' jitter (up to 3 ms on a healthy store).
+        let mut net = Rng::new(seed ^ 0x0000_4E7E_7000);
+        let network = if net.chance(0.3) {
+            Duration::from_micros([500, 1_000, 5_000][net.below(3) as usize])
+        } else {
+            Duration::ZERO
+        };
         let mut s = Scenario {
             algorithm,
             max_debt: r.chance(0.35).then(|| 1 + r.below((burst / 2).clamp(1, 5))),
@@ -305,6 +317,7 @@ impl Scenario {
             tiers,
             acquire_wait,
             raise_at,
+            network,
             refund_any: None,
             org: None,
             tier_changes: Vec::new(),
@@ -445,6 +458,7 @@ impl Scenario {
             tiers: false,
             acquire_wait: None,
             raise_at: None,
+            network: Duration::ZERO,
             refund_any: None,
             org: None,
             tier_changes: Vec::new(),
@@ -803,7 +817,8 @@ async fn build_fleet(
             s.faults,
             seed ^ (p as u64) << 32,
             ArcClock(breaker_clock),
-        );
+        )
+        .with_latency(s.network);
         let mut b = Limiter::builder(s.quota());
         if let Some((limit, period)) = s.second {
             // A bucket's burst is its limit (the default).

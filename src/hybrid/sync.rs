@@ -1371,6 +1371,11 @@ fn slice_of(slot: &Arc<Slot>) -> usize {
 /// keys ahead of a boundary.
 const LEASE_COST_US: u64 = 25;
 
+/// Round trips a pre-lease round allows for, besides its fixed lead: the
+/// round's pipelines, a reply that waits behind them, and a lease sent
+/// again after a lost reply.
+const PRELEASE_ROUND_TRIPS: u64 = 4;
+
 /// When, in the window about to end, keys get a pre-lease of the next one
 /// from the background, rather than a wait on the first request after
 /// the boundary (keys asked less often than the pre-lease lead would
@@ -1550,16 +1555,19 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
     // Fixed window: once per window, shortly before its end, every key
     // used in it is pre-leased for the next one, all in the same rounds
     // (a few pipelines, not one round trip per key). Early enough for the
-    // next tick to be too late: a tick, the pre-lease lead, 50 ms, and
-    // what leasing every key in the map takes Redis (`LEASE_COST_US`
+    // next tick to be too late: a tick, the pre-lease lead, 50 ms, a few
+    // of the round trips the limiter measures (`PRELEASE_ROUND_TRIPS`),
+    // and what leasing every key in the map takes Redis (`LEASE_COST_US`
     // each); at most half a window.
     let period = shared.params.period_us;
     let plan = (!shared.prelease_lead(&config).is_zero())
         .then(|| {
             let leasing = shared.slots.len() as u64 * LEASE_COST_US;
+            let round_trips = PRELEASE_ROUND_TRIPS * shared.rtt_us.load(Ordering::Relaxed);
             (MAINTENANCE.as_micros() as u64
                 + shared.prelease_lead(&config).as_micros() as u64
                 + 50_000
+                + round_trips
                 + leasing)
                 .min(period / 2)
         })
