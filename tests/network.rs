@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use slicelimit::{HybridConfig, Limiter, Quota, RedisOptions, RedisStore, Stats};
+use slicelimit::{Algorithm, HybridConfig, Limiter, Quota, RedisOptions, RedisStore, Stats};
 use support::load::wall_us;
 use support::proxy::{Delay, Proxy};
 use support::RedisServer;
@@ -37,11 +37,22 @@ static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(())
 #[derive(Default)]
 struct Tally {
     hot: HashMap<u64, u64>,
+    /// When each hot admission was decided (local µs).
+    hot_at: Vec<u64>,
     thin_denied: u64,
     thin_decisions: u64,
 }
 
 async fn fleet(proxy: &Proxy, config: HybridConfig, name: &str) -> Vec<Limiter> {
+    fleet_of(proxy, config, Algorithm::FixedWindow, name).await
+}
+
+async fn fleet_of(
+    proxy: &Proxy,
+    config: HybridConfig,
+    algorithm: Algorithm,
+    name: &str,
+) -> Vec<Limiter> {
     let quota = Quota::new(LIMIT, PERIOD).unwrap();
     let mut limiters = Vec::new();
     for i in 0..PROCESSES {
@@ -54,6 +65,7 @@ async fn fleet(proxy: &Proxy, config: HybridConfig, name: &str) -> Vec<Limiter> 
             Limiter::builder(quota)
                 .store(store)
                 .hybrid(config.clone())
+                .algorithm(algorithm)
                 .namespace(name)
                 .name(&format!("{name}-{i}"))
                 .build()
@@ -96,7 +108,9 @@ async fn drive(limiters: &[Limiter], run: Duration) -> Tally {
                     requests.push(tokio::spawn(async move {
                         if l.check("hot", 1).await.is_allowed() {
                             let at = wall_us();
-                            *t.lock().unwrap().hot.entry(at / period_us).or_default() += 1;
+                            let mut t = t.lock().unwrap();
+                            *t.hot.entry(at / period_us).or_default() += 1;
+                            t.hot_at.push(at);
                         }
                     }));
                 }
@@ -204,6 +218,46 @@ async fn the_optimistic_bound_holds_five_ms_away() {
         worst <= bound,
         "hot key admitted {worst} > {bound}: {:?}",
         tally.hot
+    );
+    assert_eq!(stats.policy_decisions, 0, "{stats:?}");
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bucket_bound_holds_five_ms_away() {
+    let _alone = ONE_AT_A_TIME.lock().await;
+    let server = RedisServer::start();
+    let proxy = five_ms_away(&server).await;
+    let config = HybridConfig::strict();
+    let horizon = Duration::from_secs(1); // the default lease_ttl
+    let limiters = fleet_of(&proxy, config, Algorithm::TokenBucket, "net-bucket").await;
+    let started = wall_us();
+    let tally = drive(&limiters, Duration::from_secs(10)).await;
+    let run = Duration::from_micros(wall_us() - started);
+    let stats = total(&limiters);
+    for l in &limiters {
+        l.shutdown().await;
+    }
+    // Over any span T: burst + rate × (T + horizon), the burst being the
+    // limit. Checked over the whole run and over every 1 s span.
+    let bound = |span: Duration| LIMIT as f64 + LIMIT as f64 * (span + horizon).as_secs_f64();
+    let mut at = tally.hot_at.clone();
+    at.sort_unstable();
+    let whole = at.len() as f64;
+    let mut worst_second = 0;
+    for (i, &t) in at.iter().enumerate() {
+        let end = at.partition_point(|&u| u < t + 1_000_000);
+        worst_second = worst_second.max(end - i);
+    }
+    println!(
+        "bucket at 3–7 ms: {whole} admitted in {run:?} (bound {:.0}); worst second {worst_second} (bound {:.0}); {stats:?}",
+        bound(run),
+        bound(Duration::from_secs(1))
+    );
+    assert!(whole <= bound(run), "{whole} admitted in {run:?}");
+    assert!(
+        worst_second as f64 <= bound(Duration::from_secs(1)),
+        "{worst_second} admitted within one second"
     );
     assert_eq!(stats.policy_decisions, 0, "{stats:?}");
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
