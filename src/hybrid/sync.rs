@@ -1475,8 +1475,8 @@ fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
 /// strands (a process expecting one request a window sees none about a
 /// third of the time), and a thousand thin holders' pre-leases can take a
 /// whole window's budget that then sits idle; so a thin holder is
-/// pre-leased only while the key is far under its limit (`THIN_AHEAD_CAP`),
-/// where nobody is short of what strands.
+/// pre-leased only while the key is far under its limit
+/// (`THIN_AHEAD_CAP_DIVISOR`), where nobody is short of what strands.
 pub(super) fn uses_a_share(shared: &Shared, slot: &Slot) -> bool {
     slot.books().sizing.rate_per_us() * shared.params.period_us as f64 >= THICK_PER_WINDOW
 }
@@ -1484,8 +1484,9 @@ pub(super) fn uses_a_share(shared: &Shared, slot: &Slot) -> bool {
 /// Permits a window from which a holder counts as using a share of it.
 const THICK_PER_WINDOW: f64 = 4.0;
 
-/// A thin holder's pre-leases stop once the key's current window or its
-/// next holds more than this share of the limit.
+/// A thin holder's pre-leases are refused once the key's current window,
+/// projected to its end, its next window, or every holder's ask together
+/// would pass this share of the limit (the lease script decides).
 const THIN_AHEAD_CAP_DIVISOR: u64 = 2;
 
 /// What a thin holder's pre-lease asks for: enough that a window with
