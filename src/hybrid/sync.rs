@@ -1376,6 +1376,12 @@ const LEASE_COST_US: u64 = 25;
 /// again after a lost reply.
 const PRELEASE_ROUND_TRIPS: u64 = 4;
 
+/// The longest a thin holder's pre-lease goes out before the round: a
+/// full sweep of the maintenance, enough to spread a thousand keys' leases.
+/// (Spread over half an hour-long window, they went out half an hour early
+/// and a key's requests waited on a pre-lease instead of its window.)
+const MAX_SPREAD_US: u64 = 1_000_000;
+
 /// When, in the window about to end, keys get a pre-lease of the next one
 /// from the background, rather than a wait on the first request after
 /// the boundary (keys asked less often than the pre-lease lead would
@@ -1580,7 +1586,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
                 end,
                 round,
                 lead,
-                spread: (period / 2).saturating_sub(lead),
+                spread: (period / 2).saturating_sub(lead).min(MAX_SPREAD_US),
             })
         });
     for entry in shared.slots.iter() {
