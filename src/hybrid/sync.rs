@@ -571,7 +571,7 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         // use, only while the key is far under its limit (the store
         // checks; see `uses_a_share`).
         let rate = books.sizing.rate_per_us();
-        if ahead && rate > 0.0 && rate * (period as f64) < THICK_PER_WINDOW {
+        if ahead && rate > 0.0 && thin_rate(rate, period) {
             want = want.max(thin_want(rate, period));
             ahead_cap = (shared.params.limit / THIN_AHEAD_CAP_DIVISOR).max(1);
         }
@@ -1439,7 +1439,7 @@ fn prelease_if_active(
     // holder with one request a window skips about a third of them).
     let active = now.saturating_sub(idle_us) >= window_start
         || (rate > 0.0 && (idle_us as f64) < IDLE_TRIM_GAPS / rate);
-    let thin = rate * (shared.params.period_us as f64) < THICK_PER_WINDOW;
+    let thin = thin_rate(rate, shared.params.period_us);
     // A thin holder is asked once per boundary (the store may refuse it,
     // the key being near its limit); others in the round.
     let boundary = (plan.end / shared.params.period_us.max(1)) as u32;
@@ -1484,7 +1484,13 @@ fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
 /// pre-leased only while the key is far under its limit
 /// (`THIN_AHEAD_CAP_DIVISOR`), where nobody is short of what strands.
 pub(super) fn uses_a_share(shared: &Shared, slot: &Slot) -> bool {
-    slot.books().sizing.rate_per_us() * shared.params.period_us as f64 >= THICK_PER_WINDOW
+    !thin_rate(slot.books().sizing.rate_per_us(), shared.params.period_us)
+}
+
+/// Whether a key spent at `rate_per_us` uses fewer than `THICK_PER_WINDOW`
+/// permits a window.
+fn thin_rate(rate_per_us: f64, period_us: u64) -> bool {
+    rate_per_us * (period_us as f64) < THICK_PER_WINDOW
 }
 
 /// Permits a window from which a holder counts as using a share of it.
