@@ -39,6 +39,10 @@
 //! `--keys 10000 --demand-per-key 1 --limit 1000 --period-ms 60000
 //! --duration-s 15`): script calls per 1,000 decisions, the share of
 //! decisions that waited on the store, latency and Redis CPU per mode.
+//! With a period shorter than the run, `--warm-s N` runs the same load
+//! for N seconds before measuring, so that every key's rate is known
+//! (e.g. per-second windows: `--keys 1000 --demand-per-key 4 --limit 100
+//! --period-ms 1000 --warm-s 5 --duration-s 20`).
 
 #[path = "../tests/support/mod.rs"]
 mod support;
@@ -76,6 +80,8 @@ struct Args {
     /// of Redis), and its jitter each way.
     rtt: Duration,
     jitter: Duration,
+    /// Long tail: the same load, unmeasured, before the measured phase.
+    warm: Duration,
 }
 
 fn parse_args() -> Args {
@@ -95,6 +101,7 @@ fn parse_args() -> Args {
         modes: Vec::new(),
         rtt: Duration::ZERO,
         jitter: Duration::ZERO,
+        warm: Duration::ZERO,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -125,6 +132,7 @@ fn parse_args() -> Args {
                     .unwrap_or_else(|_| usage_error(&format!("--demand: not a number: {v}")))
             }
             "--duration-s" => a.duration = Duration::from_secs(n()),
+            "--warm-s" => a.warm = Duration::from_secs(n()),
             "--json" => a.json = Some(v),
             "--plot" => a.plot = Some(v),
             "--cluster" => a.cluster = Some(v.split(',').map(str::to_owned).collect()),
@@ -164,6 +172,7 @@ compare: per-process, exact and hybrid limiters side by side on one load
   --demand X           Zipf demand, a multiple of the limit (2.0)
   --demand-per-key R   the long tail instead: R requests/s per key, uniform
   --duration-s N       seconds per mode (4)
+  --warm-s N           long tail: run its load N s unmeasured first (0)
   --modes A,B,...      only these rows
   --rtt-ms X           talk to Redis through a proxy that delays each way
                        by X/2 ms (a network round trip of X ms; 0: none)
@@ -739,17 +748,18 @@ async fn run_long_tail(backend: &Backend, args: &Args, mode: Mode, rate_per_key:
     let tick = Duration::from_millis(5);
     let total_rate = rate_per_key * args.keys as f64;
     let per_tick = total_rate * tick.as_secs_f64() / workers as f64;
-    let cpu_before = backend.cpu_seconds();
-    let scripts_before = backend.script_stats().0;
-    let trips_before: u64 = limiters.iter().map(|l| l.stats().round_trips).sum();
-    let started = Instant::now();
-    let stop_at = wall_us() + args.duration.as_micros() as u64;
+    let measure_from = wall_us() + args.warm.as_micros() as u64;
+    let stop_at = measure_from + args.duration.as_micros() as u64;
     let shared = Arc::new(Mutex::new((
         Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3).unwrap(),
         0u64,
         0u64,
         0u64,
+        [0u64; 20],
+        [(0u64, 0u64, 0u64); 40],
     )));
+    let debug = std::env::var("COMPARE_DEBUG").is_ok();
+    let period_us = args.period.as_micros() as u64;
     let mut tasks = Vec::new();
     for w in 0..workers {
         let limiter = limiters[w % args.servers].clone();
@@ -760,7 +770,10 @@ async fn run_long_tail(backend: &Backend, args: &Args, mode: Mode, rate_per_key:
             let mut state =
                 0x9E37_79B9_7F4A_7C15u64 ^ (w as u64 + 1).wrapping_mul(0xA24B_AED4_963E_E407);
             let mut pacer = Pacer::new(tick, per_tick);
+            let mut by_phase = [0u64; 20];
+            let mut near_boundary = [(0u64, 0u64, 0u64); 40];
             while wall_us() < stop_at {
+                let measured = wall_us() >= measure_from;
                 for _ in 0..pacer.next_batch().await {
                     state ^= state << 13;
                     state ^= state >> 7;
@@ -770,10 +783,27 @@ async fn run_long_tail(backend: &Backend, args: &Args, mode: Mode, rate_per_key:
                     let d = match limiter.check_now(key, 1) {
                         Some(d) => d,
                         None => {
-                            waited += 1;
-                            limiter.check(key, 1).await
+                            waited += u64::from(measured);
+                            let phase = wall_us() % period_us;
+                            let d = limiter.check(key, 1).await;
+                            if measured && debug {
+                                let at = phase * 20 / period_us;
+                                by_phase[at as usize] += 1;
+                                // Near a boundary: by 5 ms from 100 ms before it.
+                                let near = (phase + 100_000) % period_us;
+                                if near < 200_000 {
+                                    let b = (near / 5_000) as usize;
+                                    near_boundary[b].0 += 1;
+                                    near_boundary[b].1 += u64::from(!d.is_allowed());
+                                    near_boundary[b].2 += began.elapsed().as_micros() as u64;
+                                }
+                            }
+                            d
                         }
                     };
+                    if !measured {
+                        continue;
+                    }
                     let _ = hist.record(began.elapsed().as_nanos().max(1) as u64);
                     count += 1;
                     admitted += u64::from(d.is_allowed());
@@ -784,8 +814,24 @@ async fn run_long_tail(backend: &Backend, args: &Args, mode: Mode, rate_per_key:
             s.1 += count;
             s.2 += waited;
             s.3 += admitted;
+            for (all, one) in s.4.iter_mut().zip(by_phase) {
+                *all += one;
+            }
+            for (all, one) in s.5.iter_mut().zip(near_boundary) {
+                all.0 += one.0;
+                all.1 += one.1;
+                all.2 += one.2;
+            }
         }));
     }
+    tokio::time::sleep(Duration::from_micros(
+        measure_from.saturating_sub(wall_us()),
+    ))
+    .await;
+    let cpu_before = backend.cpu_seconds();
+    let scripts_before = backend.script_stats().0;
+    let trips_before: u64 = limiters.iter().map(|l| l.stats().round_trips).sum();
+    let started = Instant::now();
     for t in tasks {
         t.await.unwrap();
     }
@@ -793,22 +839,36 @@ async fn run_long_tail(backend: &Backend, args: &Args, mode: Mode, rate_per_key:
     let scripts = backend.script_stats().0 - scripts_before;
     let redis_cpu = backend.cpu_seconds() - cpu_before;
     let round_trips = limiters.iter().map(|l| l.stats().round_trips).sum::<u64>() - trips_before;
-    if wall_us() / args.period.as_micros() as u64
-        != (stop_at - args.duration.as_micros() as u64) / args.period.as_micros() as u64
+    if wall_us() / args.period.as_micros() as u64 != measure_from / args.period.as_micros() as u64
+        && args.warm.is_zero()
     {
         println!(
             "  ({}: a window boundary fell inside the measured phase; lengthen --period-ms)",
             mode.name()
         );
     }
-    if std::env::var("COMPARE_DEBUG").is_ok() {
-        println!("  {}: {:?}", mode.name(), limiters[0].stats());
-    }
     for l in &limiters {
         l.shutdown().await;
     }
-    let (latency, decisions, waited, admitted) =
+    let (latency, decisions, waited, admitted, by_phase, near_boundary) =
         Arc::try_unwrap(shared).ok().unwrap().into_inner().unwrap();
+    if debug {
+        println!("  {}: {:?}", mode.name(), limiters[0].stats());
+        println!(
+            "  {}: waits by twentieth of the window: {by_phase:?}",
+            mode.name()
+        );
+        println!("  waits near a boundary (ms from it: waits, denied, mean wait):");
+        for (b, (n, denied, us)) in near_boundary.iter().enumerate() {
+            if *n > 0 {
+                let from = b as i64 * 5 - 100;
+                println!(
+                    "    {from:>4} ms: {n:>6} {denied:>5} {:>8.1} ms",
+                    *us as f64 / *n as f64 / 1e3
+                );
+            }
+        }
+    }
     LongTail {
         name: mode.name(),
         decisions,
@@ -824,14 +884,15 @@ async fn run_long_tail(backend: &Backend, args: &Args, mode: Mode, rate_per_key:
 
 async fn long_tail(backend: &Backend, args: &Args, rate_per_key: f64) {
     println!(
-        "long tail: {} servers × {} tasks, {} keys picked uniformly at {rate_per_key}/s each ({:.0}/s in all), {} per key per {:?} (far above demand), warm phase of {:?} inside one window\n",
+        "long tail: {} servers × {} tasks, {} keys picked uniformly at {rate_per_key}/s each ({:.0}/s in all), {} per key per {:?} (far above demand), measured for {:?} after {:?} of the same load\n",
         args.servers,
         args.tasks,
         args.keys,
         rate_per_key * args.keys as f64,
         args.limit,
         args.period,
-        args.duration
+        args.duration,
+        args.warm,
     );
     println!(
         "{:<20} {:>12} {:>10} {:>10} {:>10} {:>10} {:>9} {:>14} {:>11} {:>12} {:>10}",
@@ -853,7 +914,10 @@ async fn long_tail(backend: &Backend, args: &Args, rate_per_key: f64) {
         Mode::Exact(Algorithm::FixedWindow),
         Mode::HybridStrict,
         Mode::HybridOptimistic,
-    ] {
+    ]
+    .into_iter()
+    .filter(|m| args.modes.is_empty() || args.modes.contains(&m.name()))
+    {
         let o = run_long_tail(backend, args, mode, rate_per_key).await;
         let per_1000 = |n: u64| n as f64 * 1000.0 / o.decisions.max(1) as f64;
         println!(
@@ -873,13 +937,17 @@ async fn long_tail(backend: &Backend, args: &Args, rate_per_key: f64) {
         rows.push(o);
     }
     let cpu_per = |name: &str| {
-        let o = rows.iter().find(|o| o.name == name).expect("mode ran");
-        o.redis_cpu / o.decisions.max(1) as f64
+        let o = rows.iter().find(|o| o.name == name)?;
+        Some(o.redis_cpu / o.decisions.max(1) as f64)
     };
-    if matches!(backend, Backend::Redis { .. }) {
+    if let (Backend::Redis { .. }, Some(exact), Some(hybrid)) = (
+        backend,
+        cpu_per("exact-fixed-window"),
+        cpu_per("hybrid-strict"),
+    ) {
         println!(
             "\nRedis CPU per decision, exact ÷ hybrid-strict: {:.0}×",
-            cpu_per("exact-fixed-window") / cpu_per("hybrid-strict").max(1e-12)
+            exact / hybrid.max(1e-12)
         );
     }
 }

@@ -29,10 +29,10 @@
 --                       while its window is current or ahead.
 -- ARGV[12] ahead_cap    a lease of the next window taken ahead of need by a
 --                       thin holder (a few permits a window): granted only
---                       while the current window's count projected to its
---                       end, the next window's count, and every holder's
---                       ask stay within this many; refused, it records
---                       nothing; 0: no such cap
+--                       while the current window's count, the next
+--                       window's count, and every holder's ask stay within
+--                       this many; refused, it records nothing; 0: no such
+--                       cap
 --
 -- Returns  {granted, remaining (what the target window's load leaves after
 --          this grant), start_after_us (0, or until the target window starts),
@@ -210,14 +210,15 @@ if not replayed then
   end
 end
 -- A thin holder's pre-lease: only while the key is far under its limit
--- (the current window's count, projected to its end, within the cap) and
--- every holder's pre-lease would fit within the cap. Near the limit, what
--- a thousand thin holders took ahead of need would strand where others
--- are short; far under it, nobody is.
+-- (the current window's count within the cap) and every holder's
+-- pre-lease would fit within the cap. Near the limit, what a thousand thin
+-- holders took ahead of need would strand where others are short; far
+-- under it, nobody is. (The count is not projected to the window's end:
+-- most of a thin key's count is its holders' pre-leases, granted before
+-- the window began, and projecting them refused most pre-leases.)
 if not replayed and ahead_cap > 0 and tw > w then
   local holders = math.max(tonumber(got[4] or '0'), tonumber(got[5] or '0'), 1)
-  if before_n * period > ahead_cap * math.max(1, now - w * period)
-    or holders * want > ahead_cap then
+  if before_n > ahead_cap or holders * want > ahead_cap then
     granted = 0
   else
     granted = math.max(0, math.min(granted, ahead_cap - used - extra))

@@ -273,20 +273,18 @@ pub(crate) fn lease(
         }
     }
     // A thin holder's pre-lease, only while the key is far under its
-    // limit: the current window's count projected to its end, and every
-    // holder's ask, within the cap (as the script).
+    // limit: the current window's count, and every holder's ask, within
+    // the cap (as the script).
     let ahead_cap = call.ahead_cap.min(i64::MAX as u64) as i64;
     if replay.is_none() && ahead_cap > 0 && tw > w {
-        let elapsed = now.saturating_sub(w as u64 * period).max(1) as i128;
-        let projected_over =
-            i128::from(near.before) * i128::from(period) > i128::from(ahead_cap) * elapsed;
+        let busy = i128::from(near.before) > i128::from(ahead_cap);
         let holders = entry
             .as_ref()
             .and_then(|e| e.holders.as_deref())
             .map_or(0, |h| h.count(tw).max(h.count(tw - 1)))
             .max(1) as i128;
         let crowded = holders * i128::from(call.want) > i128::from(ahead_cap);
-        granted = if projected_over || crowded {
+        granted = if busy || crowded {
             0
         } else {
             granted.min(ahead_cap - used).max(0)
@@ -402,10 +400,10 @@ pub(crate) fn target(v: &LeaseView) -> LeaseTarget {
             at(window + 1, Some(v.period_us))
         }
     } else {
-        at(
-            window + 1 + (v.since_us / v.period_us) as i64,
-            Some(v.period_us),
-        )
+        // The lease ended `since_us` ago: the store is in the window after
+        // it, or later; a pre-lease asks for the one after that.
+        let current = window + 1 + (v.since_us / v.period_us) as i64;
+        at(current + i64::from(v.prelease), Some(v.period_us))
     }
 }
 

@@ -125,8 +125,6 @@ pub(crate) struct Shared {
     /// it (local µs; 0 = none yet). Windows share their boundaries, so
     /// this places every later one.
     window_end_hint: AtomicU64,
-    /// The boundary whose pre-leases maintenance last sent.
-    preleased_for: AtomicU64,
     /// Runs once between a failed try and the wait for a refill: lets a
     /// test land a refill in exactly that gap.
     #[cfg(test)]
@@ -296,7 +294,6 @@ impl HybridEngine {
             fallback_clock,
             early_lead_us: AtomicU64::new(0),
             window_end_hint: AtomicU64::new(0),
-            preleased_for: AtomicU64::new(0),
             #[cfg(test)]
             before_wait: Mutex::new(None),
         });
@@ -548,7 +545,22 @@ impl HybridEngine {
                 return Ok(s.lease_decision(&slot, 0, now));
             }
             if let Some(until) = slot.denied(now) {
-                return Ok(s.cached_denial(&slot, until, now));
+                // Denied until the next window, whose pre-lease is held:
+                // worth waiting for if it starts within the wait.
+                let left = give_up_at.saturating_duration_since(tokio::time::Instant::now());
+                let next_in_time = slot
+                    .next_start()
+                    .is_some_and(|start| start.saturating_sub(now) < left.as_micros() as u64);
+                if !next_in_time {
+                    return Ok(s.cached_denial(&slot, until, now));
+                }
+                let wait = slot
+                    .next_start()
+                    .unwrap_or(now)
+                    .saturating_sub(now)
+                    .max(100);
+                let _ = tokio::time::timeout(Duration::from_micros(wait), notified).await;
+                continue;
             }
             slot.need
                 .fetch_max(cost.min(u64::from(u32::MAX)) as u32, Ordering::AcqRel);
@@ -563,13 +575,19 @@ impl HybridEngine {
                 retried = true;
                 continue;
             }
-            // A pre-lease of the next window held: waited for. A thin
-            // holder's comes early, while its window has room: it asks the
-            // current window unless the pre-lease starts sooner than a
-            // refill could land (two round trips).
+            // A pre-lease of the next window held: waited for when it
+            // starts sooner than a refill could land (two round trips), or
+            // when the store said the current window has nothing left.
+            // Otherwise the current window is asked: a key under its limit
+            // whose local permits ran out (or whose pre-lease came early,
+            // as a thin holder's does) is not made to wait for the next
+            // window, or denied at `max_wait` before it starts.
             let next_start = slot.next_start();
             let soon = 2 * s.rtt_us.load(Ordering::Relaxed) + 1_000;
-            if next_start.is_none_or(|start| start > now + soon && s.thin(&slot)) {
+            if next_start.is_none_or(|start| {
+                start > now + soon
+                    && slot.books().used_up != slot.window.load(Ordering::Acquire) as u32
+            }) {
                 s.request_refill(&slot, true);
             }
             if slot.refill_failed.load(Ordering::Acquire) {
@@ -819,12 +837,6 @@ impl Shared {
 
     /// How long before a window ends its next one is leased ahead (zero:
     /// never, also for an algorithm whose next window is not leased ahead).
-    /// Whether this process spends only a few permits of the key a
-    /// window (see `sync::uses_a_share`).
-    fn thin(&self, slot: &Slot) -> bool {
-        !sync::uses_a_share(self, slot)
-    }
-
     fn prelease_lead(&self, config: &HybridConfig) -> Duration {
         match self.leases {
             LeaseKind::Window if self.pre_leases => config.prelease_lead,

@@ -20,6 +20,10 @@ pub(crate) const SEED_PERMITS: f64 = 8.0;
 /// 25 requests a millisecond apart asked for the whole window).
 pub(crate) const EARNED_FLOOR_DIVISOR: u64 = 16;
 
+/// Permits a window from which a holder counts as using a share of it
+/// (a thin holder spends fewer).
+pub(crate) const THICK_PER_WINDOW: u64 = 4;
+
 /// Per-key sizing state, owned by the sync task.
 #[derive(Debug, Clone)]
 pub(crate) struct Sizing {
@@ -125,6 +129,26 @@ impl Sizing {
         self.spent = self
             .spent
             .saturating_add(u32::try_from(permits).unwrap_or(u32::MAX));
+    }
+
+    /// Window leases: the most this process spent of the key in one
+    /// window, of the current one so far and the one before; `None`
+    /// before anything was counted. Unlike the rate, which is sampled at
+    /// lease calls (and those follow requests), it is not biased upward
+    /// for a key seen a few times a window.
+    pub(crate) fn per_window(&self) -> Option<u64> {
+        (self.spent_window != NO_WINDOW).then(|| u64::from(self.spent.max(self.spent_before)))
+    }
+
+    /// Whether this process is a thin holder of the key: it spent fewer
+    /// than [`THICK_PER_WINDOW`] permits in each of its last two windows.
+    /// A thick holder's share of the next window surely gets used; a thin
+    /// holder's often strands (one request a window means none about a
+    /// third of the time), and a thousand thin holders' pre-leases could
+    /// take a window's budget that then sits idle, so a thin holder is
+    /// pre-leased only while the key is far under its limit.
+    pub(crate) fn thin(&self) -> bool {
+        self.per_window().is_some_and(|n| n < THICK_PER_WINDOW)
     }
 
     /// The most a window lease may hold (see [`EARNED_FLOOR_DIVISOR`]):

@@ -145,10 +145,14 @@ pub(crate) struct Books {
     /// none). The next lease is sent under it, so the store hands back
     /// what it granted then instead of counting a second grant.
     pub(crate) lost_lease: u64,
-    /// Fixed window: the boundary a thin holder's pre-lease was last
-    /// asked for (local µs ÷ period, wrapping), so it is asked once per
-    /// window.
+    /// Fixed window: the boundary a pre-lease was last asked for (local
+    /// µs ÷ period, wrapping), so it is asked once per window.
     pub(crate) ahead_asked: u32,
+    /// Fixed and sliding window: the last window the store said had no
+    /// permit left to lease (its index, wrapping). Until it ends, a waiter
+    /// holding the next window's pre-lease waits for it instead of asking
+    /// again.
+    pub(crate) used_up: u32,
 }
 
 /// The result of trying to spend local permits.
@@ -221,6 +225,7 @@ impl Slot {
                 origin: LeaseOrigin::default(),
                 lost_lease: 0,
                 ahead_asked: 0,
+                used_up: u32::MAX,
             }),
         }
     }

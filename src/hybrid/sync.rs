@@ -347,15 +347,28 @@ pub(crate) async fn round(shared: &Shared) -> bool {
         .await;
         let batches = std::mem::take(&mut unsent.batches);
         shared.counters.circuit(shared.store.circuit_state());
+        // One server ran the round's scripts in order (not so a cluster's
+        // nodes, each with its own clock): the earliest clock any of them
+        // read was read at `t0` or later.
+        let first = (!shared.store.is_sharded())
+            .then(|| {
+                results
+                    .iter()
+                    .filter_map(|(r, ..)| r.as_ref().ok())
+                    .flatten()
+                    .filter_map(|r| r.as_ref().ok().map(|r| r.now_us))
+                    .min()
+            })
+            .flatten();
         for (pending, (result, cost, t1)) in batches.into_iter().zip(results) {
+            let sent = cost.round_trips > 0;
             settle(
                 shared,
                 &config,
                 pending,
                 result,
-                cost.round_trips > 0,
-                t0,
-                t1,
+                sent,
+                Sent { t0, t1, first },
             );
         }
         if sent >= BATCHES_PER_ROUND && !last {
@@ -434,6 +447,41 @@ fn next_batch(
     pending
 }
 
+/// When a batch went out and came back (local µs), and the earliest store
+/// clock read by any script of its round (`None`: the round's scripts ran
+/// on several servers).
+#[derive(Clone, Copy)]
+struct Sent {
+    t0: u64,
+    t1: u64,
+    first: Option<u64>,
+}
+
+impl Sent {
+    /// When the script that read the store's clock at `now_us` ran, as
+    /// local bounds: within [t0, t1], and — the round's scripts having run
+    /// in order on one server — at least as long after `t0` as it read
+    /// after the round's first, and at least as long before `t1` as it
+    /// read before its batch's `last` (less the drift allowance both
+    /// ways). Without this, every reply of a long pipeline was placed
+    /// anywhere in the whole round trip: its lease ended early and its
+    /// pre-lease started late by the time the pipeline took to run.
+    fn narrowed(self, now_us: u64, last: u64) -> (u64, u64) {
+        let Some(first) = self.first else {
+            return (self.t0, self.t1);
+        };
+        let after_first = now_us.saturating_sub(first);
+        let before_last = last.saturating_sub(now_us);
+        let lo = self.t0 + (after_first - drift_us(after_first));
+        let hi = self.t1.saturating_sub(before_last - drift_us(before_last));
+        if lo <= hi {
+            (lo, hi)
+        } else {
+            (self.t0, self.t1)
+        }
+    }
+}
+
 /// Applies a batch's replies; `sent`: it left the process (a call the
 /// breaker refused is neither a lease requested nor a round-trip sample).
 fn settle(
@@ -442,9 +490,9 @@ fn settle(
     pending: Vec<Pending>,
     results: Result<Vec<Result<LeaseReply, Error>>, Error>,
     sent: bool,
-    t0: u64,
-    t1: u64,
+    at: Sent,
 ) {
+    let Sent { t0, t1, .. } = at;
     if sent {
         let requested = pending.iter().filter(|p| p.call.want > 0).count() as u64;
         shared.counters.leases_requested.add(requested);
@@ -457,7 +505,16 @@ fn settle(
     }
     match results {
         Ok(results) => {
+            let last = results
+                .iter()
+                .filter_map(|r| r.as_ref().ok().map(|r| r.now_us))
+                .max()
+                .unwrap_or(0);
             for (p, result) in pending.into_iter().zip(results) {
+                let (t0, t1) = match &result {
+                    Ok(r) => at.narrowed(r.now_us, last),
+                    Err(_) => (t0, t1),
+                };
                 apply(shared, config, p, result, t0, t1);
             }
         }
@@ -543,13 +600,24 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         valid,
         near_end,
         ending: now + rtt >= deadline,
-        prelease: !shared.prelease_lead(config).is_zero() && ((near_end && permits > 0) || swept),
+        // An ended lease's slot is pre-leased only when swept for it
+        // with nobody waiting (a waiter needs the current window).
+        prelease: !shared.prelease_lead(config).is_zero()
+            && if valid {
+                (near_end && permits > 0) || swept
+            } else {
+                swept && need == 0
+            },
         has_next: slot.has_next(),
         left_us: deadline.saturating_sub(now),
         since_us: now.saturating_sub(deadline),
         period_us: period,
     });
-    let ahead = min_window > slot.window.load(Ordering::Acquire) && valid;
+    let ahead = if valid {
+        min_window > window
+    } else {
+        swept && need == 0 && window != super::slot::UNKNOWN_WINDOW
+    };
     let (want, to_the_end) =
         books
             .sizing
@@ -569,10 +637,13 @@ fn lease_call(shared: &Shared, config: &HybridConfig, slot: Arc<Slot>, now: u64)
         let earned = books.sizing.earned(shared.params.limit, config.min_lease);
         // A thin holder's pre-lease: what its next window will likely
         // use, only while the key is far under its limit (the store
-        // checks; see `uses_a_share`).
-        let rate = books.sizing.rate_per_us();
-        if ahead && rate > 0.0 && thin_rate(rate, period) {
-            want = want.max(thin_want(rate, period));
+        // checks; see `Sizing::thin`).
+        if let Some(used) = books
+            .sizing
+            .per_window()
+            .filter(|_| ahead && books.sizing.thin())
+        {
+            want = want.max(thin_want(used));
             ahead_cap = (shared.params.limit / THIN_AHEAD_CAP_DIVISOR).max(1);
         }
         want = want.min(earned).max(need);
@@ -765,6 +836,9 @@ fn lease_answered(
         r.remaining.min(u64::from(u32::MAX)) as u32,
         Ordering::Relaxed,
     );
+    if windowed && r.start_after_us == 0 && r.remaining == 0 {
+        slot.books().used_up = r.window as u32;
+    }
     if windowed {
         shared
             .window_end_hint
@@ -984,7 +1058,7 @@ fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) ->
     // ahead would wait idle for its next request, and with many such
     // holders, a window's budget with it. (A key whose rate is not known
     // yet is not thin: its first lease says nothing about it.)
-    let thin = windowed && slot.books().sizing.rate_per_us() > 0.0 && !uses_a_share(shared, slot);
+    let thin = windowed && slot.books().sizing.thin();
     if contested {
         // Nor a pre-lease of the next window: spread over every holder
         // whatever its rate, it strands the same way.
@@ -1389,10 +1463,9 @@ const MAX_SPREAD_US: u64 = 1_000_000;
 struct PreleasePlan {
     /// The boundary ahead (local µs).
     end: u64,
-    /// This tick is the round: every key used in its window is due.
-    round: bool,
-    /// The round's lead: no thin holder is due later than this before
-    /// `end`.
+    /// Every key used in its window is due this long before `end` (the
+    /// round), and stays due until then (a key whose refill was in flight
+    /// at the round is asked at the next tick).
     lead: u64,
     /// Thin holders are due earlier, each at its own time spread over
     /// this much before the round, so that a thousand thin keys' leases
@@ -1410,8 +1483,7 @@ fn prelease_if_active(
     plan: &PreleasePlan,
 ) {
     let to_end = plan.end.saturating_sub(now);
-    let due_thin = to_end <= plan.lead + spread_of(slot, plan.spread);
-    if !plan.round && !due_thin {
+    if to_end > plan.lead + plan.spread {
         return;
     }
     // A pre-lease whose window has begun with no request yet to put it
@@ -1419,9 +1491,12 @@ fn prelease_if_active(
     if let Some(replaced) = slot.promote(now) {
         shared.counters.stranded.add(replaced as u64);
     }
+    // (A key whose lease has ended is pre-leased too if it is active: a
+    // thin holder often skips a window, and waiting for its next request
+    // to lease the current window first would cost that request a round
+    // trip, every time.)
     let deadline = slot.deadline.load(Ordering::Acquire);
     if slot.window.load(Ordering::Acquire) == super::slot::UNKNOWN_WINDOW
-        || now >= deadline
         || deadline > plan.end
         || slot.has_next()
         || slot.refill_pending.load(Ordering::Acquire)
@@ -1439,16 +1514,20 @@ fn prelease_if_active(
     // holder with one request a window skips about a third of them).
     let active = now.saturating_sub(idle_us) >= window_start
         || (rate > 0.0 && (idle_us as f64) < IDLE_TRIM_GAPS / rate);
-    let thin = thin_rate(rate, shared.params.period_us);
-    // A thin holder is asked once per boundary (the store may refuse it,
-    // the key being near its limit); others in the round.
+    let due = to_end
+        <= plan.lead
+            + if books.sizing.thin() {
+                spread_of(slot, plan.spread)
+            } else {
+                0
+            };
+    // Asked once per boundary (the store may refuse a thin holder, the
+    // key being near its limit).
     let boundary = (plan.end / shared.params.period_us.max(1)) as u32;
-    if !active || (!plan.round && !thin) || (thin && books.ahead_asked == boundary) {
+    if !active || !due || books.ahead_asked == boundary {
         return;
     }
-    if thin {
-        books.ahead_asked = boundary;
-    }
+    books.ahead_asked = boundary;
     drop(books);
     slot.swept_ahead.store(true, Ordering::Release);
     shared.request_refill(slot, false);
@@ -1476,36 +1555,16 @@ fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
     })
 }
 
-/// Whether this process spends several permits of the key a window: its
-/// share of the next window then surely gets used. A thin holder's often
-/// strands (a process expecting one request a window sees none about a
-/// third of the time), and a thousand thin holders' pre-leases can take a
-/// whole window's budget that then sits idle; so a thin holder is
-/// pre-leased only while the key is far under its limit
-/// (`THIN_AHEAD_CAP_DIVISOR`), where nobody is short of what strands.
-pub(super) fn uses_a_share(shared: &Shared, slot: &Slot) -> bool {
-    !thin_rate(slot.books().sizing.rate_per_us(), shared.params.period_us)
-}
-
-/// Whether a key spent at `rate_per_us` uses fewer than `THICK_PER_WINDOW`
-/// permits a window.
-fn thin_rate(rate_per_us: f64, period_us: u64) -> bool {
-    rate_per_us * (period_us as f64) < THICK_PER_WINDOW
-}
-
-/// Permits a window from which a holder counts as using a share of it.
-const THICK_PER_WINDOW: f64 = 4.0;
-
 /// A thin holder's pre-leases are refused once the key's current window,
-/// projected to its end, its next window, or every holder's ask together
+/// its next window, or every holder's ask together
 /// would pass this share of the limit (the lease script decides).
 const THIN_AHEAD_CAP_DIVISOR: u64 = 2;
 
 /// What a thin holder's pre-lease asks for: enough that a window with
 /// twice its usual requests (and two more) rarely waits on the store —
 /// a holder's requests in a window vary as much as their number.
-fn thin_want(rate_per_us: f64, period_us: u64) -> u64 {
-    (2.0 * rate_per_us * period_us as f64).ceil() as u64 + 2
+fn thin_want(per_window: u64) -> u64 {
+    2 * per_window + 2
 }
 
 /// Expires leases, evicts idle slots and enforces `max_keys`, on one slice
@@ -1586,11 +1645,8 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
         })
         .and_then(|lead| {
             let end = next_boundary(shared.window_end_hint.load(Ordering::Relaxed), now, period)?;
-            let round =
-                end - now <= lead && shared.preleased_for.swap(end, Ordering::AcqRel) != end;
             Some(PreleasePlan {
                 end,
-                round,
                 lead,
                 spread: (period / 2).saturating_sub(lead).min(MAX_SPREAD_US),
             })
@@ -1718,5 +1774,39 @@ mod tests {
         a.refill_done();
         // The other entry is left over from the settled refill.
         assert!(q.pop(0, 1_000).is_none());
+    }
+}
+
+#[cfg(test)]
+mod narrowing {
+    use super::Sent;
+
+    const ROUND: Sent = Sent {
+        t0: 1_000,
+        t1: 1_900,
+        first: Some(50_000),
+    };
+
+    #[test]
+    fn a_reply_is_placed_by_the_clocks_its_round_read_before_and_after_it() {
+        // The batch's scripts read 50_000 … 50_600: the one at 50_200 ran
+        // at least 200 µs after the round left, 400 µs before it was back.
+        assert_eq!(ROUND.narrowed(50_200, 50_600), (1_200, 1_500));
+        // The first and the last keep the round's own bounds.
+        assert_eq!(ROUND.narrowed(50_000, 50_600).0, 1_000);
+        assert_eq!(ROUND.narrowed(50_600, 50_600).1, 1_900);
+    }
+
+    #[test]
+    fn inconsistent_clocks_fall_back_to_the_whole_round_trip() {
+        // Read 2 ms apart within a round trip of 0.9 ms: the store's clock
+        // stepped; nothing is narrowed.
+        assert_eq!(ROUND.narrowed(52_000, 52_000), (1_000, 1_900));
+        // Several servers' clocks: nothing to narrow by.
+        let sharded = Sent {
+            first: None,
+            ..ROUND
+        };
+        assert_eq!(sharded.narrowed(50_200, 50_600), (1_000, 1_900));
     }
 }

@@ -1301,3 +1301,39 @@ async fn a_thin_key_far_under_its_limit_is_preleased() {
     );
     assert!(r.slot("thin").has_next(), "the next window is pre-leased");
 }
+
+/// A thin holder whose permits run out late in a window, its next
+/// window's pre-lease already held, is served from the current window
+/// (far under its limit), not made to wait for the next one past
+/// `max_wait` and denied.
+#[tokio::test]
+async fn a_thin_holder_out_of_permits_before_its_pre_lease_asks_the_current_window() {
+    let quota = Quota::per_second(nonzero!(100));
+    let r = rig(quota, Algorithm::FixedWindow, strict());
+    // Three requests a window for a few windows: a thin holder, pre-leased.
+    for window in 0..6u64 {
+        for ms in (0..1_000u64).step_by(10) {
+            r.clock
+                .set(ORIGIN + Duration::from_millis(window * 1_000 + ms + 5));
+            if ms == 300 || ms == 600 || ms == 900 {
+                assert!(r.check("k", 1).await.is_allowed());
+            }
+            r.maintain();
+            r.sync().await;
+        }
+    }
+    // Late in window 6, the next window's pre-lease held: spend every
+    // local permit, then ask once more.
+    r.clock.set(ORIGIN + Duration::from_millis(6_950));
+    r.maintain();
+    r.sync().await;
+    let slot = r.slot("k");
+    assert!(slot.has_next(), "window 7 is pre-leased");
+    while r.engine.try_fast("k", 1).is_some() {}
+    let trips = r.round_trips();
+    let d = r.check("k", 1).await;
+    assert!(d.is_allowed(), "{d:?}");
+    assert_eq!(d.source(), Source::Lease);
+    assert!(r.round_trips() > trips, "asked the current window");
+    assert!(r.store_count("k") < 100);
+}
