@@ -105,7 +105,7 @@
 //!    of each script, and its `LeaseKind`.
 //! 3. Add the variant to [`Algorithm`] and one arm to `Algorithm::spec`.
 //! 4. Add it to the differential tests (`tests/exact.rs`), the simulation
-//!    oracle (`tests/simulation.rs`) and the README's bounds table.
+//!    oracle (`tests/simulation.rs`) and the bounds table of `docs/bounds.md`.
 //!
 //! # Layout
 //!
@@ -169,3 +169,18 @@ pub use store::{MemoryStore, RedisOptions, RedisStore, Store};
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+/// The code blocks of `docs/usage.md`, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/usage.md")]
+pub struct UsageDoctests;
+
+/// The code blocks of `docs/http.md`, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/http.md")]
+pub struct HttpDoctests;
+
+/// The code blocks of `docs/operations.md`, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/operations.md")]
+pub struct OperationsDoctests;

@@ -39,7 +39,7 @@
 //!   quota's permits).
 //!
 //! Windows and intervals touched by a restart of the store are exempt: a
-//! store that forgot its counts grants a second budget (README, bounds).
+//! store that forgot its counts grants a second budget (docs/bounds.md).
 //!
 //! `SIM_SEEDS=N` runs N seeds (default 60) and the seeds that once failed
 //! (`FOUND`), `SIM_SEED=S` one seed, and

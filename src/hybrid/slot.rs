@@ -1040,8 +1040,8 @@ mod model {
 
 #[cfg(all(test, not(loom)))]
 mod size {
-    /// The slot's size is part of the bytes-per-key budget (README,
-    /// Performance): growing it should be a decision, not an accident.
+    /// The slot's size is part of the bytes-per-key budget (docs/performance.md,
+    /// Memory): growing it should be a decision, not an accident.
     #[test]
     fn a_slot_stays_within_its_budget() {
         let size = std::mem::size_of::<super::Slot>();
