@@ -1,0 +1,285 @@
+//! Maintenance, every tick: expiry, idle trimming, pre-leases of the
+//! next window, eviction.
+
+use super::*;
+
+/// Maintenance visits one slot in this many per tick: each slot once per
+/// `SWEEP_SLICES × MAINTENANCE` (1 s). Skipping a slot reads only the
+/// map's table, not the slot, so a tick over a million idle keys costs a
+/// few milliseconds instead of a full walk.
+pub(crate) const SWEEP_SLICES: usize = 10;
+
+/// Which slice of the sweep a slot is in: from its address, which (unlike
+/// the map's iteration order) does not move as keys come and go.
+pub(super) fn slice_of(slot: &Arc<Slot>) -> usize {
+    let address = Arc::as_ptr(slot) as usize as u64;
+    (address.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize % SWEEP_SLICES
+}
+
+/// What one lease costs Redis, about (a fixed-window lease script on this
+/// crate's reference machine: 17–20 µs), for spreading pre-leases of many
+/// keys ahead of a boundary.
+pub(super) const LEASE_COST_US: u64 = 25;
+
+/// Round trips a pre-lease round allows for, besides its fixed lead: the
+/// round's pipelines, a reply that waits behind them, and a lease sent
+/// again after a lost reply.
+pub(super) const PRELEASE_ROUND_TRIPS: u64 = 4;
+
+/// The longest a thin holder's pre-lease goes out before the round: a
+/// full sweep of the maintenance, enough to spread a thousand keys' leases.
+/// (Spread over half an hour-long window, they went out half an hour early
+/// and a key's requests waited on a pre-lease instead of its window.)
+pub(super) const MAX_SPREAD_US: u64 = 1_000_000;
+
+/// When, in the window about to end, keys get a pre-lease of the next one
+/// from the background, rather than a wait on the first request after
+/// the boundary (keys asked less often than the pre-lease lead would
+/// otherwise never be pre-leased by a request).
+pub(super) struct PreleasePlan {
+    /// The boundary ahead (local µs).
+    pub(super) end: u64,
+    /// Every key used in its window is due this long before `end` (the
+    /// round), and stays due until then (a key whose refill was in flight
+    /// at the round is asked at the next tick).
+    pub(super) lead: u64,
+    /// Thin holders are due earlier, each at its own time spread over
+    /// this much before the round, so that a thousand thin keys' leases
+    /// do not reach the store in one burst (measured: four processes'
+    /// rounds of 1,000 thin keys held Redis for ~100 ms, and requests
+    /// waiting for a refill behind them past their wait).
+    pub(super) spread: u64,
+}
+
+pub(super) fn prelease_if_active(
+    shared: &Shared,
+    slot: &Arc<Slot>,
+    now: u64,
+    idle_ms: u64,
+    plan: &PreleasePlan,
+) {
+    let to_end = plan.end.saturating_sub(now);
+    if to_end > plan.lead + plan.spread {
+        return;
+    }
+    // A pre-lease whose window has begun with no request yet to put it
+    // in place goes in place now, so that the next one can follow it.
+    if let Some(replaced) = slot.promote(now) {
+        shared.counters.stranded.add(replaced as u64);
+    }
+    // (A key whose lease has ended is pre-leased too if it is active: a
+    // thin holder often skips a window, and waiting for its next request
+    // to lease the current window first would cost that request a round
+    // trip, every time.)
+    let deadline = slot.deadline.load(Ordering::Acquire);
+    if slot.window.load(Ordering::Acquire) == crate::hybrid::slot::UNKNOWN_WINDOW
+        || deadline > plan.end
+        || slot.has_next()
+        || slot.refill_pending.load(Ordering::Acquire)
+    {
+        return;
+    }
+    let window_start = slot
+        .window_end
+        .load(Ordering::Relaxed)
+        .saturating_sub(shared.params.period_us);
+    let idle_us = idle_ms.saturating_mul(1_000);
+    let mut books = slot.books();
+    let rate = books.sizing.rate_per_us();
+    // Used in this window, or within its last few usual gaps (a thin
+    // holder with one request a window skips about a third of them).
+    let active = now.saturating_sub(idle_us) >= window_start
+        || (rate > 0.0 && (idle_us as f64) < IDLE_TRIM_GAPS / rate);
+    let due = to_end
+        <= plan.lead
+            + if books.sizing.thin() {
+                spread_of(slot, plan.spread)
+            } else {
+                0
+            };
+    // Asked once per boundary (the store may refuse a thin holder, the
+    // key being near its limit).
+    let boundary = (plan.end / shared.params.period_us.max(1)) as u32;
+    if !active || !due || books.ahead_asked == boundary {
+        return;
+    }
+    books.ahead_asked = boundary;
+    drop(books);
+    slot.swept_ahead.store(true, Ordering::Release);
+    shared.request_refill(slot, false);
+}
+
+/// A slot's own share of `span`, from its address (see `slice_of`).
+pub(super) fn spread_of(slot: &Arc<Slot>, span: u64) -> u64 {
+    if span == 0 {
+        return 0;
+    }
+    let address = Arc::as_ptr(slot) as usize as u64;
+    address.wrapping_mul(0xD1B5_4A32_D192_ED03).rotate_left(29) % span
+}
+
+/// The first window boundary after `now`, from `known`, the end of some
+/// window (0: none known yet).
+pub(super) fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
+    if known == 0 || period == 0 {
+        return None;
+    }
+    Some(if known > now {
+        known - (known - now - 1) / period * period
+    } else {
+        known + ((now - known) / period + 1) * period
+    })
+}
+
+/// A thin holder's pre-leases are refused once the key's current window,
+/// its next window, or every holder's ask together
+/// would pass this share of the limit (the lease script decides).
+pub(super) const THIN_AHEAD_CAP_DIVISOR: u64 = 2;
+
+/// What a thin holder's pre-lease asks for: enough that a window with
+/// twice its usual requests (and two more) rarely waits on the store —
+/// a holder's requests in a window vary as much as their number.
+pub(super) fn thin_want(per_window: u64) -> u64 {
+    2 * per_window + 2
+}
+
+/// Expires leases, evicts idle slots and enforces `max_keys`, on one slice
+/// of the map (`None`: all of it; all of it too while over `max_keys`).
+/// Network work it creates (give-backs, reports) goes out with the next
+/// round.
+/// A window lease idle for this share of its period gives back what it
+/// holds above the earned floor (`sizing::EARNED_FLOOR_DIVISOR`).
+pub(super) const IDLE_TRIM_DIVISOR: u64 = 16;
+
+/// The longest an idle holder's surplus takes to go back: its idle time,
+/// a full sweep of the maintenance, and a tick.
+pub(super) fn trim_delay_us(period_us: u64) -> u64 {
+    period_us / IDLE_TRIM_DIVISOR + (SWEEP_SLICES as u64 + 1) * MAINTENANCE.as_micros() as u64
+}
+
+/// Idle for this many of its usual gaps between requests, a key's rate
+/// no longer says what it will spend.
+pub(super) const IDLE_TRIM_GAPS: f64 = 4.0;
+
+/// A process that burst and went quiet gives back what it holds above a
+/// sixteenth of the limit once its key has been idle for a sixteenth of
+/// the period and for several of its usual gaps between requests: others
+/// asking in the same window must not be denied while it sits unused here
+/// (the fairness promise). A key used steadily is never idle that long
+/// (measured: trimming after a sixteenth of the period alone took a
+/// per-second long tail from 4.7 to 18 round trips per 1,000 decisions,
+/// give-backs of keys between two requests); a thin key holds less than
+/// the floor anyway.
+pub(super) fn trim_idle(shared: &Shared, slot: &Slot, idle_ms: u64, now: u64) {
+    let period = shared.params.period_us;
+    let idle_us = idle_ms.saturating_mul(1_000);
+    if !shared.leases.windowed() || idle_us < period / IDLE_TRIM_DIVISOR {
+        return;
+    }
+    let keep = (shared.params.limit / crate::hybrid::sizing::EARNED_FLOOR_DIVISOR)
+        .max(1)
+        .min(i64::MAX as u64) as i64;
+    if slot.permits.load(Ordering::Relaxed) <= keep {
+        return;
+    }
+    let rate = slot.books().sizing.rate_per_us();
+    if rate > 0.0 && (idle_us as f64) < IDLE_TRIM_GAPS / rate {
+        return;
+    }
+    if let Some((trimmed, window)) = slot.trim(keep, now) {
+        let origin = slot.books().origin;
+        shared.give_back(&shared.store_key(slot), trimmed as u64, window, origin);
+    }
+}
+
+pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
+    let config = shared.config.load();
+    let now = shared.time.precise_us();
+    let idle_us = config.idle_ttl.as_micros() as u64;
+    let mut idle: Vec<(u64, Arc<str>)> = Vec::new();
+    let mut all: Vec<(u64, Arc<str>)> = Vec::new();
+    let over = shared.slots.len().saturating_sub(config.max_keys);
+    let slice = slice.filter(|_| over == 0);
+    // Fixed window: once per window, shortly before its end, every key
+    // used in it is pre-leased for the next one, all in the same rounds
+    // (a few pipelines, not one round trip per key). Early enough for the
+    // next tick to be too late: a tick, the pre-lease lead, 50 ms, a few
+    // of the round trips the limiter measures (`PRELEASE_ROUND_TRIPS`),
+    // and what leasing every key in the map takes Redis (`LEASE_COST_US`
+    // each); at most half a window.
+    let period = shared.params.period_us;
+    let plan = (!shared.prelease_lead(&config).is_zero())
+        .then(|| {
+            let leasing = shared.slots.len() as u64 * LEASE_COST_US;
+            let round_trips = PRELEASE_ROUND_TRIPS * shared.rtt_us.load(Ordering::Relaxed);
+            (MAINTENANCE.as_micros() as u64
+                + shared.prelease_lead(&config).as_micros() as u64
+                + 50_000
+                + round_trips
+                + leasing)
+                .min(period / 2)
+        })
+        .and_then(|lead| {
+            let end = next_boundary(shared.window_end_hint.load(Ordering::Relaxed), now, period)?;
+            Some(PreleasePlan {
+                end,
+                lead,
+                spread: (period / 2).saturating_sub(lead).min(MAX_SPREAD_US),
+            })
+        });
+    for entry in shared.slots.iter() {
+        let slot = entry.value();
+        if slice.is_some_and(|s| slice_of(slot) != s) {
+            if let Some(plan) = &plan {
+                prelease_if_active(shared, slot, now, slot.idle_ms(now), plan);
+            }
+            continue;
+        }
+        let expired = slot.expire(now);
+        if expired > 0 {
+            match shared.leases {
+                // The window they belong to is over.
+                LeaseKind::Window => shared.counters.stranded.add(expired as u64),
+                LeaseKind::Bucket => {
+                    let origin = slot.books().origin;
+                    shared.give_back(&shared.store_key(slot), expired as u64, 0, origin)
+                }
+            }
+        }
+        shared.counters.stranded.add(slot.expire_next(now) as u64);
+        let idle_for = slot.idle_ms(now);
+        trim_idle(shared, slot, idle_for, now);
+        if let Some(plan) = &plan {
+            prelease_if_active(shared, slot, now, idle_for, plan);
+        }
+        if idle_for * 1_000 >= idle_us && !slot.refill_pending.load(Ordering::Acquire) {
+            idle.push((idle_for, entry.key().clone()));
+        } else if over > 0 {
+            all.push((idle_for, entry.key().clone()));
+        }
+    }
+    shared
+        .counters
+        .meters
+        .local_keys
+        .set(shared.slots.len() as f64);
+    shared.prune_ledgers(now);
+    shared.contended.store(false, Ordering::Relaxed);
+    // Kept current while traffic is quiet too: a breaker's state moves on
+    // with time alone.
+    shared.counters.circuit(shared.store.circuit_state());
+    let mut evict: Vec<Arc<str>> = idle.into_iter().map(|(_, k)| k).collect();
+    let still_over = over.saturating_sub(evict.len());
+    if still_over > 0 {
+        // Least recently used first, down to 90 % of the cap.
+        let target = still_over + config.max_keys / 10;
+        all.sort_unstable_by_key(|(idle_for, _)| std::cmp::Reverse(*idle_for));
+        evict.extend(all.into_iter().take(target).map(|(_, k)| k));
+    }
+    for key in evict {
+        if let Some((_, slot)) = shared.slots.remove(&key) {
+            shared.retire(&slot, now);
+            shared.refilled(&slot).notify_waiters();
+        }
+    }
+}

@@ -1,0 +1,420 @@
+//! A reply applied: a grant installed (or held until its window
+//! starts), a denial cached, a report settled, the store clock observed.
+
+use super::*;
+
+/// Applies one lease call's reply (or its failure) to its slot, or
+/// settles a report; wakes whoever waits on the slot.
+pub(super) fn apply(
+    shared: &Shared,
+    config: &HybridConfig,
+    p: Pending,
+    result: Result<LeaseReply, Error>,
+    t0: u64,
+    t1: u64,
+) {
+    let Some(slot) = p.slot.clone() else {
+        settle_report(shared, p.report, &result);
+        return;
+    };
+    if p.peek {
+        if let Ok(r) = result {
+            peek_answered(shared, config, &slot, &r, t1);
+        }
+        return;
+    }
+    let recalled = if p.call.debt > 0 {
+        let recalled = slot.credit_settled(p.call.debt);
+        give_recalled_back(shared, &p.call, recalled);
+        recalled
+    } else {
+        0
+    };
+    match result {
+        Err(_) => lease_failed(shared, &slot, &p.call, t0),
+        Ok(mut r) => {
+            // Recalled credit goes back to the store: it was never
+            // admitted, so what it left uncovered is no overshoot.
+            r.uncovered = r.uncovered.saturating_sub(u64::from(recalled));
+            lease_answered(shared, config, &slot, &p, &r, t0, t1)
+        }
+    }
+    slot.refill_done();
+    shared.refilled(&slot).notify_waiters();
+}
+
+/// Credit a lease call reported and another quota's denial recalled
+/// meanwhile: the store counted it, so it goes back (to the window it
+/// was reported in).
+pub(super) fn give_recalled_back(shared: &Shared, call: &LeaseCall, recalled: u32) {
+    // (A bucket's recalled credit stays taken: its give-back would need
+    // the lease's origin, and a bucket refills by itself.)
+    if recalled > 0 && shared.leases.windowed() {
+        let origin = LeaseOrigin::default();
+        shared.give_back(&call.key, u64::from(recalled), call.debt_window, origin);
+    }
+}
+
+/// A report's reply: an evicted slot's debt, or the fallback's admissions.
+/// Unavailability resends it as it was (same identity); a refusal (wrong
+/// type, out of range) will never apply, so it is dropped and counted
+/// rather than retried forever.
+pub(super) fn settle_report(
+    shared: &Shared,
+    report: Option<Reported>,
+    result: &Result<LeaseReply, Error>,
+) {
+    let counters = &shared.counters;
+    let retry = matches!(result, Err(e) if e.is_unavailable());
+    match report {
+        Some(Reported::Fallback(report)) if retry => {
+            let dropped = shared.reconciler.restore([report]);
+            counters.reports_dropped.add(dropped);
+        }
+        Some(Reported::Debt(report))
+            if retry
+                && report.first_sent.is_some_and(|t| {
+                    shared.time.precise_us().saturating_sub(t) > RESEND_FOR.as_micros() as u64
+                }) =>
+        {
+            // Its identity may be forgotten by now: a resend could count
+            // it twice. Dropped and counted instead.
+            counters.reports_dropped.add(report.debt);
+            shared.report_settled(&report);
+        }
+        Some(Reported::Debt(mut report)) if retry => {
+            report.attempts += 1;
+            report.not_before = shared.time.precise_us() + backoff_us(report.attempts);
+            shared
+                .reports
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(report)
+        }
+        Some(Reported::Fallback(report)) => match result {
+            Ok(r) => {
+                counters.overshoot.add(r.uncovered);
+                counters.reconciled.add(report.permits);
+            }
+            Err(_) => counters.reports_dropped.add(report.permits),
+        },
+        Some(Reported::Debt(report)) => {
+            match result {
+                Ok(r) => counters.overshoot.add(r.uncovered),
+                Err(_) => counters.reports_dropped.add(report.debt),
+            }
+            shared.report_settled(&report);
+        }
+        None => {}
+    }
+}
+
+/// A lease call that got no reply. The store may have granted it all the
+/// same (a timeout after Redis ran the call): the next lease asks for that
+/// grant back. Debt it carried is resent on its own under the same
+/// identity, since the store may have applied it before the reply was lost.
+pub(super) fn lease_failed(shared: &Shared, slot: &Slot, call: &LeaseCall, t0: u64) {
+    lose_lease(slot, call);
+    if let Some(op) = call.op.filter(|_| call.debt > 0) {
+        shared.queue_report(DebtReport {
+            key: call.key.clone(),
+            debt: call.debt,
+            window: call.debt_window,
+            op,
+            attempts: 1,
+            not_before: shared.time.precise_us() + backoff_us(1),
+            // It was sent once, inside the lease call.
+            first_sent: Some(t0),
+        });
+    }
+    slot.refill_failed.store(true, Ordering::Release);
+}
+
+/// A lease call's reply: what it says of the store (its clock, what
+/// remains, debt it could not cover), then the grant (installed, or given
+/// back if the slot was retired meanwhile) or the denial.
+pub(super) fn lease_answered(
+    shared: &Shared,
+    config: &HybridConfig,
+    slot: &Arc<Slot>,
+    p: &Pending,
+    r: &LeaseReply,
+    t0: u64,
+    t1: u64,
+) {
+    let counters = &shared.counters;
+    slot.refill_failed.store(false, Ordering::Release);
+    observe_store_clock(shared, r, t0, t1);
+    counters.overshoot.add(r.uncovered);
+    let windowed = shared.leases.windowed();
+    if r.uncovered > 0 && windowed {
+        // The window the debt went to (the store's current one when the
+        // process did not know it) is closed to credit.
+        let current = r.window - i64::from(r.start_after_us > 0);
+        let mut books = slot.books();
+        books.credit_closed = books.credit_closed.max(p.call.debt_window.max(current));
+    }
+    slot.store_remaining.store(
+        r.remaining.min(u64::from(u32::MAX)) as u32,
+        Ordering::Relaxed,
+    );
+    if windowed && r.start_after_us == 0 && r.remaining == 0 {
+        slot.books().used_up = r.window as u32;
+    }
+    if windowed {
+        shared
+            .window_end_hint
+            .store(t0 + r.reset_after_us, Ordering::Relaxed);
+    } else {
+        // Buckets have no window: the field holds when they are full.
+        slot.window_end
+            .store(t0 + r.reset_after_us, Ordering::Relaxed);
+    }
+    // Window leases: the deadline is the window's end, `reset_after`
+    // ahead. Buckets: the lease horizon, drift added when installed.
+    let margin = config.clock_margin.as_micros() as u64
+        + shared.time.tick_us()
+        + if windowed {
+            drift_us(r.reset_after_us)
+        } else {
+            0
+        };
+    let now = shared.time.precise_us();
+    if r.granted > 0 && slot.evicted.load(Ordering::Acquire) {
+        // The slot was retired while its lease was in flight: no request
+        // will spend these permits here. Give them back.
+        counters.lease_granted(r.granted);
+        shared.give_back(&p.call.key, r.granted, r.window, origin_of(r));
+    } else if r.granted > 0 {
+        counters.lease_granted(r.granted);
+        install_grant(
+            shared,
+            config,
+            slot,
+            p,
+            r,
+            Times {
+                t0,
+                t1,
+                margin,
+                now,
+            },
+        );
+        let low_water = low_water_after(shared, slot, p, r);
+        if windowed && r.start_after_us > 0 {
+            // A pre-lease: its mark applies once it is in place; the
+            // current window's permits keep theirs (a mark sized from the
+            // next window's grant would ask the current one, often already
+            // fully leased, for more).
+            slot.set_next_low_water(r.window, low_water);
+        } else {
+            slot.low_water.store(low_water, Ordering::Relaxed);
+            if windowed && r.remaining > 0 {
+                // The store has room in this window after all (a peek
+                // that found it full was overtaken by a give-back).
+                slot.deny_until(0);
+            }
+            if windowed && !shared.store.is_sharded() {
+                expect_refill(shared, slot, r, low_water, now);
+            }
+        }
+        if windowed && !shared.store.is_sharded() {
+            if let Some(rate) = runs_out_early(slot, r, config.max_lease) {
+                let until = t0.saturating_add(r.reset_after_us).saturating_sub(margin);
+                watch(shared, slot, r, rate, until, t1);
+            }
+        }
+    } else if p.call.want > 0 && p.call.ahead_cap == 0 {
+        // (A thin holder's pre-lease refused changes nothing: the key is
+        // near its limit, or crowded, and its current lease stands.)
+        if r.start_after_us == 0 {
+            // Redis answered before t1: from t1 + retry_after on, the
+            // store surely has something again.
+            let mut until = t1 + r.retry_after_us + margin;
+            // The first denial after a calm spell asks once more, after
+            // the time an idle holder takes to give back what it will not
+            // spend (`trim_idle`): a window fully leased is not always
+            // fully spent.
+            let before = slot.denied_until.load(Ordering::Acquire);
+            let calm = before.saturating_add(shared.params.period_us) <= t1;
+            if windowed && calm {
+                until = until.min(t1 + trim_delay_us(shared.params.period_us));
+            }
+            slot.deny_until(until);
+        } else if now >= slot.deadline.load(Ordering::Acquire) {
+            // Nothing left of the next window, which has not begun in the
+            // store, while this process's permits of the current one are
+            // void: nothing can be admitted here before the next window
+            // starts. Denied until then (asking again at once would spin
+            // on the store).
+            slot.deny_until(t1 + r.start_after_us + margin);
+        }
+        // Nothing to be had: spend what is held, then ask again (the
+        // denied-until time keeps that from costing round trips).
+        slot.low_water.store(0, Ordering::Relaxed);
+        slot.early_refill.store(false, Ordering::Relaxed);
+    }
+    let level = slot.permits.load(Ordering::Acquire);
+    slot.books().sizing.applied(level, now);
+}
+
+/// The store's clock as a reply read it, for the fallback's windows and
+/// for credit before a key's first lease. Redis read it somewhere in
+/// [t0, t1] locally: the middle, give or take half the round trip.
+pub(super) fn observe_store_clock(shared: &Shared, r: &LeaseReply, t0: u64, t1: u64) {
+    let mid = t0 + (t1 - t0) / 2;
+    let fallback_local = shared.fallback_clock.local_us();
+    shared
+        .fallback_clock
+        .observe(fallback_local.saturating_sub(t1 - mid), r.now_us);
+    *shared.store_clock.lock().unwrap_or_else(|p| p.into_inner()) =
+        Some(crate::hybrid::StoreClock {
+            offset_us: r.now_us as i64 - mid as i64,
+            error_us: (t1 - t0) / 2 + 1,
+            at_us: t1,
+        });
+}
+
+/// Where a bucket lease's permits came from (see [`LeaseOrigin`]).
+pub(super) fn origin_of(r: &LeaseReply) -> LeaseOrigin {
+    LeaseOrigin {
+        at_us: r.now_us,
+        level: r.level,
+        given_back: r.given_back,
+    }
+}
+
+/// The local times a reply is placed by: sent at `t0`, answered at `t1`,
+/// applied at `now`, with `margin` for clocks and drift.
+#[derive(Clone, Copy)]
+pub(super) struct Times {
+    pub(super) t0: u64,
+    pub(super) t1: u64,
+    pub(super) margin: u64,
+    pub(super) now: u64,
+}
+
+/// Puts a grant in place: a window lease in the slot (or, ahead of its
+/// window, held apart until it starts); a bucket lease in the slot, its
+/// origin merged with or replacing the one held.
+pub(super) fn install_grant(
+    shared: &Shared,
+    config: &HybridConfig,
+    slot: &Arc<Slot>,
+    p: &Pending,
+    r: &LeaseReply,
+    at: Times,
+) {
+    let counters = &shared.counters;
+    let granted = r.granted as i64;
+    let Times {
+        t0,
+        t1,
+        margin,
+        now,
+    } = at;
+    match shared.leases {
+        LeaseKind::Window => {
+            // Redis evaluated somewhere in [t0, t1] locally: the window
+            // ends no earlier than t0 + reset and starts no later than
+            // t1 + start_after.
+            let deadline = (t0 + r.reset_after_us).saturating_sub(margin);
+            let window_end = t1 + r.reset_after_us + margin;
+            if r.start_after_us > 0 {
+                let lease = NextLease {
+                    permits: granted,
+                    window: r.window,
+                    start: t1 + r.start_after_us + margin,
+                    deadline,
+                    window_end,
+                    low_water: 0,
+                };
+                counters.stranded.add(slot.hold_next(lease) as u64);
+            } else {
+                match slot.install(granted, r.window, deadline, window_end, now, false) {
+                    Installed::Replaced(n) | Installed::Stale(n) => counters.stranded.add(n as u64),
+                }
+            }
+        }
+        LeaseKind::Bucket => {
+            let horizon = config.lease_ttl.as_micros() as u64;
+            let deadline = (t0 + horizon).saturating_sub(margin + drift_us(horizon));
+            let full_at = t0 + r.reset_after_us;
+            let origin = origin_of(r);
+            let mut books = slot.books();
+            let before = books.origin;
+            match slot.install(granted, 0, deadline, full_at, now, p.renew) {
+                Installed::Replaced(0) if !p.renew && before.at_us != 0 => {
+                    // Added to permits still held: the merged lease
+                    // answers to the older origin too.
+                    books.origin = before.merge(origin);
+                }
+                Installed::Replaced(replaced) => {
+                    books.origin = origin;
+                    drop(books);
+                    if replaced > 0 {
+                        shared.give_back(&shared.store_key(slot), replaced as u64, 0, before);
+                    }
+                }
+                Installed::Stale(n) => counters.stranded.add(n as u64),
+            }
+        }
+    }
+}
+
+/// A window lease covers its window when it holds this much more than the
+/// rate spends until the window ends (the rate is an average; demand runs
+/// ahead of it).
+pub(super) const COVER_MARGIN: f64 = 1.2;
+
+/// The low-water mark after a grant: below it, a refill is requested.
+pub(super) fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) -> u32 {
+    let windowed = shared.leases.windowed();
+    // Refill before the lease runs dry: at half of what the rate asked
+    // for, or a quarter of a headroom grant. Not when the store cut the
+    // lease below half the ask (a contested key: many holders, little
+    // left): a permit fetched ahead of need would wait idle in every
+    // holder, and at the window's end a thousand holders' one permit each
+    // is a thousand stranded.
+    let contested = windowed && r.granted < p.call.want / 2;
+    // Nor for a thin holder (a few permits a window): what it fetched
+    // ahead would wait idle for its next request, and with many such
+    // holders, a window's budget with it. (A key whose rate is not known
+    // yet is not thin: its first lease says nothing about it.)
+    let thin = windowed && slot.books().sizing.thin();
+    if contested {
+        // Nor a pre-lease of the next window: spread over every holder
+        // whatever its rate, it strands the same way.
+        slot.early_refill.store(false, Ordering::Relaxed);
+    }
+    // A window lease that, with what is held, covers what the rate spends
+    // until its window ends is that window's last: refilled only if demand
+    // outruns it, not at half (a refill at half would ask a window that is
+    // often fully leased by then, for permits this process will not use).
+    let covers = windowed && {
+        let rate = slot.books().sizing.rate_per_us();
+        let serves = r.reset_after_us.saturating_sub(r.start_after_us) as f64;
+        // After the install a current lease's permits include the grant;
+        // a pre-lease's (held apart until its window starts) are its
+        // grant alone.
+        let lasting = if r.start_after_us > 0 {
+            r.granted as i64
+        } else {
+            slot.permits.load(Ordering::Acquire)
+        };
+        rate > 0.0 && lasting.max(0) as f64 >= rate * serves * COVER_MARGIN
+    };
+    let low_water = if contested || thin {
+        0
+    } else if p.to_the_end || covers {
+        // Sized to last until the window ends: refill only if demand
+        // outruns it, when what is left would be spent within two round
+        // trips (and a millisecond).
+        let rtt = shared.rtt_us.load(Ordering::Relaxed) as f64;
+        let rate = slot.books().sizing.rate_per_us();
+        (rate * (2.0 * rtt + 1_000.0)).ceil().max(1.0) as u64
+    } else {
+        (p.call.want / 2).max(r.granted / 4)
+    };
+    low_water.min(u64::from(u32::MAX)) as u32
+}

@@ -1,0 +1,601 @@
+//! A round: the next batches (reports first, then leases, waiters
+//! before the rest), each lease call sized, sent in pipelines, and the
+//! replies placed in time.
+
+use super::*;
+
+/// What a round has taken from the queues and not yet settled. If the
+/// round's future is dropped (`shutdown` abandoned by its caller, the
+/// runtime going away), everything goes back where it came from: reports
+/// to their queues under their identities, a lease's debt to the report
+/// queue, its slot free to ask again.
+pub(super) struct Unsent<'a> {
+    pub(super) shared: &'a Shared,
+    pub(super) fallback: Vec<Report>,
+    pub(super) debts: Vec<DebtReport>,
+    /// The batches in flight.
+    pub(super) batches: Vec<Vec<Pending>>,
+    /// When it was sent (local µs): a lease's debt resent after a drop is
+    /// timed from its first sending (see `RESEND_FOR`).
+    pub(super) sent_at: u64,
+}
+
+impl Drop for Unsent<'_> {
+    fn drop(&mut self) {
+        let shared = self.shared;
+        let mut fallback = std::mem::take(&mut self.fallback);
+        let mut debts = std::mem::take(&mut self.debts);
+        for p in std::mem::take(&mut self.batches).into_iter().flatten() {
+            if p.peek {
+                // Took nothing, changed nothing: forgotten.
+                continue;
+            }
+            match (p.report, p.slot) {
+                (Some(Reported::Fallback(r)), _) => fallback.push(r),
+                (Some(Reported::Debt(r)), _) => debts.push(r),
+                (None, Some(slot)) => {
+                    lose_lease(&slot, &p.call);
+                    if let Some(op) = p.call.op.filter(|_| p.call.debt > 0) {
+                        let recalled = slot.credit_settled(p.call.debt);
+                        give_recalled_back(shared, &p.call, recalled);
+                        shared.queue_report(DebtReport {
+                            key: p.call.key.clone(),
+                            debt: p.call.debt,
+                            window: p.call.debt_window,
+                            op,
+                            attempts: 0,
+                            not_before: 0,
+                            first_sent: Some(self.sent_at),
+                        });
+                    }
+                    slot.refill_done();
+                    shared.refilled(&slot).notify_waiters();
+                }
+                (None, None) => {}
+            }
+        }
+        if !fallback.is_empty() {
+            let dropped = shared.reconciler.restore(fallback);
+            shared.counters.reports_dropped.add(dropped);
+        }
+        if !debts.is_empty() {
+            shared
+                .reports
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(debts);
+        }
+    }
+}
+
+/// A lease call's reply is lost (an error, or its future dropped): its
+/// identity is kept for the next lease of the slot.
+pub(super) fn lose_lease(slot: &Slot, call: &LeaseCall) {
+    if call.lease_id != 0 {
+        slot.books().lost_lease = call.lease_id;
+    }
+}
+
+/// One lease in flight, with what is needed to apply its reply.
+pub(super) struct Pending {
+    pub(super) slot: Option<Arc<Slot>>,
+    pub(super) call: LeaseCall,
+    /// Token bucket / GCRA: replace the current permits (fresh horizon).
+    pub(super) renew: bool,
+    /// What the call reports, if it is a report rather than a lease.
+    pub(super) report: Option<Reported>,
+    /// The lease is sized to last until its window ends: no refill ahead
+    /// of need when it runs low (each would be cut smaller again by the
+    /// time left, a trickle of ever smaller leases to the boundary).
+    pub(super) to_the_end: bool,
+    /// A peek at a watched slot's window (see [`Watched`]): it takes
+    /// nothing and leaves the slot's refill state alone.
+    pub(super) peek: bool,
+}
+
+/// A report in flight, to be settled or resent as it was.
+pub(super) enum Reported {
+    /// Debt of an evicted slot, or of a failed lease call.
+    Debt(DebtReport),
+    /// What the failure policy's fallback admitted.
+    Fallback(Report),
+}
+
+/// Refills waiting to be sent. Waiters first: a slot a request waits on
+/// goes before one refilled ahead of need (low water, pre-lease). A slot
+/// promoted while queued has an entry in both; the first taken wins and
+/// the other is skipped as a duplicate.
+#[derive(Default)]
+pub(crate) struct RefillQueue {
+    pub(super) waiting: VecDeque<Arc<Slot>>,
+    pub(super) ahead: VecDeque<Arc<Slot>>,
+}
+
+impl RefillQueue {
+    pub(crate) fn push(&mut self, slot: Arc<Slot>, waiting: bool) {
+        if waiting {
+            self.waiting.push_back(slot);
+        } else {
+            self.ahead.push_back(slot);
+        }
+    }
+
+    /// The next refill to send, marked in flight. A waiters' entry whose
+    /// slot was last used more than `max_wait_ms` ago has nobody waiting
+    /// any more (they were denied at `max_wait`): it moves behind the
+    /// waiters still in time, so an overload serves those it can still
+    /// serve instead of those already turned away.
+    pub(super) fn pop(&mut self, now: u64, max_wait_ms: u64) -> Option<Arc<Slot>> {
+        loop {
+            let slot = match self.waiting.pop_front() {
+                Some(slot) if slot.idle_ms(now) > max_wait_ms => {
+                    self.ahead.push_back(slot);
+                    continue;
+                }
+                Some(slot) => slot,
+                None => self.ahead.pop_front()?,
+            };
+            // A duplicate: already sent, or settled since it was queued.
+            if !slot.refill_pending.load(Ordering::Acquire)
+                || slot.in_flight.swap(true, Ordering::AcqRel)
+            {
+                continue;
+            }
+            slot.promoted.store(false, Ordering::Release);
+            return Some(slot);
+        }
+    }
+}
+
+/// Pipelines a round keeps in flight at once. On a real network the round
+/// trip, not Redis, limits one pipeline at a time: four batches of 512
+/// leases per round trip.
+pub(crate) const PIPELINES: usize = 4;
+
+/// Batches a round sends before it returns to the task's loop, so that
+/// sustained refill demand cannot starve maintenance or the stop signal.
+pub(super) const BATCHES_PER_ROUND: usize = 16;
+
+/// Sends what is queued, in this order: the fallback's admissions and
+/// debt reports (Redis counts them before granting anything new), leases
+/// (waiters first), then give-backs. Up to `PIPELINES` batches of
+/// `batch_size` calls are in flight at once; a round ends when the queues
+/// are empty or after `BATCHES_PER_ROUND` batches (it then wakes the task
+/// again). Returns whether work is left.
+pub(crate) async fn round(shared: &Shared) -> bool {
+    shared.urgent.store(false, Ordering::Release);
+    // Reports are taken once per round: one that fails goes back to its
+    // queue for the next round (the maintenance tick paces retries), so a
+    // round always ends, even while the store refuses every call.
+    let mut unsent = Unsent {
+        shared,
+        fallback: shared.reconciler.drain(),
+        debts: Vec::new(),
+        batches: Vec::new(),
+        sent_at: 0,
+    };
+    unsent.debts = {
+        let now = shared.time.precise_us();
+        let mut queued = shared.reports.lock().unwrap_or_else(|p| p.into_inner());
+        let (due, later): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut *queued).into_iter().partition(|r| {
+                // The last round (shutdown) sends everything it has.
+                r.not_before <= now || shared.closed.load(Ordering::Acquire)
+            });
+        *queued = later;
+        due
+    };
+    let last = shared.closed.load(Ordering::Acquire);
+    let mut sent = 0;
+    let mut more = false;
+    loop {
+        let config = shared.config.load_full();
+        let now = shared.time.precise_us();
+        let mut batches: Vec<Vec<Pending>> = Vec::new();
+        while batches.len() < PIPELINES {
+            let batch = next_batch(shared, &config, &mut unsent, now);
+            if batch.is_empty() {
+                break;
+            }
+            batches.push(batch);
+        }
+        if batches.is_empty() {
+            break;
+        }
+        let calls: Vec<Vec<LeaseCall>> = batches
+            .iter()
+            .map(|b| b.iter().map(|p| p.call.clone()).collect())
+            .collect();
+        sent += batches.len();
+        unsent.batches = batches;
+        let t0 = shared.time.precise_us();
+        unsent.sent_at = t0;
+        let results = join_all(calls.iter().enumerate().map(|(i, batch)| {
+            let ahead: usize = calls[..i].iter().map(Vec::len).sum();
+            async move {
+                let (result, cost) = shared
+                    .store
+                    .lease_batch(&shared.params, batch, ahead, &shared.counters)
+                    .await;
+                (result, cost, shared.time.precise_us())
+            }
+        }))
+        .await;
+        let batches = std::mem::take(&mut unsent.batches);
+        shared.counters.circuit(shared.store.circuit_state());
+        // One server ran the round's scripts in order (not so a cluster's
+        // nodes, each with its own clock): the earliest clock any of them
+        // read was read at `t0` or later.
+        let first = (!shared.store.is_sharded())
+            .then(|| {
+                results
+                    .iter()
+                    .filter_map(|(r, ..)| r.as_ref().ok())
+                    .flatten()
+                    .filter_map(|r| r.as_ref().ok().map(|r| r.now_us))
+                    .min()
+            })
+            .flatten();
+        for (pending, (result, cost, t1)) in batches.into_iter().zip(results) {
+            let sent = cost.round_trips > 0;
+            settle(
+                shared,
+                &config,
+                pending,
+                result,
+                sent,
+                Sent { t0, t1, first },
+            );
+        }
+        if sent >= BATCHES_PER_ROUND && !last {
+            more = true;
+            break;
+        }
+    }
+    // What is left of the reports goes back to its queues.
+    drop(unsent);
+    give_back_all(shared).await;
+    more
+}
+
+/// The next batch: reports first, then leases, waiters before the rest.
+pub(super) fn next_batch(
+    shared: &Shared,
+    config: &HybridConfig,
+    unsent: &mut Unsent<'_>,
+    now: u64,
+) -> Vec<Pending> {
+    let mut pending: Vec<Pending> = Vec::new();
+    while pending.len() < config.batch_size {
+        let Some(report) = unsent.fallback.pop() else {
+            break;
+        };
+        pending.push(Pending {
+            slot: None,
+            call: LeaseCall::report(
+                shared.keys.store_key(&report.key, shared.params.algorithm),
+                report.permits,
+                report.op,
+            ),
+            renew: false,
+            report: Some(Reported::Fallback(report)),
+            to_the_end: false,
+            peek: false,
+        });
+    }
+    while pending.len() < config.batch_size {
+        let Some(mut report) = unsent.debts.pop() else {
+            break;
+        };
+        report.first_sent.get_or_insert(now);
+        pending.push(Pending {
+            slot: None,
+            call: LeaseCall {
+                debt_window: report.window,
+                ..LeaseCall::report(report.key.clone(), report.debt, report.op)
+            },
+            renew: false,
+            report: Some(Reported::Debt(report)),
+            to_the_end: false,
+            peek: false,
+        });
+    }
+    let room = config.batch_size.saturating_sub(pending.len());
+    let slots: Vec<Arc<Slot>> = {
+        let mut queue = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let max_wait_ms = config.max_wait.as_millis() as u64;
+        std::iter::from_fn(|| queue.pop(now, max_wait_ms))
+            .take(room)
+            .collect()
+    };
+    for slot in slots {
+        if slot.evicted.load(Ordering::Acquire) {
+            slot.refill_done();
+            shared.refilled(&slot).notify_waiters();
+            continue;
+        }
+        pending.push(lease_call(shared, config, slot, now));
+    }
+    if !pending.is_empty() && !shared.store.is_sharded() {
+        add_rides(shared, config, &mut pending, now);
+        add_peeks(shared, &mut pending, config.batch_size, now);
+    }
+    pending
+}
+
+/// When a batch went out and came back (local µs), and the earliest store
+/// clock read by any script of its round (`None`: the round's scripts ran
+/// on several servers).
+#[derive(Clone, Copy)]
+pub(super) struct Sent {
+    pub(super) t0: u64,
+    pub(super) t1: u64,
+    pub(super) first: Option<u64>,
+}
+
+impl Sent {
+    /// When the script that read the store's clock at `now_us` ran, as
+    /// local bounds: within [t0, t1], and — the round's scripts having run
+    /// in order on one server — at least as long after `t0` as it read
+    /// after the round's first, and at least as long before `t1` as it
+    /// read before its batch's `last` (less the drift allowance both
+    /// ways). Without this, every reply of a long pipeline was placed
+    /// anywhere in the whole round trip: its lease ended early and its
+    /// pre-lease started late by the time the pipeline took to run.
+    fn narrowed(self, now_us: u64, last: u64) -> (u64, u64) {
+        let Some(first) = self.first else {
+            return (self.t0, self.t1);
+        };
+        let after_first = now_us.saturating_sub(first);
+        let before_last = last.saturating_sub(now_us);
+        let lo = self.t0 + (after_first - drift_us(after_first));
+        let hi = self.t1.saturating_sub(before_last - drift_us(before_last));
+        if lo <= hi {
+            (lo, hi)
+        } else {
+            (self.t0, self.t1)
+        }
+    }
+}
+
+/// Applies a batch's replies; `sent`: it left the process (a call the
+/// breaker refused is neither a lease requested nor a round-trip sample).
+pub(super) fn settle(
+    shared: &Shared,
+    config: &HybridConfig,
+    pending: Vec<Pending>,
+    results: Result<Vec<Result<LeaseReply, Error>>, Error>,
+    sent: bool,
+    at: Sent,
+) {
+    let Sent { t0, t1, .. } = at;
+    if sent {
+        let requested = pending.iter().filter(|p| p.call.want > 0).count() as u64;
+        shared.counters.leases_requested.add(requested);
+        let rtt = t1.saturating_sub(t0);
+        let old = shared.rtt_us.load(Ordering::Relaxed);
+        shared.rtt_us.store(
+            if old == 0 { rtt } else { (old * 7 + rtt) / 8 },
+            Ordering::Relaxed,
+        );
+    }
+    match results {
+        Ok(results) => {
+            let last = results
+                .iter()
+                .filter_map(|r| r.as_ref().ok().map(|r| r.now_us))
+                .max()
+                .unwrap_or(0);
+            for (p, result) in pending.into_iter().zip(results) {
+                let (t0, t1) = match &result {
+                    Ok(r) => at.narrowed(r.now_us, last),
+                    Err(_) => (t0, t1),
+                };
+                apply(shared, config, p, result, t0, t1);
+            }
+        }
+        Err(e) => {
+            for p in pending {
+                apply(shared, config, p, Err(e.clone()), t0, t1);
+            }
+        }
+    }
+}
+
+/// Sends the queued give-backs. They go last: a waiter's lease matters
+/// more than returning permits nobody is asking for yet.
+pub(crate) async fn give_back_all(shared: &Shared) {
+    let returns = std::mem::take(&mut *shared.returns.lock().unwrap_or_else(|p| p.into_inner()));
+    for chunk in returns.chunks(shared.config.load().batch_size) {
+        let (result, _) = shared
+            .store
+            .give_back_batch(&shared.params, chunk, &shared.counters)
+            .await;
+        match result {
+            Ok(results) => {
+                for (call, result) in chunk.iter().zip(results) {
+                    match result {
+                        Ok(back) => {
+                            shared.counters.given_back.add(back);
+                            shared
+                                .counters
+                                .stranded
+                                .add(call.returned.saturating_sub(back));
+                        }
+                        Err(_) => shared.counters.stranded.add(call.returned),
+                    }
+                }
+            }
+            Err(_) => {
+                let lost: u64 = chunk.iter().map(|c| c.returned).sum();
+                shared.counters.stranded.add(lost);
+            }
+        }
+    }
+}
+
+pub(super) fn lease_call(
+    shared: &Shared,
+    config: &HybridConfig,
+    slot: Arc<Slot>,
+    now: u64,
+) -> Pending {
+    let period = shared.params.period_us;
+    let permits = slot.permits.load(Ordering::Acquire);
+    let valid = now < slot.deadline.load(Ordering::Acquire);
+    let near_end = slot.near_end(now, shared.early_lead());
+    let mut books = slot.books();
+    let credit = Credit {
+        debt: books.credit.debt,
+        window: books.credit.window,
+        in_flight: 0,
+        recalled: 0,
+    };
+    books.credit.in_flight += books.credit.debt;
+    books.credit.debt = 0;
+    let need = u64::from(slot.need.swap(0, Ordering::AcqRel));
+    let rule = SizingRule {
+        min_lease: config.min_lease,
+        max_lease: config.max_lease,
+        horizon_us: config.refill_horizon.as_micros() as u64,
+    };
+    let window = slot.window.load(Ordering::Acquire);
+    let windowed = shared.leases.windowed();
+    books.sizing.observe(
+        permits,
+        u64::from(credit.debt),
+        now,
+        (windowed && window != crate::hybrid::slot::UNKNOWN_WINDOW).then_some(window),
+    );
+    let deadline = slot.deadline.load(Ordering::Acquire);
+    // Permits that would arrive void (they end within a round trip and
+    // the margin) are not worth asking for.
+    let rtt = shared.rtt_us.load(Ordering::Relaxed) + shared.time.tick_us();
+    let swept = slot.swept_ahead.swap(false, Ordering::AcqRel);
+    let LeaseTarget {
+        min_window,
+        renew,
+        time_left_us: time_left,
+    } = shared.leases.target(&LeaseView {
+        window: (window != crate::hybrid::slot::UNKNOWN_WINDOW).then_some(window),
+        valid,
+        near_end,
+        ending: now + rtt >= deadline,
+        // An ended lease's slot is pre-leased only when swept for it
+        // with nobody waiting (a waiter needs the current window).
+        prelease: !shared.prelease_lead(config).is_zero()
+            && if valid {
+                (near_end && permits > 0) || swept
+            } else {
+                swept && need == 0
+            },
+        has_next: slot.has_next(),
+        left_us: deadline.saturating_sub(now),
+        since_us: now.saturating_sub(deadline),
+        period_us: period,
+    });
+    let ahead = if valid {
+        min_window > window
+    } else {
+        swept && need == 0 && window != crate::hybrid::slot::UNKNOWN_WINDOW
+    };
+    let (want, to_the_end) =
+        books
+            .sizing
+            .want_to_the_end(rule, if ahead { 0 } else { permits }, now, need, time_left);
+    let mut ceiling = books.sizing.ceiling(
+        want,
+        time_left.unwrap_or(config.lease_ttl.as_micros() as u64),
+        (shared.params.limit.max(shared.params.burst) / 32).max(1),
+        config.max_lease,
+    );
+    // A window lease is earned by use (see `sizing::EARNED_FLOOR_DIVISOR`):
+    // what a burst seemed to promise is not taken from processes that
+    // keep asking.
+    let mut want = want;
+    let mut ahead_cap = 0;
+    if windowed {
+        let earned = books.sizing.earned(shared.params.limit, config.min_lease);
+        // A thin holder's pre-lease: what its next window will likely
+        // use, only while the key is far under its limit (the store
+        // checks; see `Sizing::thin`).
+        if let Some(used) = books
+            .sizing
+            .per_window()
+            .filter(|_| ahead && books.sizing.thin())
+        {
+            want = want.max(thin_want(used));
+            ahead_cap = (shared.params.limit / THIN_AHEAD_CAP_DIVISOR).max(1);
+        }
+        want = want.min(earned).max(need);
+        ceiling = ceiling.min(earned).max(want);
+    }
+    // Window leases have an identity; after a lost reply the next one
+    // reuses it (see `LeaseCall::lease_id`).
+    let lease_id = if shared.leases.identified() {
+        match std::mem::take(&mut books.lost_lease) {
+            0 => shared.ops.next_lease(),
+            lost => lost,
+        }
+    } else {
+        0
+    };
+    drop(books);
+    let call = LeaseCall {
+        key: shared.store_key(&slot),
+        want,
+        share_cap: config.share_cap,
+        debt: u64::from(credit.debt).min(MAX_REPORT),
+        debt_window: credit.window,
+        min_window,
+        need: shared.leases.need(need, shared.params.limit),
+        patience: need.max(want / 4).max(1),
+        op: (credit.debt > 0).then(|| shared.ops.next()),
+        holder: Some(shared.holder.clone()),
+        ceiling,
+        lease_id,
+        ahead_cap,
+    };
+    Pending {
+        slot: Some(slot),
+        call,
+        renew,
+        report: None,
+        to_the_end,
+        peek: false,
+    }
+}
+
+#[cfg(test)]
+mod narrowing {
+    use super::Sent;
+
+    const ROUND: Sent = Sent {
+        t0: 1_000,
+        t1: 1_900,
+        first: Some(50_000),
+    };
+
+    #[test]
+    fn a_reply_is_placed_by_the_clocks_its_round_read_before_and_after_it() {
+        // The batch's scripts read 50_000 … 50_600: the one at 50_200 ran
+        // at least 200 µs after the round left, 400 µs before it was back.
+        assert_eq!(ROUND.narrowed(50_200, 50_600), (1_200, 1_500));
+        // The first and the last keep the round's own bounds.
+        assert_eq!(ROUND.narrowed(50_000, 50_600).0, 1_000);
+        assert_eq!(ROUND.narrowed(50_600, 50_600).1, 1_900);
+    }
+
+    #[test]
+    fn inconsistent_clocks_fall_back_to_the_whole_round_trip() {
+        // Read 2 ms apart within a round trip of 0.9 ms: the store's clock
+        // stepped; nothing is narrowed.
+        assert_eq!(ROUND.narrowed(52_000, 52_000), (1_000, 1_900));
+        // Several servers' clocks: nothing to narrow by.
+        let sharded = Sent {
+            first: None,
+            ..ROUND
+        };
+        assert_eq!(sharded.narrowed(50_200, 50_600), (1_000, 1_900));
+    }
+}

@@ -1,0 +1,359 @@
+//! Peeks and rides: asking after keys that will soon run out, in batches
+//! going out anyway, instead of in calls of their own.
+
+use super::*;
+
+/// A slot whose window lease runs out before its window ends, granted
+/// while the store still had room in that window. The other holders of a
+/// key over its limit usually lease that room within milliseconds (a
+/// pre-lease round, a ramp's second asks), and then each of them, its
+/// share spent, would ask once more only to find nothing: one round trip
+/// per holder and key, each on its own. Instead, shortly before the slot
+/// runs out (by its rate), the window is peeked at (a call that takes
+/// nothing) in a batch that goes out anyway, with whatever lease the
+/// process asks for next. A holder that finds it fully leased spends what
+/// it holds and, if it runs out within [`peek_trust_us`] of the peek, is
+/// denied here until the window ends, as after an ask that got nothing;
+/// later, it asks as before (permits given back meanwhile are found). One
+/// peek per grant; none on a cluster, where a batch goes out as a pipeline
+/// per hash slot and a peek would cost a round trip of its own.
+pub(crate) struct Watched {
+    pub(super) slot: Weak<Slot>,
+    /// The window the lease is for (a pre-lease's: the next one, peeked
+    /// only once it is the slot's current window).
+    pub(super) window: i64,
+    /// Not peeked before this local µs: the other holders' leases of the
+    /// same round land in the meantime.
+    pub(super) after: u64,
+    /// The window's lease deadline (local µs): no peek after it.
+    pub(super) until: u64,
+    /// The slot's rate when the lease was granted (permits per µs).
+    pub(super) rate_per_us: f64,
+}
+
+/// How long after a grant its window is peeked at the earliest (at least
+/// two round trips): a round of pre-leases over a fleet lands well within
+/// it.
+pub(super) const PEEK_AFTER_US: u64 = 10_000;
+
+/// The most slots watched at once; beyond it, slots ask as before.
+pub(super) const MAX_WATCHED: usize = 4096;
+
+/// How long a peek that found the window full is believed: a period, at
+/// most a second. The slot is peeked at when, by its rate, it runs out
+/// within this time, and denied on the peek's word only if it does; a
+/// permit given back longer before it runs out is found by its ask.
+pub(super) fn peek_trust_us(period_us: u64) -> u64 {
+    period_us.min(1_000_000)
+}
+
+/// Whether the slot, by its rate, spends what it now holds of the reply's
+/// window before that window ends (a thick holder of a busy key) and the
+/// window may be fully leased by then; its rate if so.
+pub(super) fn runs_out_early(slot: &Slot, r: &LeaseReply, max_lease: u64) -> Option<f64> {
+    let rate = slot.books().sizing.rate_per_us();
+    if rate <= 0.0 {
+        return None;
+    }
+    let serves = r.reset_after_us.saturating_sub(r.start_after_us) as f64;
+    let holds = if r.start_after_us > 0 {
+        r.granted as i64
+    } else {
+        slot.permits.load(Ordering::Acquire)
+    };
+    // With the margin `low_water_after` gives a lease that covers its
+    // window: a slot refilled at half (not covered) is watched, or its
+    // refill would ask a window often fully leased by then, alone.
+    // Not a lease cut by `max_lease` with what the slot still needs left
+    // in the store: a key far under its limit, whose ask when it runs out
+    // is served (a peek would only find room).
+    let short = rate * serves * COVER_MARGIN - holds.max(0) as f64;
+    let capped = r.granted >= max_lease && r.remaining as f64 >= short;
+    (short > 0.0 && !capped).then_some(rate)
+}
+
+/// Watches the slot's window `r.window` (or moves its watch there),
+/// peeked from `t1 + PEEK_AFTER_US` until `until`.
+pub(super) fn watch(
+    shared: &Shared,
+    slot: &Arc<Slot>,
+    r: &LeaseReply,
+    rate_per_us: f64,
+    until: u64,
+    t1: u64,
+) {
+    let entry = Watched {
+        slot: Arc::downgrade(slot),
+        window: r.window,
+        after: t1 + PEEK_AFTER_US.max(2 * shared.rtt_us.load(Ordering::Relaxed)),
+        until,
+        rate_per_us,
+    };
+    let mut watched = shared.watched.lock().unwrap_or_else(|p| p.into_inner());
+    let id = Arc::as_ptr(slot) as usize;
+    let room = watched.len() < MAX_WATCHED;
+    match watched.get_mut(&id) {
+        Some(w) if w.window <= r.window => *w = entry,
+        Some(_) => {}
+        None if room => {
+            watched.insert(id, entry);
+        }
+        None => {}
+    }
+}
+
+/// Adds peeks of watched slots that are due to a batch about to be sent,
+/// up to `max` calls in all; drops watches that can no longer tell
+/// anything (slot gone, window over, or already known full).
+pub(super) fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize, now: u64) {
+    let trust = peek_trust_us(shared.params.period_us) as f64;
+    let mut watched = shared.watched.lock().unwrap_or_else(|p| p.into_inner());
+    watched.retain(|_, w| {
+        if pending.len() >= max {
+            return true;
+        }
+        let Some(slot) = w.slot.upgrade() else {
+            return false;
+        };
+        let current = slot.window.load(Ordering::Acquire);
+        // (A denial known now is of the current window: a watch of the
+        // next one, a pre-lease's, stays.)
+        if slot.evicted.load(Ordering::Acquire)
+            || current > w.window
+            || now >= w.until
+            || (current == w.window && slot.denied_until.load(Ordering::Acquire) > now)
+        {
+            return false;
+        }
+        // Due once its lease is in place and, by the rate, soon spent;
+        // not while a refill of the slot is queued or in flight (its reply
+        // tells the same).
+        let soon = slot.permits.load(Ordering::Acquire).max(0) as f64 <= w.rate_per_us * trust;
+        let due = current == w.window
+            && now >= w.after
+            && soon
+            && !slot.refill_pending.load(Ordering::Acquire);
+        if !due {
+            return true;
+        }
+        shared.counters.peeks.add(1);
+        pending.push(Pending {
+            call: LeaseCall::peek(shared.store_key(&slot), w.window),
+            slot: Some(slot),
+            renew: false,
+            report: None,
+            to_the_end: false,
+            peek: true,
+        });
+        false
+    });
+}
+
+/// A peek's reply: a window found fully leased (the one the slot holds
+/// permits of) is denied here once they are spent, if that is soon, until
+/// the store has room again, and asks for nothing meanwhile.
+pub(super) fn peek_answered(
+    shared: &Shared,
+    config: &HybridConfig,
+    slot: &Slot,
+    r: &LeaseReply,
+    t1: u64,
+) {
+    if r.remaining > 0
+        || r.start_after_us > 0
+        || r.retry_after_us == 0
+        || r.window != slot.window.load(Ordering::Acquire)
+        || slot.denied_until.load(Ordering::Acquire) > t1
+    {
+        return;
+    }
+    let margin =
+        config.clock_margin.as_micros() as u64 + shared.time.tick_us() + drift_us(r.reset_after_us);
+    shared.counters.peeks_full.add(1);
+    slot.deny_on_peek(
+        t1 + r.retry_after_us + margin,
+        t1 + peek_trust_us(shared.params.period_us),
+    );
+    slot.low_water.store(0, Ordering::Relaxed);
+}
+
+/// A slot that, by its rate, falls to its low-water mark shortly, before
+/// its window's lease ends: a refill ahead of need that would go out on
+/// its own. Keys that ramp up together (past their first refill) or run
+/// down leases refilled at half would each send theirs alone, a round
+/// trip apiece a few milliseconds apart. Instead, a batch that goes out
+/// anyway takes along the refills of watched slots (only those whose rate
+/// was known at the grant, see [`expect_refill`]) due within
+/// [`ride_horizon_us`]: sized by the same rule (what the rate spends until
+/// the window ends, less what is held), only sent a little earlier. None
+/// on a cluster (a pipeline per hash slot: riding saves nothing there).
+pub(crate) struct Ahead {
+    pub(super) slot: Weak<Slot>,
+    /// The window of the lease the mark belongs to.
+    pub(super) window: i64,
+    /// When the lease was installed (local µs), and what the slot held
+    /// then: the rate since is what it spends now.
+    pub(super) since: u64,
+    pub(super) held: i64,
+    /// The rate known at the grant (permits per µs, above 0).
+    pub(super) rate_per_us: f64,
+}
+
+/// How far ahead of its mark a refill rides along: an eighth of a period,
+/// at most 100 ms (a fraction of the window's permits fetched early, by
+/// processes that spend them).
+pub(super) fn ride_horizon_us(period_us: u64) -> u64 {
+    (period_us / 8).min(100_000)
+}
+
+/// How often a large `ahead` is scanned at most (see [`add_rides`]).
+pub(super) fn ride_scan_every_us(horizon_us: u64) -> u64 {
+    horizon_us / 8
+}
+
+/// Up to this many entries, `ahead` is scanned with every batch.
+pub(crate) const RIDE_SCAN_ALWAYS: usize = 256;
+
+/// Notes the slot, just granted a lease of its current window, as one
+/// whose refill may ride along (see [`Ahead`]), unless by its rate it
+/// does not fall to `low_water` before the lease ends.
+pub(super) fn expect_refill(
+    shared: &Shared,
+    slot: &Arc<Slot>,
+    r: &LeaseReply,
+    low_water: u32,
+    now: u64,
+) {
+    let rate = slot.books().sizing.rate_per_us();
+    let held = slot.permits.load(Ordering::Acquire);
+    let above = held - i64::from(low_water);
+    // Not a slot whose rate is not known yet (a first lease): a ride seeds
+    // the rate from what was spent since the grant, and a short burst then
+    // silence sized a lease for the rest of the window (eight requests
+    // 1 ms apart, or one of cost 12: 987 of 1 000 held by one process,
+    // none left for the others; without rides it keeps its first lease).
+    // Its own refill at the mark seeds it, as without rides.
+    if low_water == 0 || above <= 0 || rate <= 0.0 {
+        return;
+    }
+    if now.saturating_add((above as f64 / rate) as u64) >= slot.deadline.load(Ordering::Acquire) {
+        return;
+    }
+    let mut ahead = shared.ahead.lock().unwrap_or_else(|p| p.into_inner());
+    let id = Arc::as_ptr(slot) as usize;
+    if ahead.len() < MAX_WATCHED || ahead.contains_key(&id) {
+        ahead.insert(
+            id,
+            Ahead {
+                slot: Arc::downgrade(slot),
+                window: r.window,
+                since: now,
+                held,
+                rate_per_us: rate,
+            },
+        );
+    }
+}
+
+/// Notes `slot` as one whose refill may ride along, at a rate so slow it
+/// is not due within the horizon (tests of the scan's pace).
+#[cfg(test)]
+pub(crate) fn note_ahead(shared: &Shared, slot: &Arc<Slot>, window: i64, now: u64) {
+    shared.ahead.lock().unwrap().insert(
+        Arc::as_ptr(slot) as usize,
+        Ahead {
+            slot: Arc::downgrade(slot),
+            window,
+            since: now,
+            held: slot.permits.load(Ordering::Acquire),
+            rate_per_us: 1e-9,
+        },
+    );
+}
+
+/// Adds to a batch about to be sent the refills of slots that, by what
+/// they spend, fall to their low-water mark within the ride horizon, up
+/// to the batch size. Drops entries that no longer apply: slot gone, lease
+/// over or replaced, a refill already pending, nothing held (the slot
+/// asks, or is denied, on its own), or, once watched for a horizon, not
+/// due before the lease ends at the rate seen.
+pub(super) fn add_rides(
+    shared: &Shared,
+    config: &HybridConfig,
+    pending: &mut Vec<Pending>,
+    now: u64,
+) {
+    let horizon = ride_horizon_us(shared.params.period_us);
+    let room = config.batch_size.saturating_sub(pending.len());
+    // A full batch takes nothing along and does not use up the scan's turn.
+    if room == 0 {
+        return;
+    }
+    let mut ahead = shared.ahead.lock().unwrap_or_else(|p| p.into_inner());
+    // A scan visits every entry (a `Weak` upgraded each). Past a few
+    // hundred entries, at most one scan per eighth of the horizon, which
+    // still finds a refill an eighth ahead of its mark at worst: scanning
+    // per batch, a burst of new keys asked one at a time (a batch each,
+    // every one an entry) cost the sync task a quadratic walk, two thirds
+    // of its time warming 10 000 keys.
+    let last = shared.ride_scan_at.load(Ordering::Relaxed);
+    if ahead.len() > RIDE_SCAN_ALWAYS && now < last.saturating_add(ride_scan_every_us(horizon)) {
+        return;
+    }
+    shared.ride_scan_at.store(now, Ordering::Relaxed);
+    let mut rides: Vec<Arc<Slot>> = Vec::new();
+    ahead.retain(|_, a| {
+        if rides.len() >= room {
+            return true;
+        }
+        let Some(slot) = a.slot.upgrade() else {
+            return false;
+        };
+        let deadline = slot.deadline.load(Ordering::Acquire);
+        if slot.evicted.load(Ordering::Acquire)
+            || slot.window.load(Ordering::Acquire) != a.window
+            || now >= deadline
+        {
+            return false;
+        }
+        let held = slot.permits.load(Ordering::Acquire);
+        let elapsed = now.saturating_sub(a.since);
+        let spent = a.held - held;
+        // When it falls due: by the rate known at the grant, or by what it
+        // spent since, once that is enough permits to say (two requests
+        // a moment apart say little).
+        let rate = if spent as f64 >= SEED_PERMITS && elapsed > 0 {
+            spent as f64 / elapsed as f64
+        } else {
+            a.rate_per_us
+        };
+        let above = held - i64::from(slot.low_water.load(Ordering::Relaxed));
+        let eta = if rate > 0.0 {
+            (above.max(0) as f64 / rate) as u64
+        } else {
+            u64::MAX
+        };
+        if eta > horizon {
+            // Kept while it may still fall due in time.
+            return elapsed <= horizon || now.saturating_add(eta) < deadline;
+        }
+        if held <= 0
+            || slot.denied_until.load(Ordering::Acquire) > now
+            // Claimed first, then marked in flight (as a queue entry
+            // taken by `RefillQueue::pop`): a request that asks
+            // meanwhile finds the refill on its way.
+            || slot.refill_pending.swap(true, Ordering::AcqRel)
+        {
+            return false;
+        }
+        slot.in_flight.store(true, Ordering::Release);
+        slot.promoted.store(false, Ordering::Release);
+        rides.push(slot);
+        false
+    });
+    drop(ahead);
+    shared.counters.rides.add(rides.len() as u64);
+    for slot in rides {
+        pending.push(lease_call(shared, config, slot, now));
+    }
+}
