@@ -1,0 +1,139 @@
+//! Refunds that go back locally: into the lease a permit came from, or
+//! into credit not yet reported, each at most once.
+
+use super::*;
+
+/// Admissions refunded that could go back locally, and where each went,
+/// each kept until the lease or credit it could go back into has surely
+/// ended: a second refund of one must not go back locally again (the
+/// debt or lease it would go into may hold others' permits by then).
+#[derive(Default)]
+pub(crate) struct LocalRefunds {
+    /// Admission → (local µs after which it is forgotten, where it went).
+    seen: HashMap<u64, (u64, Went)>,
+}
+
+/// Where a refund that could go back locally went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Went {
+    /// Into the lease or the unreported debt: a repeat gives nothing.
+    Local,
+    /// To the store (its credit was reported): a repeat goes there too,
+    /// and the store knows the admission's identity.
+    Store,
+}
+
+/// The most local refunds remembered at once; past it, a refund that
+/// would go back locally is ignored (and counted) instead.
+const MAX_LOCAL_REFUNDS: usize = 65_536;
+
+impl LocalRefunds {
+    /// Where an earlier refund of `seq` went, if one did; else records
+    /// that this one goes `went`. `Some(Local)` too when there is no room
+    /// to remember it (nothing goes back then).
+    fn route(&mut self, seq: u64, now: u64, until: u64, went: Went) -> Option<Went> {
+        if self.seen.len() >= MAX_LOCAL_REFUNDS / 2 {
+            self.seen.retain(|_, &mut (end, _)| end > now);
+        }
+        if let Some(&(_, before)) = self.seen.get(&seq) {
+            return Some(before);
+        }
+        if self.seen.len() >= MAX_LOCAL_REFUNDS {
+            return Some(Went::Local);
+        }
+        self.seen.insert(seq, (until, went));
+        None
+    }
+
+    fn set(&mut self, seq: u64, went: Went) {
+        if let Some(entry) = self.seen.get_mut(&seq) {
+            entry.1 = went;
+        }
+    }
+}
+
+impl HybridEngine {
+    /// Puts back what `taken` took locally: permits into the lease they
+    /// were spent from, if this process still holds it, or credit into
+    /// the debt not yet reported (no store call); `false` otherwise.
+    pub(crate) fn untake(&self, key: &str, taken: Taken) -> bool {
+        let s = &*self.shared;
+        if taken.engine != s.tag {
+            return false;
+        }
+        let Some(slot) = s.slots.get(key).map(|e| e.value().clone()) else {
+            return false;
+        };
+        match taken.origin {
+            Origin::Lease if s.leases.windowed() => {
+                slot.untake(taken.window, taken.cost, s.time.precise_us())
+            }
+            // A bucket's permits go back only into the lease they were
+            // taken from: one applied after the take was granted with the
+            // bucket's level then, and a take from an earlier lease going
+            // into it would be a permit the bucket never had.
+            Origin::Lease => {
+                let taken_at = taken.window.max(0) as u64;
+                slot.books().sizing.applied_at() <= taken_at
+                    && slot.untake(0, taken.cost, s.time.precise_us())
+            }
+            Origin::Credit => slot.untake_credit(taken.window, taken.cost),
+            _ => false,
+        }
+    }
+
+    /// Gives `taken` back, once per admission however often it is sent.
+    ///
+    /// A window's permits go to the store's count of their window, which
+    /// takes them only while the window lasts (the refund carries the
+    /// admission's identity); not into the local lease, which would take
+    /// them back again on every call. A bucket lease's permits have no
+    /// window to go to: they go back into the lease while it lasts, and
+    /// credit into the debt not yet reported (else, for a window, to its
+    /// count), each admission once (remembered here). Returns the permits
+    /// taken back (`REPEAT` or more: refunded before).
+    pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<u64, Error> {
+        let s = &*self.shared;
+        let windowed = s.leases.windowed();
+        let local = match taken.origin {
+            Origin::Lease => !windowed,
+            Origin::Credit => true,
+            _ => false,
+        };
+        // Taken by another engine (a lane of another tier): nothing of it
+        // is here to go back into.
+        if local && taken.engine != s.tag && (taken.origin != Origin::Credit || !windowed) {
+            return Ok(0);
+        }
+        if local {
+            let now = s.time.precise_us();
+            let config = s.config.load();
+            let until =
+                now + config.lease_ttl.as_micros() as u64 + 2 * s.params.period_us + 1_000_000;
+            let mut refunds = self.local_refunds.lock().unwrap_or_else(|p| p.into_inner());
+            match refunds.route(taken.seq, now, until, Went::Local) {
+                Some(Went::Local) => return Ok(crate::algorithm::REPEAT),
+                Some(Went::Store) => {}
+                None => {
+                    if self.untake(key, taken) {
+                        return Ok(taken.cost);
+                    }
+                    // Credit already reported counts in its window; the
+                    // rest has nowhere to go.
+                    if taken.origin != Origin::Credit || !windowed {
+                        return Ok(0);
+                    }
+                    refunds.set(taken.seq, Went::Store);
+                }
+            }
+        }
+        let back = s.exact.refund(key, taken).await?;
+        if back > 0 && back < crate::algorithm::REPEAT {
+            // The store has room again: a key known exhausted asks anew.
+            if let Some(slot) = self.shared.slots.get(key) {
+                slot.deny_until(0);
+            }
+        }
+        Ok(back)
+    }
+}

@@ -1,0 +1,505 @@
+//! State the request path and the sync task share, and the operations
+//! on it both use.
+
+use super::*;
+
+/// State shared by the request path and the sync task.
+pub(crate) struct Shared {
+    /// User key → local state. Entries are only removed by the sync task.
+    /// aHash: several times faster than SipHash on short keys, and keyed
+    /// with random seeds, so user-chosen keys cannot force collisions.
+    pub(super) slots: DashMap<Arc<str>, Arc<Slot>, ahash::RandomState>,
+    /// Replaceable at run time without locks.
+    pub(super) config: ArcSwap<HybridConfig>,
+    pub(super) store: Store,
+    pub(super) keys: KeyEncoder,
+    pub(super) params: Params,
+    /// How the algorithm's leases live and end (its spec's).
+    pub(super) leases: LeaseKind,
+    /// Whether the algorithm's next window is leased ahead (its spec's).
+    pub(super) pre_leases: bool,
+    pub(super) time: TimeSource,
+    pub(super) counters: Arc<Counters>,
+    /// Slots waiting for a refill, those with a request waiting first.
+    pub(super) queue: Mutex<sync::RefillQueue>,
+    /// Permits to give back in the next round.
+    pub(super) returns: Mutex<Vec<GiveBackCall>>,
+    /// Slots whose window is peeked at with the next batch sent.
+    pub(super) watched: Mutex<HashMap<usize, sync::Watched>>,
+    /// Slots whose refill ahead of need is soon due: sent early with a
+    /// batch that goes out anyway (see [`sync::Ahead`]).
+    pub(super) ahead: Mutex<HashMap<usize, sync::Ahead>>,
+    /// When `ahead` was last scanned for refills to send along (local µs;
+    /// 0: never), so a burst of batches does not scan it once each.
+    pub(super) ride_scan_at: AtomicU64,
+    /// Debt of evicted slots (or of failed reports) to report next round,
+    /// each under the identity it was first sent with.
+    pub(super) reports: Mutex<Vec<DebtReport>>,
+    /// Store key → credit of slots already retired: debt queued or in
+    /// flight, and (fixed window) what the window saw and whether the store
+    /// closed it to credit. A recreated slot counts it against `max_debt`,
+    /// so eviction cannot hand a key its credit twice.
+    pub(super) outstanding: DashMap<String, KeyLedger, ahash::RandomState>,
+    /// Identities of give-backs and debt reports.
+    pub(super) ops: OpIds,
+    /// This process as a lease holder (the lease script's fair share).
+    pub(super) holder: Arc<str>,
+    /// The store's clock as the last lease reply showed it.
+    pub(super) store_clock: Mutex<Option<StoreClock>>,
+    /// Wakes the sync task.
+    pub(super) wake: Notify,
+    /// Woken when a refill has been applied; striped by slot rather than
+    /// one per slot, which keeps slots small (a waiter woken for another
+    /// slot of its stripe just checks again).
+    pub(super) refill_waiters: Box<[Notify]>,
+    /// A queued refill has a request waiting on it: no coalescing delay.
+    pub(super) urgent: AtomicBool,
+    /// Tells the sync task to exit.
+    pub(super) stopping: AtomicBool,
+    /// The sync task runs. Cleared by a guard inside it when it ends for
+    /// any reason: its runtime was dropped, it panicked (say, in a metrics
+    /// recorder), or it was told to stop.
+    pub(super) alive: AtomicBool,
+    /// After shutdown: decide by the exact path, lease nothing.
+    pub(super) closed: AtomicBool,
+    /// Threads got in each other's way on some key lately: the request
+    /// path then looks in its per-thread slot cache first. Cleared by
+    /// maintenance, set again by the next contended swap.
+    pub(super) contended: AtomicBool,
+    /// Keys without room in the map, and decisions after shutdown.
+    pub(super) exact: ExactEngine,
+    /// The largest cost that can ever be admitted.
+    pub(super) max_cost: u64,
+    /// This engine's tag in what its leases and credit took.
+    pub(super) tag: u16,
+    /// Smoothed store round trip, µs.
+    pub(super) rtt_us: AtomicU64,
+    /// What the failure policy's fallback admitted, to report on recovery.
+    pub(super) reconciler: Arc<Reconciler>,
+    /// The fallback's clock, kept on the store's time by lease replies.
+    pub(super) fallback_clock: Arc<crate::failure::StoreAligned>,
+    /// How close to a lease's deadline a refill is requested early (µs):
+    /// the pre-lease lead (fixed window), at most half the lease horizon
+    /// (buckets); 0 turns early refills off. Kept out of the `ArcSwap`d
+    /// config so the request path reads one atomic.
+    pub(super) early_lead_us: AtomicU64,
+    /// Fixed window: the end of a window as the last lease reply showed
+    /// it (local µs; 0 = none yet). Windows share their boundaries, so
+    /// this places every later one.
+    pub(super) window_end_hint: AtomicU64,
+    /// Runs once between a failed try and the wait for a refill: lets a
+    /// test land a refill in exactly that gap.
+    #[cfg(test)]
+    pub(super) before_wait: Mutex<Option<BeforeWait>>,
+}
+
+#[cfg(test)]
+pub(super) type BeforeWait = Box<dyn FnOnce(&Shared, &Arc<Slot>) + Send>;
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KeyLedger {
+    /// Debt queued for reporting or in flight.
+    pub(super) pending: u64,
+    /// Fixed window: the window `used` counts.
+    pub(super) window: i64,
+    /// Fixed window: credit retired slots took in `window`.
+    pub(super) used: u64,
+    /// Fixed window: no credit in this window or earlier.
+    pub(super) closed_through: i64,
+    /// Local µs of the last retirement.
+    pub(super) at_us: u64,
+}
+
+impl Default for KeyLedger {
+    fn default() -> Self {
+        KeyLedger {
+            pending: 0,
+            window: i64::MIN,
+            used: 0,
+            closed_through: i64::MIN,
+            at_us: 0,
+        }
+    }
+}
+
+/// The store's clock against the local one, from a lease reply.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StoreClock {
+    /// Store µs minus local µs.
+    pub(crate) offset_us: i64,
+    /// Half the round trip it was read over: the reading's uncertainty.
+    pub(crate) error_us: u64,
+    /// Local µs of the reading.
+    pub(crate) at_us: u64,
+}
+
+/// How long a store clock reading is trusted for first-touch credit.
+pub(super) const STORE_CLOCK_FRESH_US: u64 = 10_000_000;
+
+/// Stripes of refill notifications.
+/// Many: every waiter of a stripe wakes when any of its slots is
+/// refilled, so a storm of N new keys costs about N² / stripes wake-ups
+/// (100,000 keys: 10 million with 1,024 stripes, 150 million with 64).
+/// About 32 KiB per limiter.
+pub(super) const REFILL_STRIPES: usize = 1_024;
+
+impl Shared {
+    /// The last work of a limiter: every slot retired (unused permits given
+    /// back, debt reported), waiters woken to decide by one store call,
+    /// one last round. Bounded: each batch by the store's timeout, and the
+    /// breaker refuses the rest once it opens. What the store cannot take
+    /// even now is counted as dropped, not lost silently.
+    pub(super) async fn finish(&self) {
+        self.closed.store(true, Ordering::Release);
+        let now = self.time.precise_us();
+        let keys: Vec<Arc<str>> = self.slots.iter().map(|e| e.key().clone()).collect();
+        for key in keys {
+            if let Some((_, slot)) = self.slots.remove(&key) {
+                self.retire(&slot, now);
+            }
+        }
+        for stripe in self.refill_waiters.iter() {
+            stripe.notify_waiters();
+        }
+        sync::round(self).await;
+        let lost: u64 =
+            std::mem::take(&mut *self.reports.lock().unwrap_or_else(|p| p.into_inner()))
+                .iter()
+                .map(|r| r.debt)
+                .sum::<u64>()
+                + self
+                    .reconciler
+                    .drain()
+                    .iter()
+                    .map(|r| r.permits)
+                    .sum::<u64>();
+        self.counters.reports_dropped.add(lost);
+        self.counters.meters.local_keys.set(0.0);
+    }
+
+    #[inline]
+    pub(super) fn early_lead(&self) -> u64 {
+        self.early_lead_us.load(Ordering::Relaxed)
+    }
+
+    /// How long before a window ends its next one is leased ahead (zero:
+    /// never, also for an algorithm whose next window is not leased ahead).
+    pub(super) fn prelease_lead(&self, config: &HybridConfig) -> Duration {
+        match self.leases {
+            LeaseKind::Window if self.pre_leases => config.prelease_lead,
+            _ => Duration::ZERO,
+        }
+    }
+
+    pub(super) fn set_early_lead(&self, config: &HybridConfig) {
+        // A bucket lease is renewed ahead of its horizon, at most half-way.
+        let lead = if self.leases.windowed() {
+            self.prelease_lead(config).as_micros() as u64
+        } else {
+            (config.prelease_lead.as_micros() as u64).min(config.lease_ttl.as_micros() as u64 / 2)
+        };
+        self.early_lead_us.store(lead, Ordering::Relaxed);
+    }
+
+    /// The notification a waiter on `slot` listens to.
+    pub(super) fn refilled(&self, slot: &Slot) -> &Notify {
+        let address = slot as *const Slot as usize;
+        &self.refill_waiters[(address as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize >> 20
+            & (REFILL_STRIPES - 1)]
+    }
+
+    pub(super) fn insert(&self, key: &str, now: u64) -> Option<Arc<Slot>> {
+        if let Some(slot) = self.slots.get(key) {
+            return Some(slot.clone());
+        }
+        // After shutdown nothing is leased again: a waiter that wakes to an
+        // evicted slot decides by one store call instead.
+        if self.closed.load(Ordering::Acquire) {
+            return None;
+        }
+        let max_keys = self.config.load().max_keys;
+        if self.slots.len() >= max_keys {
+            return None;
+        }
+        let key: Arc<str> = Arc::from(key);
+        Some(
+            self.slots
+                .entry(key.clone())
+                .or_insert_with(|| Arc::new(Slot::new(key, now)))
+                .clone(),
+        )
+    }
+
+    pub(super) async fn exact_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
+        self.exact.check(key, cost).await
+    }
+
+    /// Queues a refill for the slot (at most one per slot at a time).
+    /// `urgent`: a request is waiting for it, so the sync task sends at
+    /// once; otherwise it may wait `coalesce` for more keys to batch.
+    pub(super) fn request_refill(&self, slot: &Arc<Slot>, urgent: bool) {
+        if urgent {
+            self.urgent.store(true, Ordering::Release);
+        }
+        if slot.enqueue(urgent) {
+            self.queue
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(slot.clone(), urgent);
+            self.wake.notify_one();
+        } else if urgent {
+            self.wake.notify_one();
+        }
+    }
+
+    pub(super) fn reset_after(&self, slot: &Slot, now: u64) -> Duration {
+        Duration::from_micros(slot.window_end.load(Ordering::Relaxed).saturating_sub(now))
+    }
+
+    pub(super) fn cached_denial(&self, slot: &Slot, until: u64, now: u64) -> Decision {
+        let wait = Duration::from_micros(until - now);
+        let reset = self.reset_after(slot, now).max(wait);
+        Decision::deny(self.params.limit, 0, reset, Some(wait), Source::DeniedCache)
+    }
+
+    /// Permits were just taken, `left` remain: a refill if one is due,
+    /// and the decision.
+    #[inline(always)]
+    pub(super) fn spent(
+        &self,
+        slot: &Arc<Slot>,
+        left: i64,
+        now: u64,
+        cost: u64,
+        window: Option<i64>,
+    ) -> Decision {
+        if slot.wants_refill(left, now, self.early_lead()) {
+            self.request_refill(slot, false);
+        }
+        // A bucket lease has no window: its take records when it was
+        // made (local µs), so it goes back only into a lease in place by
+        // then (see `untake`).
+        let window = if self.leases.windowed() {
+            window
+        } else {
+            window.map(|_| now as i64)
+        };
+        self.lease_decision(slot, left, now)
+            .with_taken(Taken::new(Origin::Lease, cost, window).by(self.tag))
+    }
+
+    #[inline(always)]
+    pub(super) fn lease_decision(&self, slot: &Slot, left: i64, now: u64) -> Decision {
+        let remaining =
+            left.max(0) as u64 + u64::from(slot.store_remaining.load(Ordering::Relaxed));
+        Decision::allow(
+            self.params.limit,
+            remaining.min(self.params.limit.max(self.params.burst)),
+            self.reset_after(slot, now),
+            Source::Lease,
+        )
+    }
+
+    /// The fixed window the store is in at local time `now`, from the last
+    /// reply's clock reading, or `None` when the reading is stale or `now`
+    /// is too close to a boundary to tell.
+    pub(super) fn store_window(&self, now: u64) -> Option<i64> {
+        let reading = (*self.store_clock.lock().unwrap_or_else(|p| p.into_inner()))?;
+        let age = now.checked_sub(reading.at_us)?;
+        if age > STORE_CLOCK_FRESH_US {
+            return None;
+        }
+        let config = self.config.load();
+        let err = reading.error_us
+            + config.clock_margin.as_micros() as u64
+            + self.time.tick_us()
+            + sync::drift_us(age);
+        let store_now = now.checked_add_signed(reading.offset_us)?;
+        let period = self.params.period_us;
+        let early = store_now.saturating_sub(err) / period;
+        let late = (store_now + err) / period;
+        (early == late).then_some(early as i64)
+    }
+
+    /// Optimistic mode: admit on credit if this process's unreported debt
+    /// for the key stays within `max_debt` and belongs to one window; the
+    /// window it is charged to (0 for a bucket).
+    pub(super) fn try_credit(
+        &self,
+        slot: &Slot,
+        cost: u64,
+        now: u64,
+        max_debt: u64,
+    ) -> Option<i64> {
+        // Window leases: near a boundary the debt could land in either
+        // window, so no credit there, and each window's overshoot stays
+        // attributable. Before the key's first lease, the window comes
+        // from the store's clock as the last reply of any key showed it;
+        // with no reply yet, no credit (debt charged to whatever window
+        // the store is in when the report lands would hide overshoot).
+        let windowed = self.leases.windowed();
+        let window = if windowed {
+            match slot.window_at(now, self.params.period_us) {
+                Some(UNKNOWN_WINDOW) => self.store_window(now)?,
+                Some(window) => window,
+                None => return None,
+            }
+        } else {
+            0
+        };
+        // Credit is taken only where the store's last word on this window
+        // leaves room for it beyond the refill in flight: past that it
+        // would be overshoot for certain, and the request waits for the
+        // refill's answer instead.
+        let mut room = max_debt;
+        if windowed && window == slot.window.load(Ordering::Acquire) {
+            let left = u64::from(slot.store_remaining.load(Ordering::Relaxed));
+            let asked = slot.books().sizing.last_want();
+            room = room.min(left.saturating_sub(asked));
+        }
+        let queued = if self.outstanding.is_empty() {
+            0
+        } else {
+            match self.outstanding.get(&self.store_key(slot)) {
+                None => 0,
+                Some(ledger) if !windowed => ledger.pending,
+                Some(ledger) if window <= ledger.closed_through => return None,
+                Some(ledger) if window == ledger.window => ledger.used,
+                Some(_) => 0,
+            }
+        };
+        if !slot.take_credit(window, cost, room.saturating_sub(queued)) {
+            return None;
+        }
+        self.counters.credit_admitted.add(cost);
+        Some(window)
+    }
+
+    /// Takes a slot out of service: valid permits go back to the store,
+    /// debt is queued for reporting, expired permits count as stranded.
+    pub(super) fn retire(&self, slot: &Slot, now: u64) {
+        let Retired {
+            credit,
+            closed,
+            origin,
+            permits,
+            window,
+            deadline,
+            next,
+        } = slot.retire();
+        let valid = now < deadline;
+        let permits = permits as u64;
+        let store_key = self.store_key(slot);
+        if credit.debt > 0 || credit.in_flight > 0 || closed != i64::MIN {
+            let mut ledger = self.outstanding.entry(store_key.clone()).or_default();
+            if credit.window > ledger.window {
+                ledger.window = credit.window;
+                ledger.used = 0;
+            }
+            // Queued debt is added by `queue_report` below.
+            if credit.window == ledger.window {
+                ledger.used += u64::from(credit.in_flight);
+            }
+            ledger.closed_through = ledger.closed_through.max(closed);
+            ledger.at_us = now;
+        }
+        if permits > 0 {
+            if valid {
+                self.give_back(&store_key, permits, window, origin);
+            } else {
+                self.counters.stranded.add(permits);
+            }
+        }
+        if let Some(next) = next {
+            self.give_back(&store_key, next.permits.max(0) as u64, next.window, origin);
+        }
+        if credit.debt > 0 {
+            let op = self.ops.next();
+            self.queue_report(DebtReport {
+                key: store_key,
+                debt: u64::from(credit.debt),
+                window: credit.window,
+                op,
+                attempts: 0,
+                not_before: 0,
+                first_sent: None,
+            });
+        }
+    }
+
+    /// Queues debt for reporting under its identity, and counts it against
+    /// the key's credit until the store has it.
+    pub(super) fn queue_report(&self, report: DebtReport) {
+        {
+            let mut ledger = self.outstanding.entry(report.key.clone()).or_default();
+            ledger.pending += report.debt;
+            if self.leases.windowed() {
+                if report.window > ledger.window {
+                    ledger.window = report.window;
+                    ledger.used = 0;
+                }
+                if report.window == ledger.window {
+                    ledger.used += report.debt;
+                }
+                ledger.at_us = self.time.precise_us();
+            }
+        }
+        self.reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(report);
+    }
+
+    /// The store has a queued report (or refused it for good).
+    pub(super) fn report_settled(&self, report: &DebtReport) {
+        if let Some(mut ledger) = self.outstanding.get_mut(&report.key) {
+            ledger.pending = ledger.pending.saturating_sub(report.debt);
+        }
+        // Buckets have no window to remember: a settled ledger is done.
+        // Window ledgers are pruned once their window has passed.
+        let bucket = !self.leases.windowed();
+        self.outstanding
+            .remove_if(&report.key, |_, l| l.pending == 0 && bucket);
+    }
+
+    /// Forgets fixed-window ledgers whose window has surely ended.
+    pub(super) fn prune_ledgers(&self, now: u64) {
+        if self.outstanding.is_empty() {
+            return;
+        }
+        let stale = 2 * self.params.period_us + self.config.load().clock_margin.as_micros() as u64;
+        self.outstanding
+            .retain(|_, l| l.pending > 0 || now.saturating_sub(l.at_us) < stale);
+    }
+
+    /// The slot's store key, encoded when the sync task needs it rather
+    /// than kept in every slot.
+    pub(super) fn store_key(&self, slot: &Slot) -> String {
+        self.keys.store_key(&slot.key, self.params.algorithm)
+    }
+
+    pub(super) fn give_back(
+        &self,
+        store_key: &str,
+        permits: u64,
+        window: i64,
+        origin: LeaseOrigin,
+    ) {
+        if permits == 0 || (window == UNKNOWN_WINDOW && self.leases.windowed()) {
+            return;
+        }
+        let call = GiveBackCall {
+            key: store_key.to_owned(),
+            returned: permits,
+            window,
+            origin,
+            op: self.ops.next(),
+            remember_us: 0,
+            refund: false,
+        };
+        self.returns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(call);
+    }
+}
