@@ -29,39 +29,11 @@ fn millis(us: u64) -> u32 {
 /// "No window known yet": the store charges such debt to its current window.
 pub(crate) const UNKNOWN_WINDOW: i64 = -1;
 
-/// A slice of the next window, granted ahead of the boundary.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct NextLease {
-    pub(crate) permits: i64,
-    pub(crate) window: i64,
-    /// Local µs from which the permits may be spent (the window's start,
-    /// as late as it can be locally, plus the margin).
-    pub(crate) start: u64,
-    /// Local µs at which they become void.
-    pub(crate) deadline: u64,
-    /// Local µs by which the window has surely ended.
-    pub(crate) window_end: u64,
-    /// The low-water mark for these permits once they are in place. (A
-    /// pre-lease does not move the current lease's mark: that one is for
-    /// the permits of the window still running.)
-    pub(crate) low_water: u32,
-}
+mod credit;
+mod next;
 
-/// Permits admitted on credit and not yet reported.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Credit {
-    /// At most `max_debt`, which configuration keeps within `u32`.
-    pub(crate) debt: u32,
-    pub(crate) window: i64,
-    /// Debt sent in a lease call whose reply has not arrived: it still
-    /// counts against `max_debt`, or credit could be taken twice in one
-    /// window before the store says it is exhausted.
-    pub(crate) in_flight: u32,
-    /// Of `in_flight`, permits a denial of another quota gave back after
-    /// they were sent: the store counts them, so they go back to it (and
-    /// are not overshoot) once the call is answered.
-    pub(crate) recalled: u32,
-}
+pub(crate) use credit::Credit;
+pub(crate) use next::NextLease;
 
 pub(crate) struct Slot {
     /// The user key, shared with the map's key (no second copy).
@@ -356,66 +328,6 @@ impl Slot {
         true
     }
 
-    /// Optimistic mode: admits `cost` on credit in `window` if the slot's
-    /// unreported and in-flight debt stays within `room`, all in one
-    /// window, and the window is not closed to credit. Checked under the
-    /// books lock, which [`retire`](Slot::retire) takes after marking the
-    /// slot evicted: credit is either collected by `retire` or not taken.
-    pub(crate) fn take_credit(&self, window: i64, cost: u64, room: u64) -> bool {
-        let mut books = self.books();
-        if self.evicted.load(Ordering::Acquire) {
-            return false;
-        }
-        if window != UNKNOWN_WINDOW && window <= books.credit_closed {
-            return false;
-        }
-        let credit = &mut books.credit;
-        if credit.debt > 0 && credit.window != window {
-            return false;
-        }
-        if u64::from(credit.debt) + u64::from(credit.in_flight) + cost > room {
-            return false;
-        }
-        // cost <= room <= max_debt <= u32::MAX here.
-        credit.debt += cost as u32;
-        credit.window = window;
-        true
-    }
-
-    /// Gives back `cost` permits admitted on credit in `window` (another
-    /// quota denied the request): out of the unreported debt, or, if a
-    /// lease call is carrying it to the store, recalled from its answer
-    /// (see [`Credit::recalled`]). `false` if neither (the store has it).
-    pub(crate) fn untake_credit(&self, window: i64, cost: u64) -> bool {
-        let mut books = self.books();
-        let credit = &mut books.credit;
-        if credit.window != window {
-            return false;
-        }
-        if !self.evicted.load(Ordering::Acquire) && u64::from(credit.debt) >= cost {
-            // cost <= debt <= u32::MAX here.
-            credit.debt -= cost as u32;
-            return true;
-        }
-        if u64::from(credit.in_flight - credit.recalled.min(credit.in_flight)) >= cost {
-            credit.recalled += cost as u32;
-            return true;
-        }
-        false
-    }
-
-    /// A lease call carrying `debt` of this slot's credit was answered
-    /// (or will never be): returns what of it was recalled meanwhile.
-    pub(crate) fn credit_settled(&self, debt: u64) -> u32 {
-        let mut books = self.books();
-        let credit = &mut books.credit;
-        let debt = debt.min(u64::from(u32::MAX)) as u32;
-        credit.in_flight = credit.in_flight.saturating_sub(debt);
-        let recalled = credit.recalled.min(debt);
-        credit.recalled -= recalled;
-        recalled
-    }
-
     /// Takes the slot out of service: marks it evicted, then collects its
     /// unreported credit (see [`take_credit`](Slot::take_credit)).
     ///
@@ -646,107 +558,6 @@ impl Slot {
             self.books().sizing.moved(0, voided);
         }
         voided
-    }
-
-    /// Whether a pre-leased slice of the next window is held.
-    #[inline]
-    pub(crate) fn has_next(&self) -> bool {
-        self.has_next.load(Ordering::Acquire)
-    }
-
-    fn next_lock(&self) -> MutexGuard<'_, Option<Box<NextLease>>> {
-        self.next.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Holds a pre-leased slice of the next window: added to one held for
-    /// the same window, else in place of it. Returns the permits of a slice
-    /// for another window it replaced (stranded).
-    pub(crate) fn hold_next(&self, lease: NextLease) -> i64 {
-        let mut next = self.next_lock();
-        let (merged, replaced) = match next.as_deref().copied() {
-            Some(n) if n.window == lease.window => (
-                NextLease {
-                    permits: n.permits + lease.permits,
-                    ..n
-                },
-                0,
-            ),
-            Some(n) => (lease, n.permits.max(0)),
-            None => (lease, 0),
-        };
-        *next = Some(Box::new(merged));
-        self.has_next.store(true, Ordering::Release);
-        replaced
-    }
-
-    /// Sets the low-water mark a held slice of `window` takes once in place.
-    pub(crate) fn set_next_low_water(&self, window: i64, low_water: u32) {
-        if let Some(n) = self.next_lock().as_mut().filter(|n| n.window == window) {
-            n.low_water = low_water;
-        }
-    }
-
-    /// Drops a held slice whose deadline has passed; returns its permits
-    /// (stranded).
-    pub(crate) fn expire_next(&self, now: u64) -> i64 {
-        if !self.has_next() {
-            return 0;
-        }
-        let mut next = self.next_lock();
-        match next.as_deref().copied() {
-            Some(n) if now >= n.deadline => {
-                *next = None;
-                self.has_next.store(false, Ordering::Release);
-                n.permits.max(0)
-            }
-            _ => 0,
-        }
-    }
-
-    /// The permits of the held slice of the next window (0: none).
-    #[cfg(test)]
-    pub(crate) fn next_permits(&self) -> i64 {
-        self.next_lock().as_ref().map_or(0, |n| n.permits)
-    }
-
-    /// When a held slice becomes usable, if one is held.
-    pub(crate) fn next_start(&self) -> Option<u64> {
-        if !self.has_next() {
-            return None;
-        }
-        self.next_lock().as_ref().map(|n| n.start)
-    }
-
-    /// Moves a due pre-leased slice of the next window into place; returns
-    /// the permits it replaced, or `None` if nothing was due.
-    pub(crate) fn promote(&self, now: u64) -> Option<i64> {
-        if !self.has_next.load(Ordering::Acquire) {
-            return None;
-        }
-        let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
-        let lease = **next.as_ref()?;
-        if now < lease.start {
-            return None;
-        }
-        *next = None;
-        self.has_next.store(false, Ordering::Release);
-        self.low_water.store(lease.low_water, Ordering::Relaxed);
-        let installed = self.install_locked(
-            lease.permits,
-            lease.window,
-            lease.deadline,
-            lease.window_end,
-            now,
-            true,
-        );
-        drop(next);
-        Some(match installed {
-            Installed::Replaced(n) => {
-                self.books().sizing.moved(lease.permits, n);
-                n
-            }
-            Installed::Stale(n) => n,
-        })
     }
 
     /// Local estimate of the fixed window in force at `now`: `Some(index)`
