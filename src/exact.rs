@@ -5,12 +5,11 @@
 //! but the call; failures go back to the limiter, which applies the policy.
 
 use std::sync::Arc;
-use std::time::Duration;
 
-use crate::algorithm::{GiveBackCall, LeaseOrigin, OpIds};
+use crate::algorithm::OpIds;
+use crate::checked::{decision_from, refund_call, taken_by_check};
 use crate::decision::{Origin, Source, Taken};
 use crate::key::KeyEncoder;
-use crate::local::decision_from;
 use crate::stats::Counters;
 use crate::store::{Params, Store};
 use crate::{Decision, Error};
@@ -98,71 +97,4 @@ impl ExactEngine {
             .await;
         replies?.pop().unwrap_or(Ok(0))
     }
-}
-
-/// The window a store reading at `now_us` falls in, for window algorithms
-/// (the scripts' `floor(now / period)`); `None` for buckets.
-pub(crate) fn window_of(params: &Params, now_us: u64) -> Option<i64> {
-    params
-        .algorithm
-        .spec()
-        .leases
-        .windowed()
-        .then(|| (now_us / params.period_us.max(1)) as i64)
-}
-
-/// What a check by a store (shared or per-process) that admitted `cost`
-/// took: permits of the window it counted them in, or a bucket's tokens
-/// at the reply's level and time.
-pub(crate) fn taken_by_check(
-    params: &Params,
-    reply: &crate::store::AcquireReply,
-    cost: u64,
-    origin: Origin,
-) -> Taken {
-    match window_of(params, reply.now_us) {
-        Some(window) => {
-            let period = params.period_us.max(1);
-            let lasts = Duration::from_micros(period - reply.now_us % period);
-            Taken::new(origin, cost, Some(window)).lasting(lasts)
-        }
-        None => Taken::of_bucket(origin, cost, LeaseOrigin::of_check(reply)),
-    }
-}
-
-/// The give-back that refunds `taken` to `store_key`, under the
-/// admission's identity.
-pub(crate) fn refund_call(
-    params: &Params,
-    store_key: String,
-    taken: &Taken,
-    ops: &OpIds,
-) -> GiveBackCall {
-    let windowed = params.algorithm.spec().leases.windowed();
-    GiveBackCall {
-        key: store_key,
-        returned: taken.cost,
-        window: if windowed { taken.window } else { 0 },
-        origin: if windowed {
-            LeaseOrigin::default()
-        } else {
-            taken.bucket_origin()
-        },
-        op: taken.op().unwrap_or_else(|| ops.next()),
-        remember_us: remember_refund(params),
-        refund: true,
-    }
-}
-
-/// How long a refund's identity is remembered: past the end of its window,
-/// or past the time its bucket takes to fill from empty, after which the
-/// store gives it nothing back anyway.
-pub(crate) fn remember_refund(params: &Params) -> u64 {
-    let lasts = if params.algorithm.spec().leases.windowed() {
-        params.period_us
-    } else {
-        let fill = params.burst as f64 * params.period_us as f64 / params.limit.max(1) as f64;
-        fill.min(u64::MAX as f64 / 2.0) as u64
-    };
-    lasts.saturating_add(1_000_000)
 }

@@ -130,6 +130,7 @@
 
 mod algorithm;
 mod breaker;
+mod checked;
 mod clock;
 mod decision;
 mod error;

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algorithm::OpIds;
+use crate::checked::{decision_from, refund_call, taken_by_check};
 use crate::decision::{Origin, Source, Taken};
-use crate::exact::{refund_call, taken_by_check};
-use crate::store::{AcquireReply, MemoryStore, Params};
+use crate::store::{MemoryStore, Params};
 use crate::{Algorithm, Clock, Decision, Quota};
 
 pub(crate) struct LocalEngine {
@@ -51,21 +51,5 @@ impl LocalEngine {
     pub(crate) fn refund(&self, key: &str, taken: Taken) -> u64 {
         let call = refund_call(&self.params, key.to_owned(), &taken, &self.ops);
         self.store.give_back(&self.params, &call).unwrap_or(0)
-    }
-}
-
-/// Turns a store's check reply into a decision.
-pub(crate) fn decision_from(reply: &AcquireReply, limit: u64, source: Source) -> Decision {
-    let reset = Duration::from_micros(reply.reset_after_us);
-    if reply.allowed {
-        Decision::allow(limit, reply.remaining, reset, source)
-    } else {
-        Decision::deny(
-            limit,
-            reply.remaining,
-            reset,
-            reply.retry_after_us.map(Duration::from_micros),
-            source,
-        )
     }
 }
