@@ -129,6 +129,7 @@
 //! - `http`: the tower layer (429, `Retry-After`, `RateLimit` headers).
 
 mod algorithm;
+mod all;
 mod breaker;
 mod checked;
 mod clock;
@@ -141,6 +142,7 @@ pub mod http;
 mod hybrid;
 mod key;
 mod lane;
+mod lanes;
 mod limiter;
 mod local;
 pub mod metrics;
@@ -152,6 +154,7 @@ mod tiers;
 mod wait;
 
 pub use algorithm::Algorithm;
+pub use all::{check_all, refund_all};
 pub use breaker::{CircuitConfig, CircuitState};
 pub use clock::{Clock, FakeClock, SystemClock};
 pub use decision::{Decision, Source};
@@ -160,7 +163,6 @@ pub use failure::FailurePolicy;
 pub use hybrid::{Consistency, HybridConfig};
 pub use limiter::{Builder, Check, Limiter, MAX_QUOTAS};
 pub use quota::{Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};
-pub use several::{check_all, refund_all};
 pub use stats::Stats;
 #[cfg(feature = "test-support")]
 pub use store::{FaultCounts, Faults, FaultyStore};

@@ -15,14 +15,13 @@
 //! - A future dropped between two takes undoes the first in a task of its
 //!   own (a drop guard), so a cancelled decision leaves nothing taken.
 //!
-//! [`check_all`] does the same across limiters and keys (a user and the
-//! user's organisation), which may live in different Redis slots or nodes.
+//! `check_all` (in `all`) does the same across limiters and keys (a user
+//! and the user's organisation), with `binding` and `spawn_refunds` from here.
 
 use std::sync::Arc;
 
 use crate::decision::{Origin, Taken};
-use crate::key::local_key;
-use crate::limiter::Limiter;
+use crate::lanes::Lanes;
 use crate::Decision;
 
 /// The binding decision of several: a denial if any denied (the one with
@@ -53,8 +52,8 @@ pub(crate) fn binding(parts: Vec<Decision>) -> Decision {
 
 /// The local, all-or-nothing decision over every quota of `inner`, or
 /// `None` (nothing taken) if one of them needs the store.
-pub(crate) fn check_now(limiter: &Limiter, key: &str, cost: u64) -> Option<Decision> {
-    let inner = &*limiter.inner;
+pub(crate) fn check_now(lanes: &Arc<Lanes>, key: &str, cost: u64) -> Option<Decision> {
+    let inner = &**lanes;
     let _stripe = inner.stripe(key);
     let count = 1 + inner.also.len();
     let mut parts = Vec::with_capacity(count);
@@ -63,12 +62,12 @@ pub(crate) fn check_now(limiter: &Limiter, key: &str, cost: u64) -> Option<Decis
         match lane.check_now(key, cost) {
             Some(decision) if decision.is_allowed() => parts.push(decision),
             Some(denied) => {
-                undo_now(limiter, key, &parts);
+                undo_now(lanes, key, &parts);
                 parts.push(denied);
                 return Some(binding(parts));
             }
             None => {
-                undo_now(limiter, key, &parts);
+                undo_now(lanes, key, &parts);
                 return None;
             }
         }
@@ -78,47 +77,46 @@ pub(crate) fn check_now(limiter: &Limiter, key: &str, cost: u64) -> Option<Decis
 
 /// Undoes local takes under the stripe lock. A take that can no longer go
 /// back locally (its lease just expired) goes back through the store.
-fn undo_now(limiter: &Limiter, key: &str, parts: &[Decision]) {
+fn undo_now(lanes: &Arc<Lanes>, key: &str, parts: &[Decision]) {
     let taken = parts
         .iter()
         .enumerate()
         .filter(|(_, part)| part.taken.refundable())
         .map(|(index, part)| (index, part.taken))
         .collect();
-    give_back(limiter, key, taken);
+    give_back(lanes, key, taken);
 }
 
 /// Gives takes back: into the local leases at once, the rest through the
 /// store in a task of its own, so no decision is held up by refunds (the
 /// quotas are short of those permits until they land: a brief undershoot).
-fn give_back(limiter: &Limiter, key: &str, taken: Vec<(usize, Taken)>) {
+fn give_back(lanes: &Arc<Lanes>, key: &str, taken: Vec<(usize, Taken)>) {
     let late: Vec<(usize, Taken)> = taken
         .into_iter()
         .filter(|&(index, taken)| {
-            !limiter
-                .inner
+            !lanes
                 .lane(key, index)
                 .is_some_and(|lane| lane.untake(key, taken))
         })
         .collect();
     if !late.is_empty() {
-        spawn_refunds(limiter.clone(), key.to_owned(), late);
+        spawn_refunds(lanes.clone(), key.to_owned(), late);
     }
 }
 
 /// What a decision over several quotas took so far, given back if it is
 /// dropped before it completes.
 struct Undo<'a> {
-    limiter: &'a Limiter,
+    lanes: &'a Arc<Lanes>,
     key: &'a str,
     /// Recorded as each take completes (takes may run concurrently).
     taken: std::sync::Mutex<Vec<(usize, Taken)>>,
 }
 
 impl<'a> Undo<'a> {
-    fn new(limiter: &'a Limiter, key: &'a str) -> Self {
+    fn new(lanes: &'a Arc<Lanes>, key: &'a str) -> Self {
         Undo {
-            limiter,
+            lanes,
             key,
             taken: std::sync::Mutex::new(Vec::new()),
         }
@@ -154,34 +152,34 @@ impl Drop for Undo<'_> {
     fn drop(&mut self) {
         let taken = std::mem::take(&mut *self.list());
         if !taken.is_empty() {
-            give_back(self.limiter, self.key, taken);
+            give_back(self.lanes, self.key, taken);
         }
     }
 }
 
 /// Refunds in a task of their own; without a runtime they cannot be sent
 /// and are counted as ignored.
-fn spawn_refunds(limiter: Limiter, key: String, taken: Vec<(usize, Taken)>) {
+pub(crate) fn spawn_refunds(lanes: Arc<Lanes>, key: String, taken: Vec<(usize, Taken)>) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             runtime.spawn(async move {
                 for (index, taken) in taken {
-                    limiter.refund_taken(&key, index, taken).await;
+                    lanes.refund_taken(&key, index, taken).await;
                 }
             });
         }
         Err(_) => {
             let lost: u64 = taken.iter().map(|(_, t)| t.cost).sum();
-            limiter.inner.counters.refunds_ignored.add(lost);
+            lanes.counters.refunds_ignored.add(lost);
         }
     }
 }
 
 /// The all-or-nothing decision over every quota, by the store where need
 /// be; a store error becomes that quota's policy decision.
-pub(crate) async fn decide(limiter: &Limiter, key: &str, cost: u64) -> Decision {
-    if let Some(result) = decide_in_one_call(limiter, key, cost).await {
-        let inner = &*limiter.inner;
+pub(crate) async fn decide(lanes: &Arc<Lanes>, key: &str, cost: u64) -> Decision {
+    if let Some(result) = decide_in_one_call(lanes, key, cost).await {
+        let inner = &**lanes;
         return result.unwrap_or_else(|_| {
             let count = 1 + inner.also.len();
             let parts: Vec<Decision> = (0..count)
@@ -190,15 +188,15 @@ pub(crate) async fn decide(limiter: &Limiter, key: &str, cost: u64) -> Decision 
                 .collect();
             // A fallback that admitted where another denied gives it back.
             if parts.iter().any(|d| !d.is_allowed()) {
-                undo_now(limiter, key, &parts);
+                undo_now(lanes, key, &parts);
             }
             binding(parts)
         });
     }
-    match in_rounds(limiter, key, cost, false).await {
+    match in_rounds(lanes, key, cost, false).await {
         Ok(decision) => decision,
         // Only a try returns errors.
-        Err(_) => unreachable_decision(limiter, key),
+        Err(_) => unreachable_decision(lanes, key),
     }
 }
 
@@ -209,27 +207,27 @@ pub(crate) async fn decide(limiter: &Limiter, key: &str, cost: u64) -> Decision 
 /// under the key's stripe. `try_`: a store error ends it (what was taken
 /// given back), rather than becoming the policy's decision.
 async fn in_rounds(
-    limiter: &Limiter,
+    lanes: &Arc<Lanes>,
     key: &str,
     cost: u64,
     try_: bool,
 ) -> Result<Decision, crate::Error> {
     for _ in 0..ROUNDS {
-        match take_in_turn(limiter, key, cost, try_).await? {
+        match take_in_turn(lanes, key, cost, try_).await? {
             Turn::Done(decision) => return Ok(decision),
             Turn::Retake => {}
         }
-        if let Some(decision) = check_now(limiter, key, cost) {
+        if let Some(decision) = check_now(lanes, key, cost) {
             return Ok(decision);
         }
     }
-    Ok(unreachable_decision(limiter, key))
+    Ok(unreachable_decision(lanes, key))
 }
 
 /// Leases keep slipping away between the rounds (a map at `max_keys`,
 /// refills failing): one more denial is the safe answer.
-fn unreachable_decision(limiter: &Limiter, key: &str) -> Decision {
-    let lane = limiter.inner.first_lane(key);
+fn unreachable_decision(lanes: &Arc<Lanes>, key: &str) -> Decision {
+    let lane = lanes.first_lane(key);
     let retry = std::time::Duration::from_millis(1);
     Decision::deny(
         lane.quota.limit(),
@@ -258,14 +256,14 @@ enum Turn {
 /// stands only while every part's window lasts; else all is given back and
 /// the round starts over.
 async fn take_in_turn(
-    limiter: &Limiter,
+    lanes: &Arc<Lanes>,
     key: &str,
     cost: u64,
     try_: bool,
 ) -> Result<Turn, crate::Error> {
-    let inner = &*limiter.inner;
+    let inner = &**lanes;
     let count = 1 + inner.also.len();
-    let undo = Undo::new(limiter, key);
+    let undo = Undo::new(lanes, key);
     // Concurrently: a round takes as long as its slowest quota, not the
     // sum. Each take is recorded the moment it completes, so a future
     // dropped mid-round gives back exactly what was taken.
@@ -337,7 +335,7 @@ async fn take_in_turn(
 /// under the key's stripe, so they count in the window the decision ends
 /// in. `false` if one could not be (its lease ended meanwhile).
 fn retake_leases(
-    inner: &crate::limiter::Inner,
+    inner: &Lanes,
     undo: &Undo<'_>,
     key: &str,
     cost: u64,
@@ -369,11 +367,11 @@ fn retake_leases(
 /// Every quota exact: one script decides them all, atomically (their keys
 /// share a hash tag, so one slot). `None` when a quota is not exact.
 async fn decide_in_one_call(
-    limiter: &Limiter,
+    lanes: &Arc<Lanes>,
     key: &str,
     cost: u64,
 ) -> Option<Result<Decision, crate::Error>> {
-    let inner = &*limiter.inner;
+    let inner = &**lanes;
     let count = 1 + inner.also.len();
     let lanes: Vec<_> = (0..count).filter_map(|i| inner.lane(key, i)).collect();
     let engines: Vec<_> = lanes.iter().filter_map(|l| l.exact()).collect();
@@ -415,120 +413,12 @@ async fn decide_in_one_call(
 /// [`decide`] with the first store error instead of a policy decision
 /// (what was taken before it is given back).
 pub(crate) async fn try_decide(
-    limiter: &Limiter,
+    lanes: &Arc<Lanes>,
     key: &str,
     cost: u64,
 ) -> Result<Decision, crate::Error> {
-    if let Some(result) = decide_in_one_call(limiter, key, cost).await {
+    if let Some(result) = decide_in_one_call(lanes, key, cost).await {
         return result;
     }
-    in_rounds(limiter, key, cost, true).await
-}
-
-/// Decides `cost` for every `(limiter, key)` pair, all-or-nothing: a
-/// user **and** the user's organisation, a route **and** the whole API.
-///
-/// Each pair is decided in turn (with all of its limiter's quotas); when
-/// one denies, everything the earlier pairs took (window permits, bucket
-/// tokens, credit) is given back where it came from, and the decision is
-/// that denial, which takes nothing and is not refundable. The keys may live in
-/// different Redis slots, or nodes of a cluster, so there is no one atomic
-/// script: no pair ever admits past its own limit (no overshoot), and
-/// while a refund is in flight the earlier pairs hold `cost` permits fewer
-/// than they should (a brief undershoot). A refund that arrives after its
-/// window ended is ignored and counted in that limiter's
-/// [`Stats::refunds_ignored`](crate::Stats::refunds_ignored). Dropping the
-/// future midway gives back what was taken, in a task of its own.
-///
-/// The decision is the binding one (see the rules on
-/// [`Decision::quotas`]): each pair's decision is one of its parts, in
-/// order, and each is counted by its own limiter. An empty list admits.
-///
-/// ```
-/// # async fn demo() -> Result<(), slicelimit::Error> {
-/// use slicelimit::{check_all, nonzero, Limiter, Quota};
-///
-/// let users = Limiter::builder(Quota::per_minute(nonzero!(60))).namespace("user").build()?;
-/// let orgs = Limiter::builder(Quota::per_minute(nonzero!(600))).namespace("org").build()?;
-/// let decision = check_all(&[(&users, "alice"), (&orgs, "acme")], 1).await;
-/// assert!(decision.is_allowed());
-/// # Ok(())
-/// # }
-/// ```
-pub async fn check_all(pairs: &[(&Limiter, &str)], cost: u64) -> Decision {
-    let mut taken: Vec<(usize, Decision)> = Vec::with_capacity(pairs.len());
-    let mut guard = AllUndo {
-        pairs,
-        taken: Vec::new(),
-    };
-    for (i, (limiter, key)) in pairs.iter().enumerate() {
-        let decision = limiter.check(key, cost).await;
-        if !decision.is_allowed() {
-            // What the earlier pairs took goes back in a task of its own
-            // (the guard's drop), not holding up the denial.
-            drop(guard);
-            let mut parts: Vec<Decision> = taken.into_iter().map(|(_, d)| d).collect();
-            parts.push(decision);
-            return binding_of_pairs(parts);
-        }
-        guard.taken.push((i, decision.clone()));
-        taken.push((i, decision));
-    }
-    guard.taken.clear();
-    if taken.is_empty() {
-        return Decision::allow(0, 0, std::time::Duration::ZERO, crate::Source::Local);
-    }
-    binding_of_pairs(taken.into_iter().map(|(_, d)| d).collect())
-}
-
-/// The binding decision over pairs, each of which may itself hold parts.
-fn binding_of_pairs(parts: Vec<Decision>) -> Decision {
-    let flat: Vec<Decision> = parts
-        .iter()
-        .flat_map(|d| d.quotas().iter().cloned())
-        .collect();
-    let mut decision = binding(flat);
-    decision.parts = Some(Arc::new(parts));
-    if !decision.is_allowed() {
-        return decision.took_nothing();
-    }
-    decision
-}
-
-/// What [`check_all`] took so far, given back if it is dropped midway.
-struct AllUndo<'a> {
-    pairs: &'a [(&'a Limiter, &'a str)],
-    taken: Vec<(usize, Decision)>,
-}
-
-impl Drop for AllUndo<'_> {
-    fn drop(&mut self) {
-        for (j, decision) in std::mem::take(&mut self.taken) {
-            let (limiter, key) = self.pairs[j];
-            let key = local_key(key).into_owned();
-            let parts: Vec<(usize, Taken)> = decision
-                .quotas()
-                .iter()
-                .enumerate()
-                .map(|(i, d)| (i, d.taken))
-                .filter(|(_, t)| t.refundable())
-                .collect();
-            spawn_refunds(limiter.clone(), key, parts);
-        }
-    }
-}
-
-/// Gives a [`check_all`] admission back, pair by pair (see
-/// [`Limiter::refund`]); `pairs` must be the list it was decided for.
-/// Returns the permits given back, summed.
-pub async fn refund_all(pairs: &[(&Limiter, &str)], decision: &Decision) -> u64 {
-    let parts = decision.quotas();
-    if parts.len() != pairs.len() {
-        return 0;
-    }
-    let mut back = 0;
-    for ((limiter, key), part) in pairs.iter().zip(parts) {
-        back += limiter.refund(key, part).await;
-    }
-    back
+    in_rounds(lanes, key, cost, true).await
 }

@@ -249,7 +249,7 @@ impl Builder {
             .collect::<Result<Box<[Lane]>, Error>>()?;
         let stripes = if also.is_empty() { 0 } else { STRIPES };
         Ok(Limiter {
-            inner: Arc::new(Inner {
+            inner: Arc::new(Lanes {
                 first: Tiers::new(first, self.tiers),
                 also,
                 stripes: (0..stripes).map(|_| Mutex::new(())).collect(),

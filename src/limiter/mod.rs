@@ -10,14 +10,14 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use crate::decision::Taken;
 use crate::hybrid::HybridConfig;
 use crate::key::{local_key, KeyEncoder};
 use crate::lane::{Lane, Mode, Recipe};
+use crate::lanes::{Lanes, NEXT_ID};
 use crate::several;
 use crate::stats::{Counters, Stats};
 use crate::store::{MemoryStore, Store};
-use crate::tiers::{LaneRef, Resolver, Tiers};
+use crate::tiers::{Resolver, Tiers};
 use crate::{Algorithm, Clock, Decision, Error, FailurePolicy, Quota, SystemClock};
 
 mod builder;
@@ -36,116 +36,7 @@ const STRIPES: usize = 64;
 /// A rate limiter. Cheap to clone; clones share one limit.
 #[derive(Clone)]
 pub struct Limiter {
-    pub(crate) inner: Arc<Inner>,
-}
-
-pub(crate) struct Inner {
-    recipe: Recipe,
-    /// The first quota: the default, or the key's own (tiers).
-    first: Tiers,
-    /// The quotas added with [`Builder::and`], each in its own store keys.
-    pub(crate) also: Box<[Lane]>,
-    /// Several quotas: a key's local takes are all-or-nothing under its
-    /// stripe, so no decision sees one quota taken and another not.
-    stripes: Box<[Mutex<()>]>,
-    /// The hybrid configuration lanes built from now on start with.
-    config: Mutex<Option<HybridConfig>>,
-    pub(crate) counters: Arc<Counters>,
-    algorithm: Algorithm,
-    /// This limiter's namespace.
-    keys: KeyEncoder,
-    /// This limiter's identity in its decisions.
-    id: u32,
-    /// The first quota's period as built: quotas of the first position
-    /// with another period (tiers, `set_quota`) count in keys of their own.
-    period: std::time::Duration,
-    /// The store's circuit breaker openings before this limiter was built.
-    trips_at_build: u64,
-}
-
-/// Identities of limiters (never 0).
-static NEXT_ID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(1);
-
-impl Inner {
-    /// Counts a decision and signs it as this limiter's.
-    #[inline]
-    pub(crate) fn count(&self, decision: &mut Decision) {
-        decision.limiter = self.id;
-        self.counters
-            .decision(decision.is_allowed(), decision.source());
-    }
-
-    /// The lane of `key`'s first quota.
-    #[inline]
-    pub(crate) fn first_lane(&self, key: &str) -> LaneRef {
-        self.first
-            .lane_for(key, |quota| self.build_lane(quota, 0).ok())
-    }
-
-    fn build_lane(&self, quota: Quota, index: usize) -> Result<Lane, Error> {
-        let config = self
-            .config
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        let mut keys = self.keys.for_quota(index);
-        if index == 0 && quota.period() != self.period {
-            keys = keys.for_period(quota.period());
-        }
-        Lane::build(&self.recipe, quota, keys, config)
-    }
-
-    /// The lane of quota `index` (0: the first) for `key`.
-    pub(crate) fn lane(&self, key: &str, index: usize) -> Option<LaneOf<'_>> {
-        match index {
-            0 => Some(LaneOf::First(self.first_lane(key))),
-            i => self.also.get(i - 1).map(LaneOf::Also),
-        }
-    }
-
-    /// The slow path of `key`: a key whose first quota changed (tiers)
-    /// leaves the lanes of its other quotas before it is decided.
-    async fn release_elsewhere(&self, key: &str) {
-        // The lane's address only: no guard of the lane map is held
-        // across the give-backs' round trips.
-        let lane = &*self.first_lane(key) as *const Lane as usize;
-        self.first.release_elsewhere(key, lane).await;
-    }
-
-    /// How this limiter counts.
-    pub(crate) fn algorithm(&self) -> Algorithm {
-        self.algorithm
-    }
-
-    pub(crate) fn several(&self) -> bool {
-        !self.also.is_empty()
-    }
-
-    /// The stripe lock of `key` (several quotas only).
-    pub(crate) fn stripe(&self, key: &str) -> std::sync::MutexGuard<'_, ()> {
-        static SEED: std::sync::OnceLock<ahash::RandomState> = std::sync::OnceLock::new();
-        let h = SEED.get_or_init(ahash::RandomState::new).hash_one(key);
-        let i = (h as usize) % self.stripes.len().max(1);
-        self.stripes[i].lock().unwrap_or_else(|p| p.into_inner())
-    }
-}
-
-/// A lane of a limiter, borrowed for one decision.
-pub(crate) enum LaneOf<'a> {
-    First(LaneRef),
-    Also(&'a Lane),
-}
-
-impl std::ops::Deref for LaneOf<'_> {
-    type Target = Lane;
-
-    #[inline]
-    fn deref(&self) -> &Lane {
-        match self {
-            LaneOf::First(lane) => lane,
-            LaneOf::Also(lane) => lane,
-        }
-    }
+    pub(crate) inner: Arc<Lanes>,
 }
 
 /// The future returned by [`Limiter::check`]: already resolved when the
@@ -248,7 +139,7 @@ impl Limiter {
     fn check_local_key(&self, key: &str, cost: u64) -> Option<Decision> {
         let inner = &*self.inner;
         let mut decision = if inner.several() {
-            several::check_now(self, key, cost)?
+            several::check_now(&self.inner, key, cost)?
         } else {
             inner.first_lane(key).check_now(key, cost)?
         };
@@ -260,7 +151,7 @@ impl Limiter {
         let inner = &*self.inner;
         inner.release_elsewhere(key).await;
         let mut decision = if inner.several() {
-            several::decide(self, key, cost).await
+            several::decide(&self.inner, key, cost).await
         } else {
             inner.first_lane(key).decide(key, cost).await
         };
@@ -280,7 +171,7 @@ impl Limiter {
         let key = &*local_key(key);
         self.inner.release_elsewhere(key).await;
         let mut decision = if self.inner.several() {
-            several::try_decide(self, key, cost).await
+            several::try_decide(&self.inner, key, cost).await
         } else {
             self.inner.first_lane(key).try_decide(key, cost).await
         }?;
@@ -337,27 +228,8 @@ impl Limiter {
                 self.inner.counters.refunds_ignored.add(part.taken.cost);
                 continue;
             }
-            back += self.refund_taken(key, index, part.taken).await;
+            back += self.inner.refund_taken(key, index, part.taken).await;
         }
-        back
-    }
-
-    /// Gives `taken` back to quota `index`, counted.
-    pub(crate) async fn refund_taken(&self, key: &str, index: usize, taken: Taken) -> u64 {
-        let inner = &*self.inner;
-        if !taken.refundable() {
-            inner.counters.refunds_ignored.add(taken.cost);
-            return 0;
-        }
-        let back = match inner.lane(key, index) {
-            Some(lane) => lane.refund(key, taken).await,
-            None => 0,
-        };
-        inner.counters.refunded.add(back);
-        inner
-            .counters
-            .refunds_ignored
-            .add(taken.cost - back.min(taken.cost));
         back
     }
 

@@ -1,0 +1,118 @@
+//! Several limiters and keys in one decision: [`check_all`] and
+//! [`refund_all`], all-or-nothing across limiters whose keys may live in
+//! different Redis slots or nodes.
+
+use std::sync::Arc;
+
+use crate::decision::Taken;
+use crate::key::local_key;
+use crate::several::{binding, spawn_refunds};
+use crate::{Decision, Limiter};
+
+/// Decides `cost` for every `(limiter, key)` pair, all-or-nothing: a
+/// user **and** the user's organisation, a route **and** the whole API.
+///
+/// Each pair is decided in turn (with all of its limiter's quotas); when
+/// one denies, everything the earlier pairs took (window permits, bucket
+/// tokens, credit) is given back where it came from, and the decision is
+/// that denial, which takes nothing and is not refundable. The keys may live in
+/// different Redis slots, or nodes of a cluster, so there is no one atomic
+/// script: no pair ever admits past its own limit (no overshoot), and
+/// while a refund is in flight the earlier pairs hold `cost` permits fewer
+/// than they should (a brief undershoot). A refund that arrives after its
+/// window ended is ignored and counted in that limiter's
+/// [`Stats::refunds_ignored`](crate::Stats::refunds_ignored). Dropping the
+/// future midway gives back what was taken, in a task of its own.
+///
+/// The decision is the binding one (see the rules on
+/// [`Decision::quotas`]): each pair's decision is one of its parts, in
+/// order, and each is counted by its own limiter. An empty list admits.
+///
+/// ```
+/// # async fn demo() -> Result<(), slicelimit::Error> {
+/// use slicelimit::{check_all, nonzero, Limiter, Quota};
+///
+/// let users = Limiter::builder(Quota::per_minute(nonzero!(60))).namespace("user").build()?;
+/// let orgs = Limiter::builder(Quota::per_minute(nonzero!(600))).namespace("org").build()?;
+/// let decision = check_all(&[(&users, "alice"), (&orgs, "acme")], 1).await;
+/// assert!(decision.is_allowed());
+/// # Ok(())
+/// # }
+/// ```
+pub async fn check_all(pairs: &[(&Limiter, &str)], cost: u64) -> Decision {
+    let mut taken: Vec<(usize, Decision)> = Vec::with_capacity(pairs.len());
+    let mut guard = AllUndo {
+        pairs,
+        taken: Vec::new(),
+    };
+    for (i, (limiter, key)) in pairs.iter().enumerate() {
+        let decision = limiter.check(key, cost).await;
+        if !decision.is_allowed() {
+            // What the earlier pairs took goes back in a task of its own
+            // (the guard's drop), not holding up the denial.
+            drop(guard);
+            let mut parts: Vec<Decision> = taken.into_iter().map(|(_, d)| d).collect();
+            parts.push(decision);
+            return binding_of_pairs(parts);
+        }
+        guard.taken.push((i, decision.clone()));
+        taken.push((i, decision));
+    }
+    guard.taken.clear();
+    if taken.is_empty() {
+        return Decision::allow(0, 0, std::time::Duration::ZERO, crate::Source::Local);
+    }
+    binding_of_pairs(taken.into_iter().map(|(_, d)| d).collect())
+}
+
+/// The binding decision over pairs, each of which may itself hold parts.
+fn binding_of_pairs(parts: Vec<Decision>) -> Decision {
+    let flat: Vec<Decision> = parts
+        .iter()
+        .flat_map(|d| d.quotas().iter().cloned())
+        .collect();
+    let mut decision = binding(flat);
+    decision.parts = Some(Arc::new(parts));
+    if !decision.is_allowed() {
+        return decision.took_nothing();
+    }
+    decision
+}
+
+/// What [`check_all`] took so far, given back if it is dropped midway.
+struct AllUndo<'a> {
+    pairs: &'a [(&'a Limiter, &'a str)],
+    taken: Vec<(usize, Decision)>,
+}
+
+impl Drop for AllUndo<'_> {
+    fn drop(&mut self) {
+        for (j, decision) in std::mem::take(&mut self.taken) {
+            let (limiter, key) = self.pairs[j];
+            let key = local_key(key).into_owned();
+            let parts: Vec<(usize, Taken)> = decision
+                .quotas()
+                .iter()
+                .enumerate()
+                .map(|(i, d)| (i, d.taken))
+                .filter(|(_, t)| t.refundable())
+                .collect();
+            spawn_refunds(limiter.inner.clone(), key, parts);
+        }
+    }
+}
+
+/// Gives a [`check_all`] admission back, pair by pair (see
+/// [`Limiter::refund`]); `pairs` must be the list it was decided for.
+/// Returns the permits given back, summed.
+pub async fn refund_all(pairs: &[(&Limiter, &str)], decision: &Decision) -> u64 {
+    let parts = decision.quotas();
+    if parts.len() != pairs.len() {
+        return 0;
+    }
+    let mut back = 0;
+    for ((limiter, key), part) in pairs.iter().zip(parts) {
+        back += limiter.refund(key, part).await;
+    }
+    back
+}
