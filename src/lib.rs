@@ -65,9 +65,12 @@
 //! layers below it):
 //!
 //! ```text
-//! http ─► limiter ─► hybrid / exact ─► failure ─► local ─► store ─► algorithm
-//!                                                                   │
-//!                                 stats, metrics, breaker, clock, key, quota …
+//! http, wait (acquire), all (check_all)
+//!   ─► limiter ─► several ─► lanes ─► tiers ─► lane
+//!   ─► hybrid ─► failure ─► exact, local ─► checked ─► store ─► algorithm
+//!
+//! beside them, imported from any layer: stats, metrics, decision,
+//! breaker, key, clock, quota, error
 //! ```
 //!
 //! - **A request is decided** in `limiter` ([`Limiter::check`]): the hybrid
