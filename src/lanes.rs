@@ -105,18 +105,16 @@ impl Lanes {
 
     /// Gives `taken` back to quota `index`, counted.
     pub(crate) async fn refund_taken(&self, key: &str, index: usize, taken: Taken) -> u64 {
-        let inner = self;
         if !taken.refundable() {
-            inner.counters.refunds_ignored.add(taken.cost);
+            self.counters.refunds_ignored.add(taken.cost);
             return 0;
         }
-        let back = match inner.lane(key, index) {
+        let back = match self.lane(key, index) {
             Some(lane) => lane.refund(key, taken).await,
             None => 0,
         };
-        inner.counters.refunded.add(back);
-        inner
-            .counters
+        self.counters.refunded.add(back);
+        self.counters
             .refunds_ignored
             .add(taken.cost - back.min(taken.cost));
         back

@@ -83,8 +83,9 @@
 //! - **A lease is fetched** by the hybrid engine's background task
 //!   (`hybrid::sync`): it sizes each key's lease (`hybrid::sizing`),
 //!   batches the keys waiting for one into pipelined lease scripts, and
-//!   installs the replies in the slots (`hybrid::slot`, whose invariants
-//!   live behind its methods).
+//!   installs the replies in the slots (`hybrid::slot`; its fields are
+//!   still written directly by the sync task in places, not all behind
+//!   its methods).
 //! - **Redis is touched** only in `store::redis`: every script call goes
 //!   through a node's circuit breaker (`breaker`) under the response
 //!   timeout. The store's dispatch (`store::Store`) is where round trips,
@@ -124,9 +125,14 @@
 //!   the dispatch between them;
 //! - `failure`: the failure policy and the ledger of what its fallback
 //!   admitted;
+//! - `checked`: what a store's check answered (decision, take, refund);
 //! - `exact`, `local`: one store call per decision, or none;
 //! - `hybrid`: slots, lease sizing, the sync task;
+//! - `lane`: one quota's engine and failure layer; `tiers`: a lane per
+//!   quota a key may be given; `lanes`: a limiter's quotas as lanes;
+//! - `several`: a limiter's quotas decided all-or-nothing;
 //! - `limiter`: the [`Limiter`] front door and its [`Builder`];
+//! - `all`: [`check_all`] and [`refund_all`], across limiters;
 //! - `wait`: [`Limiter::acquire`], waiting out a denial instead of
 //!   returning it;
 //! - `http`: the tower layer (429, `Retry-After`, `RateLimit` headers).

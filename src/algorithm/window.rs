@@ -407,8 +407,9 @@ pub(crate) fn target(v: &LeaseView) -> LeaseTarget {
     }
 }
 
-/// The `need` a window lease sends: the last ~1.5 % of a window goes in
-/// one lease rather than a trickle of ever smaller ones.
+/// The `need` a window lease sends (the script's `tail`): the last
+/// sixteenth of a window's limit goes in one lease rather than a trickle
+/// of ever smaller ones.
 pub(crate) fn need(need: u64, limit: u64) -> u64 {
     need.max(limit / 16).max(1)
 }

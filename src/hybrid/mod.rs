@@ -1,14 +1,17 @@
 //! The hybrid limiter: leased slices of each key's budget, decided locally.
 //!
-//! The request path (`HybridEngine::check`) looks the key up in a
-//! `DashMap`, spends a permit with one compare-and-swap and returns; it
-//! touches the network only through the sync task, which it wakes when a
-//! slot runs low. Waiting (strict mode) is bounded by `max_wait`; no lock
-//! is held across an await.
+//! The fast path (`HybridEngine::try_fast`) looks the key up in a
+//! `DashMap` (or the thread's cache), spends a permit with one
+//! compare-and-swap and returns; the slow path (`HybridEngine::check`)
+//! waits, bounded by `max_wait`, for the sync task, which it wakes when a
+//! slot runs low. No lock is held across an await.
 //!
-//! Files: `config` (tunables), `slot` (one key's atomics), `sizing` (how
-//! big a lease), `sync` (the background task: refills, give-backs,
-//! eviction, shutdown).
+//! Files: `config` (tunables), `shared` (the state the request path and
+//! the sync task share), `slot/` (one key's atomics, its pre-lease and
+//! its credit), `sizing` (how big a lease), `thread_cache` (the
+//! per-thread slot cache), `refunds` (refunds that go back locally),
+//! `sync/` (the background task: leases, give-backs, reports,
+//! maintenance, shutdown).
 
 mod config;
 mod refunds;
@@ -526,6 +529,5 @@ impl HybridEngine {
     }
 }
 
-/// Credit of a key's retired slots; see `Shared::outstanding`.
 #[cfg(test)]
 mod tests;

@@ -5,7 +5,9 @@ use super::*;
 
 /// State shared by the request path and the sync task.
 pub(crate) struct Shared {
-    /// User key → local state. Entries are only removed by the sync task.
+    /// User key → local state. Entries are removed by the sync task
+    /// (eviction), by `release` (a key that moved to another tier) and
+    /// by `finish` (shutdown).
     /// aHash: several times faster than SipHash on short keys, and keyed
     /// with random seeds, so user-chosen keys cannot force collisions.
     pub(super) slots: DashMap<Arc<str>, Arc<Slot>, ahash::RandomState>,
@@ -96,6 +98,7 @@ pub(crate) struct Shared {
 #[cfg(test)]
 pub(super) type BeforeWait = Box<dyn FnOnce(&Shared, &Arc<Slot>) + Send>;
 
+/// Credit of a key's retired slots; see `Shared::outstanding`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct KeyLedger {
     /// Debt queued for reporting or in flight.

@@ -1,8 +1,9 @@
-//! The front door: [`Limiter`], its [`Builder`], and its counters.
+//! The front door: [`Limiter`] and its [`Builder`].
 //!
-//! Owns the choice of engine (per-process, exact, hybrid), input validation
-//! and the application of the failure policy. Engines decide; this module
-//! makes sure every call ends in a [`Decision`].
+//! Validates input, dispatches a key to its lanes (`lanes`: one per
+//! quota, each with its engine and failure layer, built in `lane`) or,
+//! with several quotas, to `several`, and counts every decision. Engines
+//! decide; this module makes sure every call ends in a [`Decision`].
 
 use std::fmt;
 use std::future::Future;

@@ -2,9 +2,9 @@
 //!
 //! [`RedisStore`] runs the Lua scripts in `lua/`; [`MemoryStore`] implements
 //! the same semantics in process (the embedded default, one process only).
-//! This module owns the request and reply shapes shared by both and the
-//! dispatch between them; it does not decide anything about policies,
-//! leases or failures.
+//! This module owns the dispatch between them (where every call is
+//! counted once); the request and reply shapes are `algorithm::calls`.
+//! It decides nothing about policies, leases or failures.
 
 #[cfg(feature = "test-support")]
 pub(crate) mod faults;

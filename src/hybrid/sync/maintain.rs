@@ -143,10 +143,6 @@ pub(super) fn thin_want(per_window: u64) -> u64 {
     2 * per_window + 2
 }
 
-/// Expires leases, evicts idle slots and enforces `max_keys`, on one slice
-/// of the map (`None`: all of it; all of it too while over `max_keys`).
-/// Network work it creates (give-backs, reports) goes out with the next
-/// round.
 /// A window lease idle for this share of its period gives back what it
 /// holds above the earned floor (`sizing::EARNED_FLOOR_DIVISOR`).
 pub(super) const IDLE_TRIM_DIVISOR: u64 = 16;
@@ -192,6 +188,10 @@ pub(super) fn trim_idle(shared: &Shared, slot: &Slot, idle_ms: u64, now: u64) {
     }
 }
 
+/// Expires leases, evicts idle slots and enforces `max_keys`, on one slice
+/// of the map (`None`: all of it; all of it too while over `max_keys`).
+/// Network work it creates (give-backs, reports) goes out with the next
+/// round.
 pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
     let config = shared.config.load();
     let now = shared.time.precise_us();

@@ -1,4 +1,7 @@
-//! The sync task: the only place the hybrid limiter talks to the store.
+//! The sync task: where the hybrid limiter leases, reports and gives back.
+//! (The request path calls the store itself only to decide a key by one
+//! exact call when it cannot hold a slot, and to refund what no lease
+//! takes back.)
 //!
 //! Woken when a slot runs low, it drains the refill queue, sizes each
 //! lease, and sends many keys' leases in one pipelined round trip; it also
