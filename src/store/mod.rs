@@ -83,7 +83,12 @@ impl Store {
 
     /// Whether calls on different keys may meet different breakers.
     pub(crate) fn is_sharded(&self) -> bool {
-        matches!(self, Store::Redis(s) if s.is_cluster())
+        match self {
+            Store::Redis(s) => s.is_cluster(),
+            #[cfg(feature = "test-support")]
+            Store::Faulty(s) => s.inner().is_sharded(),
+            Store::Memory(_) => false,
+        }
     }
 
     /// The circuit breaker's state (an embedded store never trips).
