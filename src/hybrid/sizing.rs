@@ -24,6 +24,23 @@ pub(crate) const EARNED_FLOOR_DIVISOR: u64 = 16;
 /// (a thin holder spends fewer).
 pub(crate) const THICK_PER_WINDOW: u64 = 4;
 
+/// A window lease covers its window when it holds this much more than the
+/// rate spends until the window ends (the rate is an average; demand runs
+/// ahead of it).
+pub(crate) const COVER_MARGIN: f64 = 1.2;
+
+/// A thin holder's pre-leases are refused once the key's current window,
+/// its next window, or every holder's ask together would pass this share
+/// of the limit (the lease script decides).
+pub(crate) const THIN_AHEAD_CAP_DIVISOR: u64 = 2;
+
+/// What a thin holder's pre-lease asks for: enough that a window with
+/// twice its usual requests (and two more) rarely waits on the store —
+/// a holder's requests in a window vary as much as their number.
+pub(crate) fn thin_want(per_window: u64) -> u64 {
+    2 * per_window + 2
+}
+
 /// Per-key sizing state, owned by the sync task.
 #[derive(Debug, Clone)]
 pub(crate) struct Sizing {
@@ -191,7 +208,7 @@ impl Sizing {
         let mut to_the_end = false;
         if let Some(left) = time_left_us {
             if self.rate > 0.0 {
-                let usable = (self.rate * left as f64 * 1.2).ceil() as u64;
+                let usable = (self.rate * left as f64 * COVER_MARGIN).ceil() as u64;
                 if usable.max(rule.min_lease) < want {
                     want = usable.max(rule.min_lease);
                     to_the_end = true;

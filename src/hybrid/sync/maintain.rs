@@ -131,18 +131,6 @@ pub(super) fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
     })
 }
 
-/// A thin holder's pre-leases are refused once the key's current window,
-/// its next window, or every holder's ask together
-/// would pass this share of the limit (the lease script decides).
-pub(super) const THIN_AHEAD_CAP_DIVISOR: u64 = 2;
-
-/// What a thin holder's pre-lease asks for: enough that a window with
-/// twice its usual requests (and two more) rarely waits on the store —
-/// a holder's requests in a window vary as much as their number.
-pub(super) fn thin_want(per_window: u64) -> u64 {
-    2 * per_window + 2
-}
-
 /// A window lease idle for this share of its period gives back what it
 /// holds above the earned floor (`sizing::EARNED_FLOOR_DIVISOR`).
 pub(super) const IDLE_TRIM_DIVISOR: u64 = 16;

@@ -362,11 +362,6 @@ pub(super) fn install_grant(
     }
 }
 
-/// A window lease covers its window when it holds this much more than the
-/// rate spends until the window ends (the rate is an average; demand runs
-/// ahead of it).
-pub(super) const COVER_MARGIN: f64 = 1.2;
-
 /// The low-water mark after a grant: below it, a refill is requested.
 pub(super) fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) -> u32 {
     let windowed = shared.leases.windowed();
