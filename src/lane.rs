@@ -263,9 +263,9 @@ impl Lane {
     /// Gives up whatever this lane holds for `key` (see
     /// `HybridEngine::release`); other engines hold nothing per key that
     /// another quota's lane would not see.
-    pub(crate) async fn release(&self, key: &str) {
+    pub(crate) async fn release(&self, key: &str, wait: bool) {
         if let Engine::Hybrid(hybrid) = &self.engine {
-            hybrid.release(key).await;
+            hybrid.release(key, wait).await;
         }
     }
 

@@ -79,11 +79,11 @@ impl Lanes {
 
     /// The slow path of `key`: a key whose first quota changed (tiers)
     /// leaves the lanes of its other quotas before it is decided.
-    pub(crate) async fn release_elsewhere(&self, key: &str) {
+    pub(crate) async fn release_elsewhere(&self, key: &str, wait: bool) {
         // The lane's address only: no guard of the lane map is held
         // across the give-backs' round trips.
         let lane = &*self.first_lane(key) as *const Lane as usize;
-        self.first.release_elsewhere(key, lane).await;
+        self.first.release_elsewhere(key, lane, wait).await;
     }
 
     /// How this limiter counts.

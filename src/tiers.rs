@@ -135,14 +135,15 @@ impl Tiers {
     /// holds for the key, so a key moved to a lower tier does not spend
     /// a lease granted under a higher one (and the count it left behind
     /// in the store is what the new limit is held against).
-    /// (`lane`: the address of the lane that decides `key`.)
-    pub(crate) async fn release_elsewhere(&self, key: &str, lane: usize) {
+    /// (`lane`: the address of the lane that decides `key`; `wait`: for
+    /// what they give back to reach the store, see `HybridEngine::release`.)
+    pub(crate) async fn release_elsewhere(&self, key: &str, lane: usize, wait: bool) {
         if !self.on.load(Ordering::Relaxed) {
             return;
         }
         for other in self.all() {
             if &*other as *const Lane as usize != lane {
-                other.release(key).await;
+                other.release(key, wait).await;
             }
         }
     }

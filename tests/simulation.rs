@@ -2076,6 +2076,10 @@ const FOUND: &[u64] = &[
     // askers.
     79, 179, 272, // Bucket quotas: a denial by one quota spent another's tokens.
     68, 470, 600,
+    // A decision taken just before a boundary, on a key whose tier changed
+    // meanwhile, waited for its old lane's give-back before returning:
+    // admitted in a window the store had not counted it in.
+    10702,
 ];
 const FOUND_REPLAYS: usize = 25;
 

@@ -491,18 +491,21 @@ impl HybridEngine {
         }
     }
 
-    /// Stops serving `key` from this engine: its slot leaves the map, its
-    /// unused permits are back in the store when this returns (so the
-    /// engine that decides the key now is held to a count without them),
-    /// and its credit is reported by the sync task. For a key now decided
-    /// by another quota's engine (tiers): a lease must not outlive the
-    /// quota it was granted under.
-    pub(crate) async fn release(&self, key: &str) {
+    /// Stops serving `key` from this engine: its slot leaves the map and
+    /// nothing it held can be spent any more; its unused permits go back
+    /// to the store — before this returns with `wait` (so the engine that
+    /// decides the key now is held to a count without them), else with
+    /// the sync task's next round — and its credit is reported by the sync
+    /// task. For a key now decided by another quota's engine (tiers): a
+    /// lease must not outlive the quota it was granted under.
+    pub(crate) async fn release(&self, key: &str, wait: bool) {
         let s = &*self.shared;
         if let Some((_, slot)) = s.slots.remove(key) {
             s.retire(&slot, s.time.precise_us());
             s.refilled(&slot).notify_waiters();
-            sync::give_back_all(s).await;
+            if wait {
+                sync::give_back_all(s).await;
+            }
             s.wake.notify_one();
         }
     }

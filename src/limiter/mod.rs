@@ -150,15 +150,18 @@ impl Limiter {
 
     async fn check_slow(&self, key: &str, cost: u64) -> Decision {
         let inner = &*self.inner;
-        inner.release_elsewhere(key).await;
+        inner.release_elsewhere(key, true).await;
         let mut decision = if inner.several() {
             several::decide(&self.inner, key, cost).await
         } else {
             inner.first_lane(key).decide(key, cost).await
         };
         // The key's tier changed while it was decided: the lane it was
-        // decided by must not keep what it leased meanwhile.
-        inner.release_elsewhere(key).await;
+        // decided by must not keep what it leased meanwhile. Without
+        // waiting for the give-back: the decision is made, and a round
+        // trip here would return it in a later window than the one its
+        // permits were counted in.
+        inner.release_elsewhere(key, false).await;
         inner.count(&mut decision);
         decision
     }
@@ -170,7 +173,7 @@ impl Limiter {
     /// The store's error, classified (see [`Error::kind`]).
     pub async fn try_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
         let key = &*local_key(key);
-        self.inner.release_elsewhere(key).await;
+        self.inner.release_elsewhere(key, true).await;
         let mut decision = if self.inner.several() {
             several::try_decide(&self.inner, key, cost).await
         } else {
