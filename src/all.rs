@@ -30,10 +30,17 @@ use crate::{Decision, Limiter};
 ///
 /// ```
 /// # async fn demo() -> Result<(), slicelimit::Error> {
-/// use slicelimit::{check_all, nonzero, Limiter, Quota};
+/// use slicelimit::{check_all, nonzero, Limiter, Quota, RedisStore};
 ///
-/// let users = Limiter::builder(Quota::per_minute(nonzero!(60))).namespace("user").build()?;
-/// let orgs = Limiter::builder(Quota::per_minute(nonzero!(600))).namespace("org").build()?;
+/// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
+/// let users = Limiter::builder(Quota::per_minute(nonzero!(60)))
+///     .store(store.clone())
+///     .namespace("user")
+///     .build()?;
+/// let orgs = Limiter::builder(Quota::per_minute(nonzero!(600)))
+///     .store(store)
+///     .namespace("org")
+///     .build()?;
 /// let decision = check_all(&[(&users, "alice"), (&orgs, "acme")], 1).await;
 /// assert!(decision.is_allowed());
 /// # Ok(())

@@ -173,6 +173,10 @@ pub use hybrid::{Consistency, HybridConfig};
 pub use limiter::{Builder, Check, Limiter, MAX_QUOTAS};
 pub use quota::{Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};
 pub use stats::Stats;
+#[cfg(feature = "sentinel")]
+pub use store::Sentinel;
+#[cfg(feature = "tls")]
+pub use store::TlsOptions;
 #[cfg(feature = "test-support")]
 pub use store::{FaultCounts, Faults, FaultyStore};
 pub use store::{MemoryStore, RedisOptions, RedisStore, Store};

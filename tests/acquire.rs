@@ -31,6 +31,7 @@ fn virtual_clock() -> VirtualClock {
 /// limiter's clock).
 fn exact(quota: Quota, clock: &VirtualClock) -> Limiter {
     Limiter::builder(quota)
+        .store(MemoryStore::with_clock(clock.clone()))
         .clock(clock.clone())
         .build()
         .unwrap()

@@ -285,6 +285,7 @@ async fn extreme_bucket_quotas_are_refused_or_expire() {
     for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
         let absurd = Quota::new(1, year).unwrap().with_burst(NonZeroU32::MAX);
         let e = Limiter::builder(absurd)
+            .store(MemoryStore::new())
             .algorithm(algorithm)
             .exact()
             .build()
@@ -418,6 +419,7 @@ async fn absurd_durations_are_refused_at_build() {
         HybridConfig::strict().max_wait(huge),
     ] {
         let e = Limiter::builder(Quota::per_second(nonzero!(10)))
+            .store(MemoryStore::new())
             .hybrid(config)
             .build()
             .unwrap_err();

@@ -247,17 +247,20 @@ fn invalid_quotas_are_rejected_at_build() {
     let year = Duration::from_secs(366 * 24 * 3600);
     let slow = Quota::new(1, year).unwrap().with_burst(nonzero!(1_000_000));
     let err = Limiter::builder(slow)
+        .store(MemoryStore::new())
         .algorithm(Algorithm::Gcra)
         .build()
         .unwrap_err();
     assert!(err.is_invalid_input(), "{err}");
     let err = Limiter::builder(Quota::per_second(nonzero!(5)))
+        .store(MemoryStore::new())
         .algorithm(Algorithm::TokenBucket)
         .on_store_error(FailurePolicy::LocalFallback(slow))
         .build()
         .unwrap_err();
     assert!(err.to_string().contains("LocalFallback"), "{err}");
     let err = Limiter::builder(Quota::per_second(nonzero!(5)))
+        .store(MemoryStore::new())
         .namespace(&"n".repeat(1000))
         .build()
         .unwrap_err();
@@ -483,4 +486,32 @@ async fn several_quotas_decide_alike_on_both_stores() {
         }
     }
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}
+
+/// Exact and hybrid limiters need a store named: without one, `build`
+/// refuses, saying how to choose, instead of limiting each process alone.
+#[tokio::test]
+async fn a_limiter_without_a_store_is_refused_at_build() {
+    for builder in [
+        Limiter::builder(Quota::per_second(nonzero!(5))),
+        Limiter::builder(Quota::per_second(nonzero!(5))).exact(),
+        Limiter::builder(Quota::per_second(nonzero!(5))).hybrid(slicelimit::HybridConfig::strict()),
+    ] {
+        let err = builder.build().unwrap_err();
+        assert!(err.is_invalid_input(), "{err}");
+        assert!(err.to_string().contains("no store chosen"), "{err}");
+        assert!(err.to_string().contains("RedisStore"), "{err}");
+    }
+    // Per-process counting on purpose needs no store.
+    let local = Limiter::builder(Quota::per_second(nonzero!(5)))
+        .local()
+        .build()
+        .unwrap();
+    assert!(local.check("k", 1).await.is_allowed());
+    // Naming the embedded store is a choice made, and builds.
+    let one_process = Limiter::builder(Quota::per_second(nonzero!(5)))
+        .store(MemoryStore::new())
+        .build()
+        .unwrap();
+    assert!(one_process.check("k", 1).await.is_allowed());
 }

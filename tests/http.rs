@@ -1024,9 +1024,11 @@ async fn legacy_headers_and_costs() {
 #[tokio::test]
 async fn wait_up_to_admits_a_request_the_wait_covers() {
     let per_second = Limiter::builder(Quota::per_second(nonzero!(1)))
+        .store(MemoryStore::new())
         .build()
         .unwrap();
     let hourly = Limiter::builder(Quota::per_hour(nonzero!(100)))
+        .store(MemoryStore::new())
         .build()
         .unwrap();
     let plain = serve(RateLimitLayer::new(per_second.clone())).await;
@@ -1102,6 +1104,7 @@ async fn wait_up_to_waits_out_every_denying_policy_within_one_budget() {
     };
     let limiter = |period: u64| {
         Limiter::builder(Quota::new(1, Duration::from_secs(period)).unwrap())
+            .store(MemoryStore::with_clock(clock.clone()))
             .clock(clock.clone())
             .build()
             .unwrap()

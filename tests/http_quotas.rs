@@ -101,6 +101,7 @@ async fn several_quotas_send_one_item_each() {
 #[tokio::test]
 async fn a_tier_is_stated_in_its_keys_headers() {
     let limiter = Limiter::builder(Quota::per_minute(nonzero!(10)))
+        .store(MemoryStore::new())
         .quota_for(|k| (k == "gold").then(|| Quota::per_minute(nonzero!(1000))))
         .build()
         .unwrap();
@@ -147,6 +148,7 @@ async fn server_errors_are_refunded_when_asked() {
 
     // Without the option, failures cost the quota.
     let plain = Limiter::builder(Quota::per_minute(nonzero!(3)))
+        .store(MemoryStore::new())
         .build()
         .unwrap();
     let app = router(RateLimitLayer::new(plain));

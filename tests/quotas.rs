@@ -279,6 +279,7 @@ async fn raising_the_quota_mid_window_admits_the_difference_at_once() {
     assert!(!limiter.check("k", 1).await.is_allowed());
     let bad = Quota::new(10, Duration::from_secs(1)).unwrap();
     let bucket = Limiter::builder(bad)
+        .store(MemoryStore::new())
         .algorithm(Algorithm::TokenBucket)
         .build()
         .unwrap();

@@ -78,10 +78,12 @@ async fn a_decision_refunded_again_gives_back_once() {
 #[tokio::test]
 async fn another_limiters_decision_is_refused() {
     let a = Limiter::builder(Quota::per_minute(nonzero!(5)))
+        .store(MemoryStore::new())
         .namespace("a")
         .build()
         .unwrap();
     let b = Limiter::builder(Quota::per_minute(nonzero!(5)))
+        .store(MemoryStore::new())
         .namespace("b")
         .build()
         .unwrap();

@@ -66,9 +66,12 @@ pub(crate) fn retry_secs(decision: &Decision) -> Option<u64> {
 /// ```
 /// # async fn demo() {
 /// use slicelimit::http::PolicyHeaders;
-/// use slicelimit::{nonzero, Limiter, Quota};
+/// use slicelimit::{nonzero, Limiter, MemoryStore, Quota};
 ///
-/// let limiter = Limiter::builder(Quota::per_minute(nonzero!(10))).build().unwrap();
+/// let limiter = Limiter::builder(Quota::per_minute(nonzero!(10)))
+///     .store(MemoryStore::new())
+///     .build()
+///     .unwrap();
 /// let headers = PolicyHeaders::new("search", &limiter.quota());
 /// let decision = limiter.check("alice", 1).await;
 /// let mut response = http::Response::new(());

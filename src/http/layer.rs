@@ -26,13 +26,18 @@ type RefundFn = dyn Fn(http::StatusCode) -> bool + Send + Sync;
 /// ```no_run
 /// # async fn demo() -> Result<(), slicelimit::Error> {
 /// use slicelimit::http::{KeyExtractor, MissingKey, RateLimitLayer};
-/// use slicelimit::{nonzero, HybridConfig, Limiter, Quota};
+/// use slicelimit::{nonzero, HybridConfig, Limiter, Quota, RedisStore};
 ///
+/// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
 /// let limiter = Limiter::builder(Quota::per_minute(nonzero!(100)))
+///     .store(store.clone())
 ///     .hybrid(HybridConfig::strict())
 ///     .namespace("api")
 ///     .build()?;
-/// let login = Limiter::builder(Quota::per_minute(nonzero!(5))).namespace("login").build()?;
+/// let login = Limiter::builder(Quota::per_minute(nonzero!(5)))
+///     .store(store)
+///     .namespace("login")
+///     .build()?;
 /// let layer = RateLimitLayer::new(limiter)
 ///     .key(KeyExtractor::header("x-api-key"))
 ///     .on_missing_key(MissingKey::Reject(http::StatusCode::UNAUTHORIZED))

@@ -22,8 +22,8 @@ pub struct Builder {
 }
 
 impl Builder {
-    /// What [`Limiter::builder`] starts from: exact mode on a private
-    /// embedded store, the default algorithm and failure policy.
+    /// What [`Limiter::builder`] starts from: exact mode, no store yet,
+    /// the default algorithm and failure policy.
     pub(super) fn new(quota: Quota) -> Self {
         Builder {
             quota,
@@ -48,9 +48,10 @@ impl Builder {
     /// ```
     /// # async fn demo() -> Result<(), slicelimit::Error> {
     /// use std::time::Duration;
-    /// use slicelimit::{nonzero, Limiter, Quota};
+    /// use slicelimit::{nonzero, Limiter, MemoryStore, Quota};
     ///
     /// let limiter = Limiter::builder(Quota::per_second(nonzero!(10)))
+    ///     .store(MemoryStore::new())
     ///     .and(Quota::new(10_000, Duration::from_secs(86_400))?)
     ///     .build()?;
     /// let decision = limiter.check("user-1", 1).await;
@@ -72,9 +73,10 @@ impl Builder {
     ///
     /// ```
     /// # async fn demo() -> Result<(), slicelimit::Error> {
-    /// use slicelimit::{nonzero, Limiter, Quota};
+    /// use slicelimit::{nonzero, Limiter, MemoryStore, Quota};
     ///
     /// let limiter = Limiter::builder(Quota::per_minute(nonzero!(100)))
+    ///     .store(MemoryStore::new())
     ///     .quota_for(|key| key.starts_with("paid:").then(|| Quota::per_minute(nonzero!(10_000))))
     ///     .build()?;
     /// assert_eq!(limiter.quota_of("paid:42").limit(), 10_000);
@@ -106,8 +108,12 @@ impl Builder {
         self
     }
 
-    /// Where budgets are shared: a [`RedisStore`](crate::RedisStore) or a
-    /// [`MemoryStore`]. Default: a private embedded `MemoryStore`.
+    /// Where budgets are shared: a [`RedisStore`](crate::RedisStore) for a
+    /// fleet, or a [`MemoryStore`](crate::MemoryStore) for one process. Required in exact and
+    /// hybrid mode: there is no default, so a limiter meant for a fleet
+    /// cannot silently count per process. A limiter on an injected
+    /// [`clock`](Builder::clock) wants a `MemoryStore` on the same clock
+    /// ([`MemoryStore::with_clock`](crate::MemoryStore::with_clock)).
     pub fn store(mut self, store: impl Into<Store>) -> Self {
         self.store = Some(store.into());
         self
@@ -180,7 +186,8 @@ impl Builder {
     /// Validates the configuration and builds the limiter.
     ///
     /// # Errors
-    /// An [`InvalidInput`](crate::ErrorKind::InvalidInput) error for an invalid
+    /// An [`InvalidInput`](crate::ErrorKind::InvalidInput) error for exact
+    /// or hybrid mode without a [`store`](Builder::store), an invalid
     /// hybrid configuration or namespace, more than [`MAX_QUOTAS`]
     /// quotas, or a bucket quota (or fallback quota) that would take more
     /// than [`MAX_PERIOD`](crate::MAX_PERIOD) to fill; an
@@ -218,10 +225,13 @@ impl Builder {
         let counters = Arc::new(Counters::new(self.name.as_deref().unwrap_or(&namespace)));
         let store: Option<Store> = match self.mode {
             Mode::Local => None,
-            _ => Some(
-                self.store
-                    .unwrap_or_else(|| MemoryStore::with_shared_clock(clock.clone()).into()),
-            ),
+            _ => Some(self.store.ok_or_else(|| {
+                Error::invalid(
+                    "no store chosen: call .store(..) with a RedisStore to share budgets \
+                     across processes, or with MemoryStore::new() to limit this process \
+                     alone (or use .local())",
+                )
+            })?),
         };
         let config = match &self.mode {
             Mode::Hybrid(config) => Some(config.clone()),

@@ -17,7 +17,7 @@ use crate::lane::{Lane, Mode, Recipe};
 use crate::lanes::{Lanes, NEXT_ID};
 use crate::several;
 use crate::stats::{Counters, Stats};
-use crate::store::{MemoryStore, Store};
+use crate::store::Store;
 use crate::tiers::{Resolver, Tiers};
 use crate::{Algorithm, Clock, Decision, Error, FailurePolicy, Quota, SystemClock};
 

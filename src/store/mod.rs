@@ -17,6 +17,10 @@ pub(crate) mod topology;
 #[cfg(feature = "test-support")]
 pub use self::faults::{FaultCounts, Faults, FaultyStore};
 pub use self::memory::MemoryStore;
+#[cfg(feature = "sentinel")]
+pub use self::redis::Sentinel;
+#[cfg(feature = "tls")]
+pub use self::redis::TlsOptions;
 pub use self::redis::{RedisOptions, RedisStore};
 
 pub(crate) use crate::algorithm::{

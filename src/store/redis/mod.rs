@@ -28,10 +28,16 @@ use crate::breaker::{CircuitBreaker, CircuitConfig, CircuitState};
 use crate::{Clock, Error, ErrorKind, SystemClock};
 
 mod calls;
+mod connect;
 mod options;
 
 use calls::*;
+use connect::Client;
+#[cfg(feature = "sentinel")]
+pub use connect::Sentinel;
 pub use options::RedisOptions;
+#[cfg(feature = "tls")]
+pub use options::TlsOptions;
 
 /// A Redis server holding the shared budgets.
 ///
@@ -88,6 +94,7 @@ struct Inner {
     /// when the old one keeps timing out.
     rebuild: Option<Rebuild>,
     options: RedisOptions,
+    /// Where it connects, for messages; never holds a password.
     url: String,
     /// Stops calls to a store that keeps failing: every call on a single
     /// node; on a cluster, calls on slots whose primary is not known yet.
@@ -183,25 +190,6 @@ struct Rebuild {
     born: std::time::Instant,
 }
 
-/// How to make a fresh connection.
-enum Client {
-    Cluster(redis::cluster::ClusterClient),
-    Single(redis::Client, ConnectionManagerConfig),
-}
-
-impl Client {
-    async fn connect(&self) -> Option<Conn> {
-        match self {
-            Client::Cluster(c) => c.get_async_connection().await.ok().map(Conn::Cluster),
-            Client::Single(c, config) => c
-                .get_connection_manager_with_config(config.clone())
-                .await
-                .ok()
-                .map(Conn::Single),
-        }
-    }
-}
-
 /// Clears `Rebuild::running` when the rebuild task ends, however it ends.
 struct Rebuilding(RedisStore);
 
@@ -218,7 +206,7 @@ const REBUILD_EVERY: Duration = Duration::from_millis(500);
 impl fmt::Debug for RedisStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisStore")
-            .field("url", &self.inner.url)
+            .field("server", &self.inner.url)
             .field("options", &self.inner.options)
             .finish()
     }
@@ -236,129 +224,6 @@ fn parse_error(err: impl fmt::Display) -> Error {
 }
 
 impl RedisStore {
-    /// Connects to a single Redis node with the default options.
-    ///
-    /// # Errors
-    /// A [`Connection`](crate::ErrorKind::Connection) or
-    /// [`Timeout`](crate::ErrorKind::Timeout) error if the server cannot be
-    /// reached within the connect timeout; an
-    /// [`InvalidInput`](crate::ErrorKind::InvalidInput) error for a bad URL.
-    pub async fn connect(url: &str) -> Result<RedisStore, Error> {
-        RedisStore::connect_with(url, RedisOptions::default()).await
-    }
-
-    /// Connects to a single Redis node.
-    ///
-    /// # Errors
-    /// As [`RedisStore::connect`].
-    pub async fn connect_with(url: &str, options: RedisOptions) -> Result<RedisStore, Error> {
-        options.validate()?;
-        let client = Self::client(url)?;
-        let config = Self::manager_config(&options);
-        let conn = tokio::time::timeout(
-            options.connect_timeout,
-            client.get_connection_manager_with_config(config.clone()),
-        )
-        .await
-        .map_err(|_| timeout_error(&format!("connecting to {url}"), options.connect_timeout))?
-        .map_err(|e| {
-            let kind = if e.is_timeout() {
-                ErrorKind::Timeout
-            } else {
-                ErrorKind::Connection
-            };
-            Error::new(kind, format!("cannot connect to {url}: {e}")).caused_by(e)
-        })?;
-        Ok(Self::with_rebuild(
-            Self::from_parts(Conn::Single(conn), options, url),
-            Client::Single(client, config),
-        ))
-    }
-
-    fn with_rebuild(mut store: RedisStore, client: Client) -> RedisStore {
-        if let Some(inner) = Arc::get_mut(&mut store.inner) {
-            inner.rebuild = Some(Rebuild {
-                client,
-                running: AtomicBool::new(false),
-                last_us: AtomicU64::new(0),
-                born: std::time::Instant::now(),
-            });
-        }
-        store
-    }
-
-    /// Connects to a Redis Cluster through any of its nodes, with the
-    /// default options.
-    ///
-    /// # Errors
-    /// As [`RedisStore::connect`].
-    pub async fn connect_cluster(urls: &[&str]) -> Result<RedisStore, Error> {
-        RedisStore::connect_cluster_with(urls, RedisOptions::default()).await
-    }
-
-    /// Connects to a Redis Cluster through any of its nodes. Each script
-    /// call goes to the primary of its key's hash slot.
-    ///
-    /// # Errors
-    /// As [`RedisStore::connect`].
-    pub async fn connect_cluster_with(
-        urls: &[&str],
-        options: RedisOptions,
-    ) -> Result<RedisStore, Error> {
-        options.validate()?;
-        // The client's own timeouts also bound its topology refreshes after
-        // a failover, which must be allowed to finish in the background;
-        // each call is still bounded by `response_timeout` here.
-        let client = redis::cluster::ClusterClientBuilder::new(urls.iter().copied())
-            .connection_timeout(options.connect_timeout)
-            .response_timeout(options.connect_timeout.max(options.response_timeout))
-            .retries(2)
-            .min_retry_wait(5)
-            .max_retry_wait(50)
-            .build()
-            .map_err(|e| {
-                Error::invalid(format!("bad Redis Cluster URLs {urls:?}: {e}")).caused_by(e)
-            })?;
-        let conn = tokio::time::timeout(options.connect_timeout, client.get_async_connection())
-            .await
-            .map_err(|_| {
-                timeout_error(
-                    &format!("connecting to the cluster at {urls:?}"),
-                    options.connect_timeout,
-                )
-            })?
-            .map_err(|e| {
-                Error::new(
-                    ErrorKind::Connection,
-                    format!("cannot connect to the cluster at {urls:?}: {e}"),
-                )
-                .caused_by(e)
-            })?;
-        let mut store = Self::from_parts(Conn::Cluster(conn), options, &urls.join(","));
-        if let Some(inner) = Arc::get_mut(&mut store.inner) {
-            let seed_host = urls
-                .first()
-                .and_then(|u| redis::Client::open(*u).ok())
-                .map(|c| match &c.get_connection_info().addr() {
-                    redis::ConnectionAddr::Tcp(host, _) => host.clone(),
-                    redis::ConnectionAddr::TcpTls { host, .. } => host.clone(),
-                    _ => String::new(),
-                })
-                .unwrap_or_default();
-            inner.topology = Some(Topology::new(
-                inner.options.circuit,
-                inner.options.clock.clone(),
-                &seed_host,
-            ));
-        }
-        let store = Self::with_rebuild(store, Client::Cluster(client));
-        // The slot map; without it every call uses the store-wide breaker
-        // until the first refresh.
-        let _ =
-            tokio::time::timeout(store.inner.options.connect_timeout, store.read_topology()).await;
-        Ok(store)
-    }
-
     /// Reads the slot map again in the background (at most one refresh at
     /// a time, one per 250 ms).
     fn refresh_topology(&self) {
@@ -452,43 +317,6 @@ impl RedisStore {
     /// Whether this store is a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
         matches!(**self.inner.conn.load(), Conn::Cluster(_))
-    }
-
-    /// Builds a store without connecting: the first call connects. A
-    /// limiter built on it starts even while Redis is unreachable and
-    /// applies its failure policy until Redis answers.
-    ///
-    /// # Errors
-    /// An [`InvalidInput`](crate::ErrorKind::InvalidInput) error for a bad URL.
-    pub fn connect_lazy(url: &str, options: RedisOptions) -> Result<RedisStore, Error> {
-        options.validate()?;
-        let client = Self::client(url)?;
-        let config = Self::manager_config(&options);
-        let conn = client
-            .get_connection_manager_lazy(config.clone())
-            .map_err(|e| {
-                Error::invalid(format!("bad Redis configuration for {url}: {e}")).caused_by(e)
-            })?;
-        Ok(Self::with_rebuild(
-            Self::from_parts(Conn::Single(conn), options, url),
-            Client::Single(client, config),
-        ))
-    }
-
-    fn client(url: &str) -> Result<redis::Client, Error> {
-        redis::Client::open(url)
-            .map_err(|e| Error::invalid(format!("bad Redis URL {url:?}: {e}")).caused_by(e))
-    }
-
-    fn manager_config(options: &RedisOptions) -> ConnectionManagerConfig {
-        ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(options.connect_timeout))
-            // Each call is bounded here, by `batch_timeout`; the manager's
-            // own limit only backs that up for the largest batch.
-            .set_response_timeout(Some(batch_timeout(options.response_timeout, usize::MAX)))
-            .set_number_of_retries(1)
-            .set_min_delay(Duration::from_millis(10))
-            .set_max_delay(Duration::from_millis(500))
     }
 
     fn from_parts(conn: Conn, options: RedisOptions, url: &str) -> RedisStore {

@@ -12,6 +12,8 @@ pub struct RedisOptions {
     pub(super) circuit: CircuitConfig,
     /// What the circuit breakers time their windows and back-offs on.
     pub(super) clock: Arc<dyn Clock>,
+    #[cfg(feature = "tls")]
+    pub(super) tls: Option<TlsOptions>,
 }
 
 impl fmt::Debug for RedisOptions {
@@ -20,6 +22,7 @@ impl fmt::Debug for RedisOptions {
             .field("connect_timeout", &self.connect_timeout)
             .field("response_timeout", &self.response_timeout)
             .field("circuit", &self.circuit)
+            .field("tls", &self.has_tls())
             .finish_non_exhaustive()
     }
 }
@@ -31,6 +34,8 @@ impl Default for RedisOptions {
             response_timeout: Duration::from_millis(25),
             circuit: CircuitConfig::default(),
             clock: Arc::new(SystemClock::new()),
+            #[cfg(feature = "tls")]
+            tls: None,
         }
     }
 }
@@ -91,8 +96,105 @@ impl RedisOptions {
         self
     }
 
+    /// TLS settings for `rediss://` URLs: a private CA and a client
+    /// certificate. Without them, a `rediss://` URL verifies the server
+    /// against the system's roots. Certificates are always verified; the
+    /// `tls-insecure` feature's `rediss://host:port/#insecure` turns that
+    /// off, for tests against self-signed servers only.
+    ///
+    /// ```no_run
+    /// # async fn demo() -> Result<(), slicelimit::Error> {
+    /// use slicelimit::{RedisOptions, RedisStore, TlsOptions};
+    ///
+    /// let tls = TlsOptions::new()
+    ///     .root_ca_pem(std::fs::read("ca.pem").unwrap())
+    ///     .client_cert_pem(std::fs::read("client.pem").unwrap(), std::fs::read("client.key").unwrap());
+    /// let store = RedisStore::connect_with(
+    ///     "rediss://limiter:s3cret@redis.internal:6380",
+    ///     RedisOptions::default().tls(tls),
+    /// )
+    /// .await?;
+    /// # let _ = store;
+    /// # Ok(())
+    /// # }
+    /// ```
+    #[cfg(feature = "tls")]
+    #[must_use]
+    pub fn tls(mut self, tls: TlsOptions) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    pub(super) fn has_tls(&self) -> bool {
+        #[cfg(feature = "tls")]
+        return self.tls.is_some();
+        #[cfg(not(feature = "tls"))]
+        false
+    }
+
     /// The response timeout in force.
     pub fn get_response_timeout(&self) -> Duration {
         self.response_timeout
+    }
+}
+
+/// A private CA and a client certificate for TLS connections to Redis; see
+/// [`RedisOptions::tls`].
+#[cfg(feature = "tls")]
+#[derive(Clone, Default)]
+pub struct TlsOptions {
+    root_ca: Option<Vec<u8>>,
+    client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+#[cfg(feature = "tls")]
+impl fmt::Debug for TlsOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsOptions")
+            .field("root_ca", &self.root_ca.is_some())
+            .field("client_cert", &self.client.is_some())
+            .finish()
+    }
+}
+
+#[cfg(feature = "tls")]
+impl TlsOptions {
+    /// Verify servers against the system's roots, with no client
+    /// certificate.
+    pub fn new() -> TlsOptions {
+        TlsOptions::default()
+    }
+
+    /// Verify servers against these CA certificates (PEM) instead of the
+    /// system's roots.
+    #[must_use]
+    pub fn root_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> TlsOptions {
+        self.root_ca = Some(pem.into());
+        self
+    }
+
+    /// Present this certificate chain and private key (PEM) to servers
+    /// that ask for one (`tls-auth-clients yes`, Redis' default).
+    #[must_use]
+    pub fn client_cert_pem(
+        mut self,
+        cert_chain: impl Into<Vec<u8>>,
+        key: impl Into<Vec<u8>>,
+    ) -> TlsOptions {
+        self.client = Some((cert_chain.into(), key.into()));
+        self
+    }
+
+    pub(super) fn certificates(&self) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: self
+                .client
+                .as_ref()
+                .map(|(cert, key)| redis::ClientTlsConfig {
+                    client_cert: cert.clone(),
+                    client_key: key.clone(),
+                }),
+            root_cert: self.root_ca.clone(),
+        }
     }
 }

@@ -1,0 +1,480 @@
+//! How a [`RedisStore`] reaches its server: a URL (plain or `rediss://`),
+//! a cluster's seed URLs, Redis Sentinel, or a client set up elsewhere;
+//! and how the connection is made again after a failover.
+
+use super::*;
+
+/// How to make a fresh connection, kept for rebuilding it.
+pub(super) enum Client {
+    Cluster(redis::cluster::ClusterClient),
+    Single(redis::Client, ConnectionManagerConfig),
+    /// The primary the Sentinels name now (asked again on every rebuild).
+    #[cfg(feature = "sentinel")]
+    Sentinel(Box<SentinelClient>),
+}
+
+impl Client {
+    pub(super) async fn connect(&self) -> Option<Conn> {
+        match self {
+            Client::Cluster(c) => c.get_async_connection().await.ok().map(Conn::Cluster),
+            Client::Single(c, config) => c
+                .get_connection_manager_with_config(config.clone())
+                .await
+                .ok()
+                .map(Conn::Single),
+            #[cfg(feature = "sentinel")]
+            Client::Sentinel(s) => s.primary().await.ok().map(Conn::Single),
+        }
+    }
+}
+
+/// A Redis Sentinel deployment: where its Sentinels are, which monitored
+/// service holds the budgets, and how to log in to that service's primary.
+/// See [`RedisStore::connect_sentinel`].
+///
+/// ```
+/// use slicelimit::Sentinel;
+///
+/// let sentinel = Sentinel::new(
+///     &["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"],
+///     "limits",
+/// )
+/// .primary_auth(Some("limiter"), "s3cret");
+/// # let _ = sentinel;
+/// ```
+#[cfg(feature = "sentinel")]
+#[derive(Clone)]
+pub struct Sentinel {
+    sentinels: Vec<String>,
+    service: String,
+    username: Option<String>,
+    password: Option<String>,
+}
+
+#[cfg(feature = "sentinel")]
+impl fmt::Debug for Sentinel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sentinel")
+            .field(
+                "sentinels",
+                &self.sentinels.iter().map(|u| redact(u)).collect::<Vec<_>>(),
+            )
+            .field("service", &self.service)
+            .field("username", &self.username)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "sentinel")]
+impl Sentinel {
+    /// The Sentinels' URLs (`redis://host:26379`, with credentials if the
+    /// Sentinels require them) and the name of the monitored service.
+    pub fn new(sentinels: &[&str], service: &str) -> Sentinel {
+        Sentinel {
+            sentinels: sentinels.iter().map(|s| (*s).to_owned()).collect(),
+            service: service.to_owned(),
+            username: None,
+            password: None,
+        }
+    }
+
+    /// The user (`None`: the default user) and password for the primary
+    /// itself; the Sentinels' own come from their URLs.
+    #[must_use]
+    pub fn primary_auth(mut self, username: Option<&str>, password: &str) -> Sentinel {
+        self.username = username.map(str::to_owned);
+        self.password = Some(password.to_owned());
+        self
+    }
+}
+
+/// Asks the Sentinels for the primary and connects to it.
+#[cfg(feature = "sentinel")]
+pub(super) struct SentinelClient {
+    sentinel: tokio::sync::Mutex<redis::sentinel::Sentinel>,
+    service: String,
+    node: redis::sentinel::SentinelNodeConnectionInfo,
+    config: ConnectionManagerConfig,
+}
+
+#[cfg(feature = "sentinel")]
+impl SentinelClient {
+    /// A connection to the primary the Sentinels name now; the client
+    /// checks that the node it finds calls itself a primary.
+    async fn primary(&self) -> redis::RedisResult<ConnectionManager> {
+        let client = {
+            let mut sentinel = self.sentinel.lock().await;
+            sentinel
+                .async_master_for(&self.service, Some(&self.node))
+                .await?
+        };
+        client
+            .get_connection_manager_with_config(self.config.clone())
+            .await
+    }
+}
+
+/// `url` without the password (or the whole user part) it may carry.
+pub(super) fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}://<credentials>@{}", &url[..scheme], &url[at + 1..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// Whether `url` asks for TLS.
+fn is_tls(url: &str) -> bool {
+    url.trim_start()
+        .to_ascii_lowercase()
+        .starts_with("rediss://")
+}
+
+/// Refuses what would connect other than as asked: a `rediss://` URL in a
+/// build without TLS, TLS settings with a plain URL (never a silent
+/// plaintext connection in place of an encrypted one).
+fn check_scheme(urls: &[&str], options: &RedisOptions) -> Result<(), Error> {
+    for url in urls {
+        if is_tls(url) && cfg!(not(feature = "tls")) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{} is a TLS URL; TLS needs slicelimit's `tls` feature",
+                    redact(url)
+                ),
+            ));
+        }
+        if options.has_tls() && !is_tls(url) {
+            return Err(Error::invalid(format!(
+                "TLS settings were given for {}, a plain redis:// URL; use rediss://",
+                redact(url)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// rustls needs a process-wide crypto provider; when the application has
+/// not chosen one, ring (the one this crate's `tls` feature builds).
+#[cfg(feature = "tls")]
+fn ensure_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Losing a race to another installer is fine: one is in place.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
+#[cfg(not(feature = "tls"))]
+fn ensure_crypto_provider() {}
+
+fn connect_error(target: &str, e: redis::RedisError) -> Error {
+    let kind = if e.is_timeout() {
+        ErrorKind::Timeout
+    } else if e.kind() == redis::ErrorKind::InvalidClientConfig {
+        ErrorKind::InvalidInput
+    } else {
+        ErrorKind::Connection
+    };
+    Error::new(kind, format!("cannot connect to {target}: {e}")).caused_by(e)
+}
+
+impl RedisStore {
+    /// Connects to a single Redis node with the default options.
+    ///
+    /// The URL may carry a user and password (`redis://user:pass@host:6379`,
+    /// for an ACL user) and a database (`/2`); `rediss://` connects over
+    /// TLS (the `tls` feature; see [`RedisOptions::tls`] for a private CA
+    /// and client certificates).
+    ///
+    /// # Errors
+    /// A [`Connection`](crate::ErrorKind::Connection) or
+    /// [`Timeout`](crate::ErrorKind::Timeout) error if the server cannot be
+    /// reached within the connect timeout, refuses the credentials, or
+    /// presents a certificate that does not verify; an
+    /// [`InvalidInput`](crate::ErrorKind::InvalidInput) error for a bad URL;
+    /// [`Unsupported`](crate::ErrorKind::Unsupported) for `rediss://`
+    /// without the `tls` feature.
+    pub async fn connect(url: &str) -> Result<RedisStore, Error> {
+        RedisStore::connect_with(url, RedisOptions::default()).await
+    }
+
+    /// Connects to a single Redis node.
+    ///
+    /// # Errors
+    /// As [`RedisStore::connect`].
+    pub async fn connect_with(url: &str, options: RedisOptions) -> Result<RedisStore, Error> {
+        options.validate()?;
+        let client = Self::client(url, &options)?;
+        Self::from_client(client, options).await
+    }
+
+    /// Connects through a [`redis::Client`] set up elsewhere (a custom
+    /// resolver, TLS material from a secret store, a Unix socket …). The
+    /// store keeps it to reconnect.
+    ///
+    /// # Errors
+    /// As [`RedisStore::connect`].
+    pub async fn from_client(
+        client: redis::Client,
+        options: RedisOptions,
+    ) -> Result<RedisStore, Error> {
+        options.validate()?;
+        ensure_crypto_provider();
+        let target = redact(&client.get_connection_info().addr().to_string());
+        let config = Self::manager_config(&options);
+        let conn = tokio::time::timeout(
+            options.connect_timeout,
+            client.get_connection_manager_with_config(config.clone()),
+        )
+        .await
+        .map_err(|_| timeout_error(&format!("connecting to {target}"), options.connect_timeout))?
+        .map_err(|e| connect_error(&target, e))?;
+        Ok(Self::with_rebuild(
+            Self::from_parts(Conn::Single(conn), options, &target),
+            Client::Single(client, config),
+        ))
+    }
+
+    /// Connects to the primary of `service` as Redis Sentinel names it,
+    /// and follows failovers: when the primary stops answering or answers
+    /// as a replica, the store asks the Sentinels again (at most every
+    /// 500 ms) while the failure policy decides, and sends its calls to
+    /// the new primary once they name it.
+    ///
+    /// # Errors
+    /// A [`Connection`](crate::ErrorKind::Connection) or
+    /// [`Timeout`](crate::ErrorKind::Timeout) error if no Sentinel answers,
+    /// none knows the service, or its primary cannot be reached within the
+    /// connect timeout; [`InvalidInput`](crate::ErrorKind::InvalidInput)
+    /// for a bad URL or an empty list.
+    #[cfg(feature = "sentinel")]
+    pub async fn connect_sentinel(
+        sentinel: Sentinel,
+        options: RedisOptions,
+    ) -> Result<RedisStore, Error> {
+        options.validate()?;
+        let urls: Vec<&str> = sentinel.sentinels.iter().map(String::as_str).collect();
+        check_scheme(&urls, &RedisOptions::default())?;
+        ensure_crypto_provider();
+        let sentinels = redis::sentinel::Sentinel::build(urls).map_err(|e| {
+            Error::invalid(format!("bad Sentinel URLs {:?}: {e}", sentinel)).caused_by(e)
+        })?;
+        let mut info = redis::RedisConnectionInfo::default();
+        if let Some(user) = &sentinel.username {
+            info = info.set_username(user);
+        }
+        if let Some(password) = &sentinel.password {
+            info = info.set_password(password);
+        }
+        let client = SentinelClient {
+            sentinel: tokio::sync::Mutex::new(sentinels),
+            service: sentinel.service.clone(),
+            node: redis::sentinel::SentinelNodeConnectionInfo::default()
+                .set_redis_connection_info(info),
+            config: Self::manager_config(&options),
+        };
+        let target = format!("the primary of {:?} through Sentinel", sentinel.service);
+        let conn = tokio::time::timeout(options.connect_timeout, client.primary())
+            .await
+            .map_err(|_| {
+                timeout_error(&format!("connecting to {target}"), options.connect_timeout)
+            })?
+            .map_err(|e| connect_error(&target, e))?;
+        Ok(Self::with_rebuild(
+            Self::from_parts(Conn::Single(conn), options, &target),
+            Client::Sentinel(Box::new(client)),
+        ))
+    }
+
+    pub(super) fn with_rebuild(mut store: RedisStore, client: Client) -> RedisStore {
+        if let Some(inner) = Arc::get_mut(&mut store.inner) {
+            inner.rebuild = Some(Rebuild {
+                client,
+                running: AtomicBool::new(false),
+                last_us: AtomicU64::new(0),
+                born: std::time::Instant::now(),
+            });
+        }
+        store
+    }
+
+    /// Connects to a Redis Cluster through any of its nodes, with the
+    /// default options.
+    ///
+    /// # Errors
+    /// As [`RedisStore::connect`].
+    pub async fn connect_cluster(urls: &[&str]) -> Result<RedisStore, Error> {
+        RedisStore::connect_cluster_with(urls, RedisOptions::default()).await
+    }
+
+    /// Connects to a Redis Cluster through any of its nodes. Each script
+    /// call goes to the primary of its key's hash slot. Credentials and
+    /// TLS (`rediss://`, with [`RedisOptions::tls`]) come from the URLs as
+    /// for a single node and apply to every node.
+    ///
+    /// # Errors
+    /// As [`RedisStore::connect`].
+    pub async fn connect_cluster_with(
+        urls: &[&str],
+        options: RedisOptions,
+    ) -> Result<RedisStore, Error> {
+        options.validate()?;
+        check_scheme(urls, &options)?;
+        let shown: Vec<String> = urls.iter().map(|u| redact(u)).collect();
+        // The client's own timeouts also bound its topology refreshes after
+        // a failover, which must be allowed to finish in the background;
+        // each call is still bounded by `response_timeout` here.
+        let builder = redis::cluster::ClusterClientBuilder::new(urls.iter().copied())
+            .connection_timeout(options.connect_timeout)
+            .response_timeout(options.connect_timeout.max(options.response_timeout))
+            .retries(2)
+            .min_retry_wait(5)
+            .max_retry_wait(50);
+        #[cfg(feature = "tls")]
+        let builder = match &options.tls {
+            Some(tls) => builder.certs(tls.certificates()),
+            None => builder,
+        };
+        let client = builder.build().map_err(|e| {
+            Error::invalid(format!("bad Redis Cluster URLs {shown:?}: {e}")).caused_by(e)
+        })?;
+        let seed_host = urls
+            .first()
+            .and_then(|u| redis::Client::open(*u).ok())
+            .map(|c| match &c.get_connection_info().addr() {
+                redis::ConnectionAddr::Tcp(host, _) => host.clone(),
+                redis::ConnectionAddr::TcpTls { host, .. } => host.clone(),
+                _ => String::new(),
+            })
+            .unwrap_or_default();
+        Self::from_cluster(client, options, &shown.join(","), &seed_host).await
+    }
+
+    /// Connects through a [`redis::cluster::ClusterClient`] set up
+    /// elsewhere (its own TLS, credentials, timeouts); `seed_host` is the
+    /// host the nodes are reached on when they announce no address.
+    ///
+    /// # Errors
+    /// As [`RedisStore::connect`].
+    pub async fn from_cluster_client(
+        client: redis::cluster::ClusterClient,
+        options: RedisOptions,
+        seed_host: &str,
+    ) -> Result<RedisStore, Error> {
+        options.validate()?;
+        Self::from_cluster(client, options, "a Redis Cluster", seed_host).await
+    }
+
+    async fn from_cluster(
+        client: redis::cluster::ClusterClient,
+        options: RedisOptions,
+        target: &str,
+        seed_host: &str,
+    ) -> Result<RedisStore, Error> {
+        ensure_crypto_provider();
+        let conn = tokio::time::timeout(options.connect_timeout, client.get_async_connection())
+            .await
+            .map_err(|_| {
+                timeout_error(
+                    &format!("connecting to the cluster at {target}"),
+                    options.connect_timeout,
+                )
+            })?
+            .map_err(|e| connect_error(&format!("the cluster at {target}"), e))?;
+        let mut store = Self::from_parts(Conn::Cluster(conn), options, target);
+        if let Some(inner) = Arc::get_mut(&mut store.inner) {
+            inner.topology = Some(Topology::new(
+                inner.options.circuit,
+                inner.options.clock.clone(),
+                seed_host,
+            ));
+        }
+        let store = Self::with_rebuild(store, Client::Cluster(client));
+        // The slot map; without it every call uses the store-wide breaker
+        // until the first refresh.
+        let _ =
+            tokio::time::timeout(store.inner.options.connect_timeout, store.read_topology()).await;
+        Ok(store)
+    }
+
+    /// Builds a store without connecting: the first call connects. A
+    /// limiter built on it starts even while Redis is unreachable and
+    /// applies its failure policy until Redis answers.
+    ///
+    /// # Errors
+    /// An [`InvalidInput`](crate::ErrorKind::InvalidInput) error for a bad
+    /// URL; [`Unsupported`](crate::ErrorKind::Unsupported) for `rediss://`
+    /// without the `tls` feature.
+    pub fn connect_lazy(url: &str, options: RedisOptions) -> Result<RedisStore, Error> {
+        options.validate()?;
+        let client = Self::client(url, &options)?;
+        let config = Self::manager_config(&options);
+        let conn = client
+            .get_connection_manager_lazy(config.clone())
+            .map_err(|e| {
+                Error::invalid(format!("bad Redis configuration for {}: {e}", redact(url)))
+                    .caused_by(e)
+            })?;
+        Ok(Self::with_rebuild(
+            Self::from_parts(Conn::Single(conn), options, &redact(url)),
+            Client::Single(client, config),
+        ))
+    }
+
+    fn client(url: &str, options: &RedisOptions) -> Result<redis::Client, Error> {
+        check_scheme(&[url], options)?;
+        ensure_crypto_provider();
+        let bad = |e: redis::RedisError| {
+            Error::invalid(format!("bad Redis URL {:?}: {e}", redact(url))).caused_by(e)
+        };
+        #[cfg(feature = "tls")]
+        if let Some(tls) = &options.tls {
+            return redis::Client::build_with_tls(url, tls.certificates()).map_err(bad);
+        }
+        redis::Client::open(url).map_err(bad)
+    }
+
+    pub(super) fn manager_config(options: &RedisOptions) -> ConnectionManagerConfig {
+        ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(options.connect_timeout))
+            // Each call is bounded here, by `batch_timeout`; the manager's
+            // own limit only backs that up for the largest batch.
+            .set_response_timeout(Some(batch_timeout(options.response_timeout, usize::MAX)))
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(Duration::from_millis(500))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redact_hides_credentials() {
+        assert_eq!(
+            redact("redis://user:pw@host:6379/0"),
+            "redis://<credentials>@host:6379/0"
+        );
+        assert_eq!(redact("rediss://:pw@h:1"), "rediss://<credentials>@h:1");
+        assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+    }
+
+    #[test]
+    fn tls_settings_never_fall_back_to_plaintext() {
+        let err = check_scheme(&["redis://127.0.0.1:1"], &RedisOptions::default());
+        assert!(err.is_ok());
+        #[cfg(feature = "tls")]
+        {
+            let options = RedisOptions::default().tls(TlsOptions::new());
+            let err = check_scheme(&["redis://127.0.0.1:1"], &options).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::InvalidInput);
+        }
+        #[cfg(not(feature = "tls"))]
+        {
+            let err = check_scheme(&["rediss://127.0.0.1:1"], &RedisOptions::default());
+            assert_eq!(err.unwrap_err().kind(), ErrorKind::Unsupported);
+        }
+    }
+}
