@@ -20,7 +20,7 @@ pub const INSTALL_HINT: &str =
 
 static NEXT_DIR: AtomicU32 = AtomicU32::new(0);
 
-fn server_binary() -> String {
+pub fn server_binary() -> String {
     std::env::var("SLICELIMIT_REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
 }
 
@@ -31,7 +31,7 @@ const HIGHEST_CLUSTER_PORT: u16 = 55_535;
 /// A free port that a cluster node can use too: its bus port is free as
 /// well. Ephemeral ports run up to 60999 here, so about one in five is too
 /// high for a cluster node and is drawn again.
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     loop {
         let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
         let port = listener.local_addr().expect("local addr").port();
@@ -47,6 +47,7 @@ pub struct RedisServer {
     dir: PathBuf,
     child: Option<Child>,
     extra: Vec<String>,
+    binary: String,
 }
 
 impl RedisServer {
@@ -57,6 +58,12 @@ impl RedisServer {
 
     /// Starts a server with extra `redis-server` arguments.
     pub fn start_with(extra: &[&str]) -> RedisServer {
+        RedisServer::start_binary(&server_binary(), extra)
+    }
+
+    /// Starts `binary` (a `redis-server` or `valkey-server`) with extra
+    /// arguments.
+    pub fn start_binary(binary: &str, extra: &[&str]) -> RedisServer {
         let dir = std::env::temp_dir().join(format!(
             "slicelimit-test-{}-{}",
             std::process::id(),
@@ -70,6 +77,7 @@ impl RedisServer {
                 dir: dir.clone(),
                 child: None,
                 extra: extra.iter().map(|s| s.to_string()).collect(),
+                binary: binary.to_owned(),
             };
             match server.spawn() {
                 Ok(()) => return server,
@@ -80,7 +88,7 @@ impl RedisServer {
     }
 
     fn spawn(&mut self) -> Result<(), String> {
-        let mut cmd = Command::new(server_binary());
+        let mut cmd = Command::new(&self.binary);
         cmd.arg("--port")
             .arg(self.port.to_string())
             .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
@@ -106,7 +114,7 @@ impl RedisServer {
                     self.child = None;
                     let log = std::fs::read_to_string(self.log_path()).unwrap_or_default();
                     let last = log.lines().last().unwrap_or("(no log)");
-                    return Err(format!("redis-server exited at start: {status}: {last}"));
+                    return Err(format!("{} exited at start: {status}: {last}", self.binary));
                 }
             }
             if TcpStream::connect(("127.0.0.1", self.port)).is_ok() && self.ping() {
@@ -298,3 +306,4 @@ pub mod cluster;
 pub mod http;
 pub mod load;
 pub mod proxy;
+pub mod tls;
