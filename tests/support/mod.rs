@@ -306,4 +306,5 @@ pub mod cluster;
 pub mod http;
 pub mod load;
 pub mod proxy;
+pub mod sentinel;
 pub mod tls;
