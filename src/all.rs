@@ -2,8 +2,6 @@
 //! [`refund_all`], all-or-nothing across limiters whose keys may live in
 //! different Redis slots or nodes.
 
-use std::sync::Arc;
-
 use crate::decision::Taken;
 use crate::key::local_key;
 use crate::several::{binding, spawn_refunds};
@@ -60,7 +58,7 @@ pub async fn check_all(pairs: &[(&Limiter, &str)], cost: u64) -> Decision {
             drop(guard);
             let mut parts: Vec<Decision> = taken.into_iter().map(|(_, d)| d).collect();
             parts.push(decision);
-            return binding_of_pairs(parts);
+            return binding_of_pairs(pairs, parts);
         }
         guard.taken.push((i, decision.clone()));
         taken.push((i, decision));
@@ -69,21 +67,24 @@ pub async fn check_all(pairs: &[(&Limiter, &str)], cost: u64) -> Decision {
     if taken.is_empty() {
         return Decision::allow(0, 0, std::time::Duration::ZERO, crate::Source::Local);
     }
-    binding_of_pairs(taken.into_iter().map(|(_, d)| d).collect())
+    binding_of_pairs(pairs, taken.into_iter().map(|(_, d)| d).collect())
 }
 
 /// The binding decision over pairs, each of which may itself hold parts.
-fn binding_of_pairs(parts: Vec<Decision>) -> Decision {
+/// Parts are named after their limiters.
+fn binding_of_pairs(pairs: &[(&Limiter, &str)], parts: Vec<Decision>) -> Decision {
     let flat: Vec<Decision> = parts
         .iter()
         .flat_map(|d| d.quotas().iter().cloned())
         .collect();
     let mut decision = binding(flat);
-    decision.parts = Some(Arc::new(parts));
-    if !decision.is_allowed() {
-        return decision.took_nothing();
-    }
-    decision
+    decision.parts = None;
+    let names = pairs
+        .iter()
+        .take(parts.len())
+        .map(|(limiter, _)| limiter.inner.name.clone())
+        .collect();
+    decision.with_parts(parts, names)
 }
 
 /// What [`check_all`] took so far, given back if it is dropped midway.

@@ -29,6 +29,11 @@ pub enum Source {
     FailClosed,
     /// The store was unavailable and a per-process fallback quota decided.
     Fallback,
+    /// Admitted by its own quota (or, from [`check_all`](crate::check_all),
+    /// its own limiter), then given back because another denied: not an
+    /// admission. Found only among a denial's
+    /// [`quotas`](Decision::quotas).
+    GivenBack,
 }
 
 impl Source {
@@ -43,6 +48,7 @@ impl Source {
             Source::FailOpen => "fail_open",
             Source::FailClosed => "fail_closed",
             Source::Fallback => "fallback",
+            Source::GivenBack => "given_back",
         }
     }
 }
@@ -72,12 +78,48 @@ pub struct Decision {
     period_us: u64,
     /// What was taken, so a refund can find where it came from.
     pub(crate) taken: Taken,
-    /// Several quotas: each one's decision, in the limiter's order.
-    pub(crate) parts: Option<Arc<Vec<Decision>>>,
+    /// Several quotas (or pairs): each one's decision, in order.
+    pub(crate) parts: Option<Arc<Parts>>,
     /// The limiter that decided (0: none yet), so another cannot refund it.
     pub(crate) limiter: u32,
     pub(crate) allowed: bool,
     pub(crate) source: Source,
+}
+
+/// The decisions a decision over several quotas (or pairs) was made of.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Parts {
+    list: Vec<Decision>,
+    /// Each part's name (pairs: their limiters'); empty when unnamed.
+    names: Vec<Arc<str>>,
+}
+
+/// Which policy denied a request; see [`Decision::denied_by`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeniedBy<'a> {
+    /// Its index in [`Decision::quotas`]: the limiter's quota (0 the
+    /// first, then those added with [`Builder::and`](crate::Builder::and)
+    /// in order), or the pair of [`check_all`](crate::check_all).
+    pub index: usize,
+    /// From [`check_all`](crate::check_all): the denying limiter's name
+    /// ([`Builder::name`](crate::Builder::name), else its namespace).
+    /// `None` for a limiter's own quotas.
+    pub name: Option<&'a str>,
+    /// That quota's (or pair's) own decision; a pair with several quotas
+    /// says which of them denied through its own `denied_by`.
+    pub decision: &'a Decision,
+}
+
+/// Among `parts`, the denial that binds: the longest wait ("never" is
+/// longest), the last of equals. Given-back parts did not deny.
+pub(crate) fn binding_denial(parts: &[Decision]) -> Option<usize> {
+    parts
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| !d.is_allowed() && d.source != Source::GivenBack)
+        .max_by_key(|(_, d)| d.retry_after().map_or(u128::MAX, |w| w.as_micros()))
+        .map(|(i, _)| i)
 }
 
 /// `retry_us` of a decision with no `retry_after`.
@@ -313,9 +355,64 @@ impl Decision {
     /// else the lowest `remaining`.
     pub fn quotas(&self) -> &[Decision] {
         match &self.parts {
-            Some(parts) => parts,
+            Some(parts) => &parts.list,
             None => std::slice::from_ref(self),
         }
+    }
+
+    /// Which quota (or [`check_all`](crate::check_all) pair) denied:
+    /// `None` when allowed. With several quotas, the binding denial (the
+    /// one whose `retry_after` this decision carries); the parts that had
+    /// admitted read [`Source::GivenBack`], since what they took went
+    /// back.
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), slicelimit::Error> {
+    /// use std::time::Duration;
+    /// use slicelimit::{nonzero, Limiter, MemoryStore, Quota};
+    ///
+    /// let limiter = Limiter::builder(Quota::per_hour(nonzero!(100)))
+    ///     .and(Quota::per_second(nonzero!(1)))
+    ///     .store(MemoryStore::new())
+    ///     .build()?;
+    /// limiter.check("k", 1).await;
+    /// let d = limiter.check("k", 1).await;
+    /// let by = d.denied_by().expect("denied");
+    /// assert_eq!(by.index, 1); // the per-second quota
+    /// assert_eq!(limiter.quotas()[by.index].period(), Duration::from_secs(1));
+    /// assert!(!d.quotas()[0].is_allowed()); // the hourly part was given back
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn denied_by(&self) -> Option<DeniedBy<'_>> {
+        if self.allowed {
+            return None;
+        }
+        let Some(parts) = &self.parts else {
+            return Some(DeniedBy {
+                index: 0,
+                name: None,
+                decision: self,
+            });
+        };
+        let index = binding_denial(&parts.list)?;
+        Some(DeniedBy {
+            index,
+            name: parts.names.get(index).map(|n| &**n),
+            decision: &parts.list[index],
+        })
+    }
+
+    /// The same decision made of `parts`, named by `names` (or unnamed:
+    /// empty). A denial's admitting parts are given back: they read
+    /// [`Source::GivenBack`] and record nothing taken.
+    pub(crate) fn with_parts(mut self, list: Vec<Decision>, names: Vec<Arc<str>>) -> Self {
+        self.taken = Taken::default();
+        self.parts = Some(Arc::new(Parts { list, names }));
+        if !self.allowed {
+            self.give_back_parts();
+        }
+        self
     }
 
     /// Whether [`Limiter::refund`](crate::Limiter::refund) can give this
@@ -326,18 +423,23 @@ impl Decision {
         self.allowed && self.quotas().iter().any(|d| d.taken.refundable())
     }
 
-    /// The same decision with nothing taken, in every part: a denial's
-    /// parts were given back when it was decided.
-    pub(crate) fn took_nothing(mut self) -> Self {
-        self.forget_taken();
-        self
-    }
-
-    fn forget_taken(&mut self) {
+    /// Marks what this denial's parts took as given back (it was, when
+    /// the denial was decided): an admitting part reads
+    /// [`Source::GivenBack`] with its permits counted as remaining again.
+    fn give_back_parts(&mut self) {
         self.taken = Taken::default();
         if let Some(parts) = &mut self.parts {
-            for part in Arc::make_mut(parts).iter_mut() {
-                part.forget_taken();
+            for part in Arc::make_mut(parts).list.iter_mut() {
+                if part.allowed {
+                    part.allowed = false;
+                    part.retry_us = NEVER;
+                    part.remaining = part
+                        .remaining
+                        .saturating_add(part.taken.cost)
+                        .min(part.limit);
+                    part.source = Source::GivenBack;
+                }
+                part.give_back_parts();
             }
         }
     }

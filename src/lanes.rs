@@ -28,6 +28,9 @@ pub(crate) struct Lanes {
     pub(crate) algorithm: Algorithm,
     /// This limiter's namespace.
     pub(crate) keys: KeyEncoder,
+    /// Its name: [`Builder::name`](crate::Builder::name), else the
+    /// namespace.
+    pub(crate) name: Arc<str>,
     /// This limiter's identity in its decisions.
     pub(crate) id: u32,
     /// The first quota's period as built: quotas of the first position

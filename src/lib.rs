@@ -166,7 +166,7 @@ pub use algorithm::Algorithm;
 pub use all::{check_all, refund_all};
 pub use breaker::{CircuitConfig, CircuitState};
 pub use clock::{Clock, FakeClock, SystemClock};
-pub use decision::{Decision, Source};
+pub use decision::{Decision, DeniedBy, Source};
 pub use error::{Error, ErrorKind};
 pub use failure::FailurePolicy;
 pub use hybrid::{Consistency, HybridConfig};

@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use crate::decision::{Origin, Taken};
+use crate::decision::{binding_denial, Origin, Taken};
 use crate::lanes::Lanes;
 use crate::Decision;
 
@@ -30,24 +30,19 @@ use crate::Decision;
 /// denial's parts record nothing taken: the caller gave back what the
 /// admitting parts took, so nothing is left for a refund to give.
 pub(crate) fn binding(parts: Vec<Decision>) -> Decision {
-    let denied = parts.iter().filter(|d| !d.is_allowed()).max_by_key(|d| {
-        // None: can never succeed.
-        d.retry_after().map_or(u128::MAX, |w| w.as_micros())
-    });
-    let chosen = match denied {
-        Some(d) => d,
+    binding_named(parts, Vec::new())
+}
+
+/// [`binding`], each part named (pairs of `check_all`).
+pub(crate) fn binding_named(parts: Vec<Decision>, names: Vec<Arc<str>>) -> Decision {
+    let chosen = match binding_denial(&parts) {
+        Some(i) => &parts[i],
         None => parts
             .iter()
             .min_by_key(|d| (d.remaining(), std::cmp::Reverse(d.reset_after())))
             .expect("at least one quota"),
     };
-    let mut decision = chosen.clone();
-    decision.taken = Taken::default();
-    decision.parts = Some(Arc::new(parts));
-    if !decision.is_allowed() {
-        return decision.took_nothing();
-    }
-    decision
+    chosen.clone().with_parts(parts, names)
 }
 
 /// The local, all-or-nothing decision over every quota of `inner`, or

@@ -1203,3 +1203,63 @@ fn the_grafana_dashboard_prompts_for_a_data_source_and_charts_the_layer() {
         );
     }
 }
+
+/// A user policy keyed by the API key beside an organisation policy keyed
+/// by a header whose name comes from configuration, through a real axum
+/// server: each counts its own key, a denial names its policy, and a
+/// request without the organisation's key is rejected as missing.
+#[tokio::test]
+async fn each_policy_can_have_its_own_key() {
+    let org_header = String::from("X-Org-Id"); // as read from a config file
+    let users = per_minute(2, Duration::ZERO, Some("user"));
+    let orgs = per_minute(3, Duration::ZERO, Some("org"));
+    let layer = RateLimitLayer::new(users).policy_name("user").also_keyed(
+        "org",
+        orgs.clone(),
+        KeyExtractor::header(&org_header),
+    );
+    let addr = serve(layer).await;
+    let call = |user: &'static str, org: Option<&'static str>| {
+        let mut headers = vec![("x-api-key", user)];
+        if let Some(org) = org {
+            headers.push(("x-org-id", org));
+        }
+        async move { get_with(addr, "/coupons/redeem", &headers).await }
+    };
+    assert_eq!(call("alice", Some("acme")).await.status, StatusCode::OK);
+    assert_eq!(call("alice", Some("acme")).await.status, StatusCode::OK);
+    // Alice's own limit: the organisation's permit goes back.
+    let reply = call("alice", Some("acme")).await;
+    assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        reply.body.contains("\"violated-policies\":[\"user\"]"),
+        "{}",
+        reply.body
+    );
+    for _ in 0..200 {
+        if orgs.stats().refunded >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(orgs.stats().refunded, 1);
+    // Acme has used 2 of 3: Bob gets the last one, Carol is held by Acme.
+    assert_eq!(call("bob", Some("acme")).await.status, StatusCode::OK);
+    let reply = call("carol", Some("acme")).await;
+    assert_eq!(reply.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        reply.body.contains("\"violated-policies\":[\"org\"]"),
+        "{}",
+        reply.body
+    );
+    assert_eq!(call("carol", Some("globex")).await.status, StatusCode::OK);
+    // No organisation header: a missing key (401 by default).
+    assert_eq!(call("dave", None).await.status, StatusCode::UNAUTHORIZED);
+}
+
+#[test]
+fn a_header_name_from_configuration_is_checked() {
+    assert!(KeyExtractor::try_header("x-tenant").is_ok());
+    let err = KeyExtractor::try_header("bad header\n").unwrap_err();
+    assert!(err.is_invalid_input(), "{err}");
+}

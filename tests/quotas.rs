@@ -6,7 +6,8 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use slicelimit::{
-    check_all, nonzero, refund_all, Algorithm, FakeClock, HybridConfig, Limiter, MemoryStore, Quota,
+    check_all, nonzero, refund_all, Algorithm, FakeClock, HybridConfig, Limiter, MemoryStore,
+    Quota, Source,
 };
 
 const START: Duration = Duration::from_secs(1_000_000);
@@ -120,7 +121,13 @@ async fn a_denial_by_the_second_quota_leaves_the_first_untouched() {
     }
     let d = limiter.check("k", 1).await;
     assert!(!d.is_allowed());
-    assert!(d.quotas()[0].is_allowed() && !d.quotas()[1].is_allowed());
+    // The first quota admitted, then gave its permit back: not an admission.
+    assert!(!d.quotas()[0].is_allowed() && !d.quotas()[1].is_allowed());
+    assert_eq!(d.quotas()[0].source(), Source::GivenBack);
+    assert_eq!(d.quotas()[1].source(), Source::Store);
+    let by = d.denied_by().expect("a denial names its quota");
+    assert_eq!((by.index, by.name), (1, None));
+    assert_eq!(by.decision.limit(), 3);
     assert_eq!(d.limit(), 3, "the binding quota's figures");
     assert!(d.retry_after().unwrap() > Duration::from_secs(1));
 }
@@ -347,4 +354,50 @@ async fn check_all_is_all_or_nothing_across_limiters() {
     let d = check_all(&pairs, 1).await;
     assert!(d.is_allowed());
     assert_eq!(refund_all(&pairs, &d).await, 2);
+}
+
+/// `check_all` names the limiter that denied, and the pairs that had
+/// admitted read as given back, not as admissions.
+#[tokio::test]
+async fn check_all_names_the_limiter_that_denied() {
+    let store = MemoryStore::new();
+    let users = Limiter::builder(Quota::per_minute(nonzero!(10)))
+        .store(store.clone())
+        .namespace("user")
+        .build()
+        .unwrap();
+    let orgs = Limiter::builder(Quota::per_minute(nonzero!(2)))
+        .store(store.clone())
+        .namespace("org")
+        .name("organisation")
+        .build()
+        .unwrap();
+    for user in ["a", "b"] {
+        let d = check_all(&[(&users, user), (&orgs, "acme")], 1).await;
+        assert!(d.is_allowed() && d.denied_by().is_none());
+    }
+    let d = check_all(&[(&users, "c"), (&orgs, "acme")], 1).await;
+    assert!(!d.is_allowed());
+    let by = d.denied_by().expect("denied");
+    assert_eq!((by.index, by.name), (1, Some("organisation")));
+    assert_eq!(by.decision.limit(), 2);
+    assert_eq!(d.quotas()[0].source(), Source::GivenBack);
+    assert!(!d.quotas()[0].is_allowed());
+    assert_eq!(d.quotas()[0].remaining(), 10, "c's permit went back");
+    assert!(!d.is_refundable());
+
+    // A denial by the first pair names it (its namespace: no name given);
+    // the second was never asked.
+    let strict = Limiter::builder(Quota::per_minute(nonzero!(1)))
+        .store(store)
+        .namespace("strict-user")
+        .build()
+        .unwrap();
+    assert!(check_all(&[(&strict, "z"), (&orgs, "other")], 1)
+        .await
+        .is_allowed());
+    let d = check_all(&[(&strict, "z"), (&orgs, "other")], 1).await;
+    let by = d.denied_by().expect("denied");
+    assert_eq!((by.index, by.name), (0, Some("strict-user")));
+    assert_eq!(d.quotas().len(), 1);
 }

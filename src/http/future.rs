@@ -20,8 +20,9 @@ pub(crate) struct Admitted {
     pub(crate) config: Arc<Prepared>,
     pub(crate) route: usize,
     pub(crate) decisions: Vec<Decision>,
-    /// The key, for a refund the response may earn.
-    pub(crate) key: String,
+    /// Each policy's key, for a refund the response may earn (empty when
+    /// no response can earn one).
+    pub(crate) keys: Vec<String>,
 }
 
 impl Admitted {
@@ -35,7 +36,7 @@ impl Admitted {
             a.config
                 .append_headers(a.route, &a.decisions, response.headers_mut());
             if a.config.refunds(response.status()) {
-                a.config.refund(a.route, &a.key, &a.decisions);
+                a.config.refund(a.route, &a.keys, &a.decisions);
             }
         }
         response.map(RateLimitBody::inner)

@@ -41,7 +41,7 @@ pub struct KeyExtractor {
     extract: Arc<KeyFn>,
     describe: &'static str,
     /// The header read, named in the 401's challenge.
-    header: Option<&'static str>,
+    header: Option<http::HeaderName>,
 }
 
 impl fmt::Debug for KeyExtractor {
@@ -51,13 +51,32 @@ impl fmt::Debug for KeyExtractor {
 }
 
 impl KeyExtractor {
-    /// The value of a header, such as `x-api-key`. A missing or empty
-    /// header (or one that is not visible ASCII) is a missing key.
-    pub fn header(name: &'static str) -> Self {
-        KeyExtractor {
+    /// The value of a header, such as `x-api-key`; the name may come from
+    /// configuration (any case). A missing or empty header (or one that is
+    /// not visible ASCII) is a missing key.
+    ///
+    /// # Panics
+    /// If `name` is not a valid header name; see
+    /// [`try_header`](KeyExtractor::try_header) for names read at run time.
+    pub fn header(name: &str) -> Self {
+        KeyExtractor::try_header(name).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// As [`header`](KeyExtractor::header), for a name known only at run
+    /// time.
+    ///
+    /// # Errors
+    /// An [`InvalidInput`](crate::ErrorKind::InvalidInput) error if `name`
+    /// is not a valid header name.
+    pub fn try_header(name: &str) -> Result<Self, crate::Error> {
+        let name = http::HeaderName::from_bytes(name.trim().as_bytes()).map_err(|_| {
+            crate::Error::invalid(format!("{name:?} is not a valid HTTP header name"))
+        })?;
+        let read = name.clone();
+        Ok(KeyExtractor {
             extract: Arc::new(move |r: &RequestView<'_>| {
                 r.headers
-                    .get(name)
+                    .get(&read)
                     .and_then(|v| v.to_str().ok())
                     .map(str::trim)
                     .filter(|v| !v.is_empty())
@@ -65,7 +84,7 @@ impl KeyExtractor {
             }),
             describe: "header",
             header: Some(name),
-        }
+        })
     }
 
     /// The client's IP address as the connection reports it (axum's
@@ -111,8 +130,8 @@ impl KeyExtractor {
     /// The `WWW-Authenticate` challenge of a 401 for a request without
     /// this key.
     pub(crate) fn challenge(&self) -> String {
-        match self.header {
-            Some(name) => format!("ApiKey header=\"{name}\""),
+        match &self.header {
+            Some(name) => format!("ApiKey header=\"{}\"", name.as_str()),
             None => "ApiKey".to_owned(),
         }
     }

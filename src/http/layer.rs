@@ -79,6 +79,8 @@ pub struct RateLimitLayer {
 struct PolicySpec {
     name: String,
     limiter: Limiter,
+    /// `None`: the layer's key.
+    key: Option<KeyExtractor>,
 }
 
 #[derive(Clone)]
@@ -92,6 +94,8 @@ struct RouteSpec {
 pub(crate) struct Policy {
     pub(crate) limiter: Limiter,
     pub(crate) headers: PolicyHeaders,
+    /// `None`: the layer's key.
+    key: Option<KeyExtractor>,
 }
 
 /// A route: which requests, and the policy they count against.
@@ -165,6 +169,30 @@ impl Prepared {
         std::iter::once(&self.routes[route].policy).chain(&self.also)
     }
 
+    /// Each policy's key for a request of route `route` whose layer key is
+    /// `key`, in the order of [`policies`](Prepared::policies); `None` if
+    /// a policy's own key is missing and such requests are rejected.
+    pub(crate) fn keys(
+        &self,
+        route: usize,
+        request: &RequestView<'_>,
+        key: String,
+    ) -> Option<Vec<String>> {
+        let mut keys = Vec::with_capacity(1 + self.also.len());
+        for policy in self.policies(route) {
+            let own = match &policy.key {
+                None => key.clone(),
+                Some(extractor) => match (extractor.extract(request), &self.missing) {
+                    (Some(own), _) => own,
+                    (None, MissingKey::Shared(shared)) => shared.clone(),
+                    (None, MissingKey::Reject(_)) => return None,
+                },
+            };
+            keys.push(own);
+        }
+        Some(keys)
+    }
+
     /// What the request costs: never 0 unless allowed, since a cost of 0
     /// asks without counting.
     pub(crate) fn cost(&self, request: &RequestView<'_>) -> u64 {
@@ -206,12 +234,13 @@ impl Prepared {
     /// Gives back, in the background, what each admitting decision of
     /// `route` took: a request another policy denied (the layer's
     /// policies are all-or-nothing), or one whose response earns a refund.
-    pub(crate) fn refund(&self, route: usize, key: &str, decisions: &[Decision]) {
-        let refunds: Vec<(Limiter, Decision)> = self
+    pub(crate) fn refund(&self, route: usize, keys: &[String], decisions: &[Decision]) {
+        let refunds: Vec<(Limiter, String, Decision)> = self
             .policies(route)
+            .zip(keys)
             .zip(decisions)
             .filter(|(_, d)| d.is_refundable())
-            .map(|(p, d)| (p.limiter.clone(), d.clone()))
+            .map(|((p, k), d)| (p.limiter.clone(), k.clone(), d.clone()))
             .collect();
         if refunds.is_empty() {
             return;
@@ -219,9 +248,8 @@ impl Prepared {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let key = key.to_owned();
         runtime.spawn(async move {
-            for (limiter, decision) in refunds {
+            for (limiter, key, decision) in refunds {
                 limiter.refund(&key, &decision).await;
             }
         });
@@ -247,7 +275,7 @@ impl Prepared {
     pub(crate) async fn wait_out(
         &self,
         route: usize,
-        key: &str,
+        keys: &[String],
         cost: u64,
         began: Instant,
         decisions: &mut [Decision],
@@ -260,6 +288,7 @@ impl Prepared {
         denied.sort_by_key(|&i| std::cmp::Reverse(decisions[i].retry_after()));
         for (n, i) in denied.into_iter().enumerate() {
             let limiter = &policies[i].limiter;
+            let key = keys[i].as_str();
             let asked = Instant::now();
             let first = match n {
                 0 => decisions[i].clone(),
@@ -328,6 +357,7 @@ impl RateLimitLayer {
                 policy: PolicySpec {
                     name: "default".to_owned(),
                     limiter,
+                    key: None,
                 },
             },
             routes: Vec::new(),
@@ -434,6 +464,45 @@ impl RateLimitLayer {
         self.also.push(PolicySpec {
             name: name.to_owned(),
             limiter,
+            key: None,
+        });
+        self
+    }
+
+    /// [`also`](RateLimitLayer::also), keyed by its own extractor: a user
+    /// policy keyed by the API key beside an organisation policy keyed by
+    /// the `x-org-id` header. A request without this policy's key is
+    /// handled as [`on_missing_key`](RateLimitLayer::on_missing_key) says.
+    ///
+    /// ```
+    /// use slicelimit::http::{KeyExtractor, RateLimitLayer};
+    /// use slicelimit::{nonzero, Limiter, MemoryStore, Quota};
+    ///
+    /// let store = MemoryStore::new();
+    /// let users = Limiter::builder(Quota::per_minute(nonzero!(60)))
+    ///     .store(store.clone())
+    ///     .namespace("user")
+    ///     .build()
+    ///     .unwrap();
+    /// let orgs = Limiter::builder(Quota::per_minute(nonzero!(600)))
+    ///     .store(store)
+    ///     .namespace("org")
+    ///     .build()
+    ///     .unwrap();
+    /// let layer = RateLimitLayer::new(users)
+    ///     .key(KeyExtractor::header("x-api-key"))
+    ///     .also_keyed("org", orgs, KeyExtractor::header("x-org-id"));
+    /// # let _ = layer;
+    /// ```
+    ///
+    /// # Panics
+    /// As [`route`](RateLimitLayer::route).
+    pub fn also_keyed(mut self, name: &str, limiter: Limiter, key: KeyExtractor) -> Self {
+        self.refuse_shared_keys(&limiter);
+        self.also.push(PolicySpec {
+            name: name.to_owned(),
+            limiter,
+            key: Some(key),
         });
         self
     }
@@ -528,6 +597,7 @@ impl RateLimitLayer {
             policy: PolicySpec {
                 name: name.to_owned(),
                 limiter,
+                key: None,
             },
         });
         self
@@ -558,6 +628,7 @@ impl RateLimitLayer {
         let policy = |spec: &PolicySpec| Policy {
             headers: PolicyHeaders::new(&spec.name, &spec.limiter.quota()).legacy(self.legacy),
             limiter: spec.limiter.clone(),
+            key: spec.key.clone(),
         };
         let route = |spec: &RouteSpec| Route {
             prefix: spec.prefix.clone(),

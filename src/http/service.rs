@@ -68,7 +68,7 @@ fn is_grpc(headers: &HeaderMap) -> bool {
 pub(crate) fn conclude(
     config: &Arc<Prepared>,
     route: usize,
-    key: &str,
+    keys: Vec<String>,
     decisions: Vec<Decision>,
     grpc: bool,
 ) -> Verdict {
@@ -87,15 +87,15 @@ pub(crate) fn conclude(
             route,
             decisions,
             // Kept only where a response may earn a refund.
-            key: if config.refunds_any() {
-                key.to_owned()
+            keys: if config.refunds_any() {
+                keys
             } else {
-                String::new()
+                Vec::new()
             },
         }));
     }
     // All-or-nothing: what the policies that admitted took goes back.
-    config.refund(route, key, &decisions);
+    config.refund(route, &keys, &decisions);
     // Over quota if any policy denied on its own count; otherwise every
     // denial is a store that could not decide, under fail-closed.
     let over = |d: &Decision| !d.is_allowed() && d.source() != Source::FailClosed;
@@ -160,19 +160,27 @@ where
         }
         let grpc = is_grpc(request.headers());
         let route = config.route(request.method(), request.uri().path());
-        let key = match (config.key.extract(&view), &config.missing) {
-            (Some(key), _) => key,
-            (None, MissingKey::Shared(shared)) => shared.clone(),
+        let keys = match (config.key.extract(&view), &config.missing) {
+            (Some(key), _) => config.keys(route, &view, key),
+            (None, MissingKey::Shared(shared)) => config.keys(route, &view, shared.clone()),
+            (None, MissingKey::Reject(_)) => None,
+        };
+        let keys = match (keys, &config.missing) {
+            (Some(keys), _) => keys,
             // Dry run: the request passes as it would without the layer.
-            (None, MissingKey::Reject(_)) if config.shadow => {
+            (None, _) if config.shadow => {
                 for policy in config.policies(route) {
                     policy.limiter.shadow_denial();
                 }
                 return ResponseFuture::inner(self.inner.call(request), None);
             }
-            (None, MissingKey::Reject(status)) => {
+            (None, missing) => {
+                let status = match missing {
+                    MissingKey::Reject(status) => *status,
+                    MissingKey::Shared(_) => http::StatusCode::UNAUTHORIZED,
+                };
                 let rejection = Rejection {
-                    kind: RejectionKind::MissingKey(*status),
+                    kind: RejectionKind::MissingKey(status),
                     grpc,
                     violated_policies: Vec::new(),
                     retry_after: None,
@@ -184,11 +192,12 @@ where
         let cost = config.cost(&view);
         let now: Vec<Option<Decision>> = config
             .policies(route)
-            .map(|policy| policy.limiter.check_now(&key, cost))
+            .zip(&keys)
+            .map(|(policy, key)| policy.limiter.check_now(key, cost))
             .collect();
         if now.iter().all(Option::is_some) && !config.waits_for(now.iter().flatten()) {
             let decisions = now.into_iter().flatten().collect();
-            return match conclude(&config, route, &key, decisions, grpc) {
+            return match conclude(&config, route, keys, decisions, grpc) {
                 Verdict::Admit(admitted) => {
                     ResponseFuture::inner(self.inner.call(request), admitted)
                 }
@@ -209,23 +218,24 @@ where
             let mut held = Held {
                 config: &config,
                 route,
-                key: &key,
+                keys: &keys,
                 decisions: Vec::with_capacity(now.len()),
             };
-            for (policy, decided) in config.policies(route).zip(now) {
+            for ((policy, decided), key) in config.policies(route).zip(now).zip(&keys) {
                 let decision = match decided {
                     Some(decision) => decision,
-                    None => policy.limiter.check(&key, cost).await,
+                    None => policy.limiter.check(key, cost).await,
                 };
                 held.decisions.push(decision);
             }
             if config.waits_for(&held.decisions) {
                 config
-                    .wait_out(route, &key, cost, began, &mut held.decisions)
+                    .wait_out(route, &keys, cost, began, &mut held.decisions)
                     .await;
             }
             let decisions = std::mem::take(&mut held.decisions);
-            match conclude(&config, route, &key, decisions, grpc) {
+            drop(held);
+            match conclude(&config, route, keys, decisions, grpc) {
                 Verdict::Admit(admitted) => {
                     let response = inner.call(request).await?;
                     Ok(Admitted::finish(admitted, response))
@@ -241,14 +251,14 @@ where
 struct Held<'a> {
     config: &'a Prepared,
     route: usize,
-    key: &'a str,
+    keys: &'a [String],
     decisions: Vec<Decision>,
 }
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
         if !self.decisions.is_empty() {
-            self.config.refund(self.route, self.key, &self.decisions);
+            self.config.refund(self.route, self.keys, &self.decisions);
         }
     }
 }

@@ -222,7 +222,8 @@ impl Builder {
             .clock
             .clone()
             .unwrap_or_else(|| Arc::new(SystemClock::new()));
-        let counters = Arc::new(Counters::new(self.name.as_deref().unwrap_or(&namespace)));
+        let name: Arc<str> = Arc::from(self.name.as_deref().unwrap_or(&namespace));
+        let counters = Arc::new(Counters::new(&name));
         let store: Option<Store> = match self.mode {
             Mode::Local => None,
             _ => Some(self.store.ok_or_else(|| {
@@ -267,6 +268,7 @@ impl Builder {
                 counters,
                 algorithm: self.algorithm,
                 keys,
+                name,
                 recipe,
                 id: NEXT_ID
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed)

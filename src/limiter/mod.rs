@@ -330,6 +330,13 @@ impl Limiter {
         self.inner.algorithm
     }
 
+    /// This limiter's name: [`Builder::name`], else its namespace. It
+    /// labels the limiter's metrics and names it in
+    /// [`Decision::denied_by`] after [`check_all`](crate::check_all).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
     /// The namespace of this limiter's store keys (see
     /// [`Builder::namespace`]).
     pub fn namespace(&self) -> &str {
