@@ -31,6 +31,8 @@ pub(crate) struct Lanes {
     /// Its name: [`Builder::name`](crate::Builder::name), else the
     /// namespace.
     pub(crate) name: Arc<str>,
+    /// Callers of `acquire` waiting, per key, in arrival order.
+    pub(crate) waiters: crate::wait::Queues,
     /// This limiter's identity in its decisions.
     pub(crate) id: u32,
     /// The first quota's period as built: quotas of the first position

@@ -1,18 +1,120 @@
 //! Waiting instead of denying: [`Limiter::acquire`] asks again when a
 //! denial says when to, until it is admitted or its wait runs out.
 //!
-//! Owns the wait loop and its jitter, nothing else: every permit is taken
-//! by an admitting [`Limiter::check`], never by this module, so whoever
-//! drops a sleeping future leaves no state behind. It must not hold
-//! anything (a permit, a lock, a registration) across its sleeps.
+//! Owns the wait loop, its jitter and the waiters' queues: every permit is
+//! taken by an admitting [`Limiter::check`], never by this module. A
+//! waiter holds one thing across its sleeps, its place in its key's queue
+//! ([`Turn`]), which goes when its future is dropped.
 
 use std::cell::Cell;
 use std::hash::{BuildHasher, Hasher};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dashmap::DashMap;
+use tokio::sync::OwnedMutexGuard;
 use tokio::time::Instant;
 
 use crate::{Decision, Limiter, MAX_PERIOD};
+
+/// A limiter's waiters, per key, served in arrival order: only the head
+/// of a key's queue asks the store and sleeps; the others wait for their
+/// turn. Keys without waiters have no entry.
+#[derive(Default)]
+pub(crate) struct Queues {
+    map: DashMap<Box<str>, Arc<Queue>, ahash::RandomState>,
+}
+
+#[derive(Default)]
+struct Queue {
+    /// Held by the head; tokio's mutex hands it on in the order of the
+    /// `lock` calls, so the queue is first come, first served.
+    turn: Arc<tokio::sync::Mutex<()>>,
+    /// The last denial the queue's head saw: the answer of a waiter whose
+    /// wait ran out before its turn came (it never asked: asking could
+    /// take a permit ahead of the waiters before it).
+    last: Mutex<Option<Decision>>,
+}
+
+/// A waiter's place: its queue's head while `guard` is held. Dropped, it
+/// leaves the queue, and the queue's entry goes with its last waiter.
+pub(crate) struct Turn<'a> {
+    queues: &'a Queues,
+    key: &'a str,
+    queue: Option<Arc<Queue>>,
+    guard: Option<OwnedMutexGuard<()>>,
+    /// It waited behind another before its turn came.
+    waited: bool,
+}
+
+impl Queues {
+    /// Joins `key`'s queue and waits for its turn until `deadline`; `Err`
+    /// with the head's last denial (if any) when the deadline came first.
+    /// A turn that was not free at once is a wait, counted in `waits`, and
+    /// one that never came a wait that ran out.
+    async fn join<'a>(
+        &'a self,
+        key: &'a str,
+        deadline: Instant,
+        counters: &crate::stats::Counters,
+    ) -> Result<Turn<'a>, Option<Decision>> {
+        let queue = self.map.entry(Box::from(key)).or_default().clone();
+        // Built before the first await, so a dropped future leaves too.
+        let mut turn = Turn {
+            queues: self,
+            key,
+            queue: Some(queue.clone()),
+            guard: None,
+            waited: false,
+        };
+        if let Ok(guard) = queue.turn.clone().try_lock_owned() {
+            turn.guard = Some(guard);
+            return Ok(turn);
+        }
+        counters.acquire_waits.add(1);
+        turn.waited = true;
+        match tokio::time::timeout_at(deadline, queue.turn.clone().lock_owned()).await {
+            Ok(guard) => {
+                turn.guard = Some(guard);
+                Ok(turn)
+            }
+            Err(_) => {
+                counters.acquire_timeouts.add(1);
+                Err(queue.last.lock().ok().and_then(|last| last.clone()))
+            }
+        }
+    }
+
+    /// Keys with a queue (for tests: none once every waiter left).
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+impl Turn<'_> {
+    /// Records a denial the head saw, for those whose wait runs out
+    /// behind it.
+    fn saw(&self, decision: &Decision) {
+        if let Some(queue) = &self.queue {
+            if let Ok(mut last) = queue.last.lock() {
+                *last = Some(decision.clone());
+            }
+        }
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.guard.take();
+        self.queue.take();
+        // Clones are made only under the map's shard lock, so a count of
+        // one (the map's own) there means no waiter is left.
+        self.queues
+            .map
+            .remove_if(self.key, |_, queue| Arc::strong_count(queue) == 1);
+    }
+}
 
 /// The longest a wake-up is delayed past its retry time.
 const MAX_JITTER: Duration = Duration::from_millis(20);
@@ -27,6 +129,14 @@ impl Limiter {
     /// is waited out and asked again, until the request is admitted or
     /// the wait runs out.
     ///
+    /// - **In arrival order.** Callers waiting on one key of one limiter
+    ///   are served first come, first served, as a tokio `Semaphore`
+    ///   serves its waiters: only the earliest asks and sleeps; the
+    ///   others wait behind it, and a caller whose wait runs out there
+    ///   returns the last denial the earliest saw, without asking. Across
+    ///   processes there is no queue: each process's earliest waiter asks
+    ///   the store when its retry time comes, and the jitter below spreads
+    ///   them.
     /// - **Bounded.** It waits for a retry only if one more `check` (as
     ///   long as the last one took) still fits before the deadline, so
     ///   `acquire` answers by the end of `max_wait`, give or take how much
@@ -64,9 +174,21 @@ impl Limiter {
     /// ```
     pub async fn acquire(&self, key: &str, cost: u64, max_wait: Duration) -> Decision {
         let deadline = deadline_after(max_wait);
+        let turn = match self
+            .inner
+            .waiters
+            .join(key, deadline, self.counters())
+            .await
+        {
+            Ok(turn) => turn,
+            Err(Some(denial)) => return denial,
+            // The head has seen no denial yet: the deadline (zero, or
+            // shorter than the head's first check) came first.
+            Err(None) => return self.check(key, cost).await,
+        };
         let began = Instant::now();
         let first = self.check(key, cost).await;
-        self.retry_until(key, cost, first, deadline, began.elapsed())
+        self.retry_in_turn(key, cost, first, deadline, began.elapsed(), &turn)
             .await
     }
 
@@ -77,11 +199,37 @@ impl Limiter {
         &self,
         key: &str,
         cost: u64,
-        mut decision: Decision,
+        decision: Decision,
         deadline: Instant,
         first_took: Duration,
     ) -> Decision {
-        let mut slept = false;
+        if decision.is_allowed() || decision.retry_after().is_none() {
+            return decision;
+        }
+        let turn = match self
+            .inner
+            .waiters
+            .join(key, deadline, self.counters())
+            .await
+        {
+            Ok(turn) => turn,
+            Err(last) => return last.unwrap_or(decision),
+        };
+        self.retry_in_turn(key, cost, decision, deadline, first_took, &turn)
+            .await
+    }
+
+    /// The wait loop of the head of `key`'s queue.
+    async fn retry_in_turn(
+        &self,
+        key: &str,
+        cost: u64,
+        mut decision: Decision,
+        deadline: Instant,
+        first_took: Duration,
+        turn: &Turn<'_>,
+    ) -> Decision {
+        let mut slept = turn.waited;
         // How long a check takes here, the slowest seen: a retry that
         // would leave no time for it before the deadline is not waited
         // for, so the answer comes by the deadline. (The slowest, not the
@@ -95,6 +243,7 @@ impl Limiter {
             let Some(retry) = decision.retry_after() else {
                 return decision;
             };
+            turn.saw(&decision);
             let now = Instant::now();
             let left = deadline.saturating_duration_since(now);
             if left.is_zero() || retry.saturating_add(check_took) > left {
@@ -178,6 +327,39 @@ mod tests {
             let high = draws.iter().filter(|j| **j >= span / 2).count();
             assert!((350..=650).contains(&high), "{retry:?}: {high} of 1000");
         }
+    }
+
+    /// Every waiter leaves its queue, however it ends (admitted, run out,
+    /// dropped mid-wait), and the last one takes the queue's entry along.
+    #[tokio::test]
+    async fn queues_empty_when_their_waiters_leave() {
+        use crate::{nonzero, MemoryStore, Quota};
+        let limiter = Limiter::builder(Quota::per_second(nonzero!(1)))
+            .store(MemoryStore::new())
+            .build()
+            .unwrap();
+        assert!(limiter.check("k", 1).await.is_allowed());
+        let mut waiters = Vec::new();
+        for wait in [3_000, 100, 3_000] {
+            let limiter = limiter.clone();
+            waiters.push(tokio::spawn(async move {
+                limiter
+                    .acquire("k", 1, Duration::from_millis(wait))
+                    .await
+                    .is_allowed()
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(limiter.inner.waiters.len(), 1);
+        // One dropped while it waits in the queue.
+        waiters.pop().unwrap().abort();
+        let outcomes: Vec<bool> = futures_util::future::join_all(waiters)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(outcomes, [true, false]);
+        assert_eq!(limiter.inner.waiters.len(), 0);
     }
 
     #[test]

@@ -136,7 +136,7 @@ async fn spent(hybrid: bool, store: Option<FaultyStore>, clock: &VirtualClock) -
         Limiter::builder(Quota::new(3, Duration::from_secs(10)).unwrap()).clock(clock.clone());
     let builder = match store {
         Some(store) => builder.store(store),
-        None => builder,
+        None => builder.store(MemoryStore::with_clock(clock.clone())),
     };
     let limiter = if hybrid {
         builder
@@ -394,4 +394,113 @@ async fn four_processes_of_fifty_waiters_share_a_key_within_its_limit() {
     );
     assert!(stats.iter().all(|s| s.acquire_waits > 0), "{stats:?}");
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}
+
+/// One call of a fairness run: when it arrived, when it was answered, and
+/// whether it was admitted (virtual µs since the start).
+struct Call {
+    arrived: u64,
+    answered: u64,
+    admitted: bool,
+}
+
+/// Three workers of one process call `acquire` on one key of 5 per second
+/// (2 s each), back to back, for 30 s of virtual time.
+async fn three_waiters(limiter: Limiter) -> Vec<Call> {
+    let start = tokio::time::Instant::now();
+    let end = start + Duration::from_secs(30);
+    let us = move || start.elapsed().as_micros() as u64;
+    let mut workers = Vec::new();
+    for _ in 0..3 {
+        let limiter = limiter.clone();
+        workers.push(tokio::spawn(async move {
+            let mut calls = Vec::new();
+            while tokio::time::Instant::now() < end {
+                let arrived = us();
+                let d = limiter.acquire("jobs", 1, Duration::from_secs(2)).await;
+                calls.push(Call {
+                    arrived,
+                    answered: us(),
+                    admitted: d.is_allowed(),
+                });
+                // The job's own work.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            calls
+        }));
+    }
+    let mut calls = Vec::new();
+    for worker in workers {
+        calls.extend(worker.await.unwrap());
+    }
+    calls
+}
+
+/// Within a process, waiters are served in arrival order: no waiter
+/// gives up while one that arrived after it is admitted.
+fn assert_first_come_first_served(calls: &[Call], what: &str) {
+    let admitted = calls.iter().filter(|c| c.admitted).count();
+    assert!(
+        (140..=155).contains(&admitted),
+        "{what}: {admitted} admitted in 30 s of 5 a second"
+    );
+    for gave_up in calls.iter().filter(|c| !c.admitted) {
+        let overtaken = calls
+            .iter()
+            .find(|c| c.admitted && c.arrived > gave_up.arrived && c.answered < gave_up.answered);
+        assert!(
+            overtaken.is_none(),
+            "{what}: a waiter from {} µs gave up at {} µs while one from {} µs was admitted",
+            gave_up.arrived,
+            gave_up.answered,
+            overtaken.map_or(0, |c| c.arrived)
+        );
+    }
+    let gave_up = calls.iter().filter(|c| !c.admitted).count();
+    assert_eq!(gave_up, 0, "{what}: 3 waiters of 2 s on 5 a second all fit");
+}
+
+#[tokio::test(start_paused = true)]
+async fn waiters_of_one_process_are_served_in_arrival_order() {
+    let clock = virtual_clock();
+    let calls = three_waiters(exact(Quota::per_second(nonzero!(5)), &clock)).await;
+    assert_first_come_first_served(&calls, "exact");
+
+    let clock = virtual_clock();
+    let hybrid = Limiter::builder(Quota::per_second(nonzero!(5)))
+        .store(MemoryStore::with_clock(clock.clone()))
+        .clock(clock.clone())
+        .hybrid(HybridConfig::strict())
+        .build()
+        .unwrap();
+    let calls = three_waiters(hybrid).await;
+    assert_first_come_first_served(&calls, "hybrid");
+}
+
+/// A waiter whose wait runs out behind the queue's head answers with the
+/// head's last denial, without asking (which could take a permit ahead of
+/// the head); the queue leaves no entry behind.
+#[tokio::test(start_paused = true)]
+async fn a_wait_that_runs_out_in_the_queue_does_not_ask() {
+    let clock = virtual_clock();
+    let limiter = exact(Quota::new(1, Duration::from_secs(10)).unwrap(), &clock);
+    assert!(limiter.check("k", 1).await.is_allowed());
+    let head = {
+        let limiter = limiter.clone();
+        tokio::spawn(async move { limiter.acquire("k", 1, Duration::from_secs(20)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let asked = limiter.stats().allowed + limiter.stats().denied;
+    let behind = limiter.acquire("k", 1, Duration::from_secs(1)).await;
+    assert!(!behind.is_allowed());
+    assert!(behind.retry_after().is_some());
+    assert_eq!(
+        limiter.stats().allowed + limiter.stats().denied,
+        asked,
+        "the waiter behind did not ask"
+    );
+    let head = head.await.unwrap();
+    assert!(head.is_allowed(), "{head:?}");
+    let stats = limiter.stats();
+    assert_eq!((stats.acquire_waits, stats.acquire_timeouts), (2, 1));
 }

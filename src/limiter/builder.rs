@@ -269,6 +269,7 @@ impl Builder {
                 algorithm: self.algorithm,
                 keys,
                 name,
+                waiters: Default::default(),
                 recipe,
                 id: NEXT_ID
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
