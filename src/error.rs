@@ -26,6 +26,8 @@ pub enum ErrorKind {
     CircuitOpen,
     /// The requested combination is not supported.
     Unsupported,
+    /// The operating system refused (an address already in use).
+    Io,
 }
 
 impl ErrorKind {
@@ -39,6 +41,7 @@ impl ErrorKind {
             ErrorKind::Store => "store",
             ErrorKind::CircuitOpen => "circuit_open",
             ErrorKind::Unsupported => "unsupported",
+            ErrorKind::Io => "io",
         }
     }
 }

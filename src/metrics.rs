@@ -204,9 +204,10 @@ impl std::fmt::Debug for PrometheusExporter {
 /// Feature `prometheus`.
 ///
 /// # Errors
+/// [`Io`](ErrorKind::Io) if the address cannot be bound (in use by
+/// another process: give each process on a host its own port);
 /// [`InvalidInput`](ErrorKind::InvalidInput) if called outside a Tokio
-/// runtime, if the address cannot be bound, or if a global recorder is
-/// already installed.
+/// runtime or if a global recorder is already installed.
 #[cfg(feature = "prometheus")]
 pub fn install_prometheus(addr: std::net::SocketAddr) -> Result<PrometheusExporter, Error> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
@@ -217,6 +218,15 @@ pub fn install_prometheus(addr: std::net::SocketAddr) -> Result<PrometheusExport
 
     let runtime = tokio::runtime::Handle::try_current()
         .map_err(|_| Error::invalid("install_prometheus must be called inside a Tokio runtime"))?;
+    // The exporter reports a busy port as a build error of its own; bind
+    // first to say what happened.
+    drop(std::net::TcpListener::bind(addr).map_err(|e| {
+        Error::new(
+            ErrorKind::Io,
+            format!("cannot serve metrics on {addr}: {e} (is another process using it?)"),
+        )
+        .caused_by(e)
+    })?);
     let latency = [
         0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
         1.0,
@@ -253,7 +263,7 @@ const SOURCES: [Source; 8] = [
     Source::Fallback,
 ];
 
-const KINDS: [ErrorKind; 7] = [
+const KINDS: [ErrorKind; 8] = [
     ErrorKind::InvalidInput,
     ErrorKind::Timeout,
     ErrorKind::Connection,
@@ -261,6 +271,7 @@ const KINDS: [ErrorKind; 7] = [
     ErrorKind::Store,
     ErrorKind::CircuitOpen,
     ErrorKind::Unsupported,
+    ErrorKind::Io,
 ];
 
 fn source_index(source: Source) -> usize {

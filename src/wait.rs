@@ -195,6 +195,7 @@ impl Limiter {
     /// [`acquire`](Limiter::acquire) from a decision already made, with
     /// the deadline of a wait already begun (the HTTP layer's budget,
     /// shared by its policies).
+    #[cfg(feature = "tower")]
     pub(crate) async fn retry_until(
         &self,
         key: &str,

@@ -57,3 +57,14 @@ async fn the_exporter_serves_described_metrics_with_fixed_labels() {
     assert!(!text.contains("user-1"), "user keys never become labels");
     assert!(handle.render().contains("slicelimit_decisions_total"));
 }
+
+/// A port another process (here: a listener of this one) already uses is
+/// an `Io` error that says so, not "invalid input"; nothing is installed.
+#[tokio::test]
+async fn a_port_in_use_is_an_io_error() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap();
+    let err = slicelimit::metrics::install_prometheus(addr).unwrap_err();
+    assert_eq!(err.kind(), slicelimit::ErrorKind::Io, "{err}");
+    assert!(err.to_string().contains(&addr.to_string()), "{err}");
+}
