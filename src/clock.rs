@@ -5,8 +5,8 @@
 //! Tests use [`FakeClock`] so that window, lease and refill logic runs
 //! without sleeping.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// A monotonic source of time.
@@ -87,6 +87,78 @@ pub(crate) fn micros(clock: &dyn Clock) -> u64 {
     clock.now().as_micros() as u64
 }
 
+/// The store's clock against the local one, as the last reply that read
+/// it saw; the one record of it per quota of a limiter. The failure policy's
+/// fallback counts its windows on it (read as a [`Clock`]: local time plus
+/// the offset, so a store window does not straddle two fallback windows
+/// of a process whose clock is off); the hybrid engine tells from it which
+/// window the store is in before a key's first lease.
+pub(crate) struct StoreClock {
+    local: Arc<dyn Clock>,
+    /// Store µs minus local µs (0 before any reading).
+    offset_us: AtomicI64,
+    reading: Mutex<Option<StoreReading>>,
+}
+
+/// One reading of the store's clock.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StoreReading {
+    /// Store µs minus local µs.
+    pub(crate) offset_us: i64,
+    /// Half the round trip it was read over: the reading's uncertainty.
+    pub(crate) error_us: u64,
+    /// Local µs when the reply came.
+    pub(crate) at_us: u64,
+}
+
+impl StoreClock {
+    pub(crate) fn new(local: Arc<dyn Clock>) -> StoreClock {
+        StoreClock {
+            local,
+            offset_us: AtomicI64::new(0),
+            reading: Mutex::new(None),
+        }
+    }
+
+    /// The local clock it is read against.
+    pub(crate) fn local(&self) -> &Arc<dyn Clock> {
+        &self.local
+    }
+
+    /// The local clock's reading, µs.
+    pub(crate) fn local_us(&self) -> u64 {
+        micros(&*self.local)
+    }
+
+    /// A call sent at local µs `sent` and answered at `answered` read the
+    /// store's clock as `store_us`: somewhere in between, so the middle,
+    /// give or take half the round trip.
+    pub(crate) fn observe(&self, sent: u64, answered: u64, store_us: u64) {
+        let answered = answered.max(sent);
+        let mid = sent + (answered - sent) / 2;
+        let offset_us = store_us as i64 - mid as i64;
+        self.offset_us.store(offset_us, Ordering::Relaxed);
+        *self.reading.lock().unwrap_or_else(|p| p.into_inner()) = Some(StoreReading {
+            offset_us,
+            error_us: (answered - sent) / 2 + 1,
+            at_us: answered,
+        });
+    }
+
+    /// The last reading, if any.
+    pub(crate) fn reading(&self) -> Option<StoreReading> {
+        *self.reading.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Clock for StoreClock {
+    fn now(&self) -> Duration {
+        let local = micros(&*self.local);
+        let offset = self.offset_us.load(Ordering::Relaxed);
+        Duration::from_micros(local.saturating_add_signed(offset))
+    }
+}
+
 /// Where the hybrid limiter reads time: the kernel's coarse monotonic
 /// clock on the request path (a vDSO read, no syscall, no writes, updated
 /// by the kernel on every timer tick, so it lags by at most one tick
@@ -98,7 +170,7 @@ pub(crate) enum TimeSource {
     /// to the system clock once.
     Coarse {
         offset: i64,
-        precise: SystemClock,
+        precise: Arc<dyn Clock>,
     },
     Precise(Arc<dyn Clock>),
     /// A fast clock that may lag the precise one by up to `guard_us` (the
@@ -119,15 +191,25 @@ fn kernel_coarse_us() -> u64 {
 }
 
 impl TimeSource {
-    pub(crate) fn new(clock: Option<Arc<dyn Clock>>, coarse: bool) -> Self {
-        match clock {
+    /// An injected clock read directly; else `local` (the limiter's system
+    /// clock), through the kernel's coarse clock if `coarse`. Precise
+    /// readings are `local`'s, so they compare with every other reading of
+    /// it in the limiter.
+    pub(crate) fn new(
+        injected: Option<Arc<dyn Clock>>,
+        coarse: bool,
+        local: Arc<dyn Clock>,
+    ) -> Self {
+        match injected {
             Some(clock) => TimeSource::Precise(clock),
             None if coarse => {
-                let precise = SystemClock::new();
-                let offset = micros(&precise) as i64 - kernel_coarse_us() as i64;
-                TimeSource::Coarse { offset, precise }
+                let offset = micros(&*local) as i64 - kernel_coarse_us() as i64;
+                TimeSource::Coarse {
+                    offset,
+                    precise: local,
+                }
             }
-            None => TimeSource::Precise(Arc::new(SystemClock::new())),
+            None => TimeSource::Precise(local),
         }
     }
 
@@ -158,7 +240,7 @@ impl TimeSource {
     /// Local time in µs, read from the underlying precise clock.
     pub(crate) fn precise_us(&self) -> u64 {
         match self {
-            TimeSource::Coarse { precise, .. } => micros(precise),
+            TimeSource::Coarse { precise, .. } => micros(&**precise),
             TimeSource::Precise(c) => micros(&**c),
             TimeSource::Split { precise, .. } => micros(&**precise),
         }

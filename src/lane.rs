@@ -172,7 +172,7 @@ impl Lane {
             Ok((decision, store_us)) => {
                 self.failure
                     .store_clock
-                    .observe(local_before + took / 2, store_us);
+                    .observe(local_before, local_before + took, store_us);
                 decision
             }
             Err(_) => self.policy_decision(key, cost),

@@ -18,12 +18,10 @@ mod policy;
 pub(crate) use self::ledger::{Reconciler, Report, RESEND_FOR};
 pub use self::policy::FailurePolicy;
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::algorithm::Params;
-use crate::clock::micros;
+use crate::clock::StoreClock;
 use crate::decision::{Origin, Source, Taken};
 use crate::key::KeyEncoder;
 use crate::local::LocalEngine;
@@ -40,7 +38,7 @@ pub(crate) struct FailureLayer {
     pub(crate) reconciler: Arc<Reconciler>,
     /// The store's clock as last seen, which the fallback counts windows
     /// on (application clocks never decide windows).
-    pub(crate) store_clock: Arc<StoreAligned>,
+    pub(crate) store_clock: Arc<StoreClock>,
     limit: u64,
     /// The store the limiter counts in (none for a per-process limiter):
     /// when it will be tried again, where reports go.
@@ -63,15 +61,12 @@ pub(crate) struct LayerParts {
 
 impl FailureLayer {
     pub(crate) fn new(parts: LayerParts) -> Self {
-        let store_clock = Arc::new(StoreAligned {
-            local: parts.clock,
-            offset_us: std::sync::atomic::AtomicI64::new(0),
-        });
+        let store_clock = Arc::new(StoreClock::new(parts.clock));
         let fallback = match parts.policy {
             FailurePolicy::LocalFallback(quota) => Some(LocalEngine::new(
                 quota,
                 parts.algorithm,
-                Arc::new(SharedAligned(store_clock.clone())),
+                store_clock.clone(),
                 Source::Fallback,
             )),
             _ => None,
@@ -79,7 +74,7 @@ impl FailureLayer {
         FailureLayer {
             policy: parts.policy,
             fallback,
-            reconciler: Arc::new(Reconciler::new(store_clock.local.clone())),
+            reconciler: Arc::new(Reconciler::new(store_clock.local().clone())),
             store_clock,
             limit: parts.params.limit,
             store: parts.store,
@@ -163,46 +158,5 @@ impl FailureLayer {
             }
             None => true,
         }
-    }
-}
-
-/// A clock that reads the store's time: the local clock plus the offset
-/// of the store's clock seen in its last reply (0 before any). The
-/// fallback counts its windows on it, so one store window does not
-/// straddle two fallback windows of a process whose clock is off.
-pub(crate) struct StoreAligned {
-    local: Arc<dyn Clock>,
-    /// Store µs minus local µs.
-    offset_us: std::sync::atomic::AtomicI64,
-}
-
-impl StoreAligned {
-    /// The local clock's reading, µs.
-    pub(crate) fn local_us(&self) -> u64 {
-        micros(&*self.local)
-    }
-
-    /// A store reply read `store_us` while the local clock read `local_us`
-    /// (the middle of the round trip).
-    pub(crate) fn observe(&self, local_us: u64, store_us: u64) {
-        self.offset_us
-            .store(store_us as i64 - local_us as i64, Ordering::Relaxed);
-    }
-}
-
-impl Clock for StoreAligned {
-    fn now(&self) -> Duration {
-        let local = micros(&*self.local);
-        let offset = self.offset_us.load(Ordering::Relaxed);
-        Duration::from_micros(local.saturating_add_signed(offset))
-    }
-}
-
-/// Lets the fallback engine hold the shared aligned clock.
-struct SharedAligned(Arc<StoreAligned>);
-
-impl Clock for SharedAligned {
-    fn now(&self) -> Duration {
-        self.0.now()
     }
 }

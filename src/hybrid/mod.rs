@@ -34,7 +34,7 @@ use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 pub(crate) use self::refunds::LocalRefunds;
-use self::shared::{Shared, StoreClock, REFILL_STRIPES};
+use self::shared::{Shared, REFILL_STRIPES};
 use self::slot::{Retired, Slot, Take, UNKNOWN_WINDOW};
 pub(crate) use self::sync::DebtReport;
 use crate::algorithm::{GiveBackCall, LeaseKind, LeaseOrigin, OpIds, Params};
@@ -72,7 +72,7 @@ pub(crate) struct Wiring {
     pub(crate) max_cost: u64,
     pub(crate) reconciler: Arc<Reconciler>,
     /// The fallback's clock, kept on the store's time by lease replies.
-    pub(crate) store_clock: Arc<crate::failure::StoreAligned>,
+    pub(crate) store_clock: Arc<crate::clock::StoreClock>,
     /// Refunds gone back locally, shared by every lane of a limiter: a
     /// key's first quota may be decided by another lane (tiers) when the
     /// same admission is refunded again.
@@ -115,14 +115,14 @@ impl HybridEngine {
             counters,
             max_cost,
             reconciler,
-            store_clock: fallback_clock,
+            store_clock,
             local_refunds,
         } = wiring;
         let ops = OpIds::default();
         let holder = ops.holder();
         let time = match (fast_clock, clock) {
             (Some((fast, guard)), Some(precise)) => TimeSource::split(fast, precise, guard),
-            (_, clock) => TimeSource::new(clock, config.coarse_clock),
+            (_, clock) => TimeSource::new(clock, config.coarse_clock, store_clock.local().clone()),
         };
         let shared = Arc::new(Shared {
             slots: DashMap::with_hasher(ahash::RandomState::new()),
@@ -144,7 +144,7 @@ impl HybridEngine {
             outstanding: DashMap::with_hasher(ahash::RandomState::new()),
             ops,
             holder,
-            store_clock: Mutex::new(None),
+            store_clock,
             wake: Notify::new(),
             refill_waiters: (0..REFILL_STRIPES).map(|_| Notify::new()).collect(),
             urgent: AtomicBool::new(false),
@@ -156,7 +156,6 @@ impl HybridEngine {
             tag: engine_tag(),
             rtt_us: AtomicU64::new(0),
             reconciler,
-            fallback_clock,
             early_lead_us: AtomicU64::new(0),
             window_end_hint: AtomicU64::new(0),
             #[cfg(test)]

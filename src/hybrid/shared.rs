@@ -2,6 +2,7 @@
 //! on it both use.
 
 use super::*;
+use crate::clock::StoreClock;
 
 /// State shared by the request path and the sync task.
 pub(crate) struct Shared {
@@ -46,8 +47,10 @@ pub(crate) struct Shared {
     pub(super) ops: OpIds,
     /// This process as a lease holder (the lease script's fair share).
     pub(super) holder: Arc<str>,
-    /// The store's clock as the last lease reply showed it.
-    pub(super) store_clock: Mutex<Option<StoreClock>>,
+    /// The store's clock as the last reply showed it (lease replies and
+    /// the exact calls of the limiter's failure layer), shared with the
+    /// failure policy's fallback, which counts its windows on it.
+    pub(super) store_clock: Arc<StoreClock>,
     /// Wakes the sync task.
     pub(super) wake: Notify,
     /// Woken when a refill has been applied; striped by slot rather than
@@ -78,8 +81,6 @@ pub(crate) struct Shared {
     pub(super) rtt_us: AtomicU64,
     /// What the failure policy's fallback admitted, to report on recovery.
     pub(super) reconciler: Arc<Reconciler>,
-    /// The fallback's clock, kept on the store's time by lease replies.
-    pub(super) fallback_clock: Arc<crate::failure::StoreAligned>,
     /// How close to a lease's deadline a refill is requested early (µs):
     /// the pre-lease lead (fixed window), at most half the lease horizon
     /// (buckets); 0 turns early refills off. Kept out of the `ArcSwap`d
@@ -123,17 +124,6 @@ impl Default for KeyLedger {
             at_us: 0,
         }
     }
-}
-
-/// The store's clock against the local one, from a lease reply.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct StoreClock {
-    /// Store µs minus local µs.
-    pub(crate) offset_us: i64,
-    /// Half the round trip it was read over: the reading's uncertainty.
-    pub(crate) error_us: u64,
-    /// Local µs of the reading.
-    pub(crate) at_us: u64,
 }
 
 /// How long a store clock reading is trusted for first-touch credit.
@@ -307,7 +297,7 @@ impl Shared {
     /// reply's clock reading, or `None` when the reading is stale or `now`
     /// is too close to a boundary to tell.
     pub(super) fn store_window(&self, now: u64) -> Option<i64> {
-        let reading = (*self.store_clock.lock().unwrap_or_else(|p| p.into_inner()))?;
+        let reading = self.store_clock.reading()?;
         let age = now.checked_sub(reading.at_us)?;
         if age > STORE_CLOCK_FRESH_US {
             return None;

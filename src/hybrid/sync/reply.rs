@@ -262,17 +262,8 @@ pub(super) fn lease_answered(
 /// for credit before a key's first lease. Redis read it somewhere in
 /// [t0, t1] locally: the middle, give or take half the round trip.
 pub(super) fn observe_store_clock(shared: &Shared, r: &LeaseReply, t0: u64, t1: u64) {
-    let mid = t0 + (t1 - t0) / 2;
-    let fallback_local = shared.fallback_clock.local_us();
-    shared
-        .fallback_clock
-        .observe(fallback_local.saturating_sub(t1 - mid), r.now_us);
-    *shared.store_clock.lock().unwrap_or_else(|p| p.into_inner()) =
-        Some(crate::hybrid::StoreClock {
-            offset_us: r.now_us as i64 - mid as i64,
-            error_us: (t1 - t0) / 2 + 1,
-            at_us: t1,
-        });
+    // t0 and t1 are precise readings: the store clock's own local clock.
+    shared.store_clock.observe(t0, t1, r.now_us);
 }
 
 /// Where a bucket lease's permits came from (see [`LeaseOrigin`]).
