@@ -113,8 +113,40 @@ fn hybrid(c: &mut Criterion) {
             .unwrap()
     });
     bench_limiter(c, "hybrid_hot_path", &limiter, &[1, MANY_KEYS]);
+    bench_check_now(c, &limiter);
     // Keep the runtime (and the sync task) alive until the group is done.
     drop(rt);
+}
+
+/// `check_now`, the synchronous decision, on one hot key: the same shape
+/// as governor's `check_key` below (no future to poll), one, two and four
+/// threads.
+fn bench_check_now(c: &mut Criterion, limiter: &Limiter) {
+    let mut g = c.benchmark_group("hybrid_check_now");
+    let ks = Arc::new(keys(1));
+    g.bench_function("1_keys/1_thread", |b| {
+        b.iter(|| black_box(limiter.check_now(&ks[0], 1)))
+    });
+    for threads in thread_counts().into_iter().map(|t| t as u64) {
+        g.bench_function(format!("1_keys/{threads}_threads"), |b| {
+            b.iter_custom(|iters| {
+                let per = iters.max(threads) / threads;
+                let started = Instant::now();
+                std::thread::scope(|s| {
+                    for _ in 0..threads {
+                        let ks = ks.clone();
+                        s.spawn(move || {
+                            for _ in 0..per {
+                                black_box(limiter.check_now(&ks[0], 1));
+                            }
+                        });
+                    }
+                });
+                started.elapsed()
+            })
+        });
+    }
+    g.finish();
 }
 
 fn denied(c: &mut Criterion) {
