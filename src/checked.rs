@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
+use crate::algorithm::{AcquireReply, Params};
 use crate::algorithm::{GiveBackCall, LeaseOrigin, OpIds};
 use crate::decision::{Origin, Source, Taken};
-use crate::store::{AcquireReply, Params};
 use crate::Decision;
 
 /// Turns a store's check reply into a decision.

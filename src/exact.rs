@@ -7,11 +7,12 @@
 use std::sync::Arc;
 
 use crate::algorithm::OpIds;
+use crate::algorithm::Params;
 use crate::checked::{decision_from, refund_call, taken_by_check};
 use crate::decision::{Origin, Source, Taken};
 use crate::key::KeyEncoder;
 use crate::stats::Counters;
-use crate::store::{Params, Store};
+use crate::store::Store;
 use crate::{Decision, Error};
 
 pub(crate) struct ExactEngine {
@@ -73,7 +74,7 @@ impl ExactEngine {
     /// denied counted nothing).
     pub(crate) fn decision(
         &self,
-        reply: &crate::store::AcquireReply,
+        reply: &crate::algorithm::AcquireReply,
         cost: u64,
         applied: bool,
     ) -> Decision {

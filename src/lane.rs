@@ -10,6 +10,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::algorithm::Params;
 use crate::algorithm::REPEAT;
 use crate::decision::{Origin, Source, Taken};
 use crate::exact::ExactEngine;
@@ -18,7 +19,7 @@ use crate::hybrid::{HybridConfig, HybridEngine, Wiring};
 use crate::key::KeyEncoder;
 use crate::local::LocalEngine;
 use crate::stats::Counters;
-use crate::store::{Params, Store};
+use crate::store::Store;
 use crate::{Algorithm, Clock, Decision, Error, ErrorKind, FailurePolicy, Quota};
 
 /// How decisions are made.

@@ -8,9 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::algorithm::OpIds;
+use crate::algorithm::Params;
 use crate::checked::{decision_from, refund_call, taken_by_check};
 use crate::decision::{Origin, Source, Taken};
-use crate::store::{MemoryStore, Params};
+use crate::store::MemoryStore;
 use crate::{Algorithm, Clock, Decision, Quota};
 
 pub(crate) struct LocalEngine {

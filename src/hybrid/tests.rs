@@ -6,8 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::*;
+use crate::algorithm::LeaseCall;
 use crate::hybrid::slot::NextLease;
-use crate::store::{LeaseCall, MemoryStore};
+use crate::store::MemoryStore;
 use crate::{nonzero, Algorithm, Clock, FakeClock, Quota, Source};
 
 /// A whole second, so fixed windows start at the origin.

@@ -12,8 +12,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params, Store, StoreCost};
+use super::Store;
+use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use crate::breaker::{CircuitBreaker, CircuitConfig};
+use crate::stats::StoreCost;
 use crate::{Clock, Error, ErrorKind};
 
 /// How often each fault happens, per call (probabilities in `[0, 1]`).

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use dashmap::DashMap;
 
-use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
+use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use crate::algorithm::{Entry, State};
 use crate::clock::{micros, Clock, SystemClock};
 use crate::Error;

@@ -23,11 +23,8 @@ pub use self::redis::Sentinel;
 pub use self::redis::TlsOptions;
 pub use self::redis::{RedisOptions, RedisStore};
 
-pub(crate) use crate::algorithm::{
-    AcquireReply, GiveBackCall, LeaseCall, LeaseOrigin, LeaseReply, OpId, Params,
-};
-use crate::stats::Counters;
-pub(crate) use crate::stats::StoreCost;
+use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
+use crate::stats::{Counters, StoreCost};
 use crate::Error;
 
 /// A store a limiter can count in: a [`RedisStore`] or a [`MemoryStore`].

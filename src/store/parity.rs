@@ -7,7 +7,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use super::{LeaseCall, MemoryStore, RedisStore, Store};
+use super::{MemoryStore, RedisStore, Store};
+use crate::algorithm::LeaseCall;
 use crate::algorithm::{LeaseReply, Params};
 use crate::stats::Counters;
 use crate::{Algorithm, FakeClock, Quota};

@@ -18,8 +18,8 @@ use std::sync::{Mutex, MutexGuard};
 use std::sync::Arc;
 
 use super::sizing::Sizing;
+use crate::algorithm::LeaseOrigin;
 use crate::clock::TimeSource;
-use crate::store::LeaseOrigin;
 
 /// Local µs as wrapping milliseconds (idle times are far below 49 days).
 fn millis(us: u64) -> u32 {

@@ -22,9 +22,10 @@ use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, Pipeline, RedisFuture, Script, ServerErrorKind, Value};
 
 use super::topology::{slot_of, Node, Topology};
-use super::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, OpId, Params, StoreCost};
 use crate::algorithm::{self, Arg};
+use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, OpId, Params};
 use crate::breaker::{CircuitBreaker, CircuitConfig, CircuitState};
+use crate::stats::StoreCost;
 use crate::{Clock, Error, ErrorKind, SystemClock};
 
 mod calls;
