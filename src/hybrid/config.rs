@@ -40,6 +40,81 @@ pub struct HybridConfig {
     pub(crate) clock_margin: Duration,
     pub(crate) coarse_clock: bool,
     pub(crate) coalesce: Duration,
+    /// Mechanisms switched off, to measure what each is worth.
+    pub(crate) ablate: Ablation,
+}
+
+/// The optional mechanisms of the lease path, each of which can be
+/// switched off to measure what it is worth (the table in
+/// `docs/leasing.md`). Only builds with the `test-support` feature read
+/// the switch, from `SLICELIMIT_ABLATE` (names separated by commas); in
+/// any other build every mechanism is on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Ablation(u32);
+
+impl Ablation {
+    /// Refills of other keys sent along with a batch that goes anyway.
+    pub(crate) const RIDES: u32 = 1;
+    /// Peeks at windows known full, riding along in batches.
+    pub(crate) const PEEKS: u32 = 1 << 1;
+    /// Per-thread stocks of a contended key's permits.
+    pub(crate) const STOCKS: u32 = 1 << 2;
+    /// Leases of the next window sent before the boundary.
+    pub(crate) const PRELEASE: u32 = 1 << 3;
+    /// Pre-leases of thin holders (a few permits a window).
+    pub(crate) const THIN_PRELEASE: u32 = 1 << 4;
+    /// Refills ahead of need (at a low-water mark): off, a slot is
+    /// refilled when it runs dry.
+    pub(crate) const AHEAD: u32 = 1 << 5;
+    /// The window's last lease (one that covers the rate to the window's
+    /// end) refilled only when demand outruns it, not at half.
+    pub(crate) const WINDOW_LAST: u32 = 1 << 6;
+    /// No refill ahead of need for a contested key (the store cut the
+    /// lease below half the ask).
+    pub(crate) const CONTESTED: u32 = 1 << 7;
+    /// No refill ahead of need for a thin holder.
+    pub(crate) const THIN: u32 = 1 << 8;
+
+    const NAMES: [(&'static str, u32); 9] = [
+        ("rides", Self::RIDES),
+        ("peeks", Self::PEEKS),
+        ("stocks", Self::STOCKS),
+        ("prelease", Self::PRELEASE),
+        ("thin-prelease", Self::THIN_PRELEASE),
+        ("ahead", Self::AHEAD),
+        ("window-last", Self::WINDOW_LAST),
+        ("contested", Self::CONTESTED),
+        ("thin", Self::THIN),
+    ];
+
+    /// The switches `SLICELIMIT_ABLATE` names (test-support builds only).
+    fn from_env() -> Ablation {
+        #[cfg(feature = "test-support")]
+        if let Ok(list) = std::env::var("SLICELIMIT_ABLATE") {
+            return Ablation::parse(&list);
+        }
+        Ablation(0)
+    }
+
+    fn parse(list: &str) -> Ablation {
+        let mut bits = 0;
+        for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match Self::NAMES.iter().find(|(n, _)| *n == name) {
+                Some((_, bit)) => bits |= bit,
+                None => eprintln!(
+                    "SLICELIMIT_ABLATE: no mechanism {name:?} (known: {})",
+                    Self::NAMES.map(|(n, _)| n).join(", ")
+                ),
+            }
+        }
+        Ablation(bits)
+    }
+
+    /// Whether `mechanism` is switched off.
+    #[inline]
+    pub(crate) fn off(self, mechanism: u32) -> bool {
+        self.0 & mechanism != 0
+    }
 }
 
 impl HybridConfig {
@@ -61,6 +136,7 @@ impl HybridConfig {
             clock_margin: Duration::from_millis(3),
             coarse_clock: true,
             coalesce: Duration::from_millis(2),
+            ablate: Ablation::from_env(),
         }
     }
 

@@ -21,6 +21,7 @@ mod slot;
 mod sync;
 mod thread_cache;
 
+pub(crate) use self::config::Ablation;
 pub use self::config::{Consistency, HybridConfig};
 
 use std::collections::HashMap;
@@ -124,6 +125,7 @@ impl HybridEngine {
             (Some((fast, guard)), Some(precise)) => TimeSource::split(fast, precise, guard),
             (_, clock) => TimeSource::new(clock, config.coarse_clock, store_clock.local().clone()),
         };
+        let stocks = !config.ablate.off(Ablation::STOCKS);
         let shared = Arc::new(Shared {
             slots: DashMap::with_hasher(ahash::RandomState::new()),
             config: ArcSwap::from_pointee(config),
@@ -152,6 +154,7 @@ impl HybridEngine {
             alive: AtomicBool::new(true),
             closed: AtomicBool::new(false),
             contended: AtomicBool::new(false),
+            stocks,
             max_cost,
             tag: engine_tag(),
             rtt_us: AtomicU64::new(0),
@@ -278,7 +281,7 @@ impl HybridEngine {
         let s = &*self.shared;
         match slot.take(cost, &s.time) {
             Take::Taken(left, now, contended, window) => {
-                if contended && !s.contended.load(Ordering::Relaxed) {
+                if contended && s.stocks && !s.contended.load(Ordering::Relaxed) {
                     s.contended.store(true, Ordering::Relaxed);
                 }
                 slot.touch(now);

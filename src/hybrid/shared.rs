@@ -6,6 +6,8 @@ use crate::clock::StoreClock;
 
 /// State shared by the request path and the sync task.
 pub(crate) struct Shared {
+    /// Whether contended keys get per-thread stocks (see `thread_cache`).
+    pub(super) stocks: bool,
     /// User key → local state. Entries are removed by the sync task
     /// (eviction), by `release` (a key that moved to another tier) and
     /// by `finish` (shutdown).
@@ -186,7 +188,9 @@ impl Shared {
 
     pub(super) fn set_early_lead(&self, config: &HybridConfig) {
         // A bucket lease is renewed ahead of its horizon, at most half-way.
-        let lead = if self.leases.windowed() {
+        let lead = if config.ablate.off(Ablation::PRELEASE) {
+            0
+        } else if self.leases.windowed() {
             self.prelease_lead(config).as_micros() as u64
         } else {
             (config.prelease_lead.as_micros() as u64).min(config.lease_ttl.as_micros() as u64 / 2)

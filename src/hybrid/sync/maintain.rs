@@ -58,6 +58,10 @@ pub(super) fn prelease_if_active(
     idle_ms: u64,
     plan: &PreleasePlan,
 ) {
+    let ablate = shared.config.load().ablate;
+    if ablate.off(Ablation::PRELEASE) {
+        return;
+    }
     let to_end = plan.end.saturating_sub(now);
     if to_end > plan.lead + plan.spread {
         return;
@@ -85,6 +89,9 @@ pub(super) fn prelease_if_active(
         .saturating_sub(shared.params.period_us);
     let idle_us = idle_ms.saturating_mul(1_000);
     let mut books = slot.books();
+    if ablate.off(Ablation::THIN_PRELEASE) && books.sizing.thin() {
+        return;
+    }
     let rate = books.sizing.rate_per_us();
     // Used in this window, or within its last few usual gaps (a thin
     // holder with one request a window skips about a third of them).

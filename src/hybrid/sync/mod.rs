@@ -23,7 +23,7 @@ use super::sizing::{thin_want, SizingRule, COVER_MARGIN, SEED_PERMITS, THIN_AHEA
 use super::slot::{Credit, Installed, NextLease, Slot};
 use futures_util::future::join_all;
 
-use super::{HybridConfig, Shared};
+use super::{Ablation, HybridConfig, Shared};
 use crate::algorithm::{
     LeaseCall, LeaseKind, LeaseOrigin, LeaseReply, LeaseTarget, LeaseView, OpId, MAX_REPORT,
 };

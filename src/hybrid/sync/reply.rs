@@ -362,12 +362,13 @@ pub(super) fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &Lea
     // left): a permit fetched ahead of need would wait idle in every
     // holder, and at the window's end a thousand holders' one permit each
     // is a thousand stranded.
-    let contested = windowed && r.granted < p.call.want / 2;
+    let ablate = shared.config.load().ablate;
+    let contested = windowed && !ablate.off(Ablation::CONTESTED) && r.granted < p.call.want / 2;
     // Nor for a thin holder (a few permits a window): what it fetched
     // ahead would wait idle for its next request, and with many such
     // holders, a window's budget with it. (A key whose rate is not known
     // yet is not thin: its first lease says nothing about it.)
-    let thin = windowed && slot.books().sizing.thin();
+    let thin = windowed && !ablate.off(Ablation::THIN) && slot.books().sizing.thin();
     if contested {
         // Nor a pre-lease of the next window: spread over every holder
         // whatever its rate, it strands the same way.
@@ -377,7 +378,7 @@ pub(super) fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &Lea
     // until its window ends is that window's last: refilled only if demand
     // outruns it, not at half (a refill at half would ask a window that is
     // often fully leased by then, for permits this process will not use).
-    let covers = windowed && {
+    let covers = windowed && !ablate.off(Ablation::WINDOW_LAST) && {
         let rate = slot.books().sizing.rate_per_us();
         let serves = r.reset_after_us.saturating_sub(r.start_after_us) as f64;
         // After the install a current lease's permits include the grant;
@@ -390,9 +391,9 @@ pub(super) fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &Lea
         };
         rate > 0.0 && lasting.max(0) as f64 >= rate * serves * COVER_MARGIN
     };
-    let low_water = if contested || thin {
+    let low_water = if contested || thin || ablate.off(Ablation::AHEAD) {
         0
-    } else if p.to_the_end || covers {
+    } else if (p.to_the_end && !ablate.off(Ablation::WINDOW_LAST)) || covers {
         // Sized to last until the window ends: refill only if demand
         // outruns it, when what is left would be spent within two round
         // trips (and a millisecond).

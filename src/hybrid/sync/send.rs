@@ -317,8 +317,12 @@ pub(super) fn next_batch(
         pending.push(lease_call(shared, config, slot, now));
     }
     if !pending.is_empty() && !shared.store.is_sharded() {
-        add_rides(shared, config, &mut pending, now);
-        add_peeks(shared, &mut pending, config.batch_size, now);
+        if !config.ablate.off(Ablation::RIDES) {
+            add_rides(shared, config, &mut pending, now);
+        }
+        if !config.ablate.off(Ablation::PEEKS) {
+            add_peeks(shared, &mut pending, config.batch_size, now);
+        }
     }
     pending
 }
