@@ -420,7 +420,39 @@ impl Decision {
     /// never refundable: it took nothing (whatever one quota took before
     /// another denied was given back at once).
     pub fn is_refundable(&self) -> bool {
-        self.allowed && self.quotas().iter().any(|d| d.taken.refundable())
+        self.allowed && self.took_something()
+    }
+
+    /// Whether this decision, or any of its parts (or theirs: a pair of
+    /// `check_all` with several quotas), took something.
+    fn took_something(&self) -> bool {
+        self.taken.refundable()
+            || self
+                .parts
+                .as_ref()
+                .is_some_and(|parts| parts.list.iter().any(Decision::took_something))
+    }
+
+    /// This admission as it reads once another policy denied the request
+    /// and its permits went back: [`Source::GivenBack`], its permits
+    /// counted as remaining again (the HTTP layer's headers).
+    pub(crate) fn given_back(mut self) -> Decision {
+        if self.allowed {
+            self.allowed = false;
+            self.retry_us = NEVER;
+            self.remaining = self
+                .remaining
+                .saturating_add(self.taken.cost)
+                .min(self.limit);
+            self.source = Source::GivenBack;
+            self.give_back_parts();
+            if let Some(parts) = &self.parts {
+                if let Some(least) = parts.list.iter().map(|p| p.remaining).min() {
+                    self.remaining = least;
+                }
+            }
+        }
+        self
     }
 
     /// Marks what this denial's parts took as given back (it was, when
@@ -430,7 +462,8 @@ impl Decision {
         self.taken = Taken::default();
         if let Some(parts) = &mut self.parts {
             for part in Arc::make_mut(parts).list.iter_mut() {
-                if part.allowed {
+                let given_back = part.allowed;
+                if given_back {
                     part.allowed = false;
                     part.retry_us = NEVER;
                     part.remaining = part
@@ -440,6 +473,13 @@ impl Decision {
                     part.source = Source::GivenBack;
                 }
                 part.give_back_parts();
+                // A pair with parts of its own: its figures are the
+                // binding part's, restored now.
+                if let (true, Some(inner)) = (given_back, &part.parts) {
+                    if let Some(least) = inner.list.iter().map(|p| p.remaining).min() {
+                        part.remaining = least;
+                    }
+                }
             }
         }
     }

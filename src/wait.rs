@@ -59,28 +59,31 @@ impl Queues {
         counters: &crate::stats::Counters,
     ) -> Result<Turn<'a>, Option<Decision>> {
         let queue = self.map.entry(Box::from(key)).or_default().clone();
-        // Built before the first await, so a dropped future leaves too.
+        let lock = queue.turn.clone();
+        // Built before the first await, so a dropped future leaves too;
+        // the turn holds the queue's only clone outside the map, so the
+        // last waiter to leave finds the entry's count at one.
         let mut turn = Turn {
             queues: self,
             key,
-            queue: Some(queue.clone()),
+            queue: Some(queue),
             guard: None,
             waited: false,
         };
-        if let Ok(guard) = queue.turn.clone().try_lock_owned() {
+        if let Ok(guard) = lock.clone().try_lock_owned() {
             turn.guard = Some(guard);
             return Ok(turn);
         }
         counters.acquire_waits.add(1);
         turn.waited = true;
-        match tokio::time::timeout_at(deadline, queue.turn.clone().lock_owned()).await {
+        match tokio::time::timeout_at(deadline, lock.lock_owned()).await {
             Ok(guard) => {
                 turn.guard = Some(guard);
                 Ok(turn)
             }
             Err(_) => {
                 counters.acquire_timeouts.add(1);
-                Err(queue.last.lock().ok().and_then(|last| last.clone()))
+                Err(turn.last_denial())
             }
         }
     }
@@ -93,6 +96,12 @@ impl Queues {
 }
 
 impl Turn<'_> {
+    /// The last denial the queue's head saw.
+    fn last_denial(&self) -> Option<Decision> {
+        let queue = self.queue.as_ref()?;
+        queue.last.lock().ok().and_then(|last| last.clone())
+    }
+
     /// Records a denial the head saw, for those whose wait runs out
     /// behind it.
     fn saw(&self, decision: &Decision) {
@@ -173,6 +182,11 @@ impl Limiter {
     /// # }
     /// ```
     pub async fn acquire(&self, key: &str, cost: u64, max_wait: Duration) -> Decision {
+        // No wait, or a cost no window can ever admit: one check, now,
+        // whoever waits.
+        if max_wait.is_zero() || self.never_admits(key, cost) {
+            return self.check(key, cost).await;
+        }
         let deadline = deadline_after(max_wait);
         let turn = match self
             .inner
@@ -218,6 +232,15 @@ impl Limiter {
         };
         self.retry_in_turn(key, cost, decision, deadline, first_took, &turn)
             .await
+    }
+
+    /// Whether `cost` is above what one of `key`'s quotas can ever admit.
+    fn never_admits(&self, key: &str, cost: u64) -> bool {
+        let algorithm = self.algorithm();
+        let first = self.quota_of(key);
+        std::iter::once(first)
+            .chain(self.inner.also.iter().map(|lane| lane.quota))
+            .any(|quota| cost > algorithm.max_cost(&quota))
     }
 
     /// The wait loop of the head of `key`'s queue.
@@ -360,6 +383,29 @@ mod tests {
             .map(Result::unwrap)
             .collect();
         assert_eq!(outcomes, [true, false]);
+        assert_eq!(limiter.inner.waiters.len(), 0);
+    }
+
+    /// A head that leaves with a waiter queued behind it, and that waiter
+    /// dropped before it runs: the key's entry goes with them.
+    #[tokio::test]
+    async fn a_queue_handed_to_a_dropped_waiter_leaves_no_entry() {
+        use crate::{nonzero, MemoryStore, Quota};
+        use futures_util::FutureExt;
+        let limiter = Limiter::builder(Quota::per_second(nonzero!(1)))
+            .store(MemoryStore::new())
+            .build()
+            .unwrap();
+        for i in 0..100 {
+            let key = format!("k{i}");
+            assert!(limiter.check(&key, 1).await.is_allowed());
+            let mut head = Box::pin(limiter.acquire(&key, 1, Duration::from_secs(3)));
+            assert!((&mut head).now_or_never().is_none());
+            let mut waiter = Box::pin(limiter.acquire(&key, 1, Duration::from_secs(3)));
+            assert!((&mut waiter).now_or_never().is_none());
+            drop(head);
+            drop(waiter);
+        }
         assert_eq!(limiter.inner.waiters.len(), 0);
     }
 

@@ -504,3 +504,26 @@ async fn a_wait_that_runs_out_in_the_queue_does_not_ask() {
     let stats = limiter.stats();
     assert_eq!((stats.acquire_waits, stats.acquire_timeouts), (2, 1));
 }
+
+/// Behind a waiting head, an acquire with no wait is one check (it may
+/// be admitted: it asks for less than the head), and a cost no window can
+/// ever admit is denied at once, without waiting its turn.
+#[tokio::test(start_paused = true)]
+async fn no_wait_and_impossible_costs_do_not_queue() {
+    let clock = virtual_clock();
+    let limiter = exact(Quota::per_second(nonzero!(10)), &clock);
+    assert!(limiter.check("k", 7).await.is_allowed());
+    let head = {
+        let limiter = limiter.clone();
+        tokio::spawn(async move { limiter.acquire("k", 5, Duration::from_secs(5)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    let began = tokio::time::Instant::now();
+    let now = limiter.acquire("k", 1, Duration::ZERO).await;
+    assert!(now.is_allowed(), "{now:?}");
+    let never = limiter.acquire("k", 11, Duration::from_secs(3)).await;
+    assert!(!never.is_allowed());
+    assert_eq!(never.retry_after(), None);
+    assert_eq!(began.elapsed(), Duration::ZERO, "neither waited its turn");
+    assert!(head.await.unwrap().is_allowed());
+}

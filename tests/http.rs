@@ -1236,6 +1236,17 @@ async fn each_policy_can_have_its_own_key() {
         "{}",
         reply.body
     );
+    // The organisation's permit goes back: its header says 1 of 3 left,
+    // not the 0 its admission read.
+    let remaining: Vec<(String, i64)> = items(&reply.headers, "ratelimit")
+        .iter()
+        .map(|(n, p)| (n.clone(), param(p, "r")))
+        .collect();
+    assert_eq!(
+        remaining,
+        [("user".to_owned(), 0), ("org".to_owned(), 1)],
+        "{remaining:?}"
+    );
     for _ in 0..200 {
         if orgs.stats().refunded >= 1 {
             break;

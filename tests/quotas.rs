@@ -3,6 +3,7 @@
 //! boundary is placed by the test, nothing sleeps.
 
 use std::collections::HashMap;
+use std::num::NonZeroU32;
 use std::time::Duration;
 
 use slicelimit::{
@@ -400,4 +401,35 @@ async fn check_all_names_the_limiter_that_denied() {
     let by = d.denied_by().expect("denied");
     assert_eq!((by.index, by.name), (0, Some("strict-user")));
     assert_eq!(d.quotas().len(), 1);
+
+    // Pairs of limiters with several quotas: a given-back pair reads its
+    // parts' remaining, and an admission made only of such pairs is
+    // refundable.
+    let store = MemoryStore::new();
+    let two = |ns: &str, minute: u32| {
+        Limiter::builder(Quota::per_minute(NonZeroU32::new(minute).unwrap()))
+            .and(Quota::per_hour(nonzero!(100)))
+            .store(store.clone())
+            .namespace(ns)
+            .build()
+            .unwrap()
+    };
+    let (user, org) = (two("u2", 50), two("o2", 1));
+    let d = check_all(&[(&user, "a"), (&org, "acme")], 1).await;
+    assert!(d.is_allowed());
+    assert!(d.is_refundable(), "{d:?}");
+    assert_eq!(refund_all(&[(&user, "a"), (&org, "acme")], &d).await, 4);
+    assert!(check_all(&[(&user, "a"), (&org, "acme")], 1)
+        .await
+        .is_allowed());
+    let d = check_all(&[(&user, "a"), (&org, "acme")], 1).await;
+    assert!(!d.is_allowed());
+    let pair = &d.quotas()[0];
+    assert_eq!(pair.source(), Source::GivenBack);
+    let least = pair.quotas().iter().map(|p| p.remaining()).min().unwrap();
+    assert_eq!(pair.remaining(), least, "{pair:?}");
+    assert_eq!(
+        least, 49,
+        "a's one permit of the minute counted, this one back"
+    );
 }

@@ -114,6 +114,14 @@ async fn a_server_that_does_not_verify_is_a_connection_error() {
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
 
+    // A client built elsewhere carries its own TLS: settings given beside
+    // it are refused, never silently ignored.
+    let plain_client = redis::Client::open(server.server.url()).unwrap();
+    let err = RedisStore::from_client(plain_client, tls_options(&certs))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidInput, "{err}");
+
     // Without a client certificate, where the server does not ask one.
     let open = TlsServer::start(&certs, false);
     let store = RedisStore::connect_with(

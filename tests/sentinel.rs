@@ -122,3 +122,59 @@ async fn no_sentinel_answering_is_a_connection_error() {
         .unwrap_err();
     assert!(err.is_invalid_input(), "{err}");
 }
+
+/// A planned failover (`SENTINEL FAILOVER`): the old primary keeps
+/// answering as one until the Sentinels reconfigure it, so no error says
+/// the primary moved; the store asks the Sentinels every second and
+/// follows within a few seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planned_failover_is_followed_without_an_error() {
+    let setup = SentinelSetup::start();
+    let urls = setup.sentinel_urls();
+    let urls: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let store = RedisStore::connect_sentinel(Sentinel::new(&urls, SERVICE), options())
+        .await
+        .unwrap();
+    let limiter = Limiter::builder(Quota::per_hour(nonzero!(1000)))
+        .store(store)
+        .namespace("planned")
+        .build()
+        .unwrap();
+    assert_eq!(limiter.check("before", 1).await.source(), Source::Store);
+    let replica_port = setup.replica.port();
+    let _: String = setup.sentinels[0]
+        .query(&["SENTINEL", "FAILOVER", SERVICE])
+        .expect("SENTINEL FAILOVER");
+    let began = Instant::now();
+    let mut n = 0;
+    let followed = loop {
+        assert!(
+            began.elapsed() < Duration::from_secs(30),
+            "decisions never reached the new primary"
+        );
+        let key = format!("after-{n}");
+        n += 1;
+        limiter.check(&key, 1).await;
+        if setup.named_primary() == Some(replica_port)
+            && setup.replica.keys().iter().any(|k| k.contains(&key))
+        {
+            break began.elapsed();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    eprintln!(
+        "planned failover: decisions on the new primary {followed:?} after SENTINEL FAILOVER"
+    );
+    assert!(followed < Duration::from_secs(10), "{followed:?}");
+}
+
+/// TLS settings cannot apply to a Sentinel store: refused, not ignored.
+#[tokio::test]
+async fn tls_settings_for_a_sentinel_store_are_refused() {
+    let options = options().tls(slicelimit::TlsOptions::new());
+    let err =
+        RedisStore::connect_sentinel(Sentinel::new(&["redis://127.0.0.1:1/"], SERVICE), options)
+            .await
+            .unwrap_err();
+    assert_eq!(err.kind(), slicelimit::ErrorKind::Unsupported, "{err}");
+}

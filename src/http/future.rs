@@ -9,7 +9,7 @@ use http::Response;
 use pin_project_lite::pin_project;
 
 use super::body::RateLimitBody;
-use super::layer::Prepared;
+use super::prepared::Prepared;
 use crate::Decision;
 
 type Boxed<B, E> = Pin<Box<dyn Future<Output = Result<Response<RateLimitBody<B>>, E>> + Send>>;

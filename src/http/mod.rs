@@ -29,6 +29,7 @@ mod headers;
 mod ip;
 mod key;
 mod layer;
+mod prepared;
 mod reject;
 mod service;
 

@@ -10,7 +10,7 @@ use tower::Service;
 use super::body::RateLimitBody;
 use super::future::{Admitted, ResponseFuture};
 use super::key::{MissingKey, RequestView};
-use super::layer::Prepared;
+use super::prepared::Prepared;
 use super::reject::{Rejection, RejectionKind};
 use crate::{Decision, Source};
 
@@ -130,8 +130,11 @@ pub(crate) fn conclude(
         violated_policies: violated.iter().map(|(n, _, _)| (*n).to_owned()).collect(),
         retry_after,
     };
+    // The headers tell what remains now: the admitting policies' permits
+    // went back.
+    let shown: Vec<Decision> = decisions.iter().map(|d| d.clone().given_back()).collect();
     let mut headers = HeaderMap::new();
-    config.append_headers(route, &decisions, &mut headers);
+    config.append_headers(route, &shown, &mut headers);
     let quoted: Vec<&str> = violated.iter().map(|(_, q, _)| *q).collect();
     Verdict::Reject(config.reject(&rejection, &quoted, headers))
 }

@@ -26,6 +26,17 @@ impl Client {
             Client::Sentinel(s) => s.primary().await.ok().map(Conn::Single),
         }
     }
+
+    /// How long making a fresh connection may take: the connect timeout,
+    /// and through Sentinels one more per Sentinel (they are asked in
+    /// turn, and one that hangs costs a timeout before the next is asked).
+    pub(super) fn connect_limit(&self, connect_timeout: Duration) -> Duration {
+        match self {
+            #[cfg(feature = "sentinel")]
+            Client::Sentinel(s) => connect_timeout * (s.urls.len() as u32 + 1),
+            _ => connect_timeout,
+        }
+    }
 }
 
 /// A Redis Sentinel deployment: where its Sentinels are, which monitored
@@ -92,10 +103,19 @@ impl Sentinel {
 #[cfg(feature = "sentinel")]
 pub(super) struct SentinelClient {
     sentinel: tokio::sync::Mutex<redis::sentinel::Sentinel>,
+    urls: Vec<String>,
     service: String,
     node: redis::sentinel::SentinelNodeConnectionInfo,
     config: ConnectionManagerConfig,
+    /// The primary the store's connection goes to (host, port).
+    current: std::sync::Mutex<Option<(String, u16)>>,
 }
+
+/// How often the Sentinels are asked which node is the primary, so a
+/// planned failover (where the old primary keeps answering as one until
+/// it is reconfigured) is followed within about this long.
+#[cfg(feature = "sentinel")]
+const SENTINEL_CHECK_EVERY: Duration = Duration::from_secs(1);
 
 #[cfg(feature = "sentinel")]
 impl SentinelClient {
@@ -108,27 +128,127 @@ impl SentinelClient {
                 .async_master_for(&self.service, Some(&self.node))
                 .await?
         };
-        client
+        let addr = match client.get_connection_info().addr() {
+            redis::ConnectionAddr::Tcp(host, port) => Some((host.clone(), *port)),
+            redis::ConnectionAddr::TcpTls { host, port, .. } => Some((host.clone(), *port)),
+            _ => None,
+        };
+        let conn = client
             .get_connection_manager_with_config(self.config.clone())
-            .await
+            .await?;
+        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = addr;
+        Ok(conn)
+    }
+
+    /// The primary the first Sentinel to answer names, each asked for at
+    /// most `each`.
+    async fn named_primary(&self, each: Duration) -> Option<(String, u16)> {
+        for url in &self.urls {
+            let Ok(client) = redis::Client::open(url.as_str()) else {
+                continue;
+            };
+            let ask = async {
+                let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+                redis::cmd("SENTINEL")
+                    .arg("GET-MASTER-ADDR-BY-NAME")
+                    .arg(&self.service)
+                    .query_async::<Option<(String, u16)>>(&mut conn)
+                    .await
+                    .ok()?
+            };
+            if let Ok(Some(addr)) = tokio::time::timeout(each, ask).await {
+                return Some(addr);
+            }
+        }
+        None
+    }
+
+    /// Whether the store's connection goes to a node other than `named`.
+    fn moved_from(&self, named: &(String, u16)) -> bool {
+        self.current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .is_some_and(|current| current != named)
     }
 }
 
-/// `url` without the password (or the whole user part) it may carry.
-pub(super) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            format!("{}://<credentials>@{}", &url[..scheme], &url[at + 1..])
+/// Asks the Sentinels every [`SENTINEL_CHECK_EVERY`] which node is the
+/// primary, and rebuilds the connection when it is not the one the store
+/// uses; ends with the store.
+#[cfg(feature = "sentinel")]
+fn watch_sentinels(store: &RedisStore) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let weak = Arc::downgrade(&store.inner);
+    runtime.spawn(async move {
+        let mut tick = tokio::time::interval(SENTINEL_CHECK_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tick.tick().await;
+            let Some(inner) = weak.upgrade() else {
+                return;
+            };
+            let store = RedisStore { inner };
+            let Some(Rebuild {
+                client: Client::Sentinel(sentinel),
+                ..
+            }) = &store.inner.rebuild
+            else {
+                return;
+            };
+            let each = store.inner.options.connect_timeout;
+            if let Some(named) = sentinel.named_primary(each).await {
+                if sentinel.moved_from(&named) {
+                    store.maybe_rebuild();
+                }
+            }
         }
-        _ => url.to_owned(),
+    });
+}
+
+/// `url` without the credentials it may carry: the user part before an
+/// `@` (with or without a scheme), and `pass`, `password`, `user` or
+/// `username` query parameters (Unix socket URLs).
+pub(super) fn redact(url: &str) -> String {
+    let (scheme, rest) = match url.find("://") {
+        Some(i) => (&url[..i + 3], &url[i + 3..]),
+        None => ("", url.trim_start_matches('/')),
+    };
+    let (path, query) = match rest.find('?') {
+        Some(i) => (&rest[..i], Some(&rest[i + 1..])),
+        None => (rest, None),
+    };
+    let path = match path.rfind('@') {
+        Some(at) => format!("<credentials>@{}", &path[at + 1..]),
+        None => path.to_owned(),
+    };
+    let query = query.map(|q| {
+        q.split('&')
+            .map(|pair| {
+                let name = pair.split('=').next().unwrap_or("");
+                if ["pass", "password", "user", "username"]
+                    .contains(&name.to_ascii_lowercase().as_str())
+                {
+                    format!("{name}=<redacted>")
+                } else {
+                    pair.to_owned()
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("&")
+    });
+    match query {
+        Some(q) => format!("{scheme}{path}?{q}"),
+        None => format!("{scheme}{path}"),
     }
 }
 
 /// Whether `url` asks for TLS.
 fn is_tls(url: &str) -> bool {
-    url.trim_start()
-        .to_ascii_lowercase()
-        .starts_with("rediss://")
+    let url = url.trim_start().to_ascii_lowercase();
+    url.starts_with("rediss://") || url.starts_with("valkeys://")
 }
 
 /// Refuses what would connect other than as asked: a `rediss://` URL in a
@@ -168,6 +288,18 @@ fn ensure_crypto_provider() {
 #[cfg(not(feature = "tls"))]
 fn ensure_crypto_provider() {}
 
+/// A client built elsewhere carries its own TLS setup; settings given to
+/// the store would be ignored, so they are refused.
+fn refuse_tls_for_built(options: &RedisOptions) -> Result<(), Error> {
+    if options.has_tls() {
+        return Err(Error::invalid(
+            "TLS settings were given with a client built elsewhere, which they would not \
+             change: set TLS up on the client (redis::Client::build_with_tls)",
+        ));
+    }
+    Ok(())
+}
+
 fn connect_error(target: &str, e: redis::RedisError) -> Error {
     let kind = if e.is_timeout() {
         ErrorKind::Timeout
@@ -206,7 +338,7 @@ impl RedisStore {
     pub async fn connect_with(url: &str, options: RedisOptions) -> Result<RedisStore, Error> {
         options.validate()?;
         let client = Self::client(url, &options)?;
-        Self::from_client(client, options).await
+        Self::connect_client(client, options).await
     }
 
     /// Connects through a [`redis::Client`] set up elsewhere (a custom
@@ -220,6 +352,15 @@ impl RedisStore {
         options: RedisOptions,
     ) -> Result<RedisStore, Error> {
         options.validate()?;
+        refuse_tls_for_built(&options)?;
+        Self::connect_client(client, options).await
+    }
+
+    /// Connects through `client`, which carries the TLS settings if any.
+    async fn connect_client(
+        client: redis::Client,
+        options: RedisOptions,
+    ) -> Result<RedisStore, Error> {
         ensure_crypto_provider();
         let target = redact(&client.get_connection_info().addr().to_string());
         let config = Self::manager_config(&options);
@@ -254,8 +395,15 @@ impl RedisStore {
         options: RedisOptions,
     ) -> Result<RedisStore, Error> {
         options.validate()?;
+        if options.has_tls() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "TLS settings were given for a Sentinel store; TLS through Sentinel is not \
+                 supported (the Sentinels and the primary are reached in plaintext)",
+            ));
+        }
         let urls: Vec<&str> = sentinel.sentinels.iter().map(String::as_str).collect();
-        check_scheme(&urls, &RedisOptions::default())?;
+        check_scheme(&urls, &options)?;
         ensure_crypto_provider();
         let sentinels = redis::sentinel::Sentinel::build(urls).map_err(|e| {
             Error::invalid(format!("bad Sentinel URLs {:?}: {e}", sentinel)).caused_by(e)
@@ -269,22 +417,29 @@ impl RedisStore {
         }
         let client = SentinelClient {
             sentinel: tokio::sync::Mutex::new(sentinels),
+            urls: sentinel.sentinels.clone(),
+            current: std::sync::Mutex::new(None),
             service: sentinel.service.clone(),
             node: redis::sentinel::SentinelNodeConnectionInfo::default()
                 .set_redis_connection_info(info),
             config: Self::manager_config(&options),
         };
         let target = format!("the primary of {:?} through Sentinel", sentinel.service);
-        let conn = tokio::time::timeout(options.connect_timeout, client.primary())
+        let client = Client::Sentinel(Box::new(client));
+        let limit = client.connect_limit(options.connect_timeout);
+        let Client::Sentinel(sentinels) = &client else {
+            unreachable!("built just above")
+        };
+        let conn = tokio::time::timeout(limit, sentinels.primary())
             .await
-            .map_err(|_| {
-                timeout_error(&format!("connecting to {target}"), options.connect_timeout)
-            })?
+            .map_err(|_| timeout_error(&format!("connecting to {target}"), limit))?
             .map_err(|e| connect_error(&target, e))?;
-        Ok(Self::with_rebuild(
+        let store = Self::with_rebuild(
             Self::from_parts(Conn::Single(conn), options, &target),
-            Client::Sentinel(Box::new(client)),
-        ))
+            client,
+        );
+        watch_sentinels(&store);
+        Ok(store)
     }
 
     pub(super) fn with_rebuild(mut store: RedisStore, client: Client) -> RedisStore {
@@ -363,6 +518,7 @@ impl RedisStore {
         seed_host: &str,
     ) -> Result<RedisStore, Error> {
         options.validate()?;
+        refuse_tls_for_built(&options)?;
         Self::from_cluster(client, options, "a Redis Cluster", seed_host).await
     }
 
@@ -459,6 +615,17 @@ mod tests {
         );
         assert_eq!(redact("rediss://:pw@h:1"), "rediss://<credentials>@h:1");
         assert_eq!(redact("redis://host:6379"), "redis://host:6379");
+        assert_eq!(redact("user:pw@host:1"), "<credentials>@host:1");
+        assert_eq!(redact("//user:pw@host:1"), "<credentials>@host:1");
+        assert_eq!(
+            redact("redis://u:p@ss@host:1/0"),
+            "redis://<credentials>@host:1/0"
+        );
+        assert_eq!(
+            redact("redis+unix:///tmp/r.sock?db=1&pass=hunter2"),
+            "redis+unix:///tmp/r.sock?db=1&pass=<redacted>"
+        );
+        assert!(!redact("unix:///s?password=hunter2&db=x").contains("hunter2"));
     }
 
     #[test]

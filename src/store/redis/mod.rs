@@ -308,7 +308,9 @@ impl RedisStore {
             let Some(rebuild) = &store.inner.rebuild else {
                 return;
             };
-            let limit = store.inner.options.connect_timeout;
+            let limit = rebuild
+                .client
+                .connect_limit(store.inner.options.connect_timeout);
             if let Ok(Some(conn)) = tokio::time::timeout(limit, rebuild.client.connect()).await {
                 store.inner.conn.store(Arc::new(conn));
             }

@@ -1,0 +1,256 @@
+//! What every service one layer builds shares: the routes and policies,
+//! formatted once, and the steps of a request that involve more than one
+//! policy (their keys, their refunds, waiting out their denials).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Response};
+use tokio::time::Instant;
+
+use super::headers::PolicyHeaders;
+use super::key::{KeyExtractor, MissingKey, RequestView};
+use super::reject::Rejection;
+use crate::{Decision, Limiter};
+
+pub(super) type CostFn = dyn Fn(&RequestView<'_>) -> u64 + Send + Sync;
+pub(super) type ExemptFn = dyn Fn(&RequestView<'_>) -> bool + Send + Sync;
+pub(super) type RejectFn = dyn Fn(&Rejection, Response<Bytes>) -> Response<Bytes> + Send + Sync;
+pub(super) type RefundFn = dyn Fn(http::StatusCode) -> bool + Send + Sync;
+
+/// A limiter with its headers formatted.
+pub(crate) struct Policy {
+    pub(crate) limiter: Limiter,
+    pub(crate) headers: PolicyHeaders,
+    /// `None`: the layer's key.
+    pub(super) key: Option<KeyExtractor>,
+}
+
+/// A route: which requests, and the policy they count against.
+pub(crate) struct Route {
+    pub(super) prefix: String,
+    pub(super) methods: Option<Vec<Method>>,
+    pub(super) policy: Policy,
+}
+
+impl Route {
+    /// Matches by whole path segments: `/admin` matches `/admin` and
+    /// `/admin/x`, never `/administrator`.
+    fn matches(&self, method: &Method, path: &str) -> bool {
+        let segment = path == self.prefix
+            || path
+                .strip_prefix(self.prefix.as_str())
+                .is_some_and(|rest| rest.starts_with('/'));
+        segment
+            && self
+                .methods
+                .as_ref()
+                .is_none_or(|methods| listed(methods, method))
+    }
+}
+
+/// Whether a method filter names `method`. HEAD counts as GET: servers
+/// (axum, hyper) answer a HEAD with the GET handler, so a filter on GET
+/// that let HEAD through would leave that handler unlimited.
+fn listed(methods: &[Method], method: &Method) -> bool {
+    methods.contains(method) || (*method == Method::HEAD && methods.contains(&Method::GET))
+}
+
+/// What every service built by one `layer()` call shares.
+pub(crate) struct Prepared {
+    /// Most specific first; the default route (matching everything) last.
+    pub(super) routes: Vec<Route>,
+    pub(super) also: Vec<Policy>,
+    pub(crate) key: KeyExtractor,
+    pub(crate) missing: MissingKey,
+    pub(super) cost: Arc<CostFn>,
+    pub(super) allow_zero_cost: bool,
+    pub(super) methods: Option<Vec<Method>>,
+    pub(super) exempt: Option<Arc<ExemptFn>>,
+    pub(super) on_reject: Option<Arc<RejectFn>>,
+    pub(crate) challenge: HeaderValue,
+    pub(crate) shadow: bool,
+    pub(super) wait: Duration,
+    pub(super) refund_on: Option<Arc<RefundFn>>,
+}
+
+impl Prepared {
+    /// Whether the request is limited at all.
+    pub(crate) fn limits(&self, request: &RequestView<'_>) -> bool {
+        self.methods
+            .as_ref()
+            .is_none_or(|methods| listed(methods, request.method))
+            && !self.exempt.as_ref().is_some_and(|exempt| exempt(request))
+    }
+
+    /// The index of the request's route.
+    pub(crate) fn route(&self, method: &Method, path: &str) -> usize {
+        self.routes
+            .iter()
+            .position(|r| r.matches(method, path))
+            .unwrap_or(self.routes.len() - 1)
+    }
+
+    /// The policies a request of route `route` counts against, in the
+    /// order of its decisions.
+    pub(crate) fn policies(&self, route: usize) -> impl Iterator<Item = &Policy> {
+        std::iter::once(&self.routes[route].policy).chain(&self.also)
+    }
+
+    /// Each policy's key for a request of route `route` whose layer key is
+    /// `key`, in the order of [`policies`](Prepared::policies); `None` if
+    /// a policy's own key is missing and such requests are rejected.
+    pub(crate) fn keys(
+        &self,
+        route: usize,
+        request: &RequestView<'_>,
+        key: String,
+    ) -> Option<Vec<String>> {
+        let mut keys = Vec::with_capacity(1 + self.also.len());
+        for policy in self.policies(route) {
+            let own = match &policy.key {
+                None => key.clone(),
+                Some(extractor) => match (extractor.extract(request), &self.missing) {
+                    (Some(own), _) => own,
+                    (None, MissingKey::Shared(shared)) => shared.clone(),
+                    (None, MissingKey::Reject(_)) => return None,
+                },
+            };
+            keys.push(own);
+        }
+        Some(keys)
+    }
+
+    /// What the request costs: never 0 unless allowed, since a cost of 0
+    /// asks without counting.
+    pub(crate) fn cost(&self, request: &RequestView<'_>) -> u64 {
+        let cost = (self.cost)(request);
+        if cost == 0 && !self.allow_zero_cost {
+            1
+        } else {
+            cost
+        }
+    }
+
+    /// Adds every policy's headers for `decisions` (one per policy, in
+    /// order) to `headers`.
+    pub(crate) fn append_headers(
+        &self,
+        route: usize,
+        decisions: &[Decision],
+        headers: &mut http::HeaderMap,
+    ) {
+        for (policy, decision) in self.policies(route).zip(decisions) {
+            policy.headers.append_to(headers, decision);
+        }
+    }
+
+    /// Whether a request with these decisions (one per policy) waits:
+    /// waiting is on, the request was denied (not in shadow mode, where
+    /// every request passes at once), and every denial says it could
+    /// pass within the wait.
+    /// Whether some response can get its permits back.
+    pub(crate) fn refunds_any(&self) -> bool {
+        self.refund_on.is_some()
+    }
+
+    /// Whether a response with `status` gets its permits back.
+    pub(crate) fn refunds(&self, status: http::StatusCode) -> bool {
+        self.refund_on.as_ref().is_some_and(|f| f(status))
+    }
+
+    /// Gives back, in the background, what each admitting decision of
+    /// `route` took: a request another policy denied (the layer's
+    /// policies are all-or-nothing), or one whose response earns a refund.
+    pub(crate) fn refund(&self, route: usize, keys: &[String], decisions: &[Decision]) {
+        let refunds: Vec<(Limiter, String, Decision)> = self
+            .policies(route)
+            .zip(keys)
+            .zip(decisions)
+            .filter(|(_, d)| d.is_refundable())
+            .map(|((p, k), d)| (p.limiter.clone(), k.clone(), d.clone()))
+            .collect();
+        if refunds.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        runtime.spawn(async move {
+            for (limiter, key, decision) in refunds {
+                limiter.refund(&key, &decision).await;
+            }
+        });
+    }
+
+    pub(crate) fn waits_for<'a>(&self, decisions: impl IntoIterator<Item = &'a Decision>) -> bool {
+        if self.wait.is_zero() || self.shadow {
+            return false;
+        }
+        let mut denied = decisions.into_iter().filter(|d| !d.is_allowed()).peekable();
+        denied.peek().is_some() && denied.all(|d| d.retry_after().is_some_and(|r| r <= self.wait))
+    }
+
+    /// Waits out the denials among `decisions` (one per policy of route
+    /// `route`, asked from `began` on), replacing each with the decision
+    /// that ended its wait. The policies share the one budget; the
+    /// longest wait goes first, so that when it runs out, the policies
+    /// behind it have not been asked again and have taken nothing more.
+    /// Once it is over, the others' retry times have passed too: they are
+    /// asked afresh, not after the retries their first denials named.
+    /// The policies that admitted at once keep their count, as they do
+    /// when another policy denies.
+    pub(crate) async fn wait_out(
+        &self,
+        route: usize,
+        keys: &[String],
+        cost: u64,
+        began: Instant,
+        decisions: &mut [Decision],
+    ) {
+        let deadline = crate::wait::deadline_from(began, self.wait);
+        let policies: Vec<&Policy> = self.policies(route).collect();
+        let mut denied: Vec<usize> = (0..decisions.len())
+            .filter(|&i| !decisions[i].is_allowed())
+            .collect();
+        denied.sort_by_key(|&i| std::cmp::Reverse(decisions[i].retry_after()));
+        for (n, i) in denied.into_iter().enumerate() {
+            let limiter = &policies[i].limiter;
+            let key = keys[i].as_str();
+            let asked = Instant::now();
+            let first = match n {
+                0 => decisions[i].clone(),
+                // Past the budget, no policy is asked again: the request
+                // is answered within the budget and one decision.
+                _ if asked >= deadline => return,
+                _ => limiter.check(key, cost).await,
+            };
+            let took = if n == 0 {
+                Duration::ZERO
+            } else {
+                asked.elapsed()
+            };
+            let decision = limiter.retry_until(key, cost, first, deadline, took).await;
+            let admitted = decision.is_allowed();
+            decisions[i] = decision;
+            if !admitted {
+                return;
+            }
+        }
+    }
+
+    /// The layer's answer, through the user's hook if there is one.
+    pub(crate) fn reject(
+        &self,
+        rejection: &Rejection,
+        quoted: &[&str],
+        headers: http::HeaderMap,
+    ) -> Response<Bytes> {
+        let response = rejection.respond(quoted, headers, &self.challenge);
+        match &self.on_reject {
+            Some(hook) => hook(rejection, response),
+            None => response,
+        }
+    }
+}
