@@ -1264,8 +1264,14 @@ async fn each_policy_can_have_its_own_key() {
         reply.body
     );
     assert_eq!(call("carol", Some("globex")).await.status, StatusCode::OK);
-    // No organisation header: a missing key (401 by default).
-    assert_eq!(call("dave", None).await.status, StatusCode::UNAUTHORIZED);
+    // No organisation header: a missing key (401 by default), whose
+    // challenge names the header that is missing.
+    let reply = call("dave", None).await;
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        reply.headers.get("www-authenticate").unwrap(),
+        "ApiKey header=\"x-org-id\""
+    );
 }
 
 #[test]

@@ -99,27 +99,39 @@ impl Prepared {
     }
 
     /// Each policy's key for a request of route `route` whose layer key is
-    /// `key`, in the order of [`policies`](Prepared::policies); `None` if
-    /// a policy's own key is missing and such requests are rejected.
+    /// `key`, in the order of [`policies`](Prepared::policies); `Err` with
+    /// the index of a policy whose own key is missing, where such requests
+    /// are rejected.
     pub(crate) fn keys(
         &self,
         route: usize,
         request: &RequestView<'_>,
         key: String,
-    ) -> Option<Vec<String>> {
+    ) -> Result<Vec<String>, usize> {
         let mut keys = Vec::with_capacity(1 + self.also.len());
-        for policy in self.policies(route) {
+        for (index, policy) in self.policies(route).enumerate() {
             let own = match &policy.key {
                 None => key.clone(),
                 Some(extractor) => match (extractor.extract(request), &self.missing) {
                     (Some(own), _) => own,
                     (None, MissingKey::Shared(shared)) => shared.clone(),
-                    (None, MissingKey::Reject(_)) => return None,
+                    (None, MissingKey::Reject(_)) => return Err(index),
                 },
             };
             keys.push(own);
         }
-        Some(keys)
+        Ok(keys)
+    }
+
+    /// The `WWW-Authenticate` challenge of a 401 for a request whose key
+    /// is missing: the layer's, or where the key of policy `index` of
+    /// route `route` is the one missing, that policy's own header.
+    pub(crate) fn challenge_for(&self, route: usize, index: Option<usize>) -> HeaderValue {
+        index
+            .and_then(|i| self.policies(route).nth(i))
+            .and_then(|policy| policy.key.as_ref())
+            .and_then(|key| HeaderValue::from_str(&key.challenge()).ok())
+            .unwrap_or_else(|| self.challenge.clone())
     }
 
     /// What the request costs: never 0 unless allowed, since a cost of 0
@@ -246,8 +258,9 @@ impl Prepared {
         rejection: &Rejection,
         quoted: &[&str],
         headers: http::HeaderMap,
+        challenge: &HeaderValue,
     ) -> Response<Bytes> {
-        let response = rejection.respond(quoted, headers, &self.challenge);
+        let response = rejection.respond(quoted, headers, challenge);
         match &self.on_reject {
             Some(hook) => hook(rejection, response),
             None => response,

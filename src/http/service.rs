@@ -136,7 +136,7 @@ pub(crate) fn conclude(
     let mut headers = HeaderMap::new();
     config.append_headers(route, &shown, &mut headers);
     let quoted: Vec<&str> = violated.iter().map(|(_, q, _)| *q).collect();
-    Verdict::Reject(config.reject(&rejection, &quoted, headers))
+    Verdict::Reject(config.reject(&rejection, &quoted, headers, &config.challenge))
 }
 
 impl<S, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S>
@@ -163,21 +163,28 @@ where
         }
         let grpc = is_grpc(request.headers());
         let route = config.route(request.method(), request.uri().path());
+        // `Err`: a key is missing (`Some`: the key of that policy alone).
         let keys = match (config.key.extract(&view), &config.missing) {
-            (Some(key), _) => config.keys(route, &view, key),
-            (None, MissingKey::Shared(shared)) => config.keys(route, &view, shared.clone()),
-            (None, MissingKey::Reject(_)) => None,
+            (Some(key), _) => config.keys(route, &view, key).map_err(Some),
+            (None, MissingKey::Shared(shared)) => {
+                config.keys(route, &view, shared.clone()).map_err(Some)
+            }
+            (None, MissingKey::Reject(_)) => Err(None),
         };
         let keys = match (keys, &config.missing) {
-            (Some(keys), _) => keys,
-            // Dry run: the request passes as it would without the layer.
-            (None, _) if config.shadow => {
-                for policy in config.policies(route) {
-                    policy.limiter.shadow_denial();
+            (Ok(keys), _) => keys,
+            // Dry run: the request passes as it would without the layer;
+            // it would have been refused by the policies whose key is
+            // missing.
+            (Err(missing), _) if config.shadow => {
+                for (index, policy) in config.policies(route).enumerate() {
+                    if missing.is_none_or(|i| i == index) {
+                        policy.limiter.shadow_denial();
+                    }
                 }
                 return ResponseFuture::inner(self.inner.call(request), None);
             }
-            (None, missing) => {
+            (Err(missing_index), missing) => {
                 let status = match missing {
                     MissingKey::Reject(status) => *status,
                     MissingKey::Shared(_) => http::StatusCode::UNAUTHORIZED,
@@ -188,7 +195,8 @@ where
                     violated_policies: Vec::new(),
                     retry_after: None,
                 };
-                let response = config.reject(&rejection, &[], HeaderMap::new());
+                let challenge = config.challenge_for(route, missing_index);
+                let response = config.reject(&rejection, &[], HeaderMap::new(), &challenge);
                 return ResponseFuture::ready(response.map(RateLimitBody::full));
             }
         };
