@@ -437,22 +437,29 @@ impl Decision {
     /// and its permits went back: [`Source::GivenBack`], its permits
     /// counted as remaining again (the HTTP layer's headers).
     pub(crate) fn given_back(mut self) -> Decision {
-        if self.allowed {
-            self.allowed = false;
-            self.retry_us = NEVER;
-            self.remaining = self
-                .remaining
-                .saturating_add(self.taken.cost)
-                .min(self.limit);
-            self.source = Source::GivenBack;
-            self.give_back_parts();
-            if let Some(parts) = &self.parts {
-                if let Some(least) = parts.list.iter().map(|p| p.remaining).min() {
-                    self.remaining = least;
-                }
+        self.mark_given_back();
+        self
+    }
+
+    /// If admitted: marks it given back, its parts too. A decision with
+    /// parts then reads its binding part's figures, restored.
+    fn mark_given_back(&mut self) {
+        if !self.allowed {
+            return;
+        }
+        self.allowed = false;
+        self.retry_us = NEVER;
+        self.remaining = self
+            .remaining
+            .saturating_add(self.taken.cost)
+            .min(self.limit);
+        self.source = Source::GivenBack;
+        self.give_back_parts();
+        if let Some(parts) = &self.parts {
+            if let Some(least) = parts.list.iter().map(|p| p.remaining).min() {
+                self.remaining = least;
             }
         }
-        self
     }
 
     /// Marks what this denial's parts took as given back (it was, when
@@ -462,23 +469,10 @@ impl Decision {
         self.taken = Taken::default();
         if let Some(parts) = &mut self.parts {
             for part in Arc::make_mut(parts).list.iter_mut() {
-                let given_back = part.allowed;
-                if given_back {
-                    part.allowed = false;
-                    part.retry_us = NEVER;
-                    part.remaining = part
-                        .remaining
-                        .saturating_add(part.taken.cost)
-                        .min(part.limit);
-                    part.source = Source::GivenBack;
-                }
-                part.give_back_parts();
-                // A pair with parts of its own: its figures are the
-                // binding part's, restored now.
-                if let (true, Some(inner)) = (given_back, &part.parts) {
-                    if let Some(least) = inner.list.iter().map(|p| p.remaining).min() {
-                        part.remaining = least;
-                    }
+                if part.allowed {
+                    part.mark_given_back();
+                } else {
+                    part.give_back_parts();
                 }
             }
         }

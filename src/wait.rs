@@ -188,12 +188,7 @@ impl Limiter {
             return self.check(key, cost).await;
         }
         let deadline = deadline_after(max_wait);
-        let turn = match self
-            .inner
-            .waiters
-            .join(key, deadline, self.counters())
-            .await
-        {
+        let turn = match self.turn(key, deadline).await {
             Ok(turn) => turn,
             Err(Some(denial)) => return denial,
             // The head has seen no denial yet: the deadline (zero, or
@@ -221,16 +216,23 @@ impl Limiter {
         if decision.is_allowed() || decision.retry_after().is_none() {
             return decision;
         }
-        let turn = match self
-            .inner
-            .waiters
-            .join(key, deadline, self.counters())
-            .await
-        {
+        let turn = match self.turn(key, deadline).await {
             Ok(turn) => turn,
             Err(last) => return last.unwrap_or(decision),
         };
         self.retry_in_turn(key, cost, decision, deadline, first_took, &turn)
+            .await
+    }
+
+    /// `key`'s turn in its queue (see [`Queues::join`]).
+    async fn turn<'a>(
+        &'a self,
+        key: &'a str,
+        deadline: Instant,
+    ) -> Result<Turn<'a>, Option<Decision>> {
+        self.inner
+            .waiters
+            .join(key, deadline, self.counters())
             .await
     }
 

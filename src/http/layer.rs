@@ -304,7 +304,7 @@ impl RateLimitLayer {
     /// Lets a denied request wait up to `max` to be admitted instead of
     /// being answered 429 at once (default: no wait). When every policy
     /// that denied it says the request could pass within `max`
-    /// ([`Decision::retry_after`]), the request waits as
+    /// ([`Decision::retry_after`](crate::Decision::retry_after)), the request waits as
     /// [`Limiter::acquire`] does (jittered, asking again at each retry
     /// time) and proceeds if admitted; otherwise, or when the wait runs
     /// out, it gets the 429 (or 503) it would have got, at once and never
