@@ -177,12 +177,9 @@ async fn a_refill_is_requested_at_the_low_water_mark_before_the_slot_runs_dry() 
         r.check("k", 1).await;
     }
     let slot = r.slot("k");
-    assert!(
-        !slot.refill_pending.load(Ordering::Acquire),
-        "5 left: not yet"
-    );
+    assert!(!slot.refill_pending(), "5 left: not yet");
     r.check("k", 1).await; // 4 left < 5
-    assert!(slot.refill_pending.load(Ordering::Acquire));
+    assert!(slot.refill_pending());
     r.sync().await;
     assert_eq!(slot.permits.load(Ordering::Acquire), 14);
     assert_eq!(r.store_count("k"), 20);
@@ -1029,8 +1026,8 @@ async fn a_refill_due_soon_rides_with_another_keys_lease() {
     assert_eq!(r.round_trips(), 3, "b's refill went with a's first lease");
     assert_eq!(r.counters.rides.get(), 1);
     let b = r.slot("b");
-    assert!(!b.refill_pending.load(Ordering::Acquire));
-    assert!(!b.in_flight.load(Ordering::Acquire));
+    assert!(!b.refill_pending());
+    assert!(!b.refill_in_flight());
     let held = b.permits.load(Ordering::Acquire);
     assert!(held > 60, "a lease sized by b's rate, not a permit: {held}");
     // b spends well past its old mark without a round trip of its own.
@@ -1136,8 +1133,8 @@ async fn a_ride_dropped_before_it_is_answered_leaves_its_slot_free_to_ask() {
         assert_eq!(r.counters.rides.get(), 1);
     }
     let b = r.slot("b");
-    assert!(!b.refill_pending.load(Ordering::Acquire));
-    assert!(!b.in_flight.load(Ordering::Acquire));
+    assert!(!b.refill_pending());
+    assert!(!b.refill_in_flight());
     assert_eq!(r.store_count("b"), leased, "nothing of the ride was leased");
     // b spends down to its mark and asks for itself.
     let mark = i64::from(b.low_water.load(Ordering::Relaxed));
@@ -1145,10 +1142,10 @@ async fn a_ride_dropped_before_it_is_answered_leaves_its_slot_free_to_ask() {
         r.clock.advance(Duration::from_millis(1));
         assert!(r.check("b", 1).await.is_allowed());
     }
-    assert!(!b.refill_pending.load(Ordering::Acquire), "at its mark");
+    assert!(!b.refill_pending(), "at its mark");
     r.clock.advance(Duration::from_millis(1));
     assert!(r.check("b", 1).await.is_allowed());
-    assert!(b.refill_pending.load(Ordering::Acquire), "asked");
+    assert!(b.refill_pending(), "asked");
 }
 
 #[tokio::test]

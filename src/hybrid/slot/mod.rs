@@ -66,13 +66,13 @@ pub(crate) struct Slot {
     /// window's lease; then it stands as an ask's would (made even).
     pub(crate) peek_trust: AtomicU64,
     /// A refill is queued or in flight; at most one per key.
-    pub(crate) refill_pending: AtomicBool,
+    refill_pending: AtomicBool,
     /// The refill is in a batch the sync task has sent (or is building):
     /// any other queue entry for the slot is a duplicate to skip.
-    pub(crate) in_flight: AtomicBool,
+    in_flight: AtomicBool,
     /// A request waits on the queued refill and the slot has an entry in
     /// the waiters' queue (it may also sit in the other one).
-    pub(crate) promoted: AtomicBool,
+    promoted: AtomicBool,
     /// Fixed window: maintenance found the key active near its window's
     /// end and queued a pre-lease of the next window.
     pub(crate) swept_ahead: AtomicBool,
@@ -409,6 +409,43 @@ impl Slot {
             && !self.in_flight.load(Ordering::Acquire)
             && !self.promoted.swap(true, Ordering::AcqRel);
         fresh || promote
+    }
+
+    /// A queue entry of the slot is taken to be sent: `true` if it is the
+    /// refill asked for, not yet sent (an entry whose refill is already
+    /// on its way, or settled since it was queued, is a duplicate).
+    pub(crate) fn send_queued(&self) -> bool {
+        if !self.refill_pending.load(Ordering::Acquire)
+            || self.in_flight.swap(true, Ordering::AcqRel)
+        {
+            return false;
+        }
+        self.promoted.store(false, Ordering::Release);
+        true
+    }
+
+    /// A refill the sync task sends unasked (a ride): claimed first, then
+    /// marked in flight as a queue entry taken by
+    /// [`send_queued`](Slot::send_queued) is, so a request that asks
+    /// meanwhile finds the refill on its way. `false` if one is pending.
+    pub(crate) fn send_unasked(&self) -> bool {
+        if self.refill_pending.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        self.in_flight.store(true, Ordering::Release);
+        self.promoted.store(false, Ordering::Release);
+        true
+    }
+
+    /// Whether a refill is on its way (sent, not settled).
+    #[cfg(test)]
+    pub(crate) fn refill_in_flight(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire)
+    }
+
+    /// Whether a refill is asked for or on its way.
+    pub(crate) fn refill_pending(&self) -> bool {
+        self.refill_pending.load(Ordering::Acquire)
     }
 
     /// The refill is settled (applied, failed, or put back): the slot may

@@ -79,7 +79,7 @@ pub(super) fn prelease_if_active(
     if slot.window.load(Ordering::Acquire) == crate::hybrid::slot::UNKNOWN_WINDOW
         || deadline > plan.end
         || slot.has_next()
-        || slot.refill_pending.load(Ordering::Acquire)
+        || slot.refill_pending()
     {
         return;
     }
@@ -247,7 +247,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
         if let Some(plan) = &plan {
             prelease_if_active(shared, slot, now, idle_for, plan);
         }
-        if idle_for * 1_000 >= idle_us && !slot.refill_pending.load(Ordering::Acquire) {
+        if idle_for * 1_000 >= idle_us && !slot.refill_pending() {
             idle.push((idle_for, entry.key().clone()));
         } else if over > 0 {
             all.push((idle_for, entry.key().clone()));

@@ -136,13 +136,9 @@ impl RefillQueue {
                 None => self.ahead.pop_front()?,
             };
             // A duplicate: already sent, or settled since it was queued.
-            if !slot.refill_pending.load(Ordering::Acquire)
-                || slot.in_flight.swap(true, Ordering::AcqRel)
-            {
-                continue;
+            if slot.send_queued() {
+                return Some(slot);
             }
-            slot.promoted.store(false, Ordering::Release);
-            return Some(slot);
         }
     }
 }

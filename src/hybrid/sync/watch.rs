@@ -129,10 +129,7 @@ pub(super) fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize,
         // not while a refill of the slot is queued or in flight (its reply
         // tells the same).
         let soon = slot.permits.load(Ordering::Acquire).max(0) as f64 <= w.rate_per_us * trust;
-        let due = current == w.window
-            && now >= w.after
-            && soon
-            && !slot.refill_pending.load(Ordering::Acquire);
+        let due = current == w.window && now >= w.after && soon && !slot.refill_pending();
         if !due {
             return true;
         }
@@ -337,17 +334,9 @@ pub(super) fn add_rides(
             // Kept while it may still fall due in time.
             return elapsed <= horizon || now.saturating_add(eta) < deadline;
         }
-        if held <= 0
-            || slot.denied_until.load(Ordering::Acquire) > now
-            // Claimed first, then marked in flight (as a queue entry
-            // taken by `RefillQueue::pop`): a request that asks
-            // meanwhile finds the refill on its way.
-            || slot.refill_pending.swap(true, Ordering::AcqRel)
-        {
+        if held <= 0 || slot.denied_until.load(Ordering::Acquire) > now || !slot.send_unasked() {
             return false;
         }
-        slot.in_flight.store(true, Ordering::Release);
-        slot.promoted.store(false, Ordering::Release);
         rides.push(slot);
         false
     });
