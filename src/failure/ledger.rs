@@ -193,6 +193,51 @@ impl Drop for RestoreOnDrop<'_> {
     }
 }
 
+impl Report {
+    /// The store call that reports it: its permits as consumption of the
+    /// key's current window or bucket, under its identity.
+    pub(crate) fn call(&self, keys: &KeyEncoder, params: &Params) -> LeaseCall {
+        LeaseCall::report(
+            keys.store_key(&self.key, params.algorithm),
+            self.permits,
+            self.op,
+        )
+    }
+}
+
+impl Reconciler {
+    /// Settles a report with the store's answer: counted as reconciled
+    /// (and what it found uncovered as overshoot); put back to be resent
+    /// under its identity if the store was unavailable; dropped and
+    /// counted if the store refused it for good (a key of the wrong type,
+    /// a value out of range), never retried before every decision.
+    /// Returns whether the store was available. The one place a report's
+    /// fate is decided, for the exact path and the hybrid sync task.
+    pub(crate) fn settle(
+        &self,
+        report: Report,
+        answer: &Result<crate::algorithm::LeaseReply, crate::Error>,
+        counters: &Counters,
+    ) -> bool {
+        match answer {
+            Ok(reply) => {
+                counters.reconciled.add(report.permits);
+                counters.overshoot.add(reply.uncovered);
+                true
+            }
+            Err(e) if e.is_unavailable() => {
+                let dropped = self.restore([report]);
+                counters.reports_dropped.add(dropped);
+                false
+            }
+            Err(_) => {
+                counters.reports_dropped.add(report.permits);
+                true
+            }
+        }
+    }
+}
+
 /// Reports what the fallback admitted as consumption of each key's
 /// current window or bucket; `false` if the store is still unavailable.
 /// Each report stands alone: one the store refuses for good (a key of the
@@ -222,7 +267,7 @@ pub(crate) async fn reconcile(
         .as_deref()
         .unwrap_or_default()
         .iter()
-        .map(|r| LeaseCall::report(keys.store_key(&r.key, params.algorithm), r.permits, r.op))
+        .map(|r| r.call(keys, params))
         .collect();
     let (replies, _) = store.lease_batch(params, &calls, 0, counters).await;
     let reports = guard.disarm();
@@ -242,18 +287,7 @@ pub(crate) async fn reconcile(
     };
     let mut available = true;
     for (report, reply) in reports.into_iter().zip(replies) {
-        match reply {
-            Ok(r) => {
-                counters.reconciled.add(report.permits);
-                counters.overshoot.add(r.uncovered);
-            }
-            Err(e) if e.is_unavailable() => {
-                available = false;
-                let dropped = ledger.restore([report]);
-                counters.reports_dropped.add(dropped);
-            }
-            Err(_) => counters.reports_dropped.add(report.permits),
-        }
+        available &= ledger.settle(report, &reply, counters);
     }
     available
 }

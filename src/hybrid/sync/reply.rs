@@ -67,9 +67,8 @@ pub(super) fn settle_report(
     let counters = &shared.counters;
     let retry = matches!(result, Err(e) if e.is_unavailable());
     match report {
-        Some(Reported::Fallback(report)) if retry => {
-            let dropped = shared.reconciler.restore([report]);
-            counters.reports_dropped.add(dropped);
+        Some(Reported::Fallback(report)) => {
+            shared.reconciler.settle(report, result, counters);
         }
         Some(Reported::Debt(report))
             if retry
@@ -91,13 +90,7 @@ pub(super) fn settle_report(
                 .unwrap_or_else(|p| p.into_inner())
                 .push(report)
         }
-        Some(Reported::Fallback(report)) => match result {
-            Ok(r) => {
-                counters.overshoot.add(r.uncovered);
-                counters.reconciled.add(report.permits);
-            }
-            Err(_) => counters.reports_dropped.add(report.permits),
-        },
+
         Some(Reported::Debt(report)) => {
             match result {
                 Ok(r) => counters.overshoot.add(r.uncovered),

@@ -268,11 +268,7 @@ pub(super) fn next_batch(
         };
         pending.push(Pending {
             slot: None,
-            call: LeaseCall::report(
-                shared.keys.store_key(&report.key, shared.params.algorithm),
-                report.permits,
-                report.op,
-            ),
+            call: report.call(&shared.keys, &shared.params),
             renew: false,
             report: Some(Reported::Fallback(report)),
             to_the_end: false,
