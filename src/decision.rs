@@ -436,6 +436,7 @@ impl Decision {
     /// This admission as it reads once another policy denied the request
     /// and its permits went back: [`Source::GivenBack`], its permits
     /// counted as remaining again (the HTTP layer's headers).
+    #[cfg(feature = "tower")]
     pub(crate) fn given_back(mut self) -> Decision {
         self.mark_given_back();
         self

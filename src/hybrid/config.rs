@@ -75,6 +75,7 @@ impl Ablation {
     /// No refill ahead of need for a thin holder.
     pub(crate) const THIN: u32 = 1 << 8;
 
+    #[cfg(any(test, feature = "test-support"))]
     const NAMES: [(&'static str, u32); 9] = [
         ("rides", Self::RIDES),
         ("peeks", Self::PEEKS),
@@ -96,6 +97,7 @@ impl Ablation {
         Ablation(0)
     }
 
+    #[cfg(any(test, feature = "test-support"))]
     fn parse(list: &str) -> Ablation {
         let mut bits = 0;
         for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {

@@ -10,7 +10,7 @@ pub(super) enum Client {
     Single(redis::Client, ConnectionManagerConfig),
     /// The primary the Sentinels name now (asked again on every rebuild).
     #[cfg(feature = "sentinel")]
-    Sentinel(Box<SentinelClient>),
+    Sentinel(Box<super::sentinel::SentinelClient>),
 }
 
 impl Client {
@@ -37,175 +37,6 @@ impl Client {
             _ => connect_timeout,
         }
     }
-}
-
-/// A Redis Sentinel deployment: where its Sentinels are, which monitored
-/// service holds the budgets, and how to log in to that service's primary.
-/// See [`RedisStore::connect_sentinel`].
-///
-/// ```
-/// use slicelimit::Sentinel;
-///
-/// let sentinel = Sentinel::new(
-///     &["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"],
-///     "limits",
-/// )
-/// .primary_auth(Some("limiter"), "s3cret");
-/// # let _ = sentinel;
-/// ```
-#[cfg(feature = "sentinel")]
-#[derive(Clone)]
-pub struct Sentinel {
-    sentinels: Vec<String>,
-    service: String,
-    username: Option<String>,
-    password: Option<String>,
-}
-
-#[cfg(feature = "sentinel")]
-impl fmt::Debug for Sentinel {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Sentinel")
-            .field(
-                "sentinels",
-                &self.sentinels.iter().map(|u| redact(u)).collect::<Vec<_>>(),
-            )
-            .field("service", &self.service)
-            .field("username", &self.username)
-            .finish_non_exhaustive()
-    }
-}
-
-#[cfg(feature = "sentinel")]
-impl Sentinel {
-    /// The Sentinels' URLs (`redis://host:26379`, with credentials if the
-    /// Sentinels require them) and the name of the monitored service.
-    pub fn new(sentinels: &[&str], service: &str) -> Sentinel {
-        Sentinel {
-            sentinels: sentinels.iter().map(|s| (*s).to_owned()).collect(),
-            service: service.to_owned(),
-            username: None,
-            password: None,
-        }
-    }
-
-    /// The user (`None`: the default user) and password for the primary
-    /// itself; the Sentinels' own come from their URLs.
-    #[must_use]
-    pub fn primary_auth(mut self, username: Option<&str>, password: &str) -> Sentinel {
-        self.username = username.map(str::to_owned);
-        self.password = Some(password.to_owned());
-        self
-    }
-}
-
-/// Asks the Sentinels for the primary and connects to it.
-#[cfg(feature = "sentinel")]
-pub(super) struct SentinelClient {
-    sentinel: tokio::sync::Mutex<redis::sentinel::Sentinel>,
-    urls: Vec<String>,
-    service: String,
-    node: redis::sentinel::SentinelNodeConnectionInfo,
-    config: ConnectionManagerConfig,
-    /// The primary the store's connection goes to (host, port).
-    current: std::sync::Mutex<Option<(String, u16)>>,
-}
-
-/// How often the Sentinels are asked which node is the primary, so a
-/// planned failover (where the old primary keeps answering as one until
-/// it is reconfigured) is followed within about this long.
-#[cfg(feature = "sentinel")]
-const SENTINEL_CHECK_EVERY: Duration = Duration::from_secs(1);
-
-#[cfg(feature = "sentinel")]
-impl SentinelClient {
-    /// A connection to the primary the Sentinels name now; the client
-    /// checks that the node it finds calls itself a primary.
-    async fn primary(&self) -> redis::RedisResult<ConnectionManager> {
-        let client = {
-            let mut sentinel = self.sentinel.lock().await;
-            sentinel
-                .async_master_for(&self.service, Some(&self.node))
-                .await?
-        };
-        let addr = match client.get_connection_info().addr() {
-            redis::ConnectionAddr::Tcp(host, port) => Some((host.clone(), *port)),
-            redis::ConnectionAddr::TcpTls { host, port, .. } => Some((host.clone(), *port)),
-            _ => None,
-        };
-        let conn = client
-            .get_connection_manager_with_config(self.config.clone())
-            .await?;
-        *self.current.lock().unwrap_or_else(|p| p.into_inner()) = addr;
-        Ok(conn)
-    }
-
-    /// The primary the first Sentinel to answer names, each asked for at
-    /// most `each`.
-    async fn named_primary(&self, each: Duration) -> Option<(String, u16)> {
-        for url in &self.urls {
-            let Ok(client) = redis::Client::open(url.as_str()) else {
-                continue;
-            };
-            let ask = async {
-                let mut conn = client.get_multiplexed_async_connection().await.ok()?;
-                redis::cmd("SENTINEL")
-                    .arg("GET-MASTER-ADDR-BY-NAME")
-                    .arg(&self.service)
-                    .query_async::<Option<(String, u16)>>(&mut conn)
-                    .await
-                    .ok()?
-            };
-            if let Ok(Some(addr)) = tokio::time::timeout(each, ask).await {
-                return Some(addr);
-            }
-        }
-        None
-    }
-
-    /// Whether the store's connection goes to a node other than `named`.
-    fn moved_from(&self, named: &(String, u16)) -> bool {
-        self.current
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()
-            .is_some_and(|current| current != named)
-    }
-}
-
-/// Asks the Sentinels every [`SENTINEL_CHECK_EVERY`] which node is the
-/// primary, and rebuilds the connection when it is not the one the store
-/// uses; ends with the store.
-#[cfg(feature = "sentinel")]
-fn watch_sentinels(store: &RedisStore) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    let weak = Arc::downgrade(&store.inner);
-    runtime.spawn(async move {
-        let mut tick = tokio::time::interval(SENTINEL_CHECK_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        loop {
-            tick.tick().await;
-            let Some(inner) = weak.upgrade() else {
-                return;
-            };
-            let store = RedisStore { inner };
-            let Some(Rebuild {
-                client: Client::Sentinel(sentinel),
-                ..
-            }) = &store.inner.rebuild
-            else {
-                return;
-            };
-            let each = store.inner.options.connect_timeout;
-            if let Some(named) = sentinel.named_primary(each).await {
-                if sentinel.moved_from(&named) {
-                    store.maybe_rebuild();
-                }
-            }
-        }
-    });
 }
 
 /// `url` without the credentials it may carry: the user part before an
@@ -254,7 +85,7 @@ fn is_tls(url: &str) -> bool {
 /// Refuses what would connect other than as asked: a `rediss://` URL in a
 /// build without TLS, TLS settings with a plain URL (never a silent
 /// plaintext connection in place of an encrypted one).
-fn check_scheme(urls: &[&str], options: &RedisOptions) -> Result<(), Error> {
+pub(super) fn check_scheme(urls: &[&str], options: &RedisOptions) -> Result<(), Error> {
     for url in urls {
         if is_tls(url) && cfg!(not(feature = "tls")) {
             return Err(Error::new(
@@ -278,7 +109,7 @@ fn check_scheme(urls: &[&str], options: &RedisOptions) -> Result<(), Error> {
 /// rustls needs a process-wide crypto provider; when the application has
 /// not chosen one, ring (the one this crate's `tls` feature builds).
 #[cfg(feature = "tls")]
-fn ensure_crypto_provider() {
+pub(super) fn ensure_crypto_provider() {
     if rustls::crypto::CryptoProvider::get_default().is_none() {
         // Losing a race to another installer is fine: one is in place.
         let _ = rustls::crypto::ring::default_provider().install_default();
@@ -286,7 +117,7 @@ fn ensure_crypto_provider() {
 }
 
 #[cfg(not(feature = "tls"))]
-fn ensure_crypto_provider() {}
+pub(super) fn ensure_crypto_provider() {}
 
 /// A client built elsewhere carries its own TLS setup; settings given to
 /// the store would be ignored, so they are refused.
@@ -300,7 +131,7 @@ fn refuse_tls_for_built(options: &RedisOptions) -> Result<(), Error> {
     Ok(())
 }
 
-fn connect_error(target: &str, e: redis::RedisError) -> Error {
+pub(super) fn connect_error(target: &str, e: redis::RedisError) -> Error {
     let kind = if e.is_timeout() {
         ErrorKind::Timeout
     } else if e.kind() == redis::ErrorKind::InvalidClientConfig {
@@ -375,71 +206,6 @@ impl RedisStore {
             Self::from_parts(Conn::Single(conn), options, &target),
             Client::Single(client, config),
         ))
-    }
-
-    /// Connects to the primary of `service` as Redis Sentinel names it,
-    /// and follows failovers: when the primary stops answering or answers
-    /// as a replica, the store asks the Sentinels again (at most every
-    /// 500 ms) while the failure policy decides, and sends its calls to
-    /// the new primary once they name it.
-    ///
-    /// # Errors
-    /// A [`Connection`](crate::ErrorKind::Connection) or
-    /// [`Timeout`](crate::ErrorKind::Timeout) error if no Sentinel answers,
-    /// none knows the service, or its primary cannot be reached within the
-    /// connect timeout; [`InvalidInput`](crate::ErrorKind::InvalidInput)
-    /// for a bad URL or an empty list.
-    #[cfg(feature = "sentinel")]
-    pub async fn connect_sentinel(
-        sentinel: Sentinel,
-        options: RedisOptions,
-    ) -> Result<RedisStore, Error> {
-        options.validate()?;
-        if options.has_tls() {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                "TLS settings were given for a Sentinel store; TLS through Sentinel is not \
-                 supported (the Sentinels and the primary are reached in plaintext)",
-            ));
-        }
-        let urls: Vec<&str> = sentinel.sentinels.iter().map(String::as_str).collect();
-        check_scheme(&urls, &options)?;
-        ensure_crypto_provider();
-        let sentinels = redis::sentinel::Sentinel::build(urls).map_err(|e| {
-            Error::invalid(format!("bad Sentinel URLs {:?}: {e}", sentinel)).caused_by(e)
-        })?;
-        let mut info = redis::RedisConnectionInfo::default();
-        if let Some(user) = &sentinel.username {
-            info = info.set_username(user);
-        }
-        if let Some(password) = &sentinel.password {
-            info = info.set_password(password);
-        }
-        let client = SentinelClient {
-            sentinel: tokio::sync::Mutex::new(sentinels),
-            urls: sentinel.sentinels.clone(),
-            current: std::sync::Mutex::new(None),
-            service: sentinel.service.clone(),
-            node: redis::sentinel::SentinelNodeConnectionInfo::default()
-                .set_redis_connection_info(info),
-            config: Self::manager_config(&options),
-        };
-        let target = format!("the primary of {:?} through Sentinel", sentinel.service);
-        let client = Client::Sentinel(Box::new(client));
-        let limit = client.connect_limit(options.connect_timeout);
-        let Client::Sentinel(sentinels) = &client else {
-            unreachable!("built just above")
-        };
-        let conn = tokio::time::timeout(limit, sentinels.primary())
-            .await
-            .map_err(|_| timeout_error(&format!("connecting to {target}"), limit))?
-            .map_err(|e| connect_error(&target, e))?;
-        let store = Self::with_rebuild(
-            Self::from_parts(Conn::Single(conn), options, &target),
-            client,
-        );
-        watch_sentinels(&store);
-        Ok(store)
     }
 
     pub(super) fn with_rebuild(mut store: RedisStore, client: Client) -> RedisStore {

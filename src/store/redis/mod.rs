@@ -31,14 +31,16 @@ use crate::{Clock, Error, ErrorKind, SystemClock};
 mod calls;
 mod connect;
 mod options;
+#[cfg(feature = "sentinel")]
+mod sentinel;
 
 use calls::*;
 use connect::Client;
-#[cfg(feature = "sentinel")]
-pub use connect::Sentinel;
 pub use options::RedisOptions;
 #[cfg(feature = "tls")]
 pub use options::TlsOptions;
+#[cfg(feature = "sentinel")]
+pub use sentinel::Sentinel;
 
 /// A Redis server holding the shared budgets.
 ///
