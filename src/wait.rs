@@ -31,8 +31,11 @@ struct Queue {
     /// `lock` calls, so the queue is first come, first served.
     turn: Arc<tokio::sync::Mutex<()>>,
     /// The last denial the queue's head saw: the answer of a waiter whose
-    /// wait ran out before its turn came (it never asked: asking could
-    /// take a permit ahead of the waiters before it).
+    /// wait ran out before its turn came, which does not ask (asking
+    /// could take a permit ahead of the waiters before it). The one
+    /// exception: a head that has not been answered yet (a wait shorter
+    /// than its first check) leaves nothing to return, and that waiter
+    /// asks once.
     last: Mutex<Option<Decision>>,
 }
 
@@ -139,8 +142,8 @@ impl Limiter {
     /// the wait runs out.
     ///
     /// - **In arrival order.** Callers waiting on one key of one limiter
-    ///   are served first come, first served, as a tokio `Semaphore`
-    ///   serves its waiters: only the earliest asks and sleeps; the
+    ///   are served first come, first served (the order a tokio
+    ///   `Semaphore` gives its waiters): only the earliest asks and sleeps; the
     ///   others wait behind it, and a caller whose wait runs out there
     ///   returns the last denial the earliest saw, without asking. Across
     ///   processes there is no queue: each process's earliest waiter asks
@@ -157,8 +160,9 @@ impl Limiter {
     ///   (up to a tenth of the wait, at most 20 ms, at random), so many
     ///   waiters in many processes do not all ask at the instant a window
     ///   resets.
-    /// - **Cancel-safe.** It takes nothing itself and holds nothing
-    ///   across its sleeps: only an admitting `check` takes permits.
+    /// - **Cancel-safe.** It takes nothing itself and holds only its
+    ///   place in the key's queue across its sleeps, which it leaves when
+    ///   dropped: only an admitting `check` takes permits.
     ///   Dropped while it sleeps (a timeout, a client gone), it leaves
     ///   the key's budget as it was; dropped inside a `check`, it is as
     ///   cancel-safe as that check (an exact store call whose script has

@@ -171,10 +171,19 @@ async fn a_planned_failover_is_followed_without_an_error() {
 /// TLS settings cannot apply to a Sentinel store: refused, not ignored.
 #[tokio::test]
 async fn tls_settings_for_a_sentinel_store_are_refused() {
-    let options = options().tls(slicelimit::TlsOptions::new());
+    let with_tls = options().tls(slicelimit::TlsOptions::new());
     let err =
-        RedisStore::connect_sentinel(Sentinel::new(&["redis://127.0.0.1:1/"], SERVICE), options)
+        RedisStore::connect_sentinel(Sentinel::new(&["redis://127.0.0.1:1/"], SERVICE), with_tls)
             .await
             .unwrap_err();
+    assert_eq!(err.kind(), slicelimit::ErrorKind::Unsupported, "{err}");
+    // Nor a TLS URL for the Sentinels, which would leave the primary
+    // in plaintext.
+    let err = RedisStore::connect_sentinel(
+        Sentinel::new(&["rediss://127.0.0.1:1/"], SERVICE),
+        options(),
+    )
+    .await
+    .unwrap_err();
     assert_eq!(err.kind(), slicelimit::ErrorKind::Unsupported, "{err}");
 }

@@ -102,7 +102,6 @@ impl Reconciler {
         self.has_pending.store(true, Ordering::Release);
     }
 
-    /// Permits dropped because the ledger was full, since the last call.
     /// Takes back `cost` recorded for `key` and not reported yet (a
     /// fallback admission undone); what was reported stays.
     pub(super) fn unrecord(&self, key: &str, cost: u64) {
@@ -118,6 +117,7 @@ impl Reconciler {
         }
     }
 
+    /// Permits dropped because the ledger was full, since the last call.
     pub(crate) fn take_dropped(&self) -> u64 {
         self.dropped.swap(0, Ordering::Relaxed)
     }

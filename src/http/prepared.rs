@@ -158,10 +158,6 @@ impl Prepared {
         }
     }
 
-    /// Whether a request with these decisions (one per policy) waits:
-    /// waiting is on, the request was denied (not in shadow mode, where
-    /// every request passes at once), and every denial says it could
-    /// pass within the wait.
     /// Whether some response can get its permits back.
     pub(crate) fn refunds_any(&self) -> bool {
         self.refund_on.is_some()
@@ -196,6 +192,10 @@ impl Prepared {
         });
     }
 
+    /// Whether a request with these decisions (one per policy) waits:
+    /// waiting is on, the request was denied (not in shadow mode, where
+    /// every request passes at once), and every denial says it could
+    /// pass within the wait.
     pub(crate) fn waits_for<'a>(&self, decisions: impl IntoIterator<Item = &'a Decision>) -> bool {
         if self.wait.is_zero() || self.shadow {
             return false;
@@ -211,8 +211,9 @@ impl Prepared {
     /// behind it have not been asked again and have taken nothing more.
     /// Once it is over, the others' retry times have passed too: they are
     /// asked afresh, not after the retries their first denials named.
-    /// The policies that admitted at once keep their count, as they do
-    /// when another policy denies.
+    /// The policies that admitted at once keep their count while it
+    /// waits; if the wait ends denied, they are refunded as for any
+    /// denial.
     pub(crate) async fn wait_out(
         &self,
         route: usize,

@@ -59,7 +59,8 @@ impl Ablation {
     pub(crate) const PEEKS: u32 = 1 << 1;
     /// Per-thread stocks of a contended key's permits.
     pub(crate) const STOCKS: u32 = 1 << 2;
-    /// Leases of the next window sent before the boundary.
+    /// Leases of the next window sent before the boundary (and a bucket
+    /// lease's renewal ahead of its horizon).
     pub(crate) const PRELEASE: u32 = 1 << 3;
     /// Pre-leases of thin holders (a few permits a window).
     pub(crate) const THIN_PRELEASE: u32 = 1 << 4;

@@ -77,7 +77,7 @@ pub(super) fn redact(url: &str) -> String {
 }
 
 /// Whether `url` asks for TLS.
-fn is_tls(url: &str) -> bool {
+pub(super) fn is_tls(url: &str) -> bool {
     let url = url.trim_start().to_ascii_lowercase();
     url.starts_with("rediss://") || url.starts_with("valkeys://")
 }

@@ -1,5 +1,5 @@
-//! [`RedisOptions`]: timeouts, the circuit breaker and the clock of a
-//! [`RedisStore`](super::RedisStore).
+//! [`RedisOptions`]: timeouts, the circuit breaker, the clock and (feature
+//! `tls`) the [`TlsOptions`] of a [`RedisStore`](super::RedisStore).
 
 use super::*;
 

@@ -194,6 +194,16 @@ impl RedisStore {
             ));
         }
         let urls: Vec<&str> = sentinel.sentinels.iter().map(String::as_str).collect();
+        if let Some(url) = urls.iter().find(|u| super::connect::is_tls(u)) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{} is a TLS URL; TLS through Sentinel is not supported (the primary \
+                     would be reached in plaintext)",
+                    redact(url)
+                ),
+            ));
+        }
         check_scheme(&urls, &options)?;
         ensure_crypto_provider();
         let sentinels = redis::sentinel::Sentinel::build(urls).map_err(|e| {
