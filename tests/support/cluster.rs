@@ -49,16 +49,29 @@ impl RedisCluster {
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port()))
             .collect();
+        RedisCluster::create(nodes, &addrs, replicas, &[])
+    }
+
+    /// Forms a cluster of `nodes` (reached at `addrs`) with `redis-cli
+    /// --cluster create`, `cli_args` before it (TLS options), and waits
+    /// until it is healthy.
+    pub fn create(
+        nodes: Vec<RedisServer>,
+        addrs: &[String],
+        replicas: usize,
+        cli_args: &[String],
+    ) -> RedisCluster {
         let out = Command::new("redis-cli")
+            .args(cli_args)
             .arg("--cluster")
             .arg("create")
-            .args(&addrs)
+            .args(addrs)
             .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
             .output()
             .unwrap_or_else(|e| panic!("{} (redis-cli: {e})", super::INSTALL_HINT));
         assert!(
             out.status.success(),
-            "redis-cli --cluster create failed: {}{}",
+            "redis-cli {cli_args:?} --cluster create failed: {}{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );

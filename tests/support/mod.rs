@@ -205,15 +205,7 @@ impl RedisServer {
 
     /// Runs one command; `None` if the server does not answer.
     pub fn try_cmd<T: redis::FromRedisValue>(&self, args: &[&str]) -> Option<T> {
-        let client = redis::Client::open(self.url()).ok()?;
-        let mut conn = client
-            .get_connection_with_timeout(Duration::from_millis(500))
-            .ok()?;
-        let mut cmd = redis::cmd(args[0]);
-        for a in &args[1..] {
-            cmd.arg(*a);
-        }
-        cmd.query(&mut conn).ok()
+        try_query(&self.url(), args)
     }
 
     /// Runs one command and returns its reply.
@@ -271,6 +263,20 @@ impl Drop for RedisServer {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Runs one command on the server at `url` over a fresh connection;
+/// `None` if it does not answer within 500 ms or refuses the command.
+pub fn try_query<T: redis::FromRedisValue>(url: &str, args: &[&str]) -> Option<T> {
+    let client = redis::Client::open(url).ok()?;
+    let mut conn = client
+        .get_connection_with_timeout(Duration::from_millis(500))
+        .ok()?;
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    cmd.query(&mut conn).ok()
 }
 
 /// Options for test stores: generous timeouts, since test machines are

@@ -57,15 +57,7 @@ impl SentinelProcess {
     }
 
     pub fn query<T: redis::FromRedisValue>(&self, args: &[&str]) -> Option<T> {
-        let client = redis::Client::open(self.url()).ok()?;
-        let mut conn = client
-            .get_connection_with_timeout(Duration::from_millis(500))
-            .ok()?;
-        let mut cmd = redis::cmd(args[0]);
-        for a in &args[1..] {
-            cmd.arg(*a);
-        }
-        cmd.query(&mut conn).ok()
+        super::try_query(&self.url(), args)
     }
 }
 

@@ -203,23 +203,16 @@ impl TlsCluster {
             tls_ports.push(tls_port);
         }
         let addrs: Vec<String> = tls_ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
-        let out = Command::new("redis-cli")
-            .args(["--tls", "--cacert", &certs.path("ca.pem")])
-            .args(["--cert", &certs.path("client.pem")])
-            .args(["--key", &certs.path("client.key")])
-            .args(["--cluster", "create"])
-            .args(&addrs)
-            .args(["--cluster-replicas", "0", "--cluster-yes"])
-            .output()
-            .unwrap_or_else(|e| panic!("{INSTALL_HINT} (redis-cli: {e})"));
-        assert!(
-            out.status.success(),
-            "redis-cli --tls --cluster create failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let cluster = RedisCluster { nodes };
-        cluster.wait_until_healthy(Duration::from_secs(30));
+        let cli_args = [
+            "--tls".to_owned(),
+            "--cacert".to_owned(),
+            certs.path("ca.pem"),
+            "--cert".to_owned(),
+            certs.path("client.pem"),
+            "--key".to_owned(),
+            certs.path("client.key"),
+        ];
+        let cluster = RedisCluster::create(nodes, &addrs, 0, &cli_args);
         TlsCluster { cluster, tls_ports }
     }
 
