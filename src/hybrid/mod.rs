@@ -318,7 +318,10 @@ impl HybridEngine {
         if !slot.has_next() {
             return None;
         }
-        let replaced = slot.promote(s.time.precise_us())?;
+        let now = s.time.precise_us();
+        let Some(replaced) = slot.promote(now) else {
+            return self.across(slot, cost, now);
+        };
         s.counters.stranded.add(replaced as u64);
         match slot.take(cost, &s.time) {
             Take::Taken(left, now, _, window) => {
@@ -327,6 +330,16 @@ impl HybridEngine {
             }
             _ => None,
         }
+    }
+
+    /// Spent across a window boundary from both windows' permits (see
+    /// `Slot::take_across`): near a boundary, a slot holding permits of
+    /// the window ending and of the next one need not wait for either.
+    fn across(&self, slot: &Arc<Slot>, cost: u64, now: u64) -> Option<Decision> {
+        let s = &*self.shared;
+        let across = slot.take_across(cost.min(i64::MAX as u64) as i64, now)?;
+        s.counters.stranded.add(across.stranded as u64);
+        Some(s.spent(slot, across.left, now, cost, Some(across.window)))
     }
 
     /// Restarts a sync task that vanished (its runtime was dropped, it
@@ -410,6 +423,9 @@ impl HybridEngine {
             // A peek is always answered, never denied: it takes nothing.
             if cost == 0 {
                 return Ok(s.lease_decision(&slot, 0, now));
+            }
+            if let Some(decided) = self.across(&slot, cost, now) {
+                return Ok(decided);
             }
             if let Some(until) = slot.denied(now) {
                 // Denied until the next window, whose pre-lease is held:

@@ -22,7 +22,7 @@ pub(crate) const EARNED_FLOOR_DIVISOR: u64 = 16;
 
 /// Permits a window from which a holder counts as using a share of it
 /// (a thin holder spends fewer).
-pub(crate) const THICK_PER_WINDOW: u64 = 4;
+pub(crate) const THICK_PER_WINDOW: u64 = 8;
 
 /// A window lease covers its window when it holds this much more than the
 /// rate spends until the window ends (the rate is an average; demand runs
@@ -38,7 +38,7 @@ pub(crate) const THIN_AHEAD_CAP_DIVISOR: u64 = 2;
 /// twice its usual requests (and two more) rarely waits on the store —
 /// a holder's requests in a window vary as much as their number.
 pub(crate) fn thin_want(per_window: u64) -> u64 {
-    2 * per_window + 2
+    2 * per_window + 4
 }
 
 /// Per-key sizing state, owned by the sync task.

@@ -34,7 +34,7 @@ mod next;
 mod refill;
 
 pub(crate) use credit::Credit;
-pub(crate) use next::NextLease;
+pub(crate) use next::{Across, NextLease};
 
 pub(crate) struct Slot {
     /// The user key, shared with the map's key (no second copy).
@@ -690,6 +690,75 @@ mod tests {
         assert_eq!(slot.window.load(Ordering::Acquire), 8);
         assert_eq!(slot.deadline.load(Ordering::Acquire), 200);
         assert!(matches!(slot.take(5, &at(130)), Take::Taken(0, ..)));
+    }
+
+    fn with_next(current: i64, next: i64) -> Slot {
+        // Window 7 surely runs until 100 and has surely ended at 103;
+        // window 8's slice may be spent alone from 106.
+        let slot = Slot::new("k".into(), 0);
+        slot.install(current, 7, 100, 103, 10, false);
+        slot.hold_next(NextLease {
+            permits: next,
+            window: 8,
+            start: 106,
+            deadline: 200,
+            window_end: 203,
+            low_water: 0,
+        });
+        slot
+    }
+
+    #[test]
+    fn across_a_boundary_both_windows_pay() {
+        let slot = with_next(3, 5);
+        // Before the deadline the current window's permits are the ones
+        // to spend: nothing is taken across.
+        assert_eq!(slot.take_across(1, 99), None);
+        // Between the deadline and the sure end: one of each.
+        let across = slot.take_across(2, 100).unwrap();
+        assert_eq!(
+            (across.left, across.window, across.stranded),
+            (3, 8, 2),
+            "two of window 8 left, two of window 7 stranded"
+        );
+        assert_eq!(slot.permits.load(Ordering::Acquire), 1);
+        // The current window has too few for the cost: nothing is taken.
+        assert_eq!(slot.take_across(2, 102), None);
+        assert_eq!(slot.next_permits(), 3);
+        assert_eq!(slot.permits.load(Ordering::Acquire), 1);
+        // Window 7 has surely ended: window 8's slice alone pays, before
+        // its (later) start.
+        let across = slot.take_across(2, 103).unwrap();
+        assert_eq!((across.left, across.stranded), (1, 0));
+        assert_eq!(slot.permits.load(Ordering::Acquire), 1);
+        // The next window's slice has too few.
+        assert_eq!(slot.take_across(2, 104), None);
+    }
+
+    #[test]
+    fn nothing_is_taken_across_unless_the_next_window_follows_the_current() {
+        // A slice of window 9 with window 7's permits in place: window 8
+        // lies between, unpaid.
+        let slot = Slot::new("k".into(), 0);
+        slot.install(3, 7, 100, 103, 10, false);
+        slot.hold_next(NextLease {
+            permits: 5,
+            window: 9,
+            start: 206,
+            deadline: 300,
+            window_end: 303,
+            low_water: 0,
+        });
+        assert_eq!(slot.take_across(1, 101), None);
+        assert_eq!(slot.take_across(1, 150), None);
+        // No lease in place at all.
+        let slot = Slot::new("k".into(), 0);
+        assert_eq!(slot.take_across(1, 101), None);
+        // Past the slice's own deadline.
+        let slot = with_next(3, 5);
+        assert_eq!(slot.take_across(1, 200), None);
+        assert_eq!(slot.permits.load(Ordering::Acquire), 3);
+        assert_eq!(slot.next_permits(), 5);
     }
 
     #[test]

@@ -21,6 +21,17 @@ pub(crate) struct NextLease {
     pub(crate) low_water: u32,
 }
 
+/// A spend across a boundary (see [`Slot::take_across`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Across {
+    /// Permits the next window's slice has left.
+    pub(crate) left: i64,
+    /// The next window.
+    pub(crate) window: i64,
+    /// Permits of the current window spent besides (stranded).
+    pub(crate) stranded: i64,
+}
+
 impl Slot {
     /// Whether a pre-leased slice of the next window is held.
     #[inline]
@@ -89,6 +100,51 @@ impl Slot {
             return None;
         }
         self.next_lock().as_ref().map(|n| n.start)
+    }
+
+    /// Spends `cost` at local `now` across a boundary: after the current
+    /// lease's deadline, before the held slice of the next window may be
+    /// spent on its own. Until the current window has surely ended, the
+    /// store may be on either side of the boundary, so `cost` is taken
+    /// from both windows' permits, and whichever window `now` falls in
+    /// has a permit of its own for it (the other's is stranded: a thin
+    /// holder has permits to spare there; a hot key seldom has, and
+    /// waits as before). Once it has surely ended, the next window's
+    /// permits alone are spent. Returns what the slice has left, and its
+    /// window; `None` if either side lacks the permits.
+    pub(crate) fn take_across(&self, cost: i64, now: u64) -> Option<Across> {
+        if !self.has_next.load(Ordering::Acquire) {
+            return None;
+        }
+        let mut next = self.next_lock();
+        let lease = next.as_deref_mut()?;
+        let window = self.window.load(Ordering::Acquire);
+        let deadline = self.deadline.load(Ordering::Acquire);
+        if window == UNKNOWN_WINDOW
+            || lease.window != window + 1
+            || deadline == 0
+            || now < deadline
+            || now >= lease.deadline
+            || lease.permits < cost
+        {
+            return None;
+        }
+        let both = now < self.window_end.load(Ordering::Acquire);
+        if both {
+            // Taken under the `next` lock, which serialises installs: the
+            // permits are still the current window's.
+            self.permits
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+                    (p >= cost).then_some(p - cost)
+                })
+                .ok()?;
+        }
+        lease.permits -= cost;
+        Some(Across {
+            left: lease.permits,
+            window: lease.window,
+            stranded: if both { cost } else { 0 },
+        })
     }
 
     /// Moves a due pre-leased slice of the next window into place; returns
