@@ -34,7 +34,7 @@ mod next;
 mod refill;
 
 pub(crate) use credit::Credit;
-pub(crate) use next::{Across, NextLease};
+pub(crate) use next::NextLease;
 
 pub(crate) struct Slot {
     /// The user key, shared with the map's key (no second copy).
