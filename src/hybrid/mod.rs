@@ -265,7 +265,7 @@ impl HybridEngine {
                 slot.touch(now);
                 Some(s.spent(slot, left + spare, now, cost, window))
             }
-            (Take::Late(lost), ..) => {
+            (Take::Late(lost, _), ..) => {
                 s.counters.stranded.add(lost as u64);
                 None
             }
@@ -288,7 +288,7 @@ impl HybridEngine {
                 Some(s.spent(slot, left, now, cost, window))
             }
             Take::Empty => {
-                if let Some(decided) = self.promoted(slot, cost) {
+                if let Some(decided) = self.promoted(slot, cost, None) {
                     return Some(decided);
                 }
                 // Known exhausted: answer from the denied-until time. The
@@ -302,9 +302,9 @@ impl HybridEngine {
             }
             // The lease ended (its permits are void): the next window's
             // may be held already.
-            Take::Late(lost) => {
+            Take::Late(lost, window) => {
                 s.counters.stranded.add(lost as u64);
-                self.promoted(slot, cost)
+                self.promoted(slot, cost, window.filter(|_| lost as u64 >= cost))
             }
         }
     }
@@ -312,15 +312,16 @@ impl HybridEngine {
     /// A pre-lease of the window that has just begun, put in place and
     /// spent from. Its start is read on the precise clock: the coarse one,
     /// anchored to it once, may read up to a kernel tick ahead, and a
-    /// pre-lease must never start early.
-    fn promoted(&self, slot: &Arc<Slot>, cost: u64) -> Option<Decision> {
+    /// pre-lease must never start early. `paid`: the window a late take
+    /// just took `cost` from (see [`Take::Late`]).
+    fn promoted(&self, slot: &Arc<Slot>, cost: u64, paid: Option<i64>) -> Option<Decision> {
         let s = &*self.shared;
         if !slot.has_next() {
             return None;
         }
         let now = s.time.precise_us();
         let Some(replaced) = slot.promote(now) else {
-            return self.across(slot, cost, now);
+            return self.across(slot, cost, now, paid);
         };
         s.counters.stranded.add(replaced as u64);
         match slot.take(cost, &s.time) {
@@ -335,11 +336,13 @@ impl HybridEngine {
     /// Spent across a window boundary from both windows' permits (see
     /// `Slot::take_across`): near a boundary, a slot holding permits of
     /// the window ending and of the next one need not wait for either.
-    fn across(&self, slot: &Arc<Slot>, cost: u64, now: u64) -> Option<Decision> {
+    fn across(&self, slot: &Arc<Slot>, cost: u64, now: u64, paid: Option<i64>) -> Option<Decision> {
         let s = &*self.shared;
-        let across = slot.take_across(cost.min(i64::MAX as u64) as i64, now)?;
+        let cost_now = cost.min(i64::MAX as u64) as i64;
+        let across = slot.take_across(cost_now, now, paid, || s.time.precise_us());
         s.counters.stranded.add(across.stranded as u64);
-        Some(s.spent(slot, across.left, now, cost, Some(across.window)))
+        let left = across.left?;
+        Some(s.spent(slot, left, now, cost, Some(across.window)))
     }
 
     /// Restarts a sync task that vanished (its runtime was dropped, it
@@ -413,18 +416,22 @@ impl HybridEngine {
             if let Some(replaced) = slot.promote(now) {
                 s.counters.stranded.add(replaced as u64);
             }
+            let mut paid = None;
             match slot.take(cost, &s.time) {
                 Take::Taken(left, _, _, window) => {
                     return Ok(s.spent(&slot, left, now, cost, window))
                 }
-                Take::Late(lost) => s.counters.stranded.add(lost as u64),
+                Take::Late(lost, window) => {
+                    s.counters.stranded.add(lost as u64);
+                    paid = window.filter(|_| lost as u64 >= cost);
+                }
                 Take::Empty => {}
             }
             // A peek is always answered, never denied: it takes nothing.
             if cost == 0 {
                 return Ok(s.lease_decision(&slot, 0, now));
             }
-            if let Some(decided) = self.across(&slot, cost, now) {
+            if let Some(decided) = self.across(&slot, cost, now, paid) {
                 return Ok(decided);
             }
             if let Some(until) = slot.denied(now) {

@@ -237,10 +237,37 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
     assert_eq!(d.source(), Source::Lease);
     assert_eq!(slot.window.load(Ordering::Acquire), window_0 + 1);
     assert_eq!(slot.permits.load(Ordering::Acquire), 47);
-    // Window 0: 50 leased, 2 spent before it ended, 48 stranded (one too
-    // late, two paired with window 1's, 45 replaced at the promotion).
+    // Window 0: 50 leased, 2 spent before it ended, 48 stranded (three
+    // taken too late, two of them paying for admissions paired with
+    // window 1's; 45 replaced at the promotion).
     assert_eq!(r.counters.stranded.get(), 48);
     assert_eq!(r.store_count("k"), 50, "window 1's count");
+}
+
+/// Across the boundary, an admission costs one permit of each window: the
+/// take that found the current lease late already paid its side.
+#[tokio::test]
+async fn an_admission_across_the_boundary_costs_one_permit_of_each_window() {
+    let config = strict().lease_bounds(50, 50).max_wait(Duration::ZERO);
+    let r = rig(
+        Quota::per_second(nonzero!(1000)),
+        Algorithm::FixedWindow,
+        config,
+    );
+    assert!(!r.check("k", 1).await.is_allowed());
+    r.sync().await;
+    assert!(r.check("k", 1).await.is_allowed());
+    let slot = r.slot("k");
+    r.clock.set(ORIGIN + Duration::from_micros(996_500));
+    assert!(!r.check("k", 1).await.is_allowed(), "no pre-lease yet");
+    r.sync().await;
+    let (current, next) = (slot.permits.load(Ordering::Acquire), slot.next_permits());
+    r.clock.set(ORIGIN + Duration::from_micros(999_000));
+    for i in 1..=10 {
+        assert!(r.check("k", 1).await.is_allowed());
+        assert_eq!(slot.permits.load(Ordering::Acquire), current - i);
+        assert_eq!(slot.next_permits(), next - i);
+    }
 }
 
 #[tokio::test]

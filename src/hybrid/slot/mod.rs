@@ -34,6 +34,8 @@ mod next;
 mod refill;
 
 pub(crate) use credit::Credit;
+#[cfg(test)]
+use next::Across;
 pub(crate) use next::NextLease;
 
 pub(crate) struct Slot {
@@ -139,8 +141,11 @@ pub(crate) enum Take {
     Empty,
     /// The deadline passed while the permits were being taken (a thread
     /// preempted between its check and its compare-and-swap): they are
-    /// void, and this many are lost (stranded). Treat as `Empty`.
-    Late(i64),
+    /// void, and this many are lost (stranded). Treat as `Empty`, except
+    /// that they were taken from the window named (`None`: unsure), which
+    /// a take across the boundary counts as paid (see
+    /// [`Slot::take_across`]).
+    Late(i64, Option<i64>),
 }
 
 /// What a retired slot leaves behind: its unreported credit, the last
@@ -271,7 +276,11 @@ impl Slot {
                             let left = current - cost - extra;
                             (Take::Taken(left, now, contended, window), extra, deadline)
                         }
-                        None if cost + extra > 0 => (Take::Late(cost + extra), 0, 0),
+                        None if cost + extra > 0 => {
+                            let same = self.window.load(Ordering::Acquire) == window;
+                            let window = (same && window != UNKNOWN_WINDOW).then_some(window);
+                            (Take::Late(cost + extra, window), 0, 0)
+                        }
                         None => (Take::Empty, 0, 0),
                     };
                 }
@@ -609,7 +618,7 @@ mod tests {
         assert!(matches!(slot.take(2, &at(50)), Take::Empty));
         // Past the deadline the last permit is void: taken and lost.
         assert!(
-            matches!(slot.take(1, &at(100)), Take::Late(1)),
+            matches!(slot.take(1, &at(100)), Take::Late(1, _)),
             "deadline passed"
         );
         assert_eq!(slot.expire(100), 0);
@@ -643,7 +652,7 @@ mod tests {
         // The clock is read after the swap: the thread decides at 110 µs,
         // past the 100 µs deadline it read before being preempted.
         let time = TimeSource::Precise(Arc::new(Ticking(Arc::new(110.into()))));
-        assert!(matches!(slot.take(1, &time), Take::Late(1)));
+        assert!(matches!(slot.take(1, &time), Take::Late(1, _)));
         assert_eq!(
             slot.permits.load(Ordering::Acquire),
             2,
@@ -708,31 +717,61 @@ mod tests {
         slot
     }
 
+    /// `take_across` at `now`, the clock reading `now` again after.
+    fn across(slot: &Slot, cost: i64, now: u64, paid: Option<i64>) -> Across {
+        slot.take_across(cost, now, paid, || now)
+    }
+
     #[test]
     fn across_a_boundary_both_windows_pay() {
         let slot = with_next(3, 5);
         // Before the deadline the current window's permits are the ones
         // to spend: nothing is taken across.
-        assert_eq!(slot.take_across(1, 99), None);
+        assert_eq!(across(&slot, 1, 99, None).left, None);
         // Between the deadline and the sure end: one of each.
-        let across = slot.take_across(2, 100).unwrap();
+        let a = across(&slot, 2, 100, None);
         assert_eq!(
-            (across.left, across.window, across.stranded),
-            (3, 8, 2),
+            (a.left, a.window, a.stranded),
+            (Some(3), 8, 2),
             "two of window 8 left, two of window 7 stranded"
         );
         assert_eq!(slot.permits.load(Ordering::Acquire), 1);
         // The current window has too few for the cost: nothing is taken.
-        assert_eq!(slot.take_across(2, 102), None);
+        assert_eq!(across(&slot, 2, 102, None).left, None);
         assert_eq!(slot.next_permits(), 3);
         assert_eq!(slot.permits.load(Ordering::Acquire), 1);
         // Window 7 has surely ended: window 8's slice alone pays, before
         // its (later) start.
-        let across = slot.take_across(2, 103).unwrap();
-        assert_eq!((across.left, across.stranded), (1, 0));
+        let a = across(&slot, 2, 103, None);
+        assert_eq!((a.left, a.stranded), (Some(1), 0));
         assert_eq!(slot.permits.load(Ordering::Acquire), 1);
         // The next window's slice has too few.
-        assert_eq!(slot.take_across(2, 104), None);
+        assert_eq!(across(&slot, 2, 104, None).left, None);
+    }
+
+    #[test]
+    fn a_late_take_of_the_current_window_pays_its_side() {
+        let slot = with_next(3, 5);
+        // A late take of window 7 took the cost already: only window 8's
+        // slice pays now.
+        let a = across(&slot, 1, 101, Some(7));
+        assert_eq!((a.left, a.stranded), (Some(4), 0));
+        assert_eq!(slot.permits.load(Ordering::Acquire), 3);
+        // A late take of another window pays nothing here.
+        let a = across(&slot, 1, 101, Some(6));
+        assert_eq!((a.left, a.stranded), (Some(3), 1));
+        assert_eq!(slot.permits.load(Ordering::Acquire), 2);
+    }
+
+    #[test]
+    fn a_thread_preempted_past_the_slices_deadline_spends_nothing_across() {
+        let slot = with_next(3, 5);
+        // The clock read after the take is past window 8's deadline: what
+        // was taken is stranded, nothing admitted.
+        let a = slot.take_across(1, 101, None, || 200);
+        assert_eq!((a.left, a.stranded), (None, 2));
+        assert_eq!(slot.permits.load(Ordering::Acquire), 2);
+        assert_eq!(slot.next_permits(), 4);
     }
 
     #[test]
@@ -749,14 +788,14 @@ mod tests {
             window_end: 303,
             low_water: 0,
         });
-        assert_eq!(slot.take_across(1, 101), None);
-        assert_eq!(slot.take_across(1, 150), None);
+        assert_eq!(across(&slot, 1, 101, None).left, None);
+        assert_eq!(across(&slot, 1, 150, None).left, None);
         // No lease in place at all.
         let slot = Slot::new("k".into(), 0);
-        assert_eq!(slot.take_across(1, 101), None);
+        assert_eq!(across(&slot, 1, 101, None).left, None);
         // Past the slice's own deadline.
         let slot = with_next(3, 5);
-        assert_eq!(slot.take_across(1, 200), None);
+        assert_eq!(across(&slot, 1, 200, None).left, None);
         assert_eq!(slot.permits.load(Ordering::Acquire), 3);
         assert_eq!(slot.next_permits(), 5);
     }

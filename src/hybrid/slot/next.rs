@@ -24,11 +24,12 @@ pub(crate) struct NextLease {
 /// A spend across a boundary (see [`Slot::take_across`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Across {
-    /// Permits the next window's slice has left.
-    pub(crate) left: i64,
+    /// Permits the next window's slice has left (`None`: nothing was
+    /// admitted).
+    pub(crate) left: Option<i64>,
     /// The next window.
     pub(crate) window: i64,
-    /// Permits of the current window spent besides (stranded).
+    /// Permits taken and not spent on the admission (stranded).
     pub(crate) stranded: i64,
 }
 
@@ -110,14 +111,33 @@ impl Slot {
     /// has a permit of its own for it (the other's is stranded: a thin
     /// holder has permits to spare there; a hot key seldom has, and
     /// waits as before). Once it has surely ended, the next window's
-    /// permits alone are spent. Returns what the slice has left, and its
-    /// window; `None` if either side lacks the permits.
-    pub(crate) fn take_across(&self, cost: i64, now: u64) -> Option<Across> {
+    /// permits alone are spent. `paid`: the current window, if a late
+    /// take (see [`Take::Late`]) already took `cost` of its permits.
+    ///
+    /// `clock` is read again once the permits are taken, as [`take`]
+    /// does: a thread preempted past the slice's deadline spends nothing
+    /// (what it took is stranded).
+    ///
+    /// [`take`]: Slot::take
+    pub(crate) fn take_across(
+        &self,
+        cost: i64,
+        now: u64,
+        paid: Option<i64>,
+        clock: impl Fn() -> u64,
+    ) -> Across {
+        let nothing = Across {
+            left: None,
+            window: UNKNOWN_WINDOW,
+            stranded: 0,
+        };
         if !self.has_next.load(Ordering::Acquire) {
-            return None;
+            return nothing;
         }
         let mut next = self.next_lock();
-        let lease = next.as_deref_mut()?;
+        let Some(lease) = next.as_deref_mut() else {
+            return nothing;
+        };
         let window = self.window.load(Ordering::Acquire);
         let deadline = self.deadline.load(Ordering::Acquire);
         if window == UNKNOWN_WINDOW
@@ -127,24 +147,34 @@ impl Slot {
             || now >= lease.deadline
             || lease.permits < cost
         {
-            return None;
+            return nothing;
         }
-        let both = now < self.window_end.load(Ordering::Acquire);
-        if both {
-            // Taken under the `next` lock, which serialises installs: the
-            // permits are still the current window's.
-            self.permits
+        let both = now < self.window_end.load(Ordering::Acquire) && paid != Some(window);
+        // Taken under the `next` lock, which serialises installs: the
+        // permits are still the current window's.
+        if both
+            && self
+                .permits
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
                     (p >= cost).then_some(p - cost)
                 })
-                .ok()?;
+                .is_err()
+        {
+            return nothing;
         }
         lease.permits -= cost;
-        Some(Across {
-            left: lease.permits,
+        let stranded = if both { cost } else { 0 };
+        if clock() >= lease.deadline {
+            return Across {
+                stranded: stranded + cost,
+                ..nothing
+            };
+        }
+        Across {
+            left: Some(lease.permits),
             window: lease.window,
-            stranded: if both { cost } else { 0 },
-        })
+            stranded,
+        }
     }
 
     /// Moves a due pre-leased slice of the next window into place; returns
