@@ -114,6 +114,13 @@ impl Drop for AllUndo<'_> {
 /// [`Limiter::refund`]); `pairs` must be the list it was decided for.
 /// Returns the permits given back, summed.
 pub async fn refund_all(pairs: &[(&Limiter, &str)], decision: &Decision) -> u64 {
+    // A denial took nothing: what the pairs before the denying one took
+    // went back when it was decided. (Refunding their parts again took
+    // from other admissions' unreported credit: overshoot the store then
+    // never saw.)
+    if !decision.is_allowed() {
+        return 0;
+    }
     let parts = decision.quotas();
     if parts.len() != pairs.len() {
         return 0;

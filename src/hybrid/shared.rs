@@ -157,18 +157,14 @@ impl Shared {
             stripe.notify_waiters();
         }
         sync::round(self).await;
-        let lost: u64 =
+        let debt: u64 =
             std::mem::take(&mut *self.reports.lock().unwrap_or_else(|p| p.into_inner()))
                 .iter()
                 .map(|r| r.debt)
-                .sum::<u64>()
-                + self
-                    .reconciler
-                    .drain()
-                    .iter()
-                    .map(|r| r.permits)
-                    .sum::<u64>();
-        self.counters.reports_dropped.add(lost);
+                .sum();
+        self.debt_dropped(debt);
+        let fallback: u64 = self.reconciler.drain().iter().map(|r| r.permits).sum();
+        self.counters.reports_dropped.add(fallback);
         self.counters.meters.local_keys.set(0.0);
     }
 
@@ -426,6 +422,16 @@ impl Shared {
 
     /// Queues debt for reporting under its identity, and counts it against
     /// the key's credit until the store has it.
+    /// Credit the store will never hear of (its report was dropped): the
+    /// store could not cover it, so it counts as overshoot, besides being
+    /// counted dropped. Without it, a report lost to an outage hid
+    /// overshoot: another process was granted the permits the credit had
+    /// used, and `Stats::overshoot` read less than the actual excess.
+    pub(super) fn debt_dropped(&self, permits: u64) {
+        self.counters.reports_dropped.add(permits);
+        self.counters.overshoot.add(permits);
+    }
+
     pub(super) fn queue_report(&self, report: DebtReport) {
         {
             let mut ledger = self.outstanding.entry(report.key.clone()).or_default();

@@ -97,11 +97,18 @@ impl Sizing {
         now: u64,
         window: Option<i64>,
     ) -> f64 {
-        if self.at == 0 || now <= self.at {
+        if self.at == 0 {
             return self.rate;
         }
         let consumed = (i64::from(self.level) - permits_now.max(0)).max(0) as f64 + debt as f64;
+        // Counted per window even with no time elapsed since the last
+        // refill (several lease calls within one clock reading: without
+        // it, a key asked thirty times in one instant counted seven, and
+        // looked thin).
         self.spent_in(window, consumed as u64);
+        if now <= self.at {
+            return self.rate;
+        }
         let dt = (now - self.at) as f64;
         let instant = consumed / dt;
         if self.rate == 0.0 && consumed >= SEED_PERMITS {

@@ -594,18 +594,18 @@ async fn an_active_key_is_preleased_by_the_sweep_before_its_window_ends() {
         strict().lease_bounds(10, 10),
     );
     assert!(r.check("k", 1).await.is_allowed());
-    // "idle" is used twenty times at once (a thick holder: a thin one,
+    // "idle" is used forty times at once (a thick holder: a thin one,
     // seen a few times a window, stays pre-leased for several windows).
-    for _ in 0..20 {
+    for _ in 0..40 {
         assert!(r.check("idle", 1).await.is_allowed());
         r.sync().await;
     }
-    assert_eq!(r.round_trips(), 4, "a lease, and three for idle");
-    // "k" is used again late in the window, a dozen times (enough to
-    // show a rate that spends a share of the next window); "idle" is not.
+    assert_eq!(r.round_trips(), 6, "a lease, and five for idle");
+    // "k" is used again late in the window, thirty times (a thick holder,
+    // with a rate that spends a share of the next window); "idle" is not.
     // Neither is near enough to the end for a request to pre-lease.
     r.clock.set(ORIGIN + Duration::from_secs(5));
-    for _ in 0..12 {
+    for _ in 0..30 {
         assert_eq!(r.check("k", 1).await.source(), Source::Lease);
         r.sync().await;
     }

@@ -78,7 +78,7 @@ pub(super) fn settle_report(
         {
             // Its identity may be forgotten by now: a resend could count
             // it twice. Dropped and counted instead.
-            counters.reports_dropped.add(report.debt);
+            shared.debt_dropped(report.debt);
             shared.report_settled(&report);
         }
         Some(Reported::Debt(mut report)) if retry => {
@@ -94,7 +94,7 @@ pub(super) fn settle_report(
         Some(Reported::Debt(report)) => {
             match result {
                 Ok(r) => counters.overshoot.add(r.uncovered),
-                Err(_) => counters.reports_dropped.add(report.debt),
+                Err(_) => shared.debt_dropped(report.debt),
             }
             shared.report_settled(&report);
         }
