@@ -300,6 +300,11 @@ impl Decision {
         self
     }
 
+    /// Sets when the quota is whole again, in place.
+    pub(crate) fn set_reset_after(&mut self, reset_after: Duration) {
+        self.reset_us = micros(reset_after);
+    }
+
     /// The same decision, with its quota's period.
     #[inline(always)]
     pub(crate) fn with_period(mut self, period: Duration) -> Self {

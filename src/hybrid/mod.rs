@@ -342,7 +342,10 @@ impl HybridEngine {
         let across = slot.take_across(cost_now, now, paid, || s.time.precise_us());
         s.counters.stranded.add(across.stranded as u64);
         let left = across.left?;
-        Some(s.spent(slot, left, now, cost, Some(across.window)))
+        // Counted in the next window: it resets when that one ends.
+        let mut decided = s.spent(slot, left, now, cost, Some(across.window));
+        decided.set_reset_after(Duration::from_micros(across.window_end.saturating_sub(now)));
+        Some(decided)
     }
 
     /// Restarts a sync task that vanished (its runtime was dropped, it

@@ -264,7 +264,10 @@ async fn an_admission_across_the_boundary_costs_one_permit_of_each_window() {
     let (current, next) = (slot.permits.load(Ordering::Acquire), slot.next_permits());
     r.clock.set(ORIGIN + Duration::from_micros(999_000));
     for i in 1..=10 {
-        assert!(r.check("k", 1).await.is_allowed());
+        let d = r.check("k", 1).await;
+        assert!(d.is_allowed());
+        // Counted in window 1: it resets when window 1 ends.
+        assert!(d.reset_after() > Duration::from_secs(1), "{d:?}");
         assert_eq!(slot.permits.load(Ordering::Acquire), current - i);
         assert_eq!(slot.next_permits(), next - i);
     }

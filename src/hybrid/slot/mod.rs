@@ -911,6 +911,57 @@ mod model {
         });
     }
 
+    /// Across a boundary, a take across and a late take race for the
+    /// current window's permits, and a promotion for the next window's:
+    /// every permit is spent once, and every admission across was paid
+    /// by both windows.
+    #[test]
+    fn a_take_across_races_a_late_take_and_a_promotion() {
+        explore(|| {
+            let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
+            slot.install(2, 7, 100, 103, 10, false);
+            slot.hold_next(NextLease {
+                permits: 3,
+                window: 8,
+                start: 103,
+                deadline: 200,
+                window_end: 203,
+                low_water: 0,
+            });
+            let late = {
+                let slot = slot.clone();
+                loom::thread::spawn(move || {
+                    let at =
+                        TimeSource::Precise(Arc::new(FakeClock::new(Duration::from_micros(101))));
+                    match slot.take(1, &at) {
+                        Take::Late(n, _) => n,
+                        Take::Taken(..) => 1,
+                        Take::Empty => 0,
+                    }
+                })
+            };
+            let promoter = {
+                let slot = slot.clone();
+                loom::thread::spawn(move || slot.promote(104))
+            };
+            let across = slot.take_across(1, 101, None, || 101);
+            let spent_late = late.join().unwrap();
+            let replaced = promoter.join().unwrap().unwrap_or(0);
+            let admitted = i64::from(across.left.is_some());
+            // Every permit of both windows is accounted for once: spent or
+            // lost by the late take, taken across (admitted or stranded),
+            // replaced at the promotion, or still held.
+            let held = slot.permits.load(Ordering::Acquire) + slot.next_permits();
+            assert_eq!(
+                spent_late + across.stranded + admitted + replaced + held,
+                2 + 3
+            );
+            // An admission across (before window 7 surely ended) paid a
+            // permit of each window.
+            assert!(admitted == 0 || across.stranded == 1, "{across:?}");
+        });
+    }
+
     /// Credit taken while the slot is retired is either collected by the
     /// retirement (and reported) or refused: never lost.
     #[test]

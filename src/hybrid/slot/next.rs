@@ -27,8 +27,11 @@ pub(crate) struct Across {
     /// Permits the next window's slice has left (`None`: nothing was
     /// admitted).
     pub(crate) left: Option<i64>,
-    /// The next window.
+    /// The next window, which the admission is counted in.
     pub(crate) window: i64,
+    /// Local µs by which the next window has surely ended: the decision
+    /// resets then.
+    pub(crate) window_end: u64,
     /// Permits taken and not spent on the admission (stranded).
     pub(crate) stranded: i64,
 }
@@ -129,6 +132,7 @@ impl Slot {
         let nothing = Across {
             left: None,
             window: UNKNOWN_WINDOW,
+            window_end: 0,
             stranded: 0,
         };
         if !self.has_next.load(Ordering::Acquire) {
@@ -173,6 +177,7 @@ impl Slot {
         Across {
             left: Some(lease.permits),
             window: lease.window,
+            window_end: lease.window_end,
             stranded,
         }
     }
