@@ -115,9 +115,8 @@ impl Drop for AllUndo<'_> {
 /// Returns the permits given back, summed.
 pub async fn refund_all(pairs: &[(&Limiter, &str)], decision: &Decision) -> u64 {
     // A denial took nothing: what the pairs before the denying one took
-    // went back when it was decided. (Refunding their parts again took
-    // from other admissions' unreported credit: overshoot the store then
-    // never saw.)
+    // went back when it was decided (as `Limiter::refund` says for its
+    // own denials).
     if !decision.is_allowed() {
         return 0;
     }

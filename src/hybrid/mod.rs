@@ -304,7 +304,7 @@ impl HybridEngine {
             // may be held already.
             Take::Late(lost, window) => {
                 s.counters.stranded.add(lost as u64);
-                self.promoted(slot, cost, window.filter(|_| lost as u64 >= cost))
+                self.promoted(slot, cost, Take::paid(lost, window, cost))
             }
         }
     }
@@ -426,7 +426,7 @@ impl HybridEngine {
                 }
                 Take::Late(lost, window) => {
                     s.counters.stranded.add(lost as u64);
-                    paid = window.filter(|_| lost as u64 >= cost);
+                    paid = Take::paid(lost, window, cost);
                 }
                 Take::Empty => {}
             }

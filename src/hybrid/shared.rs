@@ -420,8 +420,6 @@ impl Shared {
         }
     }
 
-    /// Queues debt for reporting under its identity, and counts it against
-    /// the key's credit until the store has it.
     /// Credit the store will never hear of (its report was dropped): the
     /// store could not cover it, so it counts as overshoot, besides being
     /// counted dropped. Without it, a report lost to an outage hid
@@ -432,6 +430,8 @@ impl Shared {
         self.counters.overshoot.add(permits);
     }
 
+    /// Queues debt for reporting under its identity, and counts it against
+    /// the key's credit until the store has it.
     pub(super) fn queue_report(&self, report: DebtReport) {
         {
             let mut ledger = self.outstanding.entry(report.key.clone()).or_default();

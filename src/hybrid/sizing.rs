@@ -35,7 +35,7 @@ pub(crate) const COVER_MARGIN: f64 = 1.2;
 pub(crate) const THIN_AHEAD_CAP_DIVISOR: u64 = 2;
 
 /// What a thin holder's pre-lease asks for: enough that a window with
-/// twice its usual requests (and two more) rarely waits on the store —
+/// twice its usual requests (and four more) rarely waits on the store —
 /// a holder's requests in a window vary as much as their number.
 pub(crate) fn thin_want(per_window: u64) -> u64 {
     2 * per_window + 4

@@ -148,6 +148,14 @@ pub(crate) enum Take {
     Late(i64, Option<i64>),
 }
 
+impl Take {
+    /// A late take's window, if it took at least `cost` of it: that
+    /// window's side of a take across is paid (see [`Slot::take_across`]).
+    pub(crate) fn paid(lost: i64, window: Option<i64>, cost: u64) -> Option<i64> {
+        window.filter(|_| lost as u64 >= cost)
+    }
+}
+
 /// What a retired slot leaves behind: its unreported credit, the last
 /// window closed to credit, and the origin of its bucket lease.
 #[derive(Debug, Clone, Copy)]
@@ -840,8 +848,12 @@ mod model {
     use crate::clock::FakeClock;
     use std::time::Duration;
 
+    fn at(us: u64) -> TimeSource {
+        TimeSource::Precise(Arc::new(FakeClock::new(Duration::from_micros(us))))
+    }
+
     fn before_deadline() -> TimeSource {
-        TimeSource::Precise(Arc::new(FakeClock::new(Duration::from_micros(50))))
+        at(50)
     }
 
     /// Two requests spend while the sync task renews the lease: every
@@ -930,14 +942,10 @@ mod model {
             });
             let late = {
                 let slot = slot.clone();
-                loom::thread::spawn(move || {
-                    let at =
-                        TimeSource::Precise(Arc::new(FakeClock::new(Duration::from_micros(101))));
-                    match slot.take(1, &at) {
-                        Take::Late(n, _) => n,
-                        Take::Taken(..) => 1,
-                        Take::Empty => 0,
-                    }
+                loom::thread::spawn(move || match slot.take(1, &at(101)) {
+                    Take::Late(n, _) => n,
+                    Take::Taken(..) => 1,
+                    Take::Empty => 0,
                 })
             };
             let promoter = {
