@@ -179,6 +179,7 @@ pub(crate) struct Taken {
 impl Taken {
     /// `cost` permits of `window`, from `origin`: nothing unless both are
     /// known and something was taken.
+    #[inline]
     pub(crate) fn new(origin: Origin, cost: u64, window: Option<i64>) -> Taken {
         match window {
             Some(window) if cost > 0 => Taken {
@@ -291,6 +292,31 @@ impl Decision {
         }
     }
 
+    /// An admission spent from a lease, whole in one go: on the request
+    /// path a decision built in pieces is copied between them.
+    #[inline(always)]
+    pub(crate) fn leased(
+        limit: u64,
+        remaining: u64,
+        reset_us: u64,
+        period_us: u64,
+        taken: Taken,
+        limiter: u32,
+    ) -> Self {
+        Decision {
+            limit,
+            remaining,
+            reset_us,
+            retry_us: NEVER,
+            period_us,
+            taken,
+            parts: None,
+            limiter,
+            allowed: true,
+            source: Source::Lease,
+        }
+    }
+
     /// The same decision, recording what it took.
     #[inline(always)]
     pub(crate) fn with_taken(mut self, taken: Taken) -> Self {
@@ -308,8 +334,18 @@ impl Decision {
     /// The same decision, with its quota's period.
     #[inline(always)]
     pub(crate) fn with_period(mut self, period: Duration) -> Self {
-        self.period_us = micros(period);
+        self.set_period(period);
         self
+    }
+
+    /// Sets its quota's period, in place; no write when it has it already
+    /// (see `Lanes::count`).
+    #[inline(always)]
+    pub(crate) fn set_period(&mut self, period: Duration) {
+        let period_us = micros(period);
+        if self.period_us != period_us {
+            self.period_us = period_us;
+        }
     }
 
     /// Whether the request may proceed.

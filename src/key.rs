@@ -32,6 +32,7 @@ pub(crate) const MAX_LOCAL_KEY_LEN: usize = 64;
 /// [`MAX_LOCAL_KEY_LEN`] bytes, else `~` and the hex SHA-256 of `key`
 /// (65 bytes). The digest form is longer than any key kept as it is, so
 /// the mapping stays injective: no short key can equal a digest form.
+#[inline]
 pub(crate) fn local_key(key: &str) -> Cow<'_, str> {
     if key.len() <= MAX_LOCAL_KEY_LEN {
         return Cow::Borrowed(key);

@@ -33,6 +33,8 @@ pub(crate) enum Mode {
 /// Everything a lane is built from but its quota and keys: what every
 /// lane of one limiter shares.
 pub(crate) struct Recipe {
+    /// The limiter's identity (`Lanes::id`), stamped on its decisions.
+    pub(crate) limiter: u32,
     pub(crate) mode: Mode,
     pub(crate) store: Option<Store>,
     pub(crate) algorithm: Algorithm,
@@ -87,6 +89,7 @@ impl Lane {
             (Mode::Hybrid(built_with), Some(store)) => Engine::Hybrid(HybridEngine::start(
                 config.unwrap_or_else(|| built_with.clone()),
                 Wiring {
+                    limiter: recipe.limiter,
                     store,
                     keys,
                     params,
@@ -134,12 +137,23 @@ impl Lane {
     /// otherwise, with nothing taken.
     #[inline(always)]
     pub(crate) fn check_now(&self, key: &str, cost: u64) -> Option<Decision> {
-        let decision = match &self.engine {
-            Engine::Local(local) => local.check(key, cost),
-            Engine::Hybrid(hybrid) => hybrid.try_fast(key, cost)?,
-            Engine::Exact(_) => return None,
-        };
-        Some(decision.with_period(self.quota.period()))
+        let mut decided = None;
+        self.check_now_into(key, cost, &mut decided);
+        decided
+    }
+
+    /// [`check_now`](Lane::check_now), written into `decided` (see
+    /// `Limiter::check_now`).
+    #[inline(always)]
+    pub(crate) fn check_now_into(&self, key: &str, cost: u64, decided: &mut Option<Decision>) {
+        match &self.engine {
+            Engine::Local(local) => *decided = Some(local.check(key, cost)),
+            Engine::Hybrid(hybrid) => hybrid.fast_into(key, cost, decided),
+            Engine::Exact(_) => {}
+        }
+        if let Some(decision) = decided {
+            decision.set_period(self.quota.period());
+        }
     }
 
     /// A decision, by the store if need be; a store error becomes the

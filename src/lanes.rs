@@ -49,14 +49,19 @@ impl Lanes {
     /// Counts a decision and signs it as this limiter's.
     #[inline]
     pub(crate) fn count(&self, decision: &mut Decision) {
-        decision.limiter = self.id;
+        // Written only if not stamped already: a decision the request path
+        // is about to return is copied whole, and a fresh write to it
+        // stalls that copy.
+        if decision.limiter != self.id {
+            decision.limiter = self.id;
+        }
         self.counters
             .decision(decision.is_allowed(), decision.source());
     }
 
     /// The lane of `key`'s first quota.
     #[inline]
-    pub(crate) fn first_lane(&self, key: &str) -> LaneRef {
+    pub(crate) fn first_lane(&self, key: &str) -> LaneRef<'_> {
         self.first
             .lane_for(key, |quota| self.build_lane(quota, 0).ok())
     }
@@ -128,7 +133,7 @@ impl Lanes {
 
 /// A lane of a limiter, borrowed for one decision.
 pub(crate) enum LaneOf<'a> {
-    First(LaneRef),
+    First(LaneRef<'a>),
     Also(&'a Lane),
 }
 

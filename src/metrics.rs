@@ -274,6 +274,7 @@ const KINDS: [ErrorKind; 8] = [
     ErrorKind::Io,
 ];
 
+#[inline]
 fn source_index(source: Source) -> usize {
     SOURCES.iter().position(|s| *s == source).unwrap_or(0)
 }

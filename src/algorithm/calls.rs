@@ -86,6 +86,7 @@ fn admission_nonce() -> u64 {
 
 /// A fresh sequence for an admission's refund identity, without a shared
 /// write: this thread's tag (top bits) and its own count.
+#[inline]
 pub(crate) fn admission_seq() -> u64 {
     use std::cell::Cell;
     use std::sync::atomic::{AtomicU64, Ordering};

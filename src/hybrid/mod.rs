@@ -61,6 +61,8 @@ impl Drop for StopGuard {
 
 /// What a hybrid engine is built from, besides its configuration.
 pub(crate) struct Wiring {
+    /// The limiter deciding through this engine (`Lanes::id`).
+    pub(crate) limiter: u32,
     pub(crate) store: Store,
     pub(crate) keys: KeyEncoder,
     pub(crate) params: Params,
@@ -108,6 +110,7 @@ impl HybridEngine {
             )
         })?;
         let Wiring {
+            limiter,
             store,
             keys,
             params,
@@ -157,6 +160,7 @@ impl HybridEngine {
             stocks,
             max_cost,
             tag: engine_tag(),
+            limiter,
             rtt_us: AtomicU64::new(0),
             reconciler,
             early_lead_us: AtomicU64::new(0),
@@ -189,32 +193,44 @@ impl HybridEngine {
         self.shared.slots.len()
     }
 
-    /// The request path's common case, without a future: a known key with
-    /// valid local permits. `None` means "take the slow path".
-    #[inline(always)]
+    /// [`fast_into`](HybridEngine::fast_into), returned.
+    #[cfg(test)]
     pub(crate) fn try_fast(&self, key: &str, cost: u64) -> Option<Decision> {
+        let mut decided = None;
+        self.fast_into(key, cost, &mut decided);
+        decided
+    }
+
+    /// The request path's common case, without a future: a known key with
+    /// valid local permits. Writes the decision into `decided` (where the
+    /// caller keeps it; see `Limiter::check_now`), or leaves it `None`:
+    /// "take the slow path".
+    #[inline(always)]
+    pub(crate) fn fast_into(&self, key: &str, cost: u64, decided: &mut Option<Decision>) {
         let s = &*self.shared;
         if cost > s.max_cost || s.closed.load(Ordering::Relaxed) {
-            return None;
+            return;
         }
         // The per-thread cache pays off only when threads contend for a
         // key; uncontended, the map's lock is cheaper than the probe.
         let contended = s.contended.load(Ordering::Relaxed);
         if contended {
-            if let Some(decided) = thread_cache::with(self.id, key, |slot, stock| {
+            if let Some(stocked) = thread_cache::with(self.id, key, |slot, stock| {
                 self.fast_stocked(slot, stock, cost)
             }) {
-                return decided;
+                *decided = stocked;
+                return;
             }
         }
-        let entry = s.slots.get(key)?;
-        let decided = self.fast_on(entry.value(), cost);
+        let Some(entry) = s.slots.get(key) else {
+            return;
+        };
+        self.fast_on(entry.value(), cost, decided);
         if contended && thread_cache::worth_caching() {
             let now = s.time.now_us();
             let lost = thread_cache::put(self.id, entry.value().clone(), now);
             s.counters.stranded.add(lost as u64);
         }
-        decided
     }
 
     /// The fast path on a slot this thread cached: spends from the
@@ -229,7 +245,9 @@ impl HybridEngine {
     ) -> Option<Decision> {
         let s = &*self.shared;
         if cost == 0 {
-            return self.fast_on(slot, cost);
+            let mut decided = None;
+            self.fast_on(slot, cost, &mut decided);
+            return decided;
         }
         let mut held = stock.get();
         if held.permits > 0 {
@@ -270,14 +288,18 @@ impl HybridEngine {
                 None
             }
             // A pre-lease to promote, or a denial to answer: the common way.
-            (Take::Empty, ..) => self.fast_on(slot, cost),
+            (Take::Empty, ..) => {
+                let mut decided = None;
+                self.fast_on(slot, cost, &mut decided);
+                decided
+            }
         }
     }
 
     /// The fast path on a slot found: one clock read, after the permit
-    /// was taken (see [`Slot::take`]).
-    #[inline]
-    fn fast_on(&self, slot: &Arc<Slot>, cost: u64) -> Option<Decision> {
+    /// was taken (see [`Slot::take`]); the decision into `decided`.
+    #[inline(always)]
+    fn fast_on(&self, slot: &Arc<Slot>, cost: u64, decided: &mut Option<Decision>) {
         let s = &*self.shared;
         match slot.take(cost, &s.time) {
             Take::Taken(left, now, contended, window) => {
@@ -285,8 +307,20 @@ impl HybridEngine {
                     s.contended.store(true, Ordering::Relaxed);
                 }
                 slot.touch(now);
-                Some(s.spent(slot, left, now, cost, window))
+                *decided = Some(s.spent(slot, left, now, cost, window));
             }
+            missed => *decided = self.fast_missed(slot, cost, missed),
+        }
+    }
+
+    /// [`fast_on`](HybridEngine::fast_on) when the slot's lease could not
+    /// pay: a pre-lease to promote, a window to spend across, or a denial
+    /// known until a time.
+    #[inline(never)]
+    fn fast_missed(&self, slot: &Arc<Slot>, cost: u64, missed: Take) -> Option<Decision> {
+        let s = &*self.shared;
+        match missed {
+            Take::Taken(..) => None,
             Take::Empty => {
                 if let Some(decided) = self.promoted(slot, cost, None) {
                     return Some(decided);

@@ -79,6 +79,10 @@ pub(crate) struct Shared {
     pub(super) max_cost: u64,
     /// This engine's tag in what its leases and credit took.
     pub(super) tag: u16,
+    /// The limiter deciding through this engine, stamped on a decision
+    /// when it is made: a stamp added later costs the request path a
+    /// stalled copy of the whole decision.
+    pub(super) limiter: u32,
     /// Smoothed store round trip, µs.
     pub(super) rtt_us: AtomicU64,
     /// What the failure policy's fallback admitted, to report on recovery.
@@ -277,17 +281,30 @@ impl Shared {
         } else {
             window.map(|_| now as i64)
         };
-        self.lease_decision(slot, left, now)
-            .with_taken(Taken::new(Origin::Lease, cost, window).by(self.tag))
+        Decision::leased(
+            self.params.limit,
+            self.lease_remaining(slot, left),
+            slot.window_end.load(Ordering::Relaxed).saturating_sub(now),
+            self.params.period_us,
+            Taken::new(Origin::Lease, cost, window).by(self.tag),
+            self.limiter,
+        )
+    }
+
+    /// What a lease decision reports as remaining: what the slot holds
+    /// after it, and what the store last said it had not leased.
+    #[inline(always)]
+    fn lease_remaining(&self, slot: &Slot, left: i64) -> u64 {
+        let remaining =
+            left.max(0) as u64 + u64::from(slot.store_remaining.load(Ordering::Relaxed));
+        remaining.min(self.params.limit.max(self.params.burst))
     }
 
     #[inline(always)]
     pub(super) fn lease_decision(&self, slot: &Slot, left: i64, now: u64) -> Decision {
-        let remaining =
-            left.max(0) as u64 + u64::from(slot.store_remaining.load(Ordering::Relaxed));
         Decision::allow(
             self.params.limit,
-            remaining.min(self.params.limit.max(self.params.burst)),
+            self.lease_remaining(slot, left),
             self.reset_after(slot, now),
             Source::Lease,
         )

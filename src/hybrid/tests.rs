@@ -54,6 +54,7 @@ fn rig_on(
     let engine = HybridEngine::start(
         config,
         Wiring {
+            limiter: 1,
             store: wrap(store.clone(), clock.clone()),
             keys: keys.clone(),
             params,

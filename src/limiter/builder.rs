@@ -238,7 +238,11 @@ impl Builder {
             Mode::Hybrid(config) => Some(config.clone()),
             _ => None,
         };
+        let id = NEXT_ID
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .max(1);
         let recipe = Recipe {
+            limiter: id,
             mode: self.mode,
             store,
             algorithm: self.algorithm,
@@ -271,9 +275,7 @@ impl Builder {
                 name,
                 waiters: Default::default(),
                 recipe,
-                id: NEXT_ID
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-                    .max(1),
+                id,
                 period: self.quota.period(),
                 trips_at_build,
             }),

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use crate::hybrid::HybridConfig;
-use crate::key::{local_key, KeyEncoder};
+use crate::key::{local_key, KeyEncoder, MAX_LOCAL_KEY_LEN};
 use crate::lane::{Lane, Mode, Recipe};
 use crate::lanes::{Lanes, NEXT_ID};
 use crate::several;
@@ -113,7 +113,9 @@ impl Limiter {
     /// denial counts against none (see [`Decision::quotas`]).
     pub fn check<'a>(&'a self, key: &'a str, cost: u64) -> Check<'a> {
         let key = local_key(key);
-        match self.check_local_key(&key, cost) {
+        let mut decided = None;
+        self.check_local_key(&key, cost, &mut decided);
+        match decided {
             Some(decision) => Check {
                 state: CheckState::Ready(Some(decision)),
             },
@@ -131,21 +133,39 @@ impl Limiter {
     /// was counted or consumed then.
     #[inline]
     pub fn check_now(&self, key: &str, cost: u64) -> Option<Decision> {
-        self.check_local_key(&local_key(key), cost)
+        let mut decided = None;
+        if key.len() > MAX_LOCAL_KEY_LEN {
+            self.check_hashed_key(key, cost, &mut decided);
+        } else {
+            self.check_local_key(key, cost, &mut decided);
+        }
+        decided
+    }
+
+    /// [`check_now`](Limiter::check_now) for a key replaced by its hash.
+    #[inline(never)]
+    fn check_hashed_key(&self, key: &str, cost: u64, decided: &mut Option<Decision>) {
+        self.check_local_key(&local_key(key), cost, decided);
     }
 
     /// [`check_now`](Limiter::check_now) for a key already through
-    /// [`local_key`].
+    /// [`local_key`], into `decided` (left `None` if the store is needed).
+    ///
+    /// The request path writes its decision where the caller keeps it: a
+    /// decision returned up through its steps is copied whole at each, and
+    /// the first copy of one just made waits for its stores to drain (on
+    /// one hot key, that wait was a tenth of the decision's cost).
     #[inline(always)]
-    fn check_local_key(&self, key: &str, cost: u64) -> Option<Decision> {
+    fn check_local_key(&self, key: &str, cost: u64, decided: &mut Option<Decision>) {
         let inner = &*self.inner;
-        let mut decision = if inner.several() {
-            several::check_now(&self.inner, key, cost)?
+        if inner.several() {
+            *decided = several::check_now(&self.inner, key, cost);
         } else {
-            inner.first_lane(key).check_now(key, cost)?
-        };
-        inner.count(&mut decision);
-        Some(decision)
+            inner.first_lane(key).check_now_into(key, cost, decided);
+        }
+        if let Some(decision) = decided {
+            inner.count(decision);
+        }
     }
 
     async fn check_slow(&self, key: &str, cost: u64) -> Decision {
