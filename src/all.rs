@@ -2,10 +2,11 @@
 //! [`refund_all`], all-or-nothing across limiters whose keys may live in
 //! different Redis slots or nodes.
 
+use crate::decision::Decision;
 use crate::decision::Taken;
 use crate::key::local_key;
+use crate::limiter::Limiter;
 use crate::several::{binding, spawn_refunds};
-use crate::{Decision, Limiter};
 
 /// Decides `cost` for every `(limiter, key)` pair, all-or-nothing: a
 /// user **and** the user's organisation, a route **and** the whole API.
@@ -65,7 +66,12 @@ pub async fn check_all(pairs: &[(&Limiter, &str)], cost: u64) -> Decision {
     }
     guard.taken.clear();
     if taken.is_empty() {
-        return Decision::allow(0, 0, std::time::Duration::ZERO, crate::Source::Local);
+        return Decision::allow(
+            0,
+            0,
+            std::time::Duration::ZERO,
+            crate::decision::Source::Local,
+        );
     }
     binding_of_pairs(pairs, taken.into_iter().map(|(_, d)| d).collect())
 }

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::clock::micros;
-use crate::{Clock, Error, ErrorKind};
+use crate::clock::Clock;
+use crate::error::{Error, ErrorKind};
 
 /// The state of a store's circuit breaker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -523,7 +524,7 @@ impl CircuitBreaker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::FakeClock;
+    use crate::clock::FakeClock;
 
     /// Opens on 3 failures however close together: the old consecutive
     /// rule, for the tests about probes and back-off.

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use crate::algorithm::{AcquireReply, Params};
 use crate::algorithm::{GiveBackCall, LeaseOrigin, OpIds};
+use crate::decision::Decision;
 use crate::decision::{Origin, Source, Taken};
-use crate::Decision;
 
 /// Turns a store's check reply into a decision.
 pub(crate) fn decision_from(reply: &AcquireReply, limit: u64, source: Source) -> Decision {

@@ -9,11 +9,12 @@ use std::sync::Arc;
 use crate::algorithm::OpIds;
 use crate::algorithm::Params;
 use crate::checked::{decision_from, refund_call, taken_by_check};
+use crate::decision::Decision;
 use crate::decision::{Origin, Source, Taken};
+use crate::error::Error;
 use crate::key::KeyEncoder;
 use crate::stats::Counters;
 use crate::store::Store;
-use crate::{Decision, Error};
 
 pub(crate) struct ExactEngine {
     store: Store,

@@ -16,7 +16,7 @@ use std::borrow::Cow;
 
 use sha2::{Digest, Sha256};
 
-use crate::Algorithm;
+use crate::algorithm::Algorithm;
 
 /// Above this many encoded bytes, the tag is the SHA-256 of the raw key.
 pub(crate) const MAX_TAG_LEN: usize = 128;

@@ -10,17 +10,22 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::algorithm::Algorithm;
 use crate::algorithm::Params;
 use crate::algorithm::REPEAT;
+use crate::clock::Clock;
+use crate::decision::Decision;
 use crate::decision::{Origin, Source, Taken};
+use crate::error::{Error, ErrorKind};
 use crate::exact::ExactEngine;
+use crate::failure::FailurePolicy;
 use crate::failure::{FailureLayer, LayerParts};
 use crate::hybrid::{HybridConfig, HybridEngine, Wiring};
 use crate::key::KeyEncoder;
 use crate::local::LocalEngine;
+use crate::quota::Quota;
 use crate::stats::Counters;
 use crate::store::Store;
-use crate::{Algorithm, Clock, Decision, Error, ErrorKind, FailurePolicy, Quota};
 
 /// How decisions are made.
 #[derive(Debug, Clone, PartialEq)]

@@ -4,13 +4,16 @@
 
 use std::sync::{Arc, Mutex};
 
+use crate::algorithm::Algorithm;
+use crate::decision::Decision;
 use crate::decision::Taken;
+use crate::error::Error;
 use crate::hybrid::HybridConfig;
 use crate::key::KeyEncoder;
 use crate::lane::{Lane, Recipe};
+use crate::quota::Quota;
 use crate::stats::Counters;
 use crate::tiers::{LaneRef, Tiers};
-use crate::{Algorithm, Decision, Error, Quota};
 
 /// One limiter's quotas, as lanes.
 pub(crate) struct Lanes {
@@ -32,7 +35,7 @@ pub(crate) struct Lanes {
     /// namespace.
     pub(crate) name: Arc<str>,
     /// Callers of `acquire` waiting, per key, in arrival order.
-    pub(crate) waiters: crate::wait::Queues,
+    pub(crate) waiters: crate::queues::Queues,
     /// This limiter's identity in its decisions.
     pub(crate) id: u32,
     /// The first quota's period as built: quotas of the first position

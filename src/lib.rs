@@ -61,16 +61,30 @@
 //!
 //! # Architecture
 //!
-//! Where things happen, top to bottom (each layer imports only from the
-//! layers below it):
+//! Where things happen, top to bottom: each layer imports only from the
+//! layers below it, no file imports one on its own layer or above (no
+//! circle of imports outside `http`), and within the crate a type is
+//! named by the path of the module that defines it, not through these
+//! re-exports:
 //!
 //! ```text
-//! http, wait (acquire), all (check_all)
-//!   ─► limiter ─► several ─► lanes ─► tiers ─► lane
-//!   ─► hybrid ─► failure ─► exact, local ─► checked ─► store ─► algorithm
-//!
-//! beside them, imported from any layer: stats, metrics, decision,
-//! breaker, key, clock, quota, error
+//! http                  the tower layer
+//! wait, all             acquire; check_all and refund_all
+//! limiter               the front door and its builder
+//! several               a limiter's quotas, all-or-nothing
+//! lanes                 a limiter's quotas as lanes
+//! tiers                 a lane per quota a key may be given
+//! lane                  one quota's engine and failure layer
+//! hybrid                slots, lease sizing, the sync task
+//! failure               the failure policy and its ledger
+//! exact, local          one store call per decision, or none
+//! store, queues         Redis and the embedded store; waiters per key
+//! stats                 counters a limiter keeps
+//! metrics, checked      metric names; what a store's check answered
+//! decision, key         the answer; store-key encoding
+//! algorithm             scripts, their arguments, the embedded mirror
+//! quota, breaker        quotas; the circuit breaker
+//! error, clock          the error type; injected time
 //! ```
 //!
 //! - **A request is decided** in `limiter` ([`Limiter::check`]): the hybrid
@@ -134,7 +148,7 @@
 //! - `limiter`: the [`Limiter`] front door and its [`Builder`];
 //! - `all`: [`check_all`] and [`refund_all`], across limiters;
 //! - `wait`: [`Limiter::acquire`], waiting out a denial instead of
-//!   returning it;
+//!   returning it; `queues`: its waiters per key, in arrival order;
 //! - `http`: the tower layer (429, `Retry-After`, `RateLimit` headers).
 
 mod algorithm;
@@ -155,6 +169,7 @@ mod lanes;
 mod limiter;
 mod local;
 pub mod metrics;
+mod queues;
 mod quota;
 mod several;
 mod stats;

@@ -7,12 +7,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::algorithm::Algorithm;
 use crate::algorithm::OpIds;
 use crate::algorithm::Params;
 use crate::checked::{decision_from, refund_call, taken_by_check};
+use crate::clock::Clock;
+use crate::decision::Decision;
 use crate::decision::{Origin, Source, Taken};
+use crate::quota::Quota;
 use crate::store::MemoryStore;
-use crate::{Algorithm, Clock, Decision, Quota};
 
 pub(crate) struct LocalEngine {
     store: MemoryStore,

@@ -14,8 +14,8 @@ use metrics::{
 use crate::breaker::CircuitState;
 use crate::decision::Source;
 #[cfg(feature = "prometheus")]
-use crate::Error;
-use crate::ErrorKind;
+use crate::error::Error;
+use crate::error::ErrorKind;
 
 /// Decisions, labelled `limiter`, `outcome` (`allowed` / `denied`) and `source`.
 pub const DECISIONS: &str = "slicelimit_decisions_total";

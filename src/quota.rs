@@ -10,7 +10,7 @@
 use std::num::NonZeroU32;
 use std::time::Duration;
 
-use crate::Error;
+use crate::error::Error;
 
 /// A [`NonZeroU32`] from a constant, checked at compile time: a zero does
 /// not compile. For a value known only at run time, use
@@ -209,7 +209,7 @@ mod tests {
         );
     }
 
-    use crate::Algorithm;
+    use crate::algorithm::Algorithm;
 
     #[test]
     fn buckets_that_would_take_longer_than_the_longest_period_to_fill_are_refused() {

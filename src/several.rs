@@ -20,9 +20,9 @@
 
 use std::sync::Arc;
 
+use crate::decision::Decision;
 use crate::decision::{binding_denial, Origin, Taken};
 use crate::lanes::Lanes;
-use crate::Decision;
 
 /// The binding decision of several: a denial if any denied (the one with
 /// the longest wait; "never" is longest), else the admission with the
@@ -206,7 +206,7 @@ async fn in_rounds(
     key: &str,
     cost: u64,
     try_: bool,
-) -> Result<Decision, crate::Error> {
+) -> Result<Decision, crate::error::Error> {
     for _ in 0..ROUNDS {
         match take_in_turn(lanes, key, cost, try_).await? {
             Turn::Done(decision) => return Ok(decision),
@@ -229,7 +229,7 @@ fn unreachable_decision(lanes: &Arc<Lanes>, key: &str) -> Decision {
         0,
         retry,
         Some(retry),
-        crate::Source::Lease,
+        crate::decision::Source::Lease,
     )
     .with_period(lane.quota.period())
 }
@@ -255,7 +255,7 @@ async fn take_in_turn(
     key: &str,
     cost: u64,
     try_: bool,
-) -> Result<Turn, crate::Error> {
+) -> Result<Turn, crate::error::Error> {
     let inner = &**lanes;
     let count = 1 + inner.also.len();
     let undo = Undo::new(lanes, key);
@@ -365,7 +365,7 @@ async fn decide_in_one_call(
     lanes: &Arc<Lanes>,
     key: &str,
     cost: u64,
-) -> Option<Result<Decision, crate::Error>> {
+) -> Option<Result<Decision, crate::error::Error>> {
     let inner = &**lanes;
     let count = 1 + inner.also.len();
     let lanes: Vec<_> = (0..count).filter_map(|i| inner.lane(key, i)).collect();
@@ -375,8 +375,8 @@ async fn decide_in_one_call(
     }
     for lane in &lanes {
         if !lane.reconciled().await {
-            return Some(Err(crate::Error::new(
-                crate::ErrorKind::Connection,
+            return Some(Err(crate::error::Error::new(
+                crate::error::ErrorKind::Connection,
                 "what the fallback admitted is not reported yet",
             )));
         }
@@ -411,7 +411,7 @@ pub(crate) async fn try_decide(
     lanes: &Arc<Lanes>,
     key: &str,
     cost: u64,
-) -> Result<Decision, crate::Error> {
+) -> Result<Decision, crate::error::Error> {
     if let Some(result) = decide_in_one_call(lanes, key, cost).await {
         return result;
     }

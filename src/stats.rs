@@ -11,8 +11,8 @@ use metrics::Counter;
 
 use crate::breaker::CircuitState;
 use crate::decision::Source;
+use crate::error::ErrorKind;
 use crate::metrics::{self as names, Meters};
-use crate::ErrorKind;
 
 /// One total: a local atomic and its metric.
 pub(crate) struct Tally {
@@ -265,7 +265,7 @@ impl Counters {
         &self,
         cost: StoreCost,
         took: std::time::Duration,
-        errors: impl Iterator<Item = &'a crate::Error>,
+        errors: impl Iterator<Item = &'a crate::error::Error>,
     ) {
         if cost.round_trips > 0 {
             self.round_trip(cost, took.as_micros() as u64);

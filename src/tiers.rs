@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use arc_swap::{ArcSwap, ArcSwapOption};
 
 use crate::lane::Lane;
-use crate::Quota;
+use crate::quota::Quota;
 
 /// A key's quota, or `None` for the default.
 pub(crate) type Resolver = dyn Fn(&str) -> Option<Quota> + Send + Sync;

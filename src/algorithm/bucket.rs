@@ -4,7 +4,8 @@
 
 use super::calls::{GiveBackCall, LeaseCall, LeaseOrigin, Params};
 use super::{Arg, LeaseTarget, LeaseView};
-use crate::{Error, Quota, MAX_PERIOD};
+use crate::error::Error;
+use crate::quota::{Quota, MAX_PERIOD};
 
 /// The bucket lease scripts' ARGV (both take the same).
 pub(crate) fn lease_args(p: &Params, c: &LeaseCall, args: &mut Vec<Arg>) {

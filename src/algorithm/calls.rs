@@ -2,7 +2,9 @@
 //! asked (a quota's numbers, a lease call, a give-back) and what it
 //! answers. Plain values; nothing here talks to a store.
 
-use crate::{Algorithm, Error, Quota};
+use crate::algorithm::Algorithm;
+use crate::error::Error;
+use crate::quota::Quota;
 
 /// The numbers a script needs from a quota, in store units (microseconds).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -48,7 +50,7 @@ impl AcquireReply {
     pub(crate) fn from_values(v: &[i64]) -> Result<Self, Error> {
         if v.len() != CHECK_REPLY_LEN {
             return Err(Error::new(
-                crate::ErrorKind::Store,
+                crate::error::ErrorKind::Store,
                 format!(
                     "check script returned {} values, expected {CHECK_REPLY_LEN}",
                     v.len()
@@ -309,7 +311,7 @@ impl LeaseReply {
     pub(crate) fn from_values(v: &[i64]) -> Result<Self, Error> {
         if v.len() != 10 {
             return Err(Error::new(
-                crate::ErrorKind::Store,
+                crate::error::ErrorKind::Store,
                 format!("lease script returned {} values, expected 10", v.len()),
             ));
         }

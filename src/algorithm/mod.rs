@@ -36,7 +36,8 @@ pub(crate) use self::state::{Entry, State};
 
 use std::borrow::Cow;
 
-use crate::{Error, Quota};
+use crate::error::Error;
+use crate::quota::Quota;
 
 /// How permits are counted over time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]

@@ -105,8 +105,9 @@ fn wait_for(n: i64, used: i64, near: &Neighbours, limit: i64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::algorithm::Algorithm;
     use crate::algorithm::{Entry, Params};
-    use crate::{Algorithm, Quota};
+    use crate::quota::Quota;
     use std::time::Duration;
 
     fn fresh() -> (Option<Entry>, Params) {

@@ -2,7 +2,7 @@
 //! keep in a Redis hash, and the helpers every algorithm's mirror shares
 //! to read and write it. Plain data; the store owns the map around it.
 
-use crate::{Error, ErrorKind};
+use crate::error::{Error, ErrorKind};
 
 #[derive(Debug, Clone)]
 pub(crate) struct Entry {

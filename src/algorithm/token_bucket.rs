@@ -6,7 +6,7 @@ use super::bucket;
 use super::calls::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use super::state::{ceil_ms_to_us, wrong_type, Entry, State};
 use super::{LeaseKind, Lua, Spec};
-use crate::Error;
+use crate::error::Error;
 
 pub(super) static SPEC: Spec = Spec {
     name: "token-bucket",

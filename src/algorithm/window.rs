@@ -12,7 +12,7 @@
 use super::calls::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use super::state::{ceil_ms_to_us, count_in, incr_window, trim_and_expire, windows, Entry, State};
 use super::{Arg, LeaseTarget, LeaseView};
-use crate::Error;
+use crate::error::Error;
 
 /// What a carry is computed from: the counts next to the target window.
 #[derive(Debug, Clone, Copy)]

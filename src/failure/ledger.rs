@@ -12,10 +12,10 @@ use std::time::Duration;
 
 use crate::algorithm::{LeaseCall, OpId, OpIds, Params};
 use crate::clock::micros;
+use crate::clock::Clock;
 use crate::key::KeyEncoder;
 use crate::stats::Counters;
 use crate::store::Store;
-use crate::Clock;
 
 /// Permits admitted by the fallback while the store was away, per user key.
 /// Reported to the store as debt when it answers again, so the fleet does
@@ -216,7 +216,7 @@ impl Reconciler {
     pub(crate) fn settle(
         &self,
         report: Report,
-        answer: &Result<crate::algorithm::LeaseReply, crate::Error>,
+        answer: &Result<crate::algorithm::LeaseReply, crate::error::Error>,
         counters: &Counters,
     ) -> bool {
         match answer {
@@ -295,7 +295,7 @@ pub(crate) async fn reconcile(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::FakeClock;
+    use crate::clock::FakeClock;
 
     #[test]
     fn the_reconciliation_ledger_is_bounded_and_counts_what_it_drops() {

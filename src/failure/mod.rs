@@ -20,14 +20,16 @@ pub use self::policy::FailurePolicy;
 
 use std::sync::Arc;
 
+use crate::algorithm::Algorithm;
 use crate::algorithm::Params;
+use crate::clock::Clock;
 use crate::clock::StoreClock;
+use crate::decision::Decision;
 use crate::decision::{Origin, Source, Taken};
 use crate::key::KeyEncoder;
 use crate::local::LocalEngine;
 use crate::stats::Counters;
 use crate::store::Store;
-use crate::{Algorithm, Clock, Decision};
 
 /// Applies the failure policy and settles what it admitted.
 pub(crate) struct FailureLayer {

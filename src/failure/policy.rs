@@ -4,9 +4,10 @@
 
 use std::time::Duration;
 
+use crate::decision::Decision;
 use crate::decision::Source;
 use crate::local::LocalEngine;
-use crate::{Decision, Quota};
+use crate::quota::Quota;
 
 /// What to decide while the store is unavailable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

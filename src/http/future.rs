@@ -10,7 +10,7 @@ use pin_project_lite::pin_project;
 
 use super::body::RateLimitBody;
 use super::prepared::Prepared;
-use crate::Decision;
+use crate::decision::Decision;
 
 type Boxed<B, E> = Pin<Box<dyn Future<Output = Result<Response<RateLimitBody<B>>, E>> + Send>>;
 

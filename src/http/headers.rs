@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
 
-use crate::{Decision, Quota, Source};
+use crate::decision::{Decision, Source};
+use crate::quota::Quota;
 
 /// `RateLimit-Policy`.
 pub const RATELIMIT_POLICY: &str = "ratelimit-policy";

@@ -17,7 +17,7 @@ use std::str::FromStr;
 use http::{Extensions, HeaderMap};
 
 use super::key::RequestView;
-use crate::Error;
+use crate::error::Error;
 
 /// An IP network: an address and a prefix length, such as `10.0.0.0/8`.
 ///

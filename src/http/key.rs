@@ -68,9 +68,9 @@ impl KeyExtractor {
     /// # Errors
     /// An [`InvalidInput`](crate::ErrorKind::InvalidInput) error if `name`
     /// is not a valid header name.
-    pub fn try_header(name: &str) -> Result<Self, crate::Error> {
+    pub fn try_header(name: &str) -> Result<Self, crate::error::Error> {
         let name = http::HeaderName::from_bytes(name.trim().as_bytes()).map_err(|_| {
-            crate::Error::invalid(format!("{name:?} is not a valid HTTP header name"))
+            crate::error::Error::invalid(format!("{name:?} is not a valid HTTP header name"))
         })?;
         let read = name.clone();
         Ok(KeyExtractor {

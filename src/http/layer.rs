@@ -14,7 +14,7 @@ use super::key::{KeyExtractor, MissingKey, RequestView};
 use super::prepared::{CostFn, ExemptFn, Policy, Prepared, RefundFn, RejectFn, Route};
 use super::reject::Rejection;
 use super::service::RateLimit;
-use crate::Limiter;
+use crate::limiter::Limiter;
 
 /// Rate-limits HTTP (and gRPC) requests with one or more [`Limiter`]s.
 ///

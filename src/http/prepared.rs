@@ -12,7 +12,8 @@ use tokio::time::Instant;
 use super::headers::PolicyHeaders;
 use super::key::{KeyExtractor, MissingKey, RequestView};
 use super::reject::Rejection;
-use crate::{Decision, Limiter};
+use crate::decision::Decision;
+use crate::limiter::Limiter;
 
 pub(super) type CostFn = dyn Fn(&RequestView<'_>) -> u64 + Send + Sync;
 pub(super) type ExemptFn = dyn Fn(&RequestView<'_>) -> bool + Send + Sync;

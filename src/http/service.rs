@@ -12,7 +12,7 @@ use super::future::{Admitted, ResponseFuture};
 use super::key::{MissingKey, RequestView};
 use super::prepared::Prepared;
 use super::reject::{Rejection, RejectionKind};
-use crate::{Decision, Source};
+use crate::decision::{Decision, Source};
 
 /// A service rate-limited by a [`RateLimitLayer`](super::RateLimitLayer).
 #[derive(Clone)]

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::Error;
+use crate::error::Error;
 
 /// Whether a process may admit before the store has granted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -296,7 +296,7 @@ impl HybridConfig {
             ("refill_horizon", self.refill_horizon, day),
             ("prelease_lead", self.prelease_lead, day),
             ("clock_margin", self.clock_margin, Duration::from_secs(60)),
-            ("idle_ttl", self.idle_ttl, crate::MAX_PERIOD),
+            ("idle_ttl", self.idle_ttl, crate::quota::MAX_PERIOD),
         ] {
             if value > max {
                 return Err(Error::invalid(format!(

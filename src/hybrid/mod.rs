@@ -40,14 +40,15 @@ use self::slot::{Retired, Slot, Take, UNKNOWN_WINDOW};
 pub(crate) use self::sync::DebtReport;
 use crate::algorithm::{GiveBackCall, LeaseKind, LeaseOrigin, OpIds, Params};
 use crate::clock::TimeSource;
+use crate::decision::Decision;
 use crate::decision::Source;
 use crate::decision::{Origin, Taken};
+use crate::error::{Error, ErrorKind};
 use crate::exact::ExactEngine;
 use crate::failure::Reconciler;
 use crate::key::KeyEncoder;
 use crate::stats::Counters;
 use crate::store::Store;
-use crate::{Decision, Error, ErrorKind};
 
 /// Stops the sync task when the last limiter clone is dropped.
 struct StopGuard(Arc<Shared>);
@@ -67,9 +68,9 @@ pub(crate) struct Wiring {
     pub(crate) keys: KeyEncoder,
     pub(crate) params: Params,
     /// An injected clock; `None` for the system's (coarse) clock.
-    pub(crate) clock: Option<Arc<dyn crate::Clock>>,
+    pub(crate) clock: Option<Arc<dyn crate::clock::Clock>>,
     /// A fast clock lagging `clock` by up to the duration (simulation).
-    pub(crate) fast_clock: Option<(Arc<dyn crate::Clock>, Duration)>,
+    pub(crate) fast_clock: Option<(Arc<dyn crate::clock::Clock>, Duration)>,
     pub(crate) counters: Arc<Counters>,
     /// The largest cost that can ever be admitted.
     pub(crate) max_cost: u64,

@@ -6,10 +6,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::*;
+use crate::algorithm::Algorithm;
 use crate::algorithm::LeaseCall;
+use crate::clock::{Clock, FakeClock};
+use crate::decision::Source;
 use crate::hybrid::slot::NextLease;
+use crate::nonzero;
+use crate::quota::Quota;
 use crate::store::MemoryStore;
-use crate::{nonzero, Algorithm, Clock, FakeClock, Quota, Source};
 
 /// A whole second, so fixed windows start at the origin.
 const ORIGIN: Duration = Duration::from_secs(1_700_000_000);
@@ -61,7 +65,7 @@ fn rig_on(
             clock: Some(Arc::new(clock.clone())),
             fast_clock: fast.map(|f| {
                 (
-                    Arc::new(f) as Arc<dyn crate::Clock>,
+                    Arc::new(f) as Arc<dyn crate::clock::Clock>,
                     Duration::from_millis(50),
                 )
             }),
@@ -70,7 +74,7 @@ fn rig_on(
             reconciler: Arc::new(crate::failure::Reconciler::new(Arc::new(clock.clone()))),
             local_refunds: Default::default(),
             store_clock: crate::failure::FailureLayer::new(crate::failure::LayerParts {
-                policy: crate::FailurePolicy::FailOpen,
+                policy: crate::failure::FailurePolicy::FailOpen,
                 algorithm,
                 clock: Arc::new(clock.clone()),
                 store: None,

@@ -11,15 +11,20 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
+use crate::algorithm::Algorithm;
+use crate::clock::{Clock, SystemClock};
+use crate::decision::Decision;
+use crate::error::Error;
+use crate::failure::FailurePolicy;
 use crate::hybrid::HybridConfig;
 use crate::key::{local_key, KeyEncoder, MAX_LOCAL_KEY_LEN};
 use crate::lane::{Lane, Mode, Recipe};
 use crate::lanes::{Lanes, NEXT_ID};
+use crate::quota::Quota;
 use crate::several;
 use crate::stats::{Counters, Stats};
 use crate::store::Store;
 use crate::tiers::{Resolver, Tiers};
-use crate::{Algorithm, Clock, Decision, Error, FailurePolicy, Quota, SystemClock};
 
 mod builder;
 

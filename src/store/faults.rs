@@ -15,8 +15,9 @@ use std::time::Duration;
 use super::Store;
 use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use crate::breaker::{CircuitBreaker, CircuitConfig};
+use crate::clock::Clock;
+use crate::error::{Error, ErrorKind};
 use crate::stats::StoreCost;
-use crate::{Clock, Error, ErrorKind};
 
 /// How often each fault happens, per call (probabilities in `[0, 1]`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -312,7 +313,7 @@ impl FaultyStore {
         self.inner.breaker.retry_hint()
     }
 
-    pub(crate) fn circuit_state(&self) -> crate::CircuitState {
+    pub(crate) fn circuit_state(&self) -> crate::breaker::CircuitState {
         self.inner.breaker.state()
     }
 
@@ -324,8 +325,11 @@ impl FaultyStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::algorithm::Algorithm;
+    use crate::clock::FakeClock;
+    use crate::nonzero;
+    use crate::quota::Quota;
     use crate::store::MemoryStore;
-    use crate::{nonzero, Algorithm, FakeClock, Quota};
 
     #[tokio::test(start_paused = true)]
     async fn every_call_takes_the_round_trip_and_only_the_wrapper_knows_it() {

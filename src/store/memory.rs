@@ -15,7 +15,7 @@ use dashmap::DashMap;
 use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use crate::algorithm::{Entry, State};
 use crate::clock::{micros, Clock, SystemClock};
-use crate::Error;
+use crate::error::Error;
 use std::collections::HashMap;
 use std::sync::Mutex;
 
@@ -273,7 +273,7 @@ impl MemoryStore {
         &self,
         namespace: &str,
         key: &str,
-        algorithm: crate::Algorithm,
+        algorithm: crate::algorithm::Algorithm,
         window: i64,
     ) -> Option<i64> {
         self.quota_window_count(namespace, key, algorithm, 0, window)
@@ -286,7 +286,7 @@ impl MemoryStore {
         &self,
         namespace: &str,
         key: &str,
-        algorithm: crate::Algorithm,
+        algorithm: crate::algorithm::Algorithm,
         index: usize,
         window: i64,
     ) -> Option<i64> {
@@ -346,7 +346,10 @@ impl MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{nonzero, Algorithm, FakeClock, Quota};
+    use crate::algorithm::Algorithm;
+    use crate::clock::FakeClock;
+    use crate::nonzero;
+    use crate::quota::Quota;
     use std::time::Duration;
 
     fn store() -> (MemoryStore, FakeClock) {

@@ -24,8 +24,8 @@ pub use self::redis::TlsOptions;
 pub use self::redis::{RedisOptions, RedisStore};
 
 use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
+use crate::error::Error;
 use crate::stats::{Counters, StoreCost};
-use crate::Error;
 
 /// A store a limiter can count in: a [`RedisStore`] or a [`MemoryStore`].
 ///
@@ -93,10 +93,10 @@ impl Store {
     }
 
     /// The circuit breaker's state (an embedded store never trips).
-    pub(crate) fn circuit_state(&self) -> crate::CircuitState {
+    pub(crate) fn circuit_state(&self) -> crate::breaker::CircuitState {
         match self {
             Store::Redis(s) => s.circuit_state(),
-            Store::Memory(_) => crate::CircuitState::Closed,
+            Store::Memory(_) => crate::breaker::CircuitState::Closed,
             #[cfg(feature = "test-support")]
             Store::Faulty(s) => s.circuit_state(),
         }

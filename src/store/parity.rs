@@ -8,10 +8,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::{MemoryStore, RedisStore, Store};
+use crate::algorithm::Algorithm;
 use crate::algorithm::LeaseCall;
 use crate::algorithm::{LeaseReply, Params};
+use crate::clock::FakeClock;
+use crate::quota::Quota;
 use crate::stats::Counters;
-use crate::{Algorithm, FakeClock, Quota};
 
 /// A `redis-server` of this test's own, on a free port; killed on drop.
 struct Server(Child, u16);

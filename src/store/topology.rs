@@ -18,7 +18,8 @@ use redis::Value;
 
 use crate::breaker::{CircuitBreaker, CircuitConfig, CircuitState};
 use crate::clock::micros;
-use crate::{Clock, Error, ErrorKind};
+use crate::clock::Clock;
+use crate::error::{Error, ErrorKind};
 
 /// Hash slots in a Redis Cluster.
 pub(crate) const SLOTS: usize = 16_384;
@@ -286,7 +287,7 @@ impl Topology {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::FakeClock;
+    use crate::clock::FakeClock;
     use redis::cluster_routing::Slot;
 
     fn topology() -> Topology {

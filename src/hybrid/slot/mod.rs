@@ -650,7 +650,7 @@ mod tests {
         // modelled by a clock that moves on every read.
         #[derive(Clone)]
         struct Ticking(Arc<std::sync::atomic::AtomicU64>);
-        impl crate::Clock for Ticking {
+        impl crate::clock::Clock for Ticking {
             fn now(&self) -> Duration {
                 Duration::from_micros(self.0.fetch_add(60, Ordering::SeqCst))
             }

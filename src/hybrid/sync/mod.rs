@@ -27,8 +27,8 @@ use super::{Ablation, HybridConfig, Shared};
 use crate::algorithm::{
     LeaseCall, LeaseKind, LeaseOrigin, LeaseReply, LeaseTarget, LeaseView, OpId, MAX_REPORT,
 };
+use crate::error::Error;
 use crate::failure::{Report, RESEND_FOR};
-use crate::Error;
 
 use maintain::*;
 use reply::*;

@@ -2,6 +2,9 @@
 //! a cluster's seed URLs, Redis Sentinel, or a client set up elsewhere;
 //! and how the connection is made again after a failover.
 
+#[cfg(feature = "sentinel")]
+use super::sentinel::{Sentinel, SentinelClient};
+use super::url::{check_scheme, connect_error, ensure_crypto_provider, redact};
 use super::*;
 
 /// How to make a fresh connection, kept for rebuilding it.
@@ -10,7 +13,7 @@ pub(super) enum Client {
     Single(redis::Client, ConnectionManagerConfig),
     /// The primary the Sentinels name now (asked again on every rebuild).
     #[cfg(feature = "sentinel")]
-    Sentinel(Box<super::sentinel::SentinelClient>),
+    Sentinel(Box<SentinelClient>),
 }
 
 impl Client {
@@ -33,91 +36,18 @@ impl Client {
     pub(super) fn connect_limit(&self, connect_timeout: Duration) -> Duration {
         match self {
             #[cfg(feature = "sentinel")]
-            Client::Sentinel(s) => connect_timeout * (s.urls.len() as u32 + 1),
+            Client::Sentinel(s) => connect_timeout_through(s, connect_timeout),
             _ => connect_timeout,
         }
     }
 }
 
-/// `url` without the credentials it may carry: the user part before an
-/// `@` (with or without a scheme), and `pass`, `password`, `user` or
-/// `username` query parameters (Unix socket URLs).
-pub(super) fn redact(url: &str) -> String {
-    let (scheme, rest) = match url.find("://") {
-        Some(i) => (&url[..i + 3], &url[i + 3..]),
-        None => ("", url.trim_start_matches('/')),
-    };
-    let (path, query) = match rest.find('?') {
-        Some(i) => (&rest[..i], Some(&rest[i + 1..])),
-        None => (rest, None),
-    };
-    let path = match path.rfind('@') {
-        Some(at) => format!("<credentials>@{}", &path[at + 1..]),
-        None => path.to_owned(),
-    };
-    let query = query.map(|q| {
-        q.split('&')
-            .map(|pair| {
-                let name = pair.split('=').next().unwrap_or("");
-                if ["pass", "password", "user", "username"]
-                    .contains(&name.to_ascii_lowercase().as_str())
-                {
-                    format!("{name}=<redacted>")
-                } else {
-                    pair.to_owned()
-                }
-            })
-            .collect::<Vec<_>>()
-            .join("&")
-    });
-    match query {
-        Some(q) => format!("{scheme}{path}?{q}"),
-        None => format!("{scheme}{path}"),
-    }
+/// Through Sentinels, the connect timeout once more per Sentinel (they
+/// are asked in turn, and one that hangs costs a timeout before the next).
+#[cfg(feature = "sentinel")]
+fn connect_timeout_through(sentinels: &SentinelClient, connect_timeout: Duration) -> Duration {
+    connect_timeout * (sentinels.urls.len() as u32 + 1)
 }
-
-/// Whether `url` asks for TLS.
-pub(super) fn is_tls(url: &str) -> bool {
-    let url = url.trim_start().to_ascii_lowercase();
-    url.starts_with("rediss://") || url.starts_with("valkeys://")
-}
-
-/// Refuses what would connect other than as asked: a `rediss://` URL in a
-/// build without TLS, TLS settings with a plain URL (never a silent
-/// plaintext connection in place of an encrypted one).
-pub(super) fn check_scheme(urls: &[&str], options: &RedisOptions) -> Result<(), Error> {
-    for url in urls {
-        if is_tls(url) && cfg!(not(feature = "tls")) {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "{} is a TLS URL; TLS needs slicelimit's `tls` feature",
-                    redact(url)
-                ),
-            ));
-        }
-        if options.has_tls() && !is_tls(url) {
-            return Err(Error::invalid(format!(
-                "TLS settings were given for {}, a plain redis:// URL; use rediss://",
-                redact(url)
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// rustls needs a process-wide crypto provider; when the application has
-/// not chosen one, ring (the one this crate's `tls` feature builds).
-#[cfg(feature = "tls")]
-pub(super) fn ensure_crypto_provider() {
-    if rustls::crypto::CryptoProvider::get_default().is_none() {
-        // Losing a race to another installer is fine: one is in place.
-        let _ = rustls::crypto::ring::default_provider().install_default();
-    }
-}
-
-#[cfg(not(feature = "tls"))]
-pub(super) fn ensure_crypto_provider() {}
 
 /// A client built elsewhere carries its own TLS setup; settings given to
 /// the store would be ignored, so they are refused.
@@ -129,17 +59,6 @@ fn refuse_tls_for_built(options: &RedisOptions) -> Result<(), Error> {
         ));
     }
     Ok(())
-}
-
-pub(super) fn connect_error(target: &str, e: redis::RedisError) -> Error {
-    let kind = if e.is_timeout() {
-        ErrorKind::Timeout
-    } else if e.kind() == redis::ErrorKind::InvalidClientConfig {
-        ErrorKind::InvalidInput
-    } else {
-        ErrorKind::Connection
-    };
-    Error::new(kind, format!("cannot connect to {target}: {e}")).caused_by(e)
 }
 
 impl RedisStore {
@@ -367,6 +286,83 @@ impl RedisStore {
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(500))
     }
+}
+
+#[cfg(feature = "sentinel")]
+impl RedisStore {
+    /// Connects to the primary of `service` as Redis Sentinel names it,
+    /// and follows failovers: when the primary stops answering or answers
+    /// as a replica, the store asks the Sentinels again (at most every
+    /// 500 ms) while the failure policy decides, and sends its calls to
+    /// the new primary once they name it.
+    ///
+    /// # Errors
+    /// A [`Connection`](crate::ErrorKind::Connection) or
+    /// [`Timeout`](crate::ErrorKind::Timeout) error if no Sentinel answers,
+    /// none knows the service, or its primary cannot be reached within the
+    /// connect timeout; [`InvalidInput`](crate::ErrorKind::InvalidInput)
+    /// for a bad URL or an empty list.
+    pub async fn connect_sentinel(
+        sentinel: Sentinel,
+        options: RedisOptions,
+    ) -> Result<RedisStore, Error> {
+        options.validate()?;
+        let sentinels = SentinelClient::new(&sentinel, &options, Self::manager_config(&options))?;
+        ensure_crypto_provider();
+        let target = format!("the primary of {:?} through Sentinel", sentinels.service());
+        let limit = connect_timeout_through(&sentinels, options.connect_timeout);
+        let conn = tokio::time::timeout(limit, sentinels.primary())
+            .await
+            .map_err(|_| timeout_error(&format!("connecting to {target}"), limit))?
+            .map_err(|e| connect_error(&target, e))?;
+        let store = Self::with_rebuild(
+            Self::from_parts(Conn::Single(conn), options, &target),
+            Client::Sentinel(Box::new(sentinels)),
+        );
+        watch_sentinels(&store);
+        Ok(store)
+    }
+}
+
+#[cfg(feature = "sentinel")]
+/// How often the Sentinels are asked which node is the primary, so a
+/// planned failover (where the old primary keeps answering as one until
+/// it is reconfigured) is followed within about this long.
+const SENTINEL_CHECK_EVERY: Duration = Duration::from_secs(1);
+
+#[cfg(feature = "sentinel")]
+/// Asks the Sentinels every [`SENTINEL_CHECK_EVERY`] which node is the
+/// primary, and rebuilds the connection when it is not the one the store
+/// uses; ends with the store.
+fn watch_sentinels(store: &RedisStore) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let weak = Arc::downgrade(&store.inner);
+    runtime.spawn(async move {
+        let mut tick = tokio::time::interval(SENTINEL_CHECK_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        loop {
+            tick.tick().await;
+            let Some(inner) = weak.upgrade() else {
+                return;
+            };
+            let store = RedisStore { inner };
+            let Some(Rebuild {
+                client: Client::Sentinel(sentinel),
+                ..
+            }) = &store.inner.rebuild
+            else {
+                return;
+            };
+            let each = store.inner.options.connect_timeout;
+            if let Some(named) = sentinel.named_primary(each).await {
+                if sentinel.moved_from(&named) {
+                    store.maybe_rebuild();
+                }
+            }
+        }
+    });
 }
 
 #[cfg(test)]

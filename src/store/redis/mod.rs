@@ -25,14 +25,16 @@ use super::topology::{slot_of, Node, Topology};
 use crate::algorithm::{self, Arg};
 use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, OpId, Params};
 use crate::breaker::{CircuitBreaker, CircuitConfig, CircuitState};
+use crate::clock::{Clock, SystemClock};
+use crate::error::{Error, ErrorKind};
 use crate::stats::StoreCost;
-use crate::{Clock, Error, ErrorKind, SystemClock};
 
 mod calls;
 mod connect;
 mod options;
 #[cfg(feature = "sentinel")]
 mod sentinel;
+mod url;
 
 use calls::*;
 use connect::Client;

@@ -3,7 +3,7 @@
 //! and every second, so a failover is followed whether or not an error
 //! announced it.
 
-use super::connect::{check_scheme, connect_error, ensure_crypto_provider, redact, Client};
+use super::url::{check_scheme, is_tls, redact};
 use super::*;
 
 /// A Redis Sentinel deployment: where its Sentinels are, which monitored
@@ -74,12 +74,59 @@ pub(super) struct SentinelClient {
     current: std::sync::Mutex<Option<(String, u16)>>,
 }
 
-/// How often the Sentinels are asked which node is the primary, so a
-/// planned failover (where the old primary keeps answering as one until
-/// it is reconfigured) is followed within about this long.
-const SENTINEL_CHECK_EVERY: Duration = Duration::from_secs(1);
-
 impl SentinelClient {
+    /// The client for `sentinel`, refusing what it cannot do as asked: TLS
+    /// (the primary would be reached in plaintext) and bad URLs.
+    pub(super) fn new(
+        sentinel: &Sentinel,
+        options: &RedisOptions,
+        config: ConnectionManagerConfig,
+    ) -> Result<SentinelClient, Error> {
+        if options.has_tls() {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                "TLS settings were given for a Sentinel store; TLS through Sentinel is not \
+                 supported (the Sentinels and the primary are reached in plaintext)",
+            ));
+        }
+        let urls: Vec<&str> = sentinel.sentinels.iter().map(String::as_str).collect();
+        if let Some(url) = urls.iter().find(|u| is_tls(u)) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "{} is a TLS URL; TLS through Sentinel is not supported (the primary \
+                     would be reached in plaintext)",
+                    redact(url)
+                ),
+            ));
+        }
+        check_scheme(&urls, options)?;
+        let sentinels = redis::sentinel::Sentinel::build(urls).map_err(|e| {
+            Error::invalid(format!("bad Sentinel URLs {:?}: {e}", sentinel)).caused_by(e)
+        })?;
+        let mut info = redis::RedisConnectionInfo::default();
+        if let Some(user) = &sentinel.username {
+            info = info.set_username(user);
+        }
+        if let Some(password) = &sentinel.password {
+            info = info.set_password(password);
+        }
+        Ok(SentinelClient {
+            sentinel: tokio::sync::Mutex::new(sentinels),
+            urls: sentinel.sentinels.clone(),
+            current: std::sync::Mutex::new(None),
+            service: sentinel.service.clone(),
+            node: redis::sentinel::SentinelNodeConnectionInfo::default()
+                .set_redis_connection_info(info),
+            config,
+        })
+    }
+
+    /// The monitored service's name.
+    pub(super) fn service(&self) -> &str {
+        &self.service
+    }
+
     /// A connection to the primary the Sentinels name now; the client
     /// checks that the node it finds calls itself a primary.
     pub(super) async fn primary(&self) -> redis::RedisResult<ConnectionManager> {
@@ -103,7 +150,7 @@ impl SentinelClient {
 
     /// The primary the first Sentinel to answer names, each asked for at
     /// most `each`.
-    async fn named_primary(&self, each: Duration) -> Option<(String, u16)> {
+    pub(super) async fn named_primary(&self, each: Duration) -> Option<(String, u16)> {
         for url in &self.urls {
             let Ok(client) = redis::Client::open(url.as_str()) else {
                 continue;
@@ -125,121 +172,11 @@ impl SentinelClient {
     }
 
     /// Whether the store's connection goes to a node other than `named`.
-    fn moved_from(&self, named: &(String, u16)) -> bool {
+    pub(super) fn moved_from(&self, named: &(String, u16)) -> bool {
         self.current
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .as_ref()
             .is_some_and(|current| current != named)
-    }
-}
-
-/// Asks the Sentinels every [`SENTINEL_CHECK_EVERY`] which node is the
-/// primary, and rebuilds the connection when it is not the one the store
-/// uses; ends with the store.
-fn watch_sentinels(store: &RedisStore) {
-    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-        return;
-    };
-    let weak = Arc::downgrade(&store.inner);
-    runtime.spawn(async move {
-        let mut tick = tokio::time::interval(SENTINEL_CHECK_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-        loop {
-            tick.tick().await;
-            let Some(inner) = weak.upgrade() else {
-                return;
-            };
-            let store = RedisStore { inner };
-            let Some(Rebuild {
-                client: Client::Sentinel(sentinel),
-                ..
-            }) = &store.inner.rebuild
-            else {
-                return;
-            };
-            let each = store.inner.options.connect_timeout;
-            if let Some(named) = sentinel.named_primary(each).await {
-                if sentinel.moved_from(&named) {
-                    store.maybe_rebuild();
-                }
-            }
-        }
-    });
-}
-
-impl RedisStore {
-    /// Connects to the primary of `service` as Redis Sentinel names it,
-    /// and follows failovers: when the primary stops answering or answers
-    /// as a replica, the store asks the Sentinels again (at most every
-    /// 500 ms) while the failure policy decides, and sends its calls to
-    /// the new primary once they name it.
-    ///
-    /// # Errors
-    /// A [`Connection`](crate::ErrorKind::Connection) or
-    /// [`Timeout`](crate::ErrorKind::Timeout) error if no Sentinel answers,
-    /// none knows the service, or its primary cannot be reached within the
-    /// connect timeout; [`InvalidInput`](crate::ErrorKind::InvalidInput)
-    /// for a bad URL or an empty list.
-    pub async fn connect_sentinel(
-        sentinel: Sentinel,
-        options: RedisOptions,
-    ) -> Result<RedisStore, Error> {
-        options.validate()?;
-        if options.has_tls() {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                "TLS settings were given for a Sentinel store; TLS through Sentinel is not \
-                 supported (the Sentinels and the primary are reached in plaintext)",
-            ));
-        }
-        let urls: Vec<&str> = sentinel.sentinels.iter().map(String::as_str).collect();
-        if let Some(url) = urls.iter().find(|u| super::connect::is_tls(u)) {
-            return Err(Error::new(
-                ErrorKind::Unsupported,
-                format!(
-                    "{} is a TLS URL; TLS through Sentinel is not supported (the primary \
-                     would be reached in plaintext)",
-                    redact(url)
-                ),
-            ));
-        }
-        check_scheme(&urls, &options)?;
-        ensure_crypto_provider();
-        let sentinels = redis::sentinel::Sentinel::build(urls).map_err(|e| {
-            Error::invalid(format!("bad Sentinel URLs {:?}: {e}", sentinel)).caused_by(e)
-        })?;
-        let mut info = redis::RedisConnectionInfo::default();
-        if let Some(user) = &sentinel.username {
-            info = info.set_username(user);
-        }
-        if let Some(password) = &sentinel.password {
-            info = info.set_password(password);
-        }
-        let client = SentinelClient {
-            sentinel: tokio::sync::Mutex::new(sentinels),
-            urls: sentinel.sentinels.clone(),
-            current: std::sync::Mutex::new(None),
-            service: sentinel.service.clone(),
-            node: redis::sentinel::SentinelNodeConnectionInfo::default()
-                .set_redis_connection_info(info),
-            config: Self::manager_config(&options),
-        };
-        let target = format!("the primary of {:?} through Sentinel", sentinel.service);
-        let client = Client::Sentinel(Box::new(client));
-        let limit = client.connect_limit(options.connect_timeout);
-        let Client::Sentinel(sentinels) = &client else {
-            unreachable!("built just above")
-        };
-        let conn = tokio::time::timeout(limit, sentinels.primary())
-            .await
-            .map_err(|_| timeout_error(&format!("connecting to {target}"), limit))?
-            .map_err(|e| connect_error(&target, e))?;
-        let store = Self::with_rebuild(
-            Self::from_parts(Conn::Single(conn), options, &target),
-            client,
-        );
-        watch_sentinels(&store);
-        Ok(store)
     }
 }
