@@ -97,9 +97,9 @@
 //! - **A lease is fetched** by the hybrid engine's background task
 //!   (`hybrid::sync`): it sizes each key's lease (`hybrid::sizing`),
 //!   batches the keys waiting for one into pipelined lease scripts, and
-//!   installs the replies in the slots (`hybrid::slot`; its fields are
-//!   still written directly by the sync task in places, not all behind
-//!   its methods).
+//!   installs the replies in the slots (`hybrid::slot`, whose fields
+//!   are private: every change goes through a method that keeps its
+//!   invariants).
 //! - **Redis is touched** only in `store::redis`: every script call goes
 //!   through a node's circuit breaker (`breaker`) under the response
 //!   timeout. The store's dispatch (`store::Store`) is where round trips,

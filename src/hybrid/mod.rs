@@ -257,7 +257,7 @@ impl HybridEngine {
                     held.permits -= cost as i64;
                     stock.set(held);
                     slot.touch(now);
-                    let left = slot.permits.load(Ordering::Relaxed);
+                    let left = slot.permits();
                     return Some(s.spent(slot, left + held.permits, now, cost, held.window));
                 }
                 // Too few for this cost: back to the slot, if its lease
@@ -328,7 +328,7 @@ impl HybridEngine {
                 }
                 // Known exhausted: answer from the denied-until time. The
                 // coarse clock may lag, which only lengthens the denial.
-                if cost == 0 || slot.denied_until.load(Ordering::Relaxed) == 0 {
+                if cost == 0 || slot.denied_until() == 0 {
                     return None;
                 }
                 let now = s.time.now_us();
@@ -440,7 +440,7 @@ impl HybridEngine {
             // The slow path reads the precise clock: it decides credit
             // windows and pre-lease starts, where a lagging clock would err.
             let now = s.time.precise_us();
-            if slot.evicted.load(Ordering::Acquire) {
+            if slot.is_evicted() {
                 slot = match s.insert(key, now) {
                     Some(slot) => slot,
                     None => return s.exact_check(key, cost).await,
@@ -490,8 +490,7 @@ impl HybridEngine {
                 let _ = tokio::time::timeout(Duration::from_micros(wait), notified).await;
                 continue;
             }
-            slot.need
-                .fetch_max(cost.min(u64::from(u32::MAX)) as u32, Ordering::AcqRel);
+            slot.need_at_least(cost);
             #[cfg(test)]
             if let Some(land) = s.before_wait.lock().unwrap().take() {
                 land(s, &slot);
@@ -513,12 +512,11 @@ impl HybridEngine {
             let next_start = slot.next_start();
             let soon = 2 * s.rtt_us.load(Ordering::Relaxed) + 1_000;
             if next_start.is_none_or(|start| {
-                start > now + soon
-                    && slot.books().used_up != slot.window.load(Ordering::Acquire) as u32
+                start > now + soon && slot.books().used_up != slot.window() as u32
             }) {
                 s.request_refill(&slot, true);
             }
-            if slot.refill_failed.load(Ordering::Acquire) {
+            if slot.refill_failed() {
                 return Err(Error::new(
                     ErrorKind::Connection,
                     "the last refill failed and no leased permit is left",

@@ -250,7 +250,7 @@ impl Shared {
     }
 
     pub(super) fn reset_after(&self, slot: &Slot, now: u64) -> Duration {
-        Duration::from_micros(slot.window_end.load(Ordering::Relaxed).saturating_sub(now))
+        Duration::from_micros(slot.window_end().saturating_sub(now))
     }
 
     pub(super) fn cached_denial(&self, slot: &Slot, until: u64, now: u64) -> Decision {
@@ -284,7 +284,7 @@ impl Shared {
         Decision::leased(
             self.params.limit,
             self.lease_remaining(slot, left),
-            slot.window_end.load(Ordering::Relaxed).saturating_sub(now),
+            slot.window_end().saturating_sub(now),
             self.params.period_us,
             Taken::new(Origin::Lease, cost, window).by(self.tag),
             self.limiter,
@@ -295,8 +295,7 @@ impl Shared {
     /// after it, and what the store last said it had not leased.
     #[inline(always)]
     fn lease_remaining(&self, slot: &Slot, left: i64) -> u64 {
-        let remaining =
-            left.max(0) as u64 + u64::from(slot.store_remaining.load(Ordering::Relaxed));
+        let remaining = left.max(0) as u64 + slot.store_remaining();
         remaining.min(self.params.limit.max(self.params.burst))
     }
 
@@ -362,8 +361,8 @@ impl Shared {
         // would be overshoot for certain, and the request waits for the
         // refill's answer instead.
         let mut room = max_debt;
-        if windowed && window == slot.window.load(Ordering::Acquire) {
-            let left = u64::from(slot.store_remaining.load(Ordering::Relaxed));
+        if windowed && window == slot.window() {
+            let left = slot.store_remaining();
             let asked = slot.books().sizing.last_want();
             room = room.min(left.saturating_sub(asked));
         }
@@ -495,7 +494,7 @@ impl Shared {
     /// The slot's store key, encoded when the sync task needs it rather
     /// than kept in every slot.
     pub(super) fn store_key(&self, slot: &Slot) -> String {
-        self.keys.store_key(&slot.key, self.params.algorithm)
+        self.keys.store_key(slot.key(), self.params.algorithm)
     }
 
     pub(super) fn give_back(

@@ -186,7 +186,7 @@ async fn a_refill_is_requested_at_the_low_water_mark_before_the_slot_runs_dry() 
     r.check("k", 1).await; // 4 left < 5
     assert!(slot.refill_pending());
     r.sync().await;
-    assert_eq!(slot.permits.load(Ordering::Acquire), 14);
+    assert_eq!(slot.permits(), 14);
     assert_eq!(r.store_count("k"), 20);
 }
 
@@ -203,8 +203,8 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
     r.sync().await;
     assert!(r.check("k", 1).await.is_allowed());
     let slot = r.slot("k");
-    assert_eq!(slot.permits.load(Ordering::Acquire), 49);
-    let window_0 = slot.window.load(Ordering::Acquire);
+    assert_eq!(slot.permits(), 49);
+    let window_0 = slot.window();
     // 3 ms margin and 500 ppm of drift over the 1 s left: from 996.5 ms
     // on, window 0's permits are void.
     r.clock.set(ORIGIN + Duration::from_micros(996_499));
@@ -231,17 +231,13 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
         assert_eq!(d.source(), Source::Lease);
     }
     assert_eq!(slot.next_permits(), 48);
-    assert_eq!(
-        slot.window.load(Ordering::Acquire),
-        window_0,
-        "not yet in place"
-    );
+    assert_eq!(slot.window(), window_0, "not yet in place");
     r.clock.set(ORIGIN + Duration::from_micros(1_003_502));
     let d = r.check("k", 1).await;
     assert!(d.is_allowed());
     assert_eq!(d.source(), Source::Lease);
-    assert_eq!(slot.window.load(Ordering::Acquire), window_0 + 1);
-    assert_eq!(slot.permits.load(Ordering::Acquire), 47);
+    assert_eq!(slot.window(), window_0 + 1);
+    assert_eq!(slot.permits(), 47);
     // Window 0: 50 leased, 2 spent before it ended, 48 stranded (three
     // taken too late, two of them paying for admissions paired with
     // window 1's; 45 replaced at the promotion).
@@ -266,14 +262,14 @@ async fn an_admission_across_the_boundary_costs_one_permit_of_each_window() {
     r.clock.set(ORIGIN + Duration::from_micros(996_500));
     assert!(!r.check("k", 1).await.is_allowed(), "no pre-lease yet");
     r.sync().await;
-    let (current, next) = (slot.permits.load(Ordering::Acquire), slot.next_permits());
+    let (current, next) = (slot.permits(), slot.next_permits());
     r.clock.set(ORIGIN + Duration::from_micros(999_000));
     for i in 1..=10 {
         let d = r.check("k", 1).await;
         assert!(d.is_allowed());
         // Counted in window 1: it resets when window 1 ends.
         assert!(d.reset_after() > Duration::from_secs(1), "{d:?}");
-        assert_eq!(slot.permits.load(Ordering::Acquire), current - i);
+        assert_eq!(slot.permits(), current - i);
         assert_eq!(slot.next_permits(), next - i);
     }
 }
@@ -591,7 +587,7 @@ async fn a_round_ends_after_its_batches_so_maintenance_and_stop_get_a_turn() {
     assert_eq!(r.round_trips(), 32);
     assert!(!sync::round(s).await, "the queue is empty");
     assert_eq!(r.round_trips(), 40);
-    assert!(r.slot("k39").permits.load(Ordering::Acquire) > 0);
+    assert!(r.slot("k39").permits() > 0);
 }
 
 #[tokio::test]
@@ -700,7 +696,7 @@ async fn a_refill_landing_between_the_try_and_the_wait_is_used_not_asked_for_aga
     let d = r.check("k", 1).await;
     assert!(d.is_allowed());
     assert_eq!(d.source(), Source::Lease);
-    assert_eq!(r.slot("k").permits.load(Ordering::Acquire), 4);
+    assert_eq!(r.slot("k").permits(), 4);
     assert_eq!(r.round_trips(), 0, "the landed refill was asked for again");
 }
 
@@ -738,18 +734,18 @@ fn cache_in_this_thread(r: &Rig, key: &str) {
 async fn a_contended_thread_spends_a_stock_of_its_own_and_the_slot_only_per_stock() {
     let r = stocked_rig(160).await;
     let slot = r.slot("k");
-    assert_eq!(slot.permits.load(Ordering::Relaxed), 159);
+    assert_eq!(slot.permits(), 159);
     // One take: the cost and a sixteenth of what is left.
     let d = r.engine.try_fast("k", 1).expect("local");
     assert!(d.is_allowed());
     let stock = thread_cache::stock_for(158);
     assert_eq!(stock, 9);
-    assert_eq!(slot.permits.load(Ordering::Relaxed), 158 - stock);
+    assert_eq!(slot.permits(), 158 - stock);
     // The stock is spent without touching the slot.
     for _ in 0..stock {
         assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
     }
-    assert_eq!(slot.permits.load(Ordering::Relaxed), 158 - stock);
+    assert_eq!(slot.permits(), 158 - stock);
     // Then the next take; low down, no stock at all: every permit is
     // spent by whoever asks, none held back.
     let mut admitted = 1 + 1 + stock;
@@ -760,7 +756,7 @@ async fn a_contended_thread_spends_a_stock_of_its_own_and_the_slot_only_per_stoc
         admitted += 1;
     }
     assert_eq!(admitted, 160, "every leased permit, once");
-    assert_eq!(slot.permits.load(Ordering::Relaxed), 0);
+    assert_eq!(slot.permits(), 0);
     assert_eq!(r.counters.stranded.get(), 0);
 }
 
@@ -770,7 +766,7 @@ async fn a_thread_stock_dies_with_its_lease_and_counts_as_stranded() {
     assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
     let slot = r.slot("k");
     let stock = thread_cache::stock_for(318);
-    assert_eq!(slot.permits.load(Ordering::Relaxed), 318 - stock);
+    assert_eq!(slot.permits(), 318 - stock);
     // Past the window's end the stock is void: no decision from it.
     r.clock.advance(Duration::from_secs(1));
     assert!(r.engine.try_fast("k", 1).is_none(), "the slow path decides");
@@ -792,10 +788,7 @@ async fn a_stock_too_small_for_a_cost_goes_back_to_its_slot() {
     let cost = stock as u64 + 1;
     assert!(r.engine.try_fast("k", cost).expect("local").is_allowed());
     let left = 318 - cost as i64;
-    assert_eq!(
-        slot.permits.load(Ordering::Relaxed),
-        left - thread_cache::stock_for(left)
-    );
+    assert_eq!(slot.permits(), left - thread_cache::stock_for(left));
     assert_eq!(r.counters.stranded.get(), 0);
 }
 
@@ -813,7 +806,7 @@ async fn a_fast_clock_running_ahead_never_starts_a_pre_lease_early() {
     assert!(r.check("k", 1).await.is_allowed());
     let slot = r.slot("k");
     // Spend the window's lease, then hold a slice of the next window.
-    while slot.permits.load(Ordering::Relaxed) > 0 {
+    while slot.permits() > 0 {
         assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
     }
     let start = (ORIGIN + Duration::from_secs(1)).as_micros() as u64;
@@ -1057,8 +1050,8 @@ async fn b_with_a_known_rate(config: HybridConfig) -> Rig {
         r.sync().await;
     }
     let b = r.slot("b");
-    assert_eq!(b.low_water.load(Ordering::Relaxed), 20);
-    assert_eq!(b.permits.load(Ordering::Acquire), 46);
+    assert_eq!(b.low_water(), 20);
+    assert_eq!(b.permits(), 46);
     r
 }
 
@@ -1084,7 +1077,7 @@ async fn a_refill_due_soon_rides_with_another_keys_lease() {
     let b = r.slot("b");
     assert!(!b.refill_pending());
     assert!(!b.refill_in_flight());
-    let held = b.permits.load(Ordering::Acquire);
+    let held = b.permits();
     assert!(held > 60, "a lease sized by b's rate, not a permit: {held}");
     // b spends well past its old mark without a round trip of its own.
     for _ in 0..30 {
@@ -1118,7 +1111,7 @@ async fn a_first_lease_does_not_ride(r: Rig, held: i64) {
     assert!(r.check("a", 1).await.is_allowed());
     r.sync().await;
     assert_eq!(r.counters.rides.get(), 0);
-    assert_eq!(r.slot("b").permits.load(Ordering::Acquire), held);
+    assert_eq!(r.slot("b").permits(), held);
     assert_eq!(r.store_count("b"), 31);
     let key = r.keys.store_key("b", Algorithm::FixedWindow);
     let other = r.store.lease(&r.params, &raw_lease(key, 1000, -1)).unwrap();
@@ -1193,8 +1186,8 @@ async fn a_ride_dropped_before_it_is_answered_leaves_its_slot_free_to_ask() {
     assert!(!b.refill_in_flight());
     assert_eq!(r.store_count("b"), leased, "nothing of the ride was leased");
     // b spends down to its mark and asks for itself.
-    let mark = i64::from(b.low_water.load(Ordering::Relaxed));
-    while b.permits.load(Ordering::Acquire) > mark {
+    let mark = b.low_water();
+    while b.permits() > mark {
         r.clock.advance(Duration::from_millis(1));
         assert!(r.check("b", 1).await.is_allowed());
     }

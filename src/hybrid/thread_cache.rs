@@ -150,10 +150,7 @@ pub(crate) fn with<R>(
         .try_with(|cache| {
             let cache = cache.try_borrow().ok()?;
             let entry = cache[i].as_ref()?;
-            if entry.owner != owner
-                || *entry.slot.key != *key
-                || entry.slot.evicted.load(Ordering::Acquire)
-            {
+            if entry.owner != owner || **entry.slot.key() != *key || entry.slot.is_evicted() {
                 return None;
             }
             Some(f(&entry.slot, &entry.stock))
@@ -166,7 +163,7 @@ pub(crate) fn with<R>(
 /// goes back to its slot if that slot still holds the lease it came from
 /// (local time `now`); otherwise its permits are returned as stranded.
 pub(crate) fn put(owner: u64, slot: Arc<Slot>, now: u64) -> i64 {
-    let i = way(owner, &slot.key);
+    let i = way(owner, slot.key());
     CACHE
         .try_with(|cache| {
             let Ok(mut cache) = cache.try_borrow_mut() else {
@@ -237,7 +234,7 @@ mod tests {
             "another engine's"
         );
         assert!(with(owner, "other", |_, _| ()).is_none());
-        slot.evicted.store(true, Ordering::Release);
+        slot.mark_evicted();
         assert!(with(owner, "k", |_, _| ()).is_none(), "evicted: a miss");
     }
 }

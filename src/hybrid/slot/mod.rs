@@ -7,11 +7,11 @@
 // Under `--cfg loom` (see the `model` tests below) the slot's atomics and
 // locks are loom's, so every interleaving of its methods can be explored.
 #[cfg(loom)]
-use loom::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use loom::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering};
 #[cfg(loom)]
 use loom::sync::{Mutex, MutexGuard};
 #[cfg(not(loom))]
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering};
 #[cfg(not(loom))]
 use std::sync::{Mutex, MutexGuard};
 
@@ -40,57 +40,52 @@ pub(crate) use next::NextLease;
 
 pub(crate) struct Slot {
     /// The user key, shared with the map's key (no second copy).
-    pub(crate) key: Arc<str>,
+    key: Arc<str>,
     /// Permits held locally, all granted by the store.
-    pub(crate) permits: AtomicI64,
+    permits: AtomicI64,
     /// Local µs at which the permits become void (window end or lease
     /// horizon, minus the margin).
-    pub(crate) deadline: AtomicU64,
+    deadline: AtomicU64,
     /// Fixed window: the window index the permits belong to.
-    pub(crate) window: AtomicI64,
+    window: AtomicI64,
     /// Fixed window: local µs by which `window` has surely ended (its
     /// latest possible end plus the margin). Token bucket and GCRA: local
     /// µs at which the bucket is full again, per the store. Either way,
     /// when the quota is whole again (`Decision::reset_after`).
-    pub(crate) window_end: AtomicU64,
+    window_end: AtomicU64,
     /// Below this many permits, a refill is requested.
-    pub(crate) low_water: AtomicU32,
+    low_water: AtomicU32,
     /// Within the limiter's early-refill lead of the deadline, a refill
     /// (fixed window: a pre-lease of the next window; bucket: a renewal)
     /// is requested even above the low-water mark. Off after the store
     /// had nothing to give, until the next lease.
-    pub(crate) early_refill: AtomicBool,
+    early_refill: AtomicBool,
     /// The store said the key is exhausted until this local µs: even,
     /// an ask's answer (definitive); odd, a peek's (see `peek_trust`).
-    pub(crate) denied_until: AtomicU64,
+    denied_until: AtomicU64,
     /// When `denied_until` is a peek's (odd: the window was found fully
     /// leased while the slot still held permits of it), it is believed
     /// only if the slot runs out before this local µs and within the
     /// window's lease; then it stands as an ask's would (made even).
-    pub(crate) peek_trust: AtomicU64,
-    /// A refill is queued or in flight; at most one per key.
-    refill_pending: AtomicBool,
-    /// The refill is in a batch the sync task has sent (or is building):
-    /// any other queue entry for the slot is a duplicate to skip.
-    in_flight: AtomicBool,
-    /// A request waits on the queued refill and the slot has an entry in
-    /// the waiters' queue (it may also sit in the other one).
-    promoted: AtomicBool,
+    peek_trust: AtomicU64,
+    /// Where the slot's one refill is: a [`refill::Refill`] (see
+    /// `refill.rs`, which owns every transition).
+    refill: AtomicU8,
     /// Fixed window: maintenance found the key active near its window's
     /// end and queued a pre-lease of the next window.
-    pub(crate) swept_ahead: AtomicBool,
+    swept_ahead: AtomicBool,
     /// The last refill failed: the failure policy applies once local
     /// permits are gone.
-    pub(crate) refill_failed: AtomicBool,
+    refill_failed: AtomicBool,
     /// Removed from the map; whoever still holds it must look the key up again.
-    pub(crate) evicted: AtomicBool,
+    evicted: AtomicBool,
     /// Largest cost a waiting request needs (so the next lease covers it).
-    pub(crate) need: AtomicU32,
+    need: AtomicU32,
     /// Last use, local milliseconds (wrapping), for idle eviction.
-    pub(crate) last_used: AtomicU32,
+    last_used: AtomicU32,
     /// What the store last said remains unleased.
     /// (Saturating: a header value, not an accounting one.)
-    pub(crate) store_remaining: AtomicU32,
+    store_remaining: AtomicU32,
     /// Whether `next` holds a lease (checked without the lock). Set and
     /// cleared only under the `next` lock, by the methods below.
     has_next: AtomicBool,
@@ -99,7 +94,7 @@ pub(crate) struct Slot {
     next: Mutex<Option<Box<NextLease>>>,
     /// Credit and sizing: the slow path's and the sync task's, behind one
     /// lock to keep the slot small.
-    pub(crate) books: Mutex<Books>,
+    books: Mutex<Books>,
 }
 
 /// A slot's slow-path bookkeeping.
@@ -193,9 +188,7 @@ impl Slot {
             early_refill: AtomicBool::new(false),
             denied_until: AtomicU64::new(0),
             peek_trust: AtomicU64::new(0),
-            refill_pending: AtomicBool::new(false),
-            in_flight: AtomicBool::new(false),
-            promoted: AtomicBool::new(false),
+            refill: AtomicU8::new(refill::Refill::Idle as u8),
             swept_ahead: AtomicBool::new(false),
             refill_failed: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
@@ -214,6 +207,116 @@ impl Slot {
                 used_up: u32::MAX,
             }),
         }
+    }
+
+    /// The key this slot holds permits of.
+    pub(crate) fn key(&self) -> &Arc<str> {
+        &self.key
+    }
+
+    /// Permits held now (void once the deadline has passed).
+    #[inline]
+    pub(crate) fn permits(&self) -> i64 {
+        self.permits.load(Ordering::Acquire)
+    }
+
+    /// The local time the permits held stop being spendable alone (0:
+    /// none held).
+    pub(crate) fn deadline(&self) -> u64 {
+        self.deadline.load(Ordering::Acquire)
+    }
+
+    /// The window the permits held belong to (buckets: the lease's).
+    pub(crate) fn window(&self) -> i64 {
+        self.window.load(Ordering::Acquire)
+    }
+
+    /// The local time the current window ends, as the last reply placed it.
+    #[inline]
+    pub(crate) fn window_end(&self) -> u64 {
+        self.window_end.load(Ordering::Relaxed)
+    }
+
+    /// Buckets have no window: the time their bucket is full again (local
+    /// µs), kept where a window's end is, for `reset_after`.
+    pub(crate) fn set_bucket_full_at(&self, at: u64) {
+        self.window_end.store(at, Ordering::Relaxed);
+    }
+
+    /// Below this many permits a take asks for a refill.
+    pub(crate) fn low_water(&self) -> i64 {
+        i64::from(self.low_water.load(Ordering::Relaxed))
+    }
+
+    /// Sets the refill mark of the permits in place.
+    pub(crate) fn set_low_water(&self, low_water: u32) {
+        self.low_water.store(low_water, Ordering::Relaxed);
+    }
+
+    /// No refill ahead of need: neither at a mark nor near the lease's
+    /// end (the store has nothing more to give, or no one to give it to).
+    pub(crate) fn no_early_refill(&self) {
+        self.early_refill.store(false, Ordering::Relaxed);
+    }
+
+    /// Until when the key is known exhausted (local µs; 0: not known).
+    pub(crate) fn denied_until(&self) -> u64 {
+        self.denied_until.load(Ordering::Acquire)
+    }
+
+    /// Whether the slot has left the map: nothing may be installed in it.
+    #[inline]
+    pub(crate) fn is_evicted(&self) -> bool {
+        self.evicted.load(Ordering::Acquire)
+    }
+
+    /// The slot leaves the map (see [`retire`](Slot::retire)).
+    #[cfg(test)]
+    pub(crate) fn mark_evicted(&self) {
+        self.evicted.store(true, Ordering::Release);
+    }
+
+    /// The last refill failed: waiters decide by the failure policy.
+    pub(crate) fn refill_failed(&self) -> bool {
+        self.refill_failed.load(Ordering::Acquire)
+    }
+
+    /// Records whether the last refill failed.
+    pub(crate) fn set_refill_failed(&self, failed: bool) {
+        self.refill_failed.store(failed, Ordering::Release);
+    }
+
+    /// What the store last said it had not leased, for `remaining`.
+    #[inline]
+    pub(crate) fn store_remaining(&self) -> u64 {
+        u64::from(self.store_remaining.load(Ordering::Relaxed))
+    }
+
+    /// Records what the store last said it had not leased.
+    pub(crate) fn set_store_remaining(&self, remaining: u64) {
+        self.store_remaining
+            .store(remaining.min(u64::from(u32::MAX)) as u32, Ordering::Relaxed);
+    }
+
+    /// A waiting request needs at least `cost` from the next refill.
+    pub(crate) fn need_at_least(&self, cost: u64) {
+        self.need
+            .fetch_max(cost.min(u64::from(u32::MAX)) as u32, Ordering::AcqRel);
+    }
+
+    /// What waiting requests need from the refill being sent, cleared.
+    pub(crate) fn take_need(&self) -> u64 {
+        u64::from(self.need.swap(0, Ordering::AcqRel))
+    }
+
+    /// A sweep leased the next window ahead for this slot.
+    pub(crate) fn mark_swept_ahead(&self) {
+        self.swept_ahead.store(true, Ordering::Release);
+    }
+
+    /// Whether a sweep leased ahead since the last refill was sent, cleared.
+    pub(crate) fn take_swept_ahead(&self) -> bool {
+        self.swept_ahead.swap(false, Ordering::AcqRel)
     }
 
     /// Spends `cost` local permits if they are valid now.
@@ -594,6 +697,28 @@ mod tests {
     }
 
     #[test]
+    fn a_refill_is_asked_sent_and_settled_once() {
+        let slot = Slot::new("k".into(), 0);
+        assert!(slot.enqueue(false), "an idle slot queues its ask");
+        assert!(!slot.enqueue(false), "asked already");
+        assert!(slot.enqueue(true), "a waiter adds an entry to its queue");
+        assert!(!slot.enqueue(true), "one waiters' entry");
+        assert!(slot.send_queued(), "the first entry taken is sent");
+        assert!(!slot.send_queued(), "the other is a duplicate");
+        assert!(slot.refill_in_flight() && !slot.enqueue(true));
+        assert!(!slot.send_unasked(), "no ride while one is on its way");
+        slot.refill_done();
+        assert!(
+            !slot.refill_pending() && !slot.send_queued(),
+            "a stale entry"
+        );
+        assert!(slot.send_unasked(), "a ride when none is asked for");
+        assert!(!slot.enqueue(false) && slot.refill_in_flight());
+        slot.refill_done();
+        assert!(!slot.refill_pending());
+    }
+
+    #[test]
     fn a_peeks_denial_is_believed_only_while_fresh_and_never_erases_an_asks() {
         let slot = Slot::new("k".into(), 0);
         slot.install(5, 7, 100, 103, 10, false);
@@ -967,6 +1092,31 @@ mod model {
             // An admission across (before window 7 surely ended) paid a
             // permit of each window.
             assert!(admitted == 0 || across.stranded == 1, "{across:?}");
+        });
+    }
+
+    /// A request asking for a refill (then waiting on it) races the sync
+    /// task taking the slot's queue entries: one refill is sent per ask,
+    /// never two, and an ask no send took stays asked for.
+    #[test]
+    fn an_ask_and_a_wait_race_the_sends_of_their_entries() {
+        explore(|| {
+            let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
+            let asker = {
+                let slot = slot.clone();
+                loom::thread::spawn(move || {
+                    let first = slot.enqueue(false);
+                    let second = slot.enqueue(true);
+                    (first, second)
+                })
+            };
+            let sent = [slot.send_queued(), slot.send_queued()];
+            let (first, _) = asker.join().unwrap();
+            assert!(first, "the first ask of an idle slot is queued");
+            assert!(!(sent[0] && sent[1]), "one send per ask");
+            if !sent.contains(&true) {
+                assert!(slot.refill_pending(), "an ask no send took stays asked for");
+            }
         });
     }
 

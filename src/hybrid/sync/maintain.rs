@@ -75,18 +75,15 @@ pub(super) fn prelease_if_active(
     // thin holder often skips a window, and waiting for its next request
     // to lease the current window first would cost that request a round
     // trip, every time.)
-    let deadline = slot.deadline.load(Ordering::Acquire);
-    if slot.window.load(Ordering::Acquire) == crate::hybrid::slot::UNKNOWN_WINDOW
+    let deadline = slot.deadline();
+    if slot.window() == crate::hybrid::slot::UNKNOWN_WINDOW
         || deadline > plan.end
         || slot.has_next()
         || slot.refill_pending()
     {
         return;
     }
-    let window_start = slot
-        .window_end
-        .load(Ordering::Relaxed)
-        .saturating_sub(shared.params.period_us);
+    let window_start = slot.window_end().saturating_sub(shared.params.period_us);
     let idle_us = idle_ms.saturating_mul(1_000);
     let mut books = slot.books();
     if ablate.off(Ablation::THIN_PRELEASE) && books.sizing.thin() {
@@ -113,7 +110,7 @@ pub(super) fn prelease_if_active(
     }
     books.ahead_asked = boundary;
     drop(books);
-    slot.swept_ahead.store(true, Ordering::Release);
+    slot.mark_swept_ahead();
     shared.request_refill(slot, false);
 }
 
@@ -179,7 +176,7 @@ pub(super) fn trim_idle(shared: &Shared, slot: &Slot, idle_ms: u64, now: u64) {
     let keep = (shared.params.limit / crate::hybrid::sizing::EARNED_FLOOR_DIVISOR)
         .max(1)
         .min(i64::MAX as u64) as i64;
-    if slot.permits.load(Ordering::Relaxed) <= keep {
+    if slot.permits() <= keep {
         return;
     }
     let rate = slot.books().sizing.rate_per_us();

@@ -173,7 +173,7 @@ mod tests {
     }
 
     fn name(slot: Option<Arc<Slot>>) -> Option<String> {
-        slot.map(|s| s.key.to_string())
+        slot.map(|s| s.key().to_string())
     }
 
     #[test]

@@ -120,7 +120,7 @@ pub(super) fn lease_failed(shared: &Shared, slot: &Slot, call: &LeaseCall, t0: u
             first_sent: Some(t0),
         });
     }
-    slot.refill_failed.store(true, Ordering::Release);
+    slot.set_refill_failed(true);
 }
 
 /// A lease call's reply: what it says of the store (its clock, what
@@ -136,7 +136,7 @@ pub(super) fn lease_answered(
     t1: u64,
 ) {
     let counters = &shared.counters;
-    slot.refill_failed.store(false, Ordering::Release);
+    slot.set_refill_failed(false);
     observe_store_clock(shared, r, t0, t1);
     counters.overshoot.add(r.uncovered);
     let windowed = shared.leases.windowed();
@@ -147,10 +147,7 @@ pub(super) fn lease_answered(
         let mut books = slot.books();
         books.credit_closed = books.credit_closed.max(p.call.debt_window.max(current));
     }
-    slot.store_remaining.store(
-        r.remaining.min(u64::from(u32::MAX)) as u32,
-        Ordering::Relaxed,
-    );
+    slot.set_store_remaining(r.remaining);
     if windowed && r.start_after_us == 0 && r.remaining == 0 {
         slot.books().used_up = r.window as u32;
     }
@@ -159,9 +156,7 @@ pub(super) fn lease_answered(
             .window_end_hint
             .store(t0 + r.reset_after_us, Ordering::Relaxed);
     } else {
-        // Buckets have no window: the field holds when they are full.
-        slot.window_end
-            .store(t0 + r.reset_after_us, Ordering::Relaxed);
+        slot.set_bucket_full_at(t0 + r.reset_after_us);
     }
     // Window leases: the deadline is the window's end, `reset_after`
     // ahead. Buckets: the lease horizon, drift added when installed.
@@ -173,7 +168,7 @@ pub(super) fn lease_answered(
             0
         };
     let now = shared.time.precise_us();
-    if r.granted > 0 && slot.evicted.load(Ordering::Acquire) {
+    if r.granted > 0 && slot.is_evicted() {
         // The slot was retired while its lease was in flight: no request
         // will spend these permits here. Give them back.
         counters.lease_granted(r.granted);
@@ -201,7 +196,7 @@ pub(super) fn lease_answered(
             // fully leased, for more).
             slot.set_next_low_water(r.window, low_water);
         } else {
-            slot.low_water.store(low_water, Ordering::Relaxed);
+            slot.set_low_water(low_water);
             if windowed && r.remaining > 0 {
                 // The store has room in this window after all (a peek
                 // that found it full was overtaken by a give-back).
@@ -228,13 +223,13 @@ pub(super) fn lease_answered(
             // the time an idle holder takes to give back what it will not
             // spend (`trim_idle`): a window fully leased is not always
             // fully spent.
-            let before = slot.denied_until.load(Ordering::Acquire);
+            let before = slot.denied_until();
             let calm = before.saturating_add(shared.params.period_us) <= t1;
             if windowed && calm {
                 until = until.min(t1 + trim_delay_us(shared.params.period_us));
             }
             slot.deny_until(until);
-        } else if now >= slot.deadline.load(Ordering::Acquire) {
+        } else if now >= slot.deadline() {
             // Nothing left of the next window, which has not begun in the
             // store, while this process's permits of the current one are
             // void: nothing can be admitted here before the next window
@@ -244,10 +239,10 @@ pub(super) fn lease_answered(
         }
         // Nothing to be had: spend what is held, then ask again (the
         // denied-until time keeps that from costing round trips).
-        slot.low_water.store(0, Ordering::Relaxed);
-        slot.early_refill.store(false, Ordering::Relaxed);
+        slot.set_low_water(0);
+        slot.no_early_refill();
     }
-    let level = slot.permits.load(Ordering::Acquire);
+    let level = slot.permits();
     slot.books().sizing.applied(level, now);
 }
 
@@ -365,7 +360,7 @@ pub(super) fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &Lea
     if contested {
         // Nor a pre-lease of the next window: spread over every holder
         // whatever its rate, it strands the same way.
-        slot.early_refill.store(false, Ordering::Relaxed);
+        slot.no_early_refill();
     }
     // A window lease that, with what is held, covers what the rate spends
     // until its window ends is that window's last: refilled only if demand
@@ -380,7 +375,7 @@ pub(super) fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &Lea
         let lasting = if r.start_after_us > 0 {
             r.granted as i64
         } else {
-            slot.permits.load(Ordering::Acquire)
+            slot.permits()
         };
         rate > 0.0 && lasting.max(0) as f64 >= rate * serves * COVER_MARGIN
     };

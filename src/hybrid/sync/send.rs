@@ -301,7 +301,7 @@ pub(super) fn next_batch(
             .collect()
     };
     for slot in slots {
-        if slot.evicted.load(Ordering::Acquire) {
+        if slot.is_evicted() {
             slot.refill_done();
             shared.refilled(&slot).notify_waiters();
             continue;
@@ -437,8 +437,8 @@ pub(super) fn lease_call(
     now: u64,
 ) -> Pending {
     let period = shared.params.period_us;
-    let permits = slot.permits.load(Ordering::Acquire);
-    let valid = now < slot.deadline.load(Ordering::Acquire);
+    let permits = slot.permits();
+    let valid = now < slot.deadline();
     let near_end = slot.near_end(now, shared.early_lead());
     let mut books = slot.books();
     let credit = Credit {
@@ -449,13 +449,13 @@ pub(super) fn lease_call(
     };
     books.credit.in_flight += books.credit.debt;
     books.credit.debt = 0;
-    let need = u64::from(slot.need.swap(0, Ordering::AcqRel));
+    let need = slot.take_need();
     let rule = SizingRule {
         min_lease: config.min_lease,
         max_lease: config.max_lease,
         horizon_us: config.refill_horizon.as_micros() as u64,
     };
-    let window = slot.window.load(Ordering::Acquire);
+    let window = slot.window();
     let windowed = shared.leases.windowed();
     books.sizing.observe(
         permits,
@@ -463,11 +463,11 @@ pub(super) fn lease_call(
         now,
         (windowed && window != crate::hybrid::slot::UNKNOWN_WINDOW).then_some(window),
     );
-    let deadline = slot.deadline.load(Ordering::Acquire);
+    let deadline = slot.deadline();
     // Permits that would arrive void (they end within a round trip and
     // the margin) are not worth asking for.
     let rtt = shared.rtt_us.load(Ordering::Relaxed) + shared.time.tick_us();
-    let swept = slot.swept_ahead.swap(false, Ordering::AcqRel);
+    let swept = slot.take_swept_ahead();
     let LeaseTarget {
         min_window,
         renew,

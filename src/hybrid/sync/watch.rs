@@ -59,7 +59,7 @@ pub(super) fn runs_out_early(slot: &Slot, r: &LeaseReply, max_lease: u64) -> Opt
     let holds = if r.start_after_us > 0 {
         r.granted as i64
     } else {
-        slot.permits.load(Ordering::Acquire)
+        slot.permits()
     };
     // With the margin `low_water_after` gives a lease that covers its
     // window: a slot refilled at half (not covered) is watched, or its
@@ -115,20 +115,20 @@ pub(super) fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize,
         let Some(slot) = w.slot.upgrade() else {
             return false;
         };
-        let current = slot.window.load(Ordering::Acquire);
+        let current = slot.window();
         // (A denial known now is of the current window: a watch of the
         // next one, a pre-lease's, stays.)
-        if slot.evicted.load(Ordering::Acquire)
+        if slot.is_evicted()
             || current > w.window
             || now >= w.until
-            || (current == w.window && slot.denied_until.load(Ordering::Acquire) > now)
+            || (current == w.window && slot.denied_until() > now)
         {
             return false;
         }
         // Due once its lease is in place and, by the rate, soon spent;
         // not while a refill of the slot is queued or in flight (its reply
         // tells the same).
-        let soon = slot.permits.load(Ordering::Acquire).max(0) as f64 <= w.rate_per_us * trust;
+        let soon = slot.permits().max(0) as f64 <= w.rate_per_us * trust;
         let due = current == w.window && now >= w.after && soon && !slot.refill_pending();
         if !due {
             return true;
@@ -159,8 +159,8 @@ pub(super) fn peek_answered(
     if r.remaining > 0
         || r.start_after_us > 0
         || r.retry_after_us == 0
-        || r.window != slot.window.load(Ordering::Acquire)
-        || slot.denied_until.load(Ordering::Acquire) > t1
+        || r.window != slot.window()
+        || slot.denied_until() > t1
     {
         return;
     }
@@ -171,7 +171,7 @@ pub(super) fn peek_answered(
         t1 + r.retry_after_us + margin,
         t1 + peek_trust_us(shared.params.period_us),
     );
-    slot.low_water.store(0, Ordering::Relaxed);
+    slot.set_low_water(0);
 }
 
 /// A slot that, by its rate, falls to its low-water mark shortly, before
@@ -222,7 +222,7 @@ pub(super) fn expect_refill(
     now: u64,
 ) {
     let rate = slot.books().sizing.rate_per_us();
-    let held = slot.permits.load(Ordering::Acquire);
+    let held = slot.permits();
     let above = held - i64::from(low_water);
     // Not a slot whose rate is not known yet (a first lease): a ride seeds
     // the rate from what was spent since the grant, and a short burst then
@@ -233,7 +233,7 @@ pub(super) fn expect_refill(
     if low_water == 0 || above <= 0 || rate <= 0.0 {
         return;
     }
-    if now.saturating_add((above as f64 / rate) as u64) >= slot.deadline.load(Ordering::Acquire) {
+    if now.saturating_add((above as f64 / rate) as u64) >= slot.deadline() {
         return;
     }
     let mut ahead = shared.ahead.lock().unwrap_or_else(|p| p.into_inner());
@@ -262,7 +262,7 @@ pub(crate) fn note_ahead(shared: &Shared, slot: &Arc<Slot>, window: i64, now: u6
             slot: Arc::downgrade(slot),
             window,
             since: now,
-            held: slot.permits.load(Ordering::Acquire),
+            held: slot.permits(),
             rate_per_us: 1e-9,
         },
     );
@@ -306,14 +306,11 @@ pub(super) fn add_rides(
         let Some(slot) = a.slot.upgrade() else {
             return false;
         };
-        let deadline = slot.deadline.load(Ordering::Acquire);
-        if slot.evicted.load(Ordering::Acquire)
-            || slot.window.load(Ordering::Acquire) != a.window
-            || now >= deadline
-        {
+        let deadline = slot.deadline();
+        if slot.is_evicted() || slot.window() != a.window || now >= deadline {
             return false;
         }
-        let held = slot.permits.load(Ordering::Acquire);
+        let held = slot.permits();
         let elapsed = now.saturating_sub(a.since);
         let spent = a.held - held;
         // When it falls due: by the rate known at the grant, or by what it
@@ -324,7 +321,7 @@ pub(super) fn add_rides(
         } else {
             a.rate_per_us
         };
-        let above = held - i64::from(slot.low_water.load(Ordering::Relaxed));
+        let above = held - slot.low_water();
         let eta = if rate > 0.0 {
             (above.max(0) as f64 / rate) as u64
         } else {
@@ -334,7 +331,7 @@ pub(super) fn add_rides(
             // Kept while it may still fall due in time.
             return elapsed <= horizon || now.saturating_add(eta) < deadline;
         }
-        if held <= 0 || slot.denied_until.load(Ordering::Acquire) > now || !slot.send_unasked() {
+        if held <= 0 || slot.denied_until() > now || !slot.send_unasked() {
             return false;
         }
         rides.push(slot);
