@@ -280,3 +280,14 @@ const TICK: Duration = Duration::from_millis(1);
 
 /// See [`TimeSource::guard_us`].
 const COARSE_GUARD: Duration = Duration::from_millis(50);
+/// Local clocks are assumed to run within this many parts per million of
+/// Redis' clock (NTP keeps servers within tens of ppm; an undisciplined
+/// crystal is within ±100). A deadline projected `d` µs ahead from a
+/// Redis reply is brought forward by `d × MAX_DRIFT_PPM / 10^6`, so a
+/// window-W permit is never spent after Redis ended W.
+pub(crate) const MAX_DRIFT_PPM: u64 = 500;
+
+/// The drift allowance for a deadline `ahead_us` in the future.
+pub(crate) fn drift_us(ahead_us: u64) -> u64 {
+    ahead_us / (1_000_000 / MAX_DRIFT_PPM)
+}

@@ -14,6 +14,7 @@
 //! maintenance, shutdown).
 
 mod config;
+mod outbox;
 mod refunds;
 mod shared;
 mod sizing;
@@ -34,10 +35,11 @@ use dashmap::DashMap;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+pub(crate) use self::outbox::DebtReport;
+use self::outbox::Outbox;
 pub(crate) use self::refunds::LocalRefunds;
-use self::shared::{Shared, REFILL_STRIPES};
+use self::shared::{Life, Shared, REFILL_STRIPES};
 use self::slot::{Retired, Slot, Take, UNKNOWN_WINDOW};
-pub(crate) use self::sync::DebtReport;
 use crate::algorithm::{GiveBackCall, LeaseKind, LeaseOrigin, OpIds, Params};
 use crate::clock::TimeSource;
 use crate::decision::Decision;
@@ -55,8 +57,8 @@ struct StopGuard(Arc<Shared>);
 
 impl Drop for StopGuard {
     fn drop(&mut self) {
-        self.0.stopping.store(true, Ordering::Release);
-        self.0.wake.notify_one();
+        self.0.life.stopping.store(true, Ordering::Release);
+        self.0.outbox.wake.notify_one();
     }
 }
 
@@ -141,22 +143,17 @@ impl HybridEngine {
             pre_leases: params.algorithm.spec().pre_leases,
             time,
             counters,
-            queue: Mutex::new(sync::RefillQueue::default()),
-            returns: Mutex::new(Vec::new()),
-            watched: Mutex::new(HashMap::new()),
-            ahead: Mutex::new(HashMap::new()),
-            ride_scan_at: AtomicU64::new(0),
-            reports: Mutex::new(Vec::new()),
+            outbox: Outbox::new(),
+            watch: sync::Watch::default(),
             outstanding: DashMap::with_hasher(ahash::RandomState::new()),
             ops,
             holder,
             store_clock,
-            wake: Notify::new(),
             refill_waiters: (0..REFILL_STRIPES).map(|_| Notify::new()).collect(),
-            urgent: AtomicBool::new(false),
-            stopping: AtomicBool::new(false),
-            alive: AtomicBool::new(true),
-            closed: AtomicBool::new(false),
+            life: Life {
+                alive: AtomicBool::new(true),
+                ..Life::default()
+            },
             contended: AtomicBool::new(false),
             stocks,
             max_cost,
@@ -209,7 +206,7 @@ impl HybridEngine {
     #[inline(always)]
     pub(crate) fn fast_into(&self, key: &str, cost: u64, decided: &mut Option<Decision>) {
         let s = &*self.shared;
-        if cost > s.max_cost || s.closed.load(Ordering::Relaxed) {
+        if cost > s.max_cost || s.life.closed.load(Ordering::Relaxed) {
             return;
         }
         // The per-thread cache pays off only when threads contend for a
@@ -388,7 +385,7 @@ impl HybridEngine {
     /// which case the caller decides by one store call.
     fn ensure_sync_task(&self) -> bool {
         let s = &*self.shared;
-        if s.alive.load(Ordering::Acquire) || s.stopping.load(Ordering::Acquire) {
+        if s.life.alive.load(Ordering::Acquire) || s.life.stopping.load(Ordering::Acquire) {
             return true;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -396,7 +393,7 @@ impl HybridEngine {
         };
         let mut task = self.task.lock().unwrap_or_else(|p| p.into_inner());
         // Another caller may have restarted it while this one waited.
-        if s.alive.swap(true, Ordering::AcqRel) {
+        if s.life.alive.swap(true, Ordering::AcqRel) {
             return true;
         }
         *task = Some(runtime.spawn(sync::run(self.shared.clone())));
@@ -420,7 +417,7 @@ impl HybridEngine {
                 Source::Lease,
             ));
         }
-        if s.closed.load(Ordering::Acquire) {
+        if s.life.closed.load(Ordering::Acquire) {
             return s.exact_check(key, cost).await;
         }
         // The slow path tries the slot's permits first: one code path for
@@ -567,7 +564,7 @@ impl HybridEngine {
             if wait {
                 sync::give_back_all(s).await;
             }
-            s.wake.notify_one();
+            s.outbox.wake.notify_one();
         }
     }
 
@@ -582,14 +579,14 @@ impl HybridEngine {
     /// Stops the sync task and gives every unused permit back.
     pub(crate) async fn shutdown(&self) {
         let s = &*self.shared;
-        s.closed.store(true, Ordering::Release);
-        s.stopping.store(true, Ordering::Release);
-        s.wake.notify_one();
+        s.life.closed.store(true, Ordering::Release);
+        s.life.stopping.store(true, Ordering::Release);
+        s.outbox.wake.notify_one();
         let task = self.task.lock().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(task) = task {
             let _ = task.await;
         }
-        s.finish().await;
+        sync::finish(s).await;
     }
 }
 

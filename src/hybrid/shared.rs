@@ -25,21 +25,12 @@ pub(crate) struct Shared {
     pub(super) pre_leases: bool,
     pub(super) time: TimeSource,
     pub(super) counters: Arc<Counters>,
-    /// Slots waiting for a refill, those with a request waiting first.
-    pub(super) queue: Mutex<sync::RefillQueue>,
-    /// Permits to give back in the next round.
-    pub(super) returns: Mutex<Vec<GiveBackCall>>,
-    /// Slots whose window is peeked at with the next batch sent.
-    pub(super) watched: Mutex<HashMap<usize, sync::Watched>>,
-    /// Slots whose refill ahead of need is soon due: sent early with a
-    /// batch that goes out anyway (see [`sync::Ahead`]).
-    pub(super) ahead: Mutex<HashMap<usize, sync::Ahead>>,
-    /// When `ahead` was last scanned for refills to send along (local µs;
-    /// 0: never), so a burst of batches does not scan it once each.
-    pub(super) ride_scan_at: AtomicU64,
-    /// Debt of evicted slots (or of failed reports) to report next round,
-    /// each under the identity it was first sent with.
-    pub(super) reports: Mutex<Vec<DebtReport>>,
+    /// What the sync task is handed to do (refills, give-backs, reports),
+    /// and how it is woken.
+    pub(super) outbox: Outbox,
+    /// The sync task's own watch on slots: peeks and rides (its part,
+    /// read and written by `sync` alone).
+    pub(super) watch: sync::Watch,
     /// Store key → credit of slots already retired: debt queued or in
     /// flight, and (fixed window) what the window saw and whether the store
     /// closed it to credit. A recreated slot counts it against `max_debt`,
@@ -53,22 +44,13 @@ pub(crate) struct Shared {
     /// the exact calls of the limiter's failure layer), shared with the
     /// failure policy's fallback, which counts its windows on it.
     pub(super) store_clock: Arc<StoreClock>,
-    /// Wakes the sync task.
-    pub(super) wake: Notify,
     /// Woken when a refill has been applied; striped by slot rather than
     /// one per slot, which keeps slots small (a waiter woken for another
     /// slot of its stripe just checks again).
     pub(super) refill_waiters: Box<[Notify]>,
-    /// A queued refill has a request waiting on it: no coalescing delay.
-    pub(super) urgent: AtomicBool,
-    /// Tells the sync task to exit.
-    pub(super) stopping: AtomicBool,
-    /// The sync task runs. Cleared by a guard inside it when it ends for
-    /// any reason: its runtime was dropped, it panicked (say, in a metrics
-    /// recorder), or it was told to stop.
-    pub(super) alive: AtomicBool,
-    /// After shutdown: decide by the exact path, lease nothing.
-    pub(super) closed: AtomicBool,
+    /// Whether the sync task runs, is told to stop, and the engine is
+    /// closed.
+    pub(super) life: Life,
     /// Threads got in each other's way on some key lately: the request
     /// path then looks in its per-thread slot cache first. Cleared by
     /// maintenance, set again by the next contended swap.
@@ -100,6 +82,20 @@ pub(crate) struct Shared {
     /// test land a refill in exactly that gap.
     #[cfg(test)]
     pub(super) before_wait: Mutex<Option<BeforeWait>>,
+}
+
+/// An engine's life: its sync task running, told to stop, the engine
+/// closed.
+#[derive(Default)]
+pub(crate) struct Life {
+    /// Tells the sync task to exit.
+    pub(super) stopping: AtomicBool,
+    /// The sync task runs. Cleared by a guard inside it when it ends for
+    /// any reason: its runtime was dropped, it panicked (say, in a metrics
+    /// recorder), or it was told to stop.
+    pub(super) alive: AtomicBool,
+    /// After shutdown: decide by the exact path, lease nothing.
+    pub(super) closed: AtomicBool,
 }
 
 #[cfg(test)]
@@ -143,35 +139,6 @@ pub(super) const STORE_CLOCK_FRESH_US: u64 = 10_000_000;
 pub(super) const REFILL_STRIPES: usize = 1_024;
 
 impl Shared {
-    /// The last work of a limiter: every slot retired (unused permits given
-    /// back, debt reported), waiters woken to decide by one store call,
-    /// one last round. Bounded: each batch by the store's timeout, and the
-    /// breaker refuses the rest once it opens. What the store cannot take
-    /// even now is counted as dropped, not lost silently.
-    pub(super) async fn finish(&self) {
-        self.closed.store(true, Ordering::Release);
-        let now = self.time.precise_us();
-        let keys: Vec<Arc<str>> = self.slots.iter().map(|e| e.key().clone()).collect();
-        for key in keys {
-            if let Some((_, slot)) = self.slots.remove(&key) {
-                self.retire(&slot, now);
-            }
-        }
-        for stripe in self.refill_waiters.iter() {
-            stripe.notify_waiters();
-        }
-        sync::round(self).await;
-        let debt: u64 =
-            std::mem::take(&mut *self.reports.lock().unwrap_or_else(|p| p.into_inner()))
-                .iter()
-                .map(|r| r.debt)
-                .sum();
-        self.debt_dropped(debt);
-        let fallback: u64 = self.reconciler.drain().iter().map(|r| r.permits).sum();
-        self.counters.reports_dropped.add(fallback);
-        self.counters.meters.local_keys.set(0.0);
-    }
-
     #[inline]
     pub(super) fn early_lead(&self) -> u64 {
         self.early_lead_us.load(Ordering::Relaxed)
@@ -211,7 +178,7 @@ impl Shared {
         }
         // After shutdown nothing is leased again: a waiter that wakes to an
         // evicted slot decides by one store call instead.
-        if self.closed.load(Ordering::Acquire) {
+        if self.life.closed.load(Ordering::Acquire) {
             return None;
         }
         let max_keys = self.config.load().max_keys;
@@ -236,16 +203,17 @@ impl Shared {
     /// once; otherwise it may wait `coalesce` for more keys to batch.
     pub(super) fn request_refill(&self, slot: &Arc<Slot>, urgent: bool) {
         if urgent {
-            self.urgent.store(true, Ordering::Release);
+            self.outbox.urgent.store(true, Ordering::Release);
         }
         if slot.enqueue(urgent) {
-            self.queue
+            self.outbox
+                .refills
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .push(slot.clone(), urgent);
-            self.wake.notify_one();
+            self.outbox.wake.notify_one();
         } else if urgent {
-            self.wake.notify_one();
+            self.outbox.wake.notify_one();
         }
     }
 
@@ -322,7 +290,7 @@ impl Shared {
         let err = reading.error_us
             + config.clock_margin.as_micros() as u64
             + self.time.tick_us()
-            + sync::drift_us(age);
+            + crate::clock::drift_us(age);
         let store_now = now.checked_add_signed(reading.offset_us)?;
         let period = self.params.period_us;
         let early = store_now.saturating_sub(err) / period;
@@ -463,7 +431,8 @@ impl Shared {
                 ledger.at_us = self.time.precise_us();
             }
         }
-        self.reports
+        self.outbox
+            .reports
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(report);
@@ -516,7 +485,8 @@ impl Shared {
             remember_us: 0,
             refund: false,
         };
-        self.returns
+        self.outbox
+            .returns
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(call);

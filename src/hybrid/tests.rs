@@ -1023,14 +1023,14 @@ async fn a_watched_slot_is_not_kept_alive_once_evicted() {
         assert!(r.check("k", 1).await.is_allowed());
     }
     r.sync().await;
-    assert_eq!(r.engine.shared.watched.lock().unwrap().len(), 1);
+    assert_eq!(r.engine.shared.watch.watched.lock().unwrap().len(), 1);
     let weak = Arc::downgrade(&r.slot("k"));
     for _ in 0..60 {
         r.clock.advance(Duration::from_secs(5));
         r.maintain();
     }
     assert!(r.engine.shared.slots.get("k").is_none(), "evicted");
-    *r.engine.shared.queue.lock().unwrap() = Default::default();
+    *r.engine.shared.outbox.refills.lock().unwrap() = Default::default();
     assert!(weak.upgrade().is_none(), "the watch keeps no slot alive");
 }
 
@@ -1299,9 +1299,9 @@ async fn a_burst_of_new_keys_scans_the_refills_due_soon_once_per_pace_not_per_ba
         assert!(r.check(&key, 1).await.is_allowed());
         sync::note_ahead(&r.engine.shared, &r.slot(&key), window, now);
     }
-    let entries = r.engine.shared.ahead.lock().unwrap().len();
+    let entries = r.engine.shared.watch.ahead.lock().unwrap().len();
     assert!(entries > sync::RIDE_SCAN_ALWAYS, "{entries} entries");
-    let scanned = || r.engine.shared.ride_scan_at.load(Ordering::Relaxed);
+    let scanned = || r.engine.shared.watch.ride_scan_at.load(Ordering::Relaxed);
     let first = scanned();
     // Another batch a millisecond later: not scanned again (the pace for
     // a 1 s period is 12.5 ms).

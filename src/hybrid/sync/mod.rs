@@ -14,7 +14,6 @@ mod reply;
 mod send;
 mod watch;
 
-use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -25,8 +24,9 @@ use futures_util::future::join_all;
 
 use super::{Ablation, HybridConfig, Shared};
 use crate::algorithm::{
-    LeaseCall, LeaseKind, LeaseOrigin, LeaseReply, LeaseTarget, LeaseView, OpId, MAX_REPORT,
+    LeaseCall, LeaseKind, LeaseOrigin, LeaseReply, LeaseTarget, LeaseView, MAX_REPORT,
 };
+use crate::clock::drift_us;
 use crate::error::Error;
 use crate::failure::{Report, RESEND_FOR};
 
@@ -35,39 +35,45 @@ use reply::*;
 use send::*;
 use watch::*;
 
+use super::outbox::DebtReport;
 pub(crate) use maintain::{maintain, SWEEP_SLICES};
-pub(crate) use send::{give_back_all, round, RefillQueue};
+pub(crate) use send::{give_back_all, round};
+pub(crate) use watch::Watch;
 #[cfg(test)]
 pub(crate) use watch::{note_ahead, RIDE_SCAN_ALWAYS};
-pub(crate) use watch::{Ahead, Watched};
 
-/// Local clocks are assumed to run within this many parts per million of
-/// Redis' clock (NTP keeps servers within tens of ppm; an undisciplined
-/// crystal is within ±100). A deadline projected `d` µs ahead from a
-/// Redis reply is brought forward by `d × MAX_DRIFT_PPM / 10^6`, so a
-/// window-W permit is never spent after Redis ended W.
-pub(crate) const MAX_DRIFT_PPM: u64 = 500;
-
-/// The drift allowance for a deadline `ahead_us` in the future.
-pub(crate) fn drift_us(ahead_us: u64) -> u64 {
-    ahead_us / (1_000_000 / MAX_DRIFT_PPM)
-}
-
-/// Debt to report on its own (an evicted slot's, or one whose lease call
-/// failed), under the identity it was first sent with.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct DebtReport {
-    pub(crate) key: String,
-    pub(crate) debt: u64,
-    /// Fixed window: the window the debt was admitted in.
-    pub(crate) window: i64,
-    pub(crate) op: OpId,
-    /// Deliveries that found the store unavailable, for the back-off.
-    pub(crate) attempts: u32,
-    /// Local µs before which it is not resent.
-    pub(crate) not_before: u64,
-    /// When it was first sent (see `RESEND_FOR`).
-    pub(crate) first_sent: Option<u64>,
+/// The last work of a limiter: every slot retired (unused permits given
+/// back, debt reported), waiters woken to decide by one store call,
+/// one last round. Bounded: each batch by the store's timeout, and the
+/// breaker refuses the rest once it opens. What the store cannot take
+/// even now is counted as dropped, not lost silently.
+pub(crate) async fn finish(shared: &Shared) {
+    shared.life.closed.store(true, Ordering::Release);
+    let now = shared.time.precise_us();
+    let keys: Vec<Arc<str>> = shared.slots.iter().map(|e| e.key().clone()).collect();
+    for key in keys {
+        if let Some((_, slot)) = shared.slots.remove(&key) {
+            shared.retire(&slot, now);
+        }
+    }
+    for stripe in shared.refill_waiters.iter() {
+        stripe.notify_waiters();
+    }
+    round(shared).await;
+    let debt: u64 = std::mem::take(
+        &mut *shared
+            .outbox
+            .reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()),
+    )
+    .iter()
+    .map(|r| r.debt)
+    .sum();
+    shared.debt_dropped(debt);
+    let fallback: u64 = shared.reconciler.drain().iter().map(|r| r.permits).sum();
+    shared.counters.reports_dropped.add(fallback);
+    shared.counters.meters.local_keys.set(0.0);
 }
 
 /// The back-off of a report the store could not take: 50 ms doubling to
@@ -85,7 +91,7 @@ struct Alive<'a>(&'a Shared);
 
 impl Drop for Alive<'_> {
     fn drop(&mut self) {
-        self.0.alive.store(false, Ordering::Release);
+        self.0.life.alive.store(false, Ordering::Release);
     }
 }
 
@@ -107,33 +113,33 @@ pub(crate) async fn run(shared: Arc<Shared>) {
             false
         } else {
             tokio::select! {
-                _ = shared.wake.notified() => true,
+                _ = shared.outbox.wake.notified() => true,
                 _ = maintenance.tick() => {
                     sweep = tick(&shared, sweep);
                     false
                 }
             }
         };
-        if woken && !shared.urgent.load(Ordering::Acquire) {
+        if woken && !shared.outbox.urgent.load(Ordering::Acquire) {
             // Nobody waits yet: let refills of other keys join this batch.
             let until = tokio::time::Instant::now() + shared.config.load().coalesce;
             loop {
                 tokio::select! {
                     _ = tokio::time::sleep_until(until) => break,
-                    _ = shared.wake.notified() => {
-                        if shared.urgent.load(Ordering::Acquire) || shared.stopping.load(Ordering::Acquire) {
+                    _ = shared.outbox.wake.notified() => {
+                        if shared.outbox.urgent.load(Ordering::Acquire) || shared.life.stopping.load(Ordering::Acquire) {
                             break;
                         }
                     }
                 }
             }
         }
-        if shared.stopping.load(Ordering::Acquire) {
+        if shared.life.stopping.load(Ordering::Acquire) {
             // Dropped without `shutdown`: do its work here, so unused
             // permits go back and debt is reported all the same.
             // (`shutdown` closes the limiter first and finishes itself.)
-            if !shared.closed.load(Ordering::Acquire) {
-                shared.finish().await;
+            if !shared.life.closed.load(Ordering::Acquire) {
+                finish(&shared).await;
             }
             return;
         }
@@ -159,59 +165,5 @@ mod tests {
             assert_eq!(next_boundary(known, 13, 10), Some(23), "{known}");
             assert_eq!(next_boundary(known, 12, 10), Some(13), "{known}");
         }
-    }
-
-    fn slot(name: &str) -> Arc<Slot> {
-        Arc::new(Slot::new(Arc::from(name), 0))
-    }
-
-    /// Queues `slot` the way `request_refill` does.
-    fn queue(q: &mut RefillQueue, slot: &Arc<Slot>, waiting: bool) {
-        if slot.enqueue(waiting) {
-            q.push(slot.clone(), waiting);
-        }
-    }
-
-    fn name(slot: Option<Arc<Slot>>) -> Option<String> {
-        slot.map(|s| s.key().to_string())
-    }
-
-    #[test]
-    fn waiters_go_first_and_a_promoted_refill_is_sent_once() {
-        let mut q = RefillQueue::default();
-        let (a, b, c, x) = (slot("a"), slot("b"), slot("c"), slot("x"));
-        queue(&mut q, &a, false);
-        queue(&mut q, &b, false);
-        queue(&mut q, &c, false);
-        queue(&mut q, &x, true);
-        // b was queued ahead of need; a request now waits on it.
-        queue(&mut q, &b, true);
-        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("x"));
-        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("b"));
-        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("a"));
-        // b's first entry is a duplicate: skipped while it is in flight.
-        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("c"));
-        assert!(q.pop(0, 1_000).is_none());
-        // Settled and queued again: one entry, sent once.
-        b.refill_done();
-        queue(&mut q, &b, false);
-        queue(&mut q, &b, true);
-        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("b"));
-        assert!(q.pop(0, 1_000).is_none());
-        // A waiter on a refill already in flight adds nothing.
-        queue(&mut q, &b, true);
-        assert!(q.pop(0, 1_000).is_none());
-    }
-
-    #[test]
-    fn a_stale_entry_does_not_send_a_settled_refill() {
-        let mut q = RefillQueue::default();
-        let a = slot("a");
-        queue(&mut q, &a, false);
-        queue(&mut q, &a, true);
-        assert!(q.pop(0, 1_000).is_some());
-        a.refill_done();
-        // The other entry is left over from the settled refill.
-        assert!(q.pop(0, 1_000).is_none());
     }
 }

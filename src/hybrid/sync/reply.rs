@@ -85,6 +85,7 @@ pub(super) fn settle_report(
             report.attempts += 1;
             report.not_before = shared.time.precise_us() + backoff_us(report.attempts);
             shared
+                .outbox
                 .reports
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())

@@ -60,6 +60,7 @@ impl Drop for Unsent<'_> {
         }
         if !debts.is_empty() {
             shared
+                .outbox
                 .reports
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
@@ -101,48 +102,6 @@ pub(super) enum Reported {
     Fallback(Report),
 }
 
-/// Refills waiting to be sent. Waiters first: a slot a request waits on
-/// goes before one refilled ahead of need (low water, pre-lease). A slot
-/// promoted while queued has an entry in both; the first taken wins and
-/// the other is skipped as a duplicate.
-#[derive(Default)]
-pub(crate) struct RefillQueue {
-    pub(super) waiting: VecDeque<Arc<Slot>>,
-    pub(super) ahead: VecDeque<Arc<Slot>>,
-}
-
-impl RefillQueue {
-    pub(crate) fn push(&mut self, slot: Arc<Slot>, waiting: bool) {
-        if waiting {
-            self.waiting.push_back(slot);
-        } else {
-            self.ahead.push_back(slot);
-        }
-    }
-
-    /// The next refill to send, marked in flight. A waiters' entry whose
-    /// slot was last used more than `max_wait_ms` ago has nobody waiting
-    /// any more (they were denied at `max_wait`): it moves behind the
-    /// waiters still in time, so an overload serves those it can still
-    /// serve instead of those already turned away.
-    pub(super) fn pop(&mut self, now: u64, max_wait_ms: u64) -> Option<Arc<Slot>> {
-        loop {
-            let slot = match self.waiting.pop_front() {
-                Some(slot) if slot.idle_ms(now) > max_wait_ms => {
-                    self.ahead.push_back(slot);
-                    continue;
-                }
-                Some(slot) => slot,
-                None => self.ahead.pop_front()?,
-            };
-            // A duplicate: already sent, or settled since it was queued.
-            if slot.send_queued() {
-                return Some(slot);
-            }
-        }
-    }
-}
-
 /// Pipelines a round keeps in flight at once. On a real network the round
 /// trip, not Redis, limits one pipeline at a time: four batches of 512
 /// leases per round trip.
@@ -159,7 +118,7 @@ pub(super) const BATCHES_PER_ROUND: usize = 16;
 /// are empty or after `BATCHES_PER_ROUND` batches (it then wakes the task
 /// again). Returns whether work is left.
 pub(crate) async fn round(shared: &Shared) -> bool {
-    shared.urgent.store(false, Ordering::Release);
+    shared.outbox.urgent.store(false, Ordering::Release);
     // Reports are taken once per round: one that fails goes back to its
     // queue for the next round (the maintenance tick paces retries), so a
     // round always ends, even while the store refuses every call.
@@ -172,16 +131,20 @@ pub(crate) async fn round(shared: &Shared) -> bool {
     };
     unsent.debts = {
         let now = shared.time.precise_us();
-        let mut queued = shared.reports.lock().unwrap_or_else(|p| p.into_inner());
+        let mut queued = shared
+            .outbox
+            .reports
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let (due, later): (Vec<_>, Vec<_>) =
             std::mem::take(&mut *queued).into_iter().partition(|r| {
                 // The last round (shutdown) sends everything it has.
-                r.not_before <= now || shared.closed.load(Ordering::Acquire)
+                r.not_before <= now || shared.life.closed.load(Ordering::Acquire)
             });
         *queued = later;
         due
     };
-    let last = shared.closed.load(Ordering::Acquire);
+    let last = shared.life.closed.load(Ordering::Acquire);
     let mut sent = 0;
     let mut more = false;
     loop {
@@ -294,7 +257,11 @@ pub(super) fn next_batch(
     }
     let room = config.batch_size.saturating_sub(pending.len());
     let slots: Vec<Arc<Slot>> = {
-        let mut queue = shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut queue = shared
+            .outbox
+            .refills
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let max_wait_ms = config.max_wait.as_millis() as u64;
         std::iter::from_fn(|| queue.pop(now, max_wait_ms))
             .take(room)
@@ -401,7 +368,13 @@ pub(super) fn settle(
 /// Sends the queued give-backs. They go last: a waiter's lease matters
 /// more than returning permits nobody is asking for yet.
 pub(crate) async fn give_back_all(shared: &Shared) {
-    let returns = std::mem::take(&mut *shared.returns.lock().unwrap_or_else(|p| p.into_inner()));
+    let returns = std::mem::take(
+        &mut *shared
+            .outbox
+            .returns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()),
+    );
     for chunk in returns.chunks(shared.config.load().batch_size) {
         let (result, _) = shared
             .store

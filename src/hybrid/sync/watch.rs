@@ -1,7 +1,25 @@
 //! Peeks and rides: asking after keys that will soon run out, in batches
 //! going out anyway, instead of in calls of their own.
 
+use std::collections::HashMap;
+use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
+
 use super::*;
+
+/// The sync task's watch on slots: windows to peek at, refills ahead of
+/// need to send along. Read and written by the sync task alone.
+#[derive(Default)]
+pub(crate) struct Watch {
+    /// Slots whose window is peeked at with the next batch sent.
+    pub(crate) watched: Mutex<HashMap<usize, Watched>>,
+    /// Slots whose refill ahead of need is soon due: sent early with a
+    /// batch that goes out anyway (see [`Ahead`]).
+    pub(crate) ahead: Mutex<HashMap<usize, Ahead>>,
+    /// When `ahead` was last scanned for refills to send along (local µs;
+    /// 0: never), so a burst of batches does not scan it once each.
+    pub(crate) ride_scan_at: AtomicU64,
+}
 
 /// A slot whose window lease runs out before its window ends, granted
 /// while the store still had room in that window. The other holders of a
@@ -89,7 +107,11 @@ pub(super) fn watch(
         until,
         rate_per_us,
     };
-    let mut watched = shared.watched.lock().unwrap_or_else(|p| p.into_inner());
+    let mut watched = shared
+        .watch
+        .watched
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     let id = Arc::as_ptr(slot) as usize;
     let room = watched.len() < MAX_WATCHED;
     match watched.get_mut(&id) {
@@ -107,7 +129,11 @@ pub(super) fn watch(
 /// anything (slot gone, window over, or already known full).
 pub(super) fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize, now: u64) {
     let trust = peek_trust_us(shared.params.period_us) as f64;
-    let mut watched = shared.watched.lock().unwrap_or_else(|p| p.into_inner());
+    let mut watched = shared
+        .watch
+        .watched
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
     watched.retain(|_, w| {
         if pending.len() >= max {
             return true;
@@ -236,7 +262,7 @@ pub(super) fn expect_refill(
     if now.saturating_add((above as f64 / rate) as u64) >= slot.deadline() {
         return;
     }
-    let mut ahead = shared.ahead.lock().unwrap_or_else(|p| p.into_inner());
+    let mut ahead = shared.watch.ahead.lock().unwrap_or_else(|p| p.into_inner());
     let id = Arc::as_ptr(slot) as usize;
     if ahead.len() < MAX_WATCHED || ahead.contains_key(&id) {
         ahead.insert(
@@ -256,7 +282,7 @@ pub(super) fn expect_refill(
 /// is not due within the horizon (tests of the scan's pace).
 #[cfg(test)]
 pub(crate) fn note_ahead(shared: &Shared, slot: &Arc<Slot>, window: i64, now: u64) {
-    shared.ahead.lock().unwrap().insert(
+    shared.watch.ahead.lock().unwrap().insert(
         Arc::as_ptr(slot) as usize,
         Ahead {
             slot: Arc::downgrade(slot),
@@ -286,18 +312,18 @@ pub(super) fn add_rides(
     if room == 0 {
         return;
     }
-    let mut ahead = shared.ahead.lock().unwrap_or_else(|p| p.into_inner());
+    let mut ahead = shared.watch.ahead.lock().unwrap_or_else(|p| p.into_inner());
     // A scan visits every entry (a `Weak` upgraded each). Past a few
     // hundred entries, at most one scan per eighth of the horizon, which
     // still finds a refill an eighth ahead of its mark at worst: scanning
     // per batch, a burst of new keys asked one at a time (a batch each,
     // every one an entry) cost the sync task a quadratic walk, two thirds
     // of its time warming 10 000 keys.
-    let last = shared.ride_scan_at.load(Ordering::Relaxed);
+    let last = shared.watch.ride_scan_at.load(Ordering::Relaxed);
     if ahead.len() > RIDE_SCAN_ALWAYS && now < last.saturating_add(ride_scan_every_us(horizon)) {
         return;
     }
-    shared.ride_scan_at.store(now, Ordering::Relaxed);
+    shared.watch.ride_scan_at.store(now, Ordering::Relaxed);
     let mut rides: Vec<Arc<Slot>> = Vec::new();
     ahead.retain(|_, a| {
         if rides.len() >= room {

@@ -1,0 +1,157 @@
+//! What the request path, refunds and maintenance hand the sync task:
+//! refills to send, permits to give back, debt to report. Filled from
+//! anywhere in the engine; drained only by the sync task (`sync::round`).
+
+use std::collections::VecDeque;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::Notify;
+
+use super::slot::Slot;
+use crate::algorithm::{GiveBackCall, OpId};
+
+/// The sync task's work, and how it is woken for it.
+pub(crate) struct Outbox {
+    /// Slots waiting for a refill, those with a request waiting first.
+    pub(super) refills: Mutex<RefillQueue>,
+    /// Permits to give back in the next round.
+    pub(super) returns: Mutex<Vec<GiveBackCall>>,
+    /// Debt of evicted slots (or of failed reports) to report next round,
+    /// each under the identity it was first sent with.
+    pub(super) reports: Mutex<Vec<DebtReport>>,
+    /// A queued refill has a request waiting on it: no coalescing delay.
+    pub(super) urgent: AtomicBool,
+    /// Wakes the sync task.
+    pub(super) wake: Notify,
+}
+
+impl Outbox {
+    pub(super) fn new() -> Self {
+        Outbox {
+            refills: Mutex::new(RefillQueue::default()),
+            returns: Mutex::new(Vec::new()),
+            reports: Mutex::new(Vec::new()),
+            urgent: AtomicBool::new(false),
+            wake: Notify::new(),
+        }
+    }
+}
+
+/// Debt to report on its own (an evicted slot's, or one whose lease call
+/// failed), under the identity it was first sent with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct DebtReport {
+    pub(crate) key: String,
+    pub(crate) debt: u64,
+    /// Fixed window: the window the debt was admitted in.
+    pub(crate) window: i64,
+    pub(crate) op: OpId,
+    /// Deliveries that found the store unavailable, for the back-off.
+    pub(crate) attempts: u32,
+    /// Local µs before which it is not resent.
+    pub(crate) not_before: u64,
+    /// When it was first sent (see `RESEND_FOR`).
+    pub(crate) first_sent: Option<u64>,
+}
+
+/// Refills waiting to be sent. Waiters first: a slot a request waits on
+/// goes before one refilled ahead of need (low water, pre-lease). A slot
+/// promoted while queued has an entry in both; the first taken wins and
+/// the other is skipped as a duplicate.
+#[derive(Default)]
+pub(crate) struct RefillQueue {
+    waiting: VecDeque<Arc<Slot>>,
+    ahead: VecDeque<Arc<Slot>>,
+}
+
+impl RefillQueue {
+    pub(crate) fn push(&mut self, slot: Arc<Slot>, waiting: bool) {
+        if waiting {
+            self.waiting.push_back(slot);
+        } else {
+            self.ahead.push_back(slot);
+        }
+    }
+
+    /// The next refill to send, marked in flight. A waiters' entry whose
+    /// slot was last used more than `max_wait_ms` ago has nobody waiting
+    /// any more (they were denied at `max_wait`): it moves behind the
+    /// waiters still in time, so an overload serves those it can still
+    /// serve instead of those already turned away.
+    pub(crate) fn pop(&mut self, now: u64, max_wait_ms: u64) -> Option<Arc<Slot>> {
+        loop {
+            let slot = match self.waiting.pop_front() {
+                Some(slot) if slot.idle_ms(now) > max_wait_ms => {
+                    self.ahead.push_back(slot);
+                    continue;
+                }
+                Some(slot) => slot,
+                None => self.ahead.pop_front()?,
+            };
+            // A duplicate: already sent, or settled since it was queued.
+            if slot.send_queued() {
+                return Some(slot);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slot(name: &str) -> Arc<Slot> {
+        Arc::new(Slot::new(Arc::from(name), 0))
+    }
+
+    /// Queues `slot` the way `request_refill` does.
+    fn queue(q: &mut RefillQueue, slot: &Arc<Slot>, waiting: bool) {
+        if slot.enqueue(waiting) {
+            q.push(slot.clone(), waiting);
+        }
+    }
+
+    fn name(slot: Option<Arc<Slot>>) -> Option<String> {
+        slot.map(|s| s.key().to_string())
+    }
+
+    #[test]
+    fn waiters_go_first_and_a_promoted_refill_is_sent_once() {
+        let mut q = RefillQueue::default();
+        let (a, b, c, x) = (slot("a"), slot("b"), slot("c"), slot("x"));
+        queue(&mut q, &a, false);
+        queue(&mut q, &b, false);
+        queue(&mut q, &c, false);
+        queue(&mut q, &x, true);
+        // b was queued ahead of need; a request now waits on it.
+        queue(&mut q, &b, true);
+        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("x"));
+        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("b"));
+        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("a"));
+        // b's first entry is a duplicate: skipped while it is in flight.
+        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("c"));
+        assert!(q.pop(0, 1_000).is_none());
+        // Settled and queued again: one entry, sent once.
+        b.refill_done();
+        queue(&mut q, &b, false);
+        queue(&mut q, &b, true);
+        assert_eq!(name(q.pop(0, 1_000)).as_deref(), Some("b"));
+        assert!(q.pop(0, 1_000).is_none());
+        // A waiter on a refill already in flight adds nothing.
+        queue(&mut q, &b, true);
+        assert!(q.pop(0, 1_000).is_none());
+    }
+
+    #[test]
+    fn a_stale_entry_does_not_send_a_settled_refill() {
+        let mut q = RefillQueue::default();
+        let a = slot("a");
+        queue(&mut q, &a, false);
+        queue(&mut q, &a, true);
+        assert!(q.pop(0, 1_000).is_some());
+        a.refill_done();
+        // The other entry is left over from the settled refill.
+        assert!(q.pop(0, 1_000).is_none());
+    }
+}
