@@ -13,16 +13,21 @@ pub(super) fn apply(
     t0: u64,
     t1: u64,
 ) {
-    let Some(slot) = p.slot.clone() else {
-        settle_report(shared, p.report, &result);
-        return;
-    };
-    if p.peek {
-        if let Ok(r) = result {
-            peek_answered(shared, config, &slot, &r, t1);
+    let slot = match &p.kind {
+        Kind::Lease { slot, .. } => slot.clone(),
+        Kind::Peek(slot) => {
+            if let Ok(r) = result {
+                peek_answered(shared, config, slot, &r, t1);
+            }
+            return;
         }
-        return;
-    }
+        Kind::Report(_) => {
+            if let Kind::Report(report) = p.kind {
+                settle_report(shared, report, &result);
+            }
+            return;
+        }
+    };
     let recalled = if p.call.debt > 0 {
         let recalled = slot.credit_settled(p.call.debt);
         give_recalled_back(shared, &p.call, recalled);
@@ -59,18 +64,14 @@ pub(super) fn give_recalled_back(shared: &Shared, call: &LeaseCall, recalled: u3
 /// Unavailability resends it as it was (same identity); a refusal (wrong
 /// type, out of range) will never apply, so it is dropped and counted
 /// rather than retried forever.
-pub(super) fn settle_report(
-    shared: &Shared,
-    report: Option<Reported>,
-    result: &Result<LeaseReply, Error>,
-) {
+pub(super) fn settle_report(shared: &Shared, report: Reported, result: &Result<LeaseReply, Error>) {
     let counters = &shared.counters;
     let retry = matches!(result, Err(e) if e.is_unavailable());
     match report {
-        Some(Reported::Fallback(report)) => {
+        Reported::Fallback(report) => {
             shared.reconciler.settle(report, result, counters);
         }
-        Some(Reported::Debt(report))
+        Reported::Debt(report)
             if retry
                 && report.first_sent.is_some_and(|t| {
                     shared.time.precise_us().saturating_sub(t) > RESEND_FOR.as_micros() as u64
@@ -81,7 +82,7 @@ pub(super) fn settle_report(
             shared.debt_dropped(report.debt);
             shared.report_settled(&report);
         }
-        Some(Reported::Debt(mut report)) if retry => {
+        Reported::Debt(mut report) if retry => {
             report.attempts += 1;
             report.not_before = shared.time.precise_us() + backoff_us(report.attempts);
             shared
@@ -92,14 +93,13 @@ pub(super) fn settle_report(
                 .push(report)
         }
 
-        Some(Reported::Debt(report)) => {
+        Reported::Debt(report) => {
             match result {
                 Ok(r) => counters.overshoot.add(r.uncovered),
                 Err(_) => shared.debt_dropped(report.debt),
             }
             shared.report_settled(&report);
         }
-        None => {}
     }
 }
 
@@ -323,8 +323,8 @@ pub(super) fn install_grant(
             let origin = origin_of(r);
             let mut books = slot.books();
             let before = books.origin;
-            match slot.install(granted, 0, deadline, full_at, now, p.renew) {
-                Installed::Replaced(0) if !p.renew && before.at_us != 0 => {
+            match slot.install(granted, 0, deadline, full_at, now, p.renew()) {
+                Installed::Replaced(0) if !p.renew() && before.at_us != 0 => {
                     // Added to permits still held: the merged lease
                     // answers to the older origin too.
                     books.origin = before.merge(origin);
@@ -382,7 +382,7 @@ pub(super) fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &Lea
     };
     let low_water = if contested || thin || ablate.off(Ablation::AHEAD) {
         0
-    } else if (p.to_the_end && !ablate.off(Ablation::WINDOW_LAST)) || covers {
+    } else if (p.to_the_end() && !ablate.off(Ablation::WINDOW_LAST)) || covers {
         // Sized to last until the window ends: refill only if demand
         // outruns it, when what is left would be spent within two round
         // trips (and a millisecond).

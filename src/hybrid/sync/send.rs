@@ -26,14 +26,12 @@ impl Drop for Unsent<'_> {
         let mut fallback = std::mem::take(&mut self.fallback);
         let mut debts = std::mem::take(&mut self.debts);
         for p in std::mem::take(&mut self.batches).into_iter().flatten() {
-            if p.peek {
+            match p.kind {
                 // Took nothing, changed nothing: forgotten.
-                continue;
-            }
-            match (p.report, p.slot) {
-                (Some(Reported::Fallback(r)), _) => fallback.push(r),
-                (Some(Reported::Debt(r)), _) => debts.push(r),
-                (None, Some(slot)) => {
+                Kind::Peek(_) => {}
+                Kind::Report(Reported::Fallback(r)) => fallback.push(r),
+                Kind::Report(Reported::Debt(r)) => debts.push(r),
+                Kind::Lease { slot, .. } => {
                     lose_lease(&slot, &p.call);
                     if let Some(op) = p.call.op.filter(|_| p.call.debt > 0) {
                         let recalled = slot.credit_settled(p.call.debt);
@@ -51,7 +49,6 @@ impl Drop for Unsent<'_> {
                     slot.refill_done();
                     shared.refilled(&slot).notify_waiters();
                 }
-                (None, None) => {}
             }
         }
         if !fallback.is_empty() {
@@ -79,19 +76,50 @@ pub(super) fn lose_lease(slot: &Slot, call: &LeaseCall) {
 
 /// One lease in flight, with what is needed to apply its reply.
 pub(super) struct Pending {
-    pub(super) slot: Option<Arc<Slot>>,
+    /// The script's arguments.
     pub(super) call: LeaseCall,
-    /// Token bucket / GCRA: replace the current permits (fresh horizon).
-    pub(super) renew: bool,
-    /// What the call reports, if it is a report rather than a lease.
-    pub(super) report: Option<Reported>,
-    /// The lease is sized to last until its window ends: no refill ahead
-    /// of need when it runs low (each would be cut smaller again by the
-    /// time left, a trickle of ever smaller leases to the boundary).
-    pub(super) to_the_end: bool,
-    /// A peek at a watched slot's window (see [`Watched`]): it takes
+    /// What the call is for, which says what its reply changes.
+    pub(super) kind: Kind,
+}
+
+/// The three uses of the lease script.
+pub(super) enum Kind {
+    /// Permits for a slot (and, on the same call, its debt reported).
+    Lease {
+        slot: Arc<Slot>,
+        /// Token bucket / GCRA: replace the current permits (fresh
+        /// horizon).
+        renew: bool,
+        /// The lease is sized to last until its window ends: no refill
+        /// ahead of need when it runs low (each would be cut smaller again
+        /// by the time left, a trickle of ever smaller leases to the
+        /// boundary).
+        to_the_end: bool,
+    },
+    /// A look at a watched slot's window (see [`Watched`]): it takes
     /// nothing and leaves the slot's refill state alone.
-    pub(super) peek: bool,
+    Peek(Arc<Slot>),
+    /// Debt or what the fallback admitted, recorded and nothing taken.
+    Report(Reported),
+}
+
+impl Pending {
+    /// A lease's `renew` (see [`Kind::Lease`]); `false` for the others.
+    pub(super) fn renew(&self) -> bool {
+        matches!(self.kind, Kind::Lease { renew: true, .. })
+    }
+
+    /// A lease's `to_the_end` (see [`Kind::Lease`]); `false` for the
+    /// others.
+    pub(super) fn to_the_end(&self) -> bool {
+        matches!(
+            self.kind,
+            Kind::Lease {
+                to_the_end: true,
+                ..
+            }
+        )
+    }
 }
 
 /// A report in flight, to be settled or resent as it was.
@@ -230,12 +258,8 @@ pub(super) fn next_batch(
             break;
         };
         pending.push(Pending {
-            slot: None,
             call: report.call(&shared.keys, &shared.params),
-            renew: false,
-            report: Some(Reported::Fallback(report)),
-            to_the_end: false,
-            peek: false,
+            kind: Kind::Report(Reported::Fallback(report)),
         });
     }
     while pending.len() < config.batch_size {
@@ -244,15 +268,11 @@ pub(super) fn next_batch(
         };
         report.first_sent.get_or_insert(now);
         pending.push(Pending {
-            slot: None,
             call: LeaseCall {
                 debt_window: report.window,
                 ..LeaseCall::report(report.key.clone(), report.debt, report.op)
             },
-            renew: false,
-            report: Some(Reported::Debt(report)),
-            to_the_end: false,
-            peek: false,
+            kind: Kind::Report(Reported::Debt(report)),
         });
     }
     let room = config.batch_size.saturating_sub(pending.len());
@@ -526,12 +546,12 @@ pub(super) fn lease_call(
         ahead_cap,
     };
     Pending {
-        slot: Some(slot),
         call,
-        renew,
-        report: None,
-        to_the_end,
-        peek: false,
+        kind: Kind::Lease {
+            slot,
+            renew,
+            to_the_end,
+        },
     }
 }
 

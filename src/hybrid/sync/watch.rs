@@ -162,11 +162,7 @@ pub(super) fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize,
         shared.counters.peeks.add(1);
         pending.push(Pending {
             call: LeaseCall::peek(shared.store_key(&slot), w.window),
-            slot: Some(slot),
-            renew: false,
-            report: None,
-            to_the_end: false,
-            peek: true,
+            kind: Kind::Peek(slot),
         });
         false
     });
