@@ -163,51 +163,63 @@ end
 -- `used`, its load `used + extra`.
 local extra = carry(before_n, after_n, tw, now, period)
 local available = math.max(0, limit - used - extra)
+-- The share of what remains one lease may take (mirrored by `share_of`
+-- in src/algorithm/window.rs; the parity tests hold the two together).
+-- At most share_cap of it, or the last `tail` permits whole. With a
+-- holder (`joined`: its first ask in the window; `here`, `expected`: the
+-- holders that asked in it, and the most expected; `mine`: what it was
+-- granted of it), at least its fair share among the holders expected, at
+-- most its ceiling.
+local function share_of(available, extra, has_holder, joined, here, expected, mine)
+  local cap = math.max(1, math.floor(available * share), math.min(available, tail))
+  local granted = math.min(want, available, cap)
+  if not has_holder then return granted end
+  local fair
+  -- The last holder expected takes the rest of its share whole: capping
+  -- it at share_cap would leave a remainder for a trickle of small leases.
+  local last_expected = false
+  -- What this holder is still short of its share of the window.
+  local entitled = 0
+  if joined then
+    fair = math.floor(available / math.max(1, expected - here))
+    last_expected = expected - here == 1
+  else
+    fair = math.floor(available / math.max(1, expected))
+    -- A holder asking again before it had its share of the whole window
+    -- (limit / expected) may take what it is short of: without it, every
+    -- holder of a key over its limit took a quarter of what was left,
+    -- round after round (a trickle of calls in a window whose holders
+    -- were not known at its start). Not where a carry counts: the
+    -- window's budget then moves.
+    if extra == 0 then
+      entitled = math.max(0, math.floor(limit / math.max(1, expected)) - mine)
+    end
+  end
+  -- Many holders: the rate's lease is cut to one holder's share, so thin
+  -- processes do not strand what the others wait for. (A remainder of at
+  -- most `tail` permits still goes whole to a process that can use it:
+  -- its ceiling says how many it spends before the window ends.)
+  local whole = 0
+  if available <= tail then whole = math.min(available, ceiling) end
+  granted = math.min(granted, math.max(1, fair, whole))
+  if not last_expected then fair = math.min(fair, math.floor(available * share)) end
+  fair = math.max(fair, math.min(entitled, available))
+  fair = math.min(fair, ceiling)
+  if fair > granted then granted = math.min(fair, available) end
+  return granted
+end
+
 local first_in_window = false
 if not replayed then
-  local cap = math.max(1, math.floor(available * share), math.min(available, tail))
-  granted = math.min(want, available, cap)
+  local joined, here, expected, mine = false, 0, 0, 0
   if has_holder then
-    local last = tonumber(got[2] or '-1')
-    local here = tonumber(got[4] or '0')
-    local expected = math.max(here, tonumber(got[5] or '0'))
-    local fair
-    -- The last holder expected takes the rest of its share whole: capping
-    -- it at share_cap would leave a remainder for a trickle of small leases.
-    local last_expected = false
-    -- What this holder is still short of its share of the window.
-    local entitled = 0
-    if last < tw then
-      first_in_window = true
-      fair = math.floor(available / math.max(1, expected - here))
-      last_expected = expected - here == 1
-    else
-      fair = math.floor(available / math.max(1, expected))
-      -- A holder asking again before it had its share of the whole
-      -- window (limit / expected) may take what it is short of: without
-      -- it, every holder of a key over its limit took a quarter of what
-      -- was left, round after round (a trickle of calls in a window
-      -- whose holders were not known at its start). Not where a carry
-      -- counts: the window's budget then moves.
-      if extra == 0 then
-        local mine = 0
-        if g_window and tonumber(g_window) == tw then mine = tonumber(g_total) end
-        entitled = math.max(0, math.floor(limit / math.max(1, expected)) - mine)
-      end
-    end
-    -- Many holders: the rate's lease is cut to one holder's share, so thin
-    -- processes do not strand what the others wait for.
-    -- (A remainder of at most `tail` permits still goes whole to a
-    -- process that can use it: its ceiling says how many it spends before
-    -- the window ends.)
-    local whole = 0
-    if available <= tail then whole = math.min(available, ceiling) end
-    granted = math.min(granted, math.max(1, fair, whole))
-    if not last_expected then fair = math.min(fair, math.floor(available * share)) end
-    fair = math.max(fair, math.min(entitled, available))
-    fair = math.min(fair, ceiling)
-    if fair > granted then granted = math.min(fair, available) end
+    joined = tonumber(got[2] or '-1') < tw
+    here = tonumber(got[4] or '0')
+    expected = math.max(here, tonumber(got[5] or '0'))
+    if g_window and tonumber(g_window) == tw then mine = tonumber(g_total) end
+    first_in_window = joined
   end
+  granted = share_of(available, extra, has_holder, joined, here, expected, mine)
 end
 -- A thin holder's pre-lease: only while the key is far under its limit
 -- (the current window's count within the cap) and every holder's

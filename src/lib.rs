@@ -95,7 +95,7 @@
 //!   (`failure::FailureLayer::decide`), the one place the
 //!   [`FailurePolicy`] is applied.
 //! - **A lease is fetched** by the hybrid engine's background task
-//!   (`hybrid::sync`): it sizes each key's lease (`hybrid::sizing`),
+//!   (`hybrid::sync`): it sizes each key's lease (`hybrid::policy`),
 //!   batches the keys waiting for one into pipelined lease scripts, and
 //!   installs the replies in the slots (`hybrid::slot`, whose fields
 //!   are private: every change goes through a method that keeps its

@@ -167,6 +167,71 @@ pub(crate) fn check(
     })
 }
 
+/// A holder's standing in the window it leases from, for its fair share
+/// (see [`share_of`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Standing {
+    /// Its first ask in the window.
+    pub(crate) joined: bool,
+    /// Holders that asked in the window, and the most expected in it.
+    pub(crate) here: i64,
+    pub(crate) expected: i64,
+    /// What it was granted of the window so far.
+    pub(crate) mine: i64,
+}
+
+/// `share_of` of `lua/lease_window.lua`: what one lease is granted of the
+/// `available` permits of its window. At most `share_cap` of them, or the
+/// last `need` whole; with a holder's standing, at least its fair share
+/// among the holders expected (and, asking again short of its share of
+/// the whole window where no carry counts, what it is short of), at most
+/// its ceiling.
+pub(crate) fn share_of(
+    available: i64,
+    extra: i64,
+    limit: i64,
+    call: &LeaseCall,
+    standing: Option<Standing>,
+) -> i64 {
+    let tail = call.need.max(1) as i64;
+    let ceiling = call.ceiling.min(i64::MAX as u64) as i64;
+    let cap = ((available as f64 * call.share_cap).floor() as i64)
+        .max(1)
+        .max(available.min(tail));
+    let granted = (call.want as i64).min(available).min(cap);
+    let Some(s) = standing else {
+        return granted;
+    };
+    let fair = if s.joined {
+        available / (s.expected - s.here).max(1)
+    } else {
+        available / s.expected.max(1)
+    };
+    let entitled = if !s.joined && extra == 0 {
+        (limit / s.expected.max(1) - s.mine).max(0)
+    } else {
+        0
+    };
+    let whole = if available <= tail {
+        available.min(ceiling)
+    } else {
+        0
+    };
+    let granted = granted.min(fair.max(1).max(whole));
+    // The last holder expected takes what is left, not share_cap of it.
+    let capped = if s.joined && s.expected - s.here == 1 {
+        fair
+    } else {
+        fair.min((available as f64 * call.share_cap).floor() as i64)
+    };
+    let fair = capped.max(entitled.min(available)).min(ceiling);
+    if fair > granted {
+        fair.min(available)
+    } else {
+        granted
+    }
+}
+
 /// The mirror of `lua/lease_window.lua`, step for step.
 pub(crate) fn lease(
     entry: &mut Option<Entry>,
@@ -221,57 +286,29 @@ pub(crate) fn lease(
     let extra = (rule.carry)(&near);
     let mut used = count_in(windows(entry, &call.key)?, tw) + extra;
     let available = (limit - used).max(0);
-    let cap = ((available as f64 * call.share_cap).floor() as i64)
-        .max(1)
-        .max(available.min(call.need.max(1) as i64));
-    let mut granted = (call.want as i64).min(available).min(cap);
-    // The fair share of what remains, as the script computes it.
-    let mut joined = false;
     // Asked with nothing left, the key exists (and has its TTL): the asker
     // is counted all the same, so holders reflect demand.
-    if let Some((_, permits, _, _)) = replay {
-        granted = permits;
-    } else if let (Some(holder), true) = (&call.holder, call.want > 0) {
-        let holders = entry.as_ref().and_then(|e| e.holders.as_deref());
-        let last = holders.map_or(-1, |h| h.last(holder));
-        let here = holders.map_or(0, |h| h.count(tw)) as i64;
-        let before = holders.map_or(0, |h| h.count(tw - 1)) as i64;
-        let expected = here.max(before);
-        joined = last < tw;
-        let fair = if joined {
-            available / (expected - here).max(1)
-        } else {
-            available / expected.max(1)
+    let mut joined = false;
+    let mut granted = if let Some((_, permits, _, _)) = replay {
+        permits
+    } else {
+        let standing = match (&call.holder, call.want > 0) {
+            (Some(holder), true) => {
+                let holders = entry.as_ref().and_then(|e| e.holders.as_deref());
+                let here = holders.map_or(0, |h| h.count(tw)) as i64;
+                let before = holders.map_or(0, |h| h.count(tw - 1)) as i64;
+                joined = holders.map_or(-1, |h| h.last(holder)) < tw;
+                Some(Standing {
+                    joined,
+                    here,
+                    expected: here.max(before),
+                    mine: mine(tw),
+                })
+            }
+            _ => None,
         };
-        // Asked again short of its share of the whole window: up to what
-        // it is short of (fixed window, as the script).
-        let entitled = if !joined && extra == 0 {
-            (limit / expected.max(1) - mine(tw)).max(0)
-        } else {
-            0
-        };
-        // Many holders: the rate's lease is cut to one holder's share.
-        // (The last `need` permits still go whole to a process whose
-        // ceiling says it can use them.)
-        let whole = if available <= call.need.max(1) as i64 {
-            available.min(call.ceiling.min(i64::MAX as u64) as i64)
-        } else {
-            0
-        };
-        granted = granted.min(fair.max(1).max(whole));
-        // The last holder expected takes what is left, not share_cap of it.
-        let capped = if joined && expected - here == 1 {
-            fair
-        } else {
-            fair.min((available as f64 * call.share_cap).floor() as i64)
-        };
-        let fair = capped
-            .max(entitled.min(available))
-            .min(call.ceiling.min(i64::MAX as u64) as i64);
-        if fair > granted {
-            granted = fair.min(available);
-        }
-    }
+        share_of(available, extra, limit, call, standing)
+    };
     // A thin holder's pre-lease, only while the key is far under its
     // limit: the current window's count, and every holder's ask, within
     // the cap (as the script).

@@ -99,7 +99,7 @@ impl Ablation {
     }
 
     #[cfg(any(test, feature = "test-support"))]
-    fn parse(list: &str) -> Ablation {
+    pub(crate) fn parse(list: &str) -> Ablation {
         let mut bits = 0;
         for name in list.split(',').map(str::trim).filter(|n| !n.is_empty()) {
             match Self::NAMES.iter().find(|(n, _)| *n == name) {

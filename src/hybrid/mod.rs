@@ -15,9 +15,9 @@
 
 mod config;
 mod outbox;
+mod policy;
 mod refunds;
 mod shared;
-mod sizing;
 mod slot;
 mod sync;
 mod thread_cache;

@@ -17,7 +17,7 @@ use std::sync::{Mutex, MutexGuard};
 
 use std::sync::Arc;
 
-use super::sizing::Sizing;
+use super::policy::Sizing;
 use crate::algorithm::LeaseOrigin;
 use crate::clock::TimeSource;
 

@@ -9,28 +9,18 @@ use super::*;
 /// few milliseconds instead of a full walk.
 pub(crate) const SWEEP_SLICES: usize = 10;
 
+/// A full sweep of the maintenance, and a tick: how long an idle slot
+/// may wait for its visit.
+pub(super) fn sweep_us() -> u64 {
+    (SWEEP_SLICES as u64 + 1) * MAINTENANCE.as_micros() as u64
+}
+
 /// Which slice of the sweep a slot is in: from its address, which (unlike
 /// the map's iteration order) does not move as keys come and go.
 pub(super) fn slice_of(slot: &Arc<Slot>) -> usize {
     let address = Arc::as_ptr(slot) as usize as u64;
     (address.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize % SWEEP_SLICES
 }
-
-/// What one lease costs Redis, about (a fixed-window lease script on this
-/// crate's reference machine: 17–20 µs), for spreading pre-leases of many
-/// keys ahead of a boundary.
-pub(super) const LEASE_COST_US: u64 = 25;
-
-/// Round trips a pre-lease round allows for, besides its fixed lead: the
-/// round's pipelines, a reply that waits behind them, and a lease sent
-/// again after a lost reply.
-pub(super) const PRELEASE_ROUND_TRIPS: u64 = 4;
-
-/// The longest a thin holder's pre-lease goes out before the round: a
-/// full sweep of the maintenance, enough to spread a thousand keys' leases.
-/// (Spread over half an hour-long window, they went out half an hour early
-/// and a key's requests waited on a pre-lease instead of its window.)
-pub(super) const MAX_SPREAD_US: u64 = 1_000_000;
 
 /// When, in the window about to end, keys get a pre-lease of the next one
 /// from the background, rather than a wait on the first request after
@@ -136,28 +126,6 @@ pub(super) fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
     })
 }
 
-/// A window lease idle for this share of its period gives back what it
-/// holds above the earned floor (`sizing::EARNED_FLOOR_DIVISOR`).
-pub(super) const IDLE_TRIM_DIVISOR: u64 = 16;
-
-/// The longest an idle holder's surplus takes to go back: its idle time,
-/// a full sweep of the maintenance, and a tick.
-pub(super) fn trim_delay_us(period_us: u64) -> u64 {
-    period_us / IDLE_TRIM_DIVISOR + (SWEEP_SLICES as u64 + 1) * MAINTENANCE.as_micros() as u64
-}
-
-/// A thin holder counts as active, and is pre-leased, until it has been
-/// idle this many periods (its rate, sampled at its few lease calls, is
-/// biased upward: four of its gaps by the rate were one or two windows,
-/// and a key seen once a window per process skips windows often enough
-/// that its first request after a skip waited a round trip: 1.7 % of
-/// all requests at per-second windows, at a 5 ms round trip).
-pub(super) const THIN_ACTIVE_PERIODS: u64 = 6;
-
-/// Idle for this many of its usual gaps between requests, a key's rate
-/// no longer says what it will spend.
-pub(super) const IDLE_TRIM_GAPS: f64 = 4.0;
-
 /// A process that burst and went quiet gives back what it holds above a
 /// sixteenth of the limit once its key has been idle for a sixteenth of
 /// the period and for several of its usual gaps between requests: others
@@ -173,7 +141,7 @@ pub(super) fn trim_idle(shared: &Shared, slot: &Slot, idle_ms: u64, now: u64) {
     if !shared.leases.windowed() || idle_us < period / IDLE_TRIM_DIVISOR {
         return;
     }
-    let keep = (shared.params.limit / crate::hybrid::sizing::EARNED_FLOOR_DIVISOR)
+    let keep = (shared.params.limit / crate::hybrid::policy::EARNED_FLOOR_DIVISOR)
         .max(1)
         .min(i64::MAX as u64) as i64;
     if slot.permits() <= keep {

@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use super::sizing::{thin_want, SizingRule, COVER_MARGIN, SEED_PERMITS, THIN_AHEAD_CAP_DIVISOR};
+use super::policy::*;
 use super::slot::{Credit, Installed, NextLease, Slot};
 use futures_util::future::join_all;
 

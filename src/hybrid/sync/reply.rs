@@ -208,7 +208,9 @@ pub(super) fn lease_answered(
             }
         }
         if windowed && !shared.store.is_sharded() {
-            if let Some(rate) = runs_out_early(slot, r, config.max_lease) {
+            let g = granted(shared, slot, p, r);
+            if runs_out_early(&g, r.remaining, config.max_lease) {
+                let rate = g.rate_per_us;
                 let until = t0.saturating_add(r.reset_after_us).saturating_sub(margin);
                 watch(shared, slot, r, rate, until, t1);
             }
@@ -227,7 +229,7 @@ pub(super) fn lease_answered(
             let before = slot.denied_until();
             let calm = before.saturating_add(shared.params.period_us) <= t1;
             if windowed && calm {
-                until = until.min(t1 + trim_delay_us(shared.params.period_us));
+                until = until.min(t1 + trim_delay_us(shared.params.period_us, sweep_us()));
             }
             slot.deny_until(until);
         } else if now >= slot.deadline() {
@@ -344,53 +346,36 @@ pub(super) fn install_grant(
 
 /// The low-water mark after a grant: below it, a refill is requested.
 pub(super) fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) -> u32 {
-    let windowed = shared.leases.windowed();
-    // Refill before the lease runs dry: at half of what the rate asked
-    // for, or a quarter of a headroom grant. Not when the store cut the
-    // lease below half the ask (a contested key: many holders, little
-    // left): a permit fetched ahead of need would wait idle in every
-    // holder, and at the window's end a thousand holders' one permit each
-    // is a thousand stranded.
-    let ablate = shared.config.load().ablate;
-    let contested = windowed && !ablate.off(Ablation::CONTESTED) && r.granted < p.call.want / 2;
-    // Nor for a thin holder (a few permits a window): what it fetched
-    // ahead would wait idle for its next request, and with many such
-    // holders, a window's budget with it. (A key whose rate is not known
-    // yet is not thin: its first lease says nothing about it.)
-    let thin = windowed && !ablate.off(Ablation::THIN) && slot.books().sizing.thin();
-    if contested {
+    let mark = low_water(&granted(shared, slot, p, r), shared.config.load().ablate);
+    if mark.contested {
         // Nor a pre-lease of the next window: spread over every holder
         // whatever its rate, it strands the same way.
         slot.no_early_refill();
     }
-    // A window lease that, with what is held, covers what the rate spends
-    // until its window ends is that window's last: refilled only if demand
-    // outruns it, not at half (a refill at half would ask a window that is
-    // often fully leased by then, for permits this process will not use).
-    let covers = windowed && !ablate.off(Ablation::WINDOW_LAST) && {
-        let rate = slot.books().sizing.rate_per_us();
-        let serves = r.reset_after_us.saturating_sub(r.start_after_us) as f64;
+    mark.low_water
+}
+
+/// A reply to `p`, as the numbers the lease policy decides on.
+pub(super) fn granted(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) -> Granted {
+    let sizing = slot.books().sizing.clone();
+    Granted {
+        windowed: shared.leases.windowed(),
+        want: p.call.want,
+        granted: r.granted,
+        // (A key whose rate is not known yet is not thin: its first lease
+        // says nothing about it.)
+        thin: sizing.thin(),
+        rate_per_us: sizing.rate_per_us(),
+        serves_us: r.reset_after_us.saturating_sub(r.start_after_us),
         // After the install a current lease's permits include the grant;
-        // a pre-lease's (held apart until its window starts) are its
-        // grant alone.
-        let lasting = if r.start_after_us > 0 {
+        // a pre-lease's (held apart until its window starts) are its grant
+        // alone.
+        holds: if r.start_after_us > 0 {
             r.granted as i64
         } else {
             slot.permits()
-        };
-        rate > 0.0 && lasting.max(0) as f64 >= rate * serves * COVER_MARGIN
-    };
-    let low_water = if contested || thin || ablate.off(Ablation::AHEAD) {
-        0
-    } else if (p.to_the_end() && !ablate.off(Ablation::WINDOW_LAST)) || covers {
-        // Sized to last until the window ends: refill only if demand
-        // outruns it, when what is left would be spent within two round
-        // trips (and a millisecond).
-        let rtt = shared.rtt_us.load(Ordering::Relaxed) as f64;
-        let rate = slot.books().sizing.rate_per_us();
-        (rate * (2.0 * rtt + 1_000.0)).ceil().max(1.0) as u64
-    } else {
-        (p.call.want / 2).max(r.granted / 4)
-    };
-    low_water.min(u64::from(u32::MAX)) as u32
+        },
+        to_the_end: p.to_the_end(),
+        rtt_us: shared.rtt_us.load(Ordering::Relaxed),
+    }
 }

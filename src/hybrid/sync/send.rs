@@ -498,7 +498,7 @@ pub(super) fn lease_call(
         (shared.params.limit.max(shared.params.burst) / 32).max(1),
         config.max_lease,
     );
-    // A window lease is earned by use (see `sizing::EARNED_FLOOR_DIVISOR`):
+    // A window lease is earned by use (see `policy::EARNED_FLOOR_DIVISOR`):
     // what a burst seemed to promise is not taken from processes that
     // keep asking.
     let mut want = want;

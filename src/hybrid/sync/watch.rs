@@ -57,39 +57,6 @@ pub(super) const PEEK_AFTER_US: u64 = 10_000;
 /// The most slots watched at once; beyond it, slots ask as before.
 pub(super) const MAX_WATCHED: usize = 4096;
 
-/// How long a peek that found the window full is believed: a period, at
-/// most a second. The slot is peeked at when, by its rate, it runs out
-/// within this time, and denied on the peek's word only if it does; a
-/// permit given back longer before it runs out is found by its ask.
-pub(super) fn peek_trust_us(period_us: u64) -> u64 {
-    period_us.min(1_000_000)
-}
-
-/// Whether the slot, by its rate, spends what it now holds of the reply's
-/// window before that window ends (a thick holder of a busy key) and the
-/// window may be fully leased by then; its rate if so.
-pub(super) fn runs_out_early(slot: &Slot, r: &LeaseReply, max_lease: u64) -> Option<f64> {
-    let rate = slot.books().sizing.rate_per_us();
-    if rate <= 0.0 {
-        return None;
-    }
-    let serves = r.reset_after_us.saturating_sub(r.start_after_us) as f64;
-    let holds = if r.start_after_us > 0 {
-        r.granted as i64
-    } else {
-        slot.permits()
-    };
-    // With the margin `low_water_after` gives a lease that covers its
-    // window: a slot refilled at half (not covered) is watched, or its
-    // refill would ask a window often fully leased by then, alone.
-    // Not a lease cut by `max_lease` with what the slot still needs left
-    // in the store: a key far under its limit, whose ask when it runs out
-    // is served (a peek would only find room).
-    let short = rate * serves * COVER_MARGIN - holds.max(0) as f64;
-    let capped = r.granted >= max_lease && r.remaining as f64 >= short;
-    (short > 0.0 && !capped).then_some(rate)
-}
-
 /// Watches the slot's window `r.window` (or moves its watch there),
 /// peeked from `t1 + PEEK_AFTER_US` until `until`.
 pub(super) fn watch(

@@ -1,10 +1,17 @@
-//! Lease sizing: how many permits to ask for, from a key's observed rate.
+//! The lease policy: how many permits to ask for, when to refill, when to
+//! lease the next window ahead, when an idle holder gives back, how long
+//! a peek is believed. Every rule is arithmetic on numbers the sync task
+//! hands in (rate, held, remaining, time left, round trip), and every
+//! tuning constant is here; no atomics, no I/O. (The store's side of the
+//! policy, the fair share of what remains, is `lease_window.lua`'s
+//! `share_of`, mirrored in `algorithm::window::share_of`.)
 //!
-//! Pure arithmetic on numbers the sync task hands in; no atomics, no I/O.
-//! Rate is an exponentially weighted moving average of permits consumed
-//! per microsecond (time constant [`TAU_US`]); a lease that was used up
+//! Sizing: the rate is an exponentially weighted moving average of
+//! permits consumed per microsecond (time constant [`TAU_US`]); a lease that was used up
 //! quickly doubles the next one, so hot keys reach their size in a few
 //! round trips instead of a full time constant.
+
+use super::config::Ablation;
 
 /// The EWMA time constant: one second.
 pub(crate) const TAU_US: f64 = 1_000_000.0;
@@ -33,6 +40,133 @@ pub(crate) const COVER_MARGIN: f64 = 1.2;
 /// its next window, or every holder's ask together would pass this share
 /// of the limit (the lease script decides).
 pub(crate) const THIN_AHEAD_CAP_DIVISOR: u64 = 2;
+
+/// What one lease costs Redis, about (a fixed-window lease script on this
+/// crate's reference machine: 17–20 µs), for spreading pre-leases of many
+/// keys ahead of a boundary.
+pub(crate) const LEASE_COST_US: u64 = 25;
+
+/// Round trips a pre-lease round allows for, besides its fixed lead: the
+/// round's pipelines, a reply that waits behind them, and a lease sent
+/// again after a lost reply.
+pub(crate) const PRELEASE_ROUND_TRIPS: u64 = 4;
+
+/// The longest a thin holder's pre-lease goes out before the round: a
+/// full sweep of the maintenance, enough to spread a thousand keys' leases.
+/// (Spread over half an hour-long window, they went out half an hour early
+/// and a key's requests waited on a pre-lease instead of its window.)
+pub(crate) const MAX_SPREAD_US: u64 = 1_000_000;
+
+/// A window lease idle for this share of its period gives back what it
+/// holds above the earned floor (`policy::EARNED_FLOOR_DIVISOR`).
+pub(crate) const IDLE_TRIM_DIVISOR: u64 = 16;
+
+/// The longest an idle holder's surplus takes to go back: its idle time,
+/// then a full sweep of the maintenance (`sweep_us`, a tick included).
+pub(crate) fn trim_delay_us(period_us: u64, sweep_us: u64) -> u64 {
+    period_us / IDLE_TRIM_DIVISOR + sweep_us
+}
+
+/// A thin holder counts as active, and is pre-leased, until it has been
+/// idle this many periods (its rate, sampled at its few lease calls, is
+/// biased upward: four of its gaps by the rate were one or two windows,
+/// and a key seen once a window per process skips windows often enough
+/// that its first request after a skip waited a round trip: 1.7 % of
+/// all requests at per-second windows, at a 5 ms round trip).
+pub(crate) const THIN_ACTIVE_PERIODS: u64 = 6;
+
+/// Idle for this many of its usual gaps between requests, a key's rate
+/// no longer says what it will spend.
+pub(crate) const IDLE_TRIM_GAPS: f64 = 4.0;
+
+/// How long a peek that found the window full is believed: a period, at
+/// most a second. The slot is peeked at when, by its rate, it runs out
+/// within this time, and denied on the peek's word only if it does; a
+/// permit given back longer before it runs out is found by its ask.
+pub(crate) fn peek_trust_us(period_us: u64) -> u64 {
+    period_us.min(1_000_000)
+}
+
+/// A lease reply, as the numbers that set its slot's refill mark.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Granted {
+    /// A window lease (fixed or sliding window), not a bucket's.
+    pub(crate) windowed: bool,
+    /// What the call asked for, and what the store granted.
+    pub(crate) want: u64,
+    pub(crate) granted: u64,
+    /// The holder spends under [`THICK_PER_WINDOW`] permits a window.
+    pub(crate) thin: bool,
+    /// The key's rate here, permits per µs (0: not known yet).
+    pub(crate) rate_per_us: f64,
+    /// How long the lease serves: from its window's start (or now) to its
+    /// end, µs.
+    pub(crate) serves_us: u64,
+    /// What the slot holds of that window once the grant is in.
+    pub(crate) holds: i64,
+    /// The lease was sized to last until its window ends.
+    pub(crate) to_the_end: bool,
+    /// The store's round trip, µs.
+    pub(crate) rtt_us: u64,
+}
+
+/// A slot's refill mark after a grant, and whether its key is contested.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Mark {
+    /// Below this many permits a take asks for a refill.
+    pub(crate) low_water: u32,
+    /// The store cut the lease below half the ask: many holders, little
+    /// left. No refill or pre-lease ahead of need then.
+    pub(crate) contested: bool,
+}
+
+/// When a slot refills after a grant. At half of what the rate asked for,
+/// or a quarter of a headroom grant; not at all ahead of need for a
+/// contested key (a permit fetched ahead would wait idle in every holder,
+/// and at the window's end a thousand holders' one permit each is a
+/// thousand stranded) or a thin holder (what it fetched ahead would wait
+/// for its next request, and with many such holders a window's budget
+/// with it). A window lease that, with what is held, covers what the rate
+/// spends until its window ends is that window's last: refilled only if
+/// demand outruns it, when what is left would be spent within two round
+/// trips and a millisecond (a refill at half would ask a window often
+/// fully leased by then).
+pub(crate) fn low_water(g: &Granted, ablate: Ablation) -> Mark {
+    let contested = g.windowed && !ablate.off(Ablation::CONTESTED) && g.granted < g.want / 2;
+    let thin = g.windowed && !ablate.off(Ablation::THIN) && g.thin;
+    let covers = g.windowed
+        && !ablate.off(Ablation::WINDOW_LAST)
+        && g.rate_per_us > 0.0
+        && g.holds.max(0) as f64 >= g.rate_per_us * g.serves_us as f64 * COVER_MARGIN;
+    let low_water = if contested || thin || ablate.off(Ablation::AHEAD) {
+        0
+    } else if (g.to_the_end && !ablate.off(Ablation::WINDOW_LAST)) || covers {
+        (g.rate_per_us * (2.0 * g.rtt_us as f64 + 1_000.0))
+            .ceil()
+            .max(1.0) as u64
+    } else {
+        (g.want / 2).max(g.granted / 4)
+    };
+    Mark {
+        low_water: low_water.min(u64::from(u32::MAX)) as u32,
+        contested,
+    }
+}
+
+/// Whether a holder, by its rate, spends what it holds of a window before
+/// that window ends (with the margin [`low_water`] gives a lease that
+/// covers its window), so the window may be fully leased when it next
+/// asks: a thick holder of a busy key, worth watching. Not a lease cut by
+/// `max_lease` with what the holder still needs left in the store (a key
+/// far under its limit, whose ask when it runs out is served).
+pub(crate) fn runs_out_early(g: &Granted, remaining: u64, max_lease: u64) -> bool {
+    if g.rate_per_us <= 0.0 {
+        return false;
+    }
+    let short = g.rate_per_us * g.serves_us as f64 * COVER_MARGIN - g.holds.max(0) as f64;
+    let capped = g.granted >= max_lease && remaining as f64 >= short;
+    short > 0.0 && !capped
+}
 
 /// What a thin holder's pre-lease asks for: enough that a window with
 /// twice its usual requests (and four more) rarely waits on the store —
@@ -280,6 +414,84 @@ impl Sizing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn granted(want: u64, granted: u64) -> Granted {
+        Granted {
+            windowed: true,
+            want,
+            granted,
+            thin: false,
+            rate_per_us: 0.0,
+            serves_us: 1_000_000,
+            holds: granted as i64,
+            to_the_end: false,
+            rtt_us: 1_000,
+        }
+    }
+
+    #[test]
+    fn a_lease_refills_at_half_its_ask_or_a_quarter_of_its_grant() {
+        let mark = low_water(&granted(100, 80), Ablation::default());
+        assert_eq!(
+            mark,
+            Mark {
+                low_water: 50,
+                contested: false
+            }
+        );
+        // A headroom grant above the ask: a quarter of it.
+        assert_eq!(
+            low_water(&granted(100, 400), Ablation::default()).low_water,
+            100
+        );
+        // Buckets are never contested, however cut.
+        let bucket = Granted {
+            windowed: false,
+            ..granted(100, 10)
+        };
+        assert_eq!(low_water(&bucket, Ablation::default()).low_water, 50);
+    }
+
+    #[test]
+    fn contested_and_thin_holders_refill_only_when_empty() {
+        assert_eq!(
+            low_water(&granted(100, 49), Ablation::default()),
+            Mark {
+                low_water: 0,
+                contested: true
+            }
+        );
+        let thin = Granted {
+            thin: true,
+            ..granted(6, 6)
+        };
+        assert_eq!(low_water(&thin, Ablation::default()).low_water, 0);
+        // Switched off, a contested lease refills at half again.
+        assert_eq!(
+            low_water(&granted(100, 49), Ablation::parse("contested")).low_water,
+            50
+        );
+    }
+
+    #[test]
+    fn a_lease_that_covers_its_window_refills_two_round_trips_before_empty() {
+        // 1 permit/ms for 1 s needs 1,200 with the margin; 1,300 cover it.
+        let g = Granted {
+            rate_per_us: 0.001,
+            holds: 1_300,
+            ..granted(2_000, 1_300)
+        };
+        // 0.001/µs × (2 × 1 ms + 1 ms) = 3 permits.
+        assert_eq!(low_water(&g, Ablation::default()).low_water, 3);
+        assert!(!runs_out_early(&g, 0, u64::MAX));
+        // 1,100 do not: refilled at half, and watched.
+        let short = Granted { holds: 1_100, ..g };
+        assert_eq!(low_water(&short, Ablation::default()).low_water, 1_000);
+        assert!(runs_out_early(&short, 0, u64::MAX));
+        // Unless max_lease cut it with what it needs still in the store.
+        assert!(!runs_out_early(&short, 500, 1_300));
+        assert!(runs_out_early(&short, 50, 1_300));
+    }
 
     const RULE: SizingRule = SizingRule {
         min_lease: 1,
