@@ -303,6 +303,14 @@ impl Lane {
         }
     }
 
+    /// Stops a hybrid engine's sync task without waiting (see
+    /// `HybridEngine::stop`).
+    pub(crate) fn stop(&self) {
+        if let Engine::Hybrid(hybrid) = &self.engine {
+            hybrid.stop();
+        }
+    }
+
     pub(crate) fn reconfigure(&self, config: HybridConfig) -> Result<(), Error> {
         match &self.engine {
             Engine::Hybrid(hybrid) => hybrid.reconfigure(config),

@@ -177,6 +177,10 @@ impl Tiers {
         let old = self.default.swap(new.clone());
         // After the swap: a request that sees the flag reads the new lane.
         self.replaced.store(true, Ordering::Release);
+        // Stopped now, not only by the shutdown below: the built lane is
+        // never dropped (`built` keeps it), and the shutdown runs only if
+        // this runtime lives long enough to run it.
+        old.stop();
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
                 old.shutdown().await;

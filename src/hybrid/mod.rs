@@ -167,7 +167,7 @@ impl HybridEngine {
             before_wait: Mutex::new(None),
         });
         shared.set_early_lead(&shared.config.load());
-        let task = runtime.spawn(sync::run(shared.clone()));
+        let task = runtime.spawn(sync::task(shared.clone()));
         Ok(HybridEngine {
             id: thread_cache::engine_id(),
             _guard: StopGuard(shared.clone()),
@@ -396,7 +396,7 @@ impl HybridEngine {
         if s.life.alive.swap(true, Ordering::AcqRel) {
             return true;
         }
-        *task = Some(runtime.spawn(sync::run(self.shared.clone())));
+        *task = Some(runtime.spawn(sync::task(self.shared.clone())));
         s.counters.sync_restarts.add(1);
         true
     }
@@ -577,6 +577,16 @@ impl HybridEngine {
     }
 
     /// Stops the sync task and gives every unused permit back.
+    /// Tells the sync task to stop, which gives back what the engine
+    /// holds on its own runtime (as when the engine is dropped), without
+    /// waiting: for an engine no longer used, whether or not its
+    /// `shutdown` runs.
+    pub(crate) fn stop(&self) {
+        let s = &*self.shared;
+        s.life.stopping.store(true, Ordering::Release);
+        s.outbox.wake.notify_one();
+    }
+
     pub(crate) async fn shutdown(&self) {
         let s = &*self.shared;
         s.life.closed.store(true, Ordering::Release);

@@ -85,18 +85,25 @@ fn backoff_us(attempts: u32) -> u64 {
 /// How often expiry, idle eviction and `max_keys` are enforced.
 pub(crate) const MAINTENANCE: Duration = Duration::from_millis(100);
 
-/// Clears `Shared::alive` however the sync task ends: returning, a panic
-/// unwinding through it, or its runtime dropping it.
-struct Alive<'a>(&'a Shared);
+/// Clears `Life::alive` however the sync task ends: returning, a panic
+/// unwinding through it, or its runtime dropping it — also before it
+/// was first polled (a runtime dropped right after the spawn), which is
+/// why it is made before the task's future and moved into it.
+struct Alive(Arc<Shared>);
 
-impl Drop for Alive<'_> {
+impl Drop for Alive {
     fn drop(&mut self) {
         self.0.life.alive.store(false, Ordering::Release);
     }
 }
 
-pub(crate) async fn run(shared: Arc<Shared>) {
-    let _alive = Alive(&shared);
+/// The sync task of `shared`, to spawn.
+pub(crate) fn task(shared: Arc<Shared>) -> impl std::future::Future<Output = ()> + Send {
+    run(Alive(shared))
+}
+
+async fn run(alive: Alive) {
+    let shared = &alive.0;
     let mut maintenance = tokio::time::interval(MAINTENANCE);
     maintenance.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     let mut sweep = 0;
