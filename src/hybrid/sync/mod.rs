@@ -114,7 +114,7 @@ async fn run(alive: Alive) {
             // Maintenance first if it is due, then straight on.
             tokio::select! {
                 biased;
-                _ = maintenance.tick() => sweep = tick(&shared, sweep),
+                _ = maintenance.tick() => sweep = tick(shared, sweep),
                 _ = tokio::task::yield_now() => {}
             }
             false
@@ -122,7 +122,7 @@ async fn run(alive: Alive) {
             tokio::select! {
                 _ = shared.outbox.wake.notified() => true,
                 _ = maintenance.tick() => {
-                    sweep = tick(&shared, sweep);
+                    sweep = tick(shared, sweep);
                     false
                 }
             }
@@ -146,11 +146,11 @@ async fn run(alive: Alive) {
             // permits go back and debt is reported all the same.
             // (`shutdown` closes the limiter first and finishes itself.)
             if !shared.life.closed.load(Ordering::Acquire) {
-                finish(&shared).await;
+                finish(shared).await;
             }
             return;
         }
-        more = round(&shared).await;
+        more = round(shared).await;
     }
 }
 
