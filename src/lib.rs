@@ -88,7 +88,7 @@
 //! ```
 //!
 //! - **A request is decided** in `limiter` ([`Limiter::check`]): the hybrid
-//!   engine's fast path (`hybrid::HybridEngine::try_fast`, atomics on a
+//!   engine's fast path (`hybrid::HybridEngine::fast_into`, atomics on a
 //!   slot, no await), else its slow path (wait briefly for a refill), or
 //!   one exact store call (`exact`), or the per-process count (`local`).
 //!   Whatever cannot be decided goes to the failure layer

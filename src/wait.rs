@@ -30,8 +30,8 @@ impl Limiter {
     /// the wait runs out.
     ///
     /// - **In arrival order.** Callers waiting on one key of one limiter
-    ///   are served first come, first served (the order a tokio
-    ///   `Semaphore` gives its waiters): only the earliest asks and sleeps; the
+    ///   are served first come, first served (the order a tokio `Mutex`
+    ///   hands itself on in): only the earliest asks and sleeps; the
     ///   others wait behind it, and a caller whose wait runs out there
     ///   returns the last denial the earliest saw, without asking. Across
     ///   processes there is no queue: each process's earliest waiter asks

@@ -1,17 +1,20 @@
 //! The hybrid limiter: leased slices of each key's budget, decided locally.
 //!
-//! The fast path (`HybridEngine::try_fast`) looks the key up in a
+//! The fast path (`HybridEngine::fast_into`) looks the key up in a
 //! `DashMap` (or the thread's cache), spends a permit with one
-//! compare-and-swap and returns; the slow path (`HybridEngine::check`)
-//! waits, bounded by `max_wait`, for the sync task, which it wakes when a
-//! slot runs low. No lock is held across an await.
+//! compare-and-swap and writes the decision where the caller keeps it;
+//! the slow path (`HybridEngine::check`) waits, bounded by `max_wait`, for
+//! the sync task, which it wakes when a slot runs low. No lock is held
+//! across an await.
 //!
-//! Files: `config` (tunables), `shared` (the state the request path and
-//! the sync task share), `slot/` (one key's atomics, its pre-lease and
-//! its credit), `sizing` (how big a lease), `thread_cache` (the
-//! per-thread slot cache), `refunds` (refunds that go back locally),
-//! `sync/` (the background task: leases, give-backs, reports,
-//! maintenance, shutdown).
+//! Files: `config` (tunables and the measurement switches), `policy` (the
+//! lease policy as arithmetic: sizing, refill marks, timing, and its
+//! constants), `shared` (what the request path and the sync task share),
+//! `outbox` (what the sync task is handed, and its wake), `slot/` (one
+//! key's state: its atomics, refill state, pre-lease and credit),
+//! `thread_cache` (the per-thread slot cache), `refunds` (refunds that go
+//! back locally), `sync/` (the background task: rounds, replies, peeks
+//! and rides, maintenance, the last round at shutdown).
 
 mod config;
 mod outbox;
@@ -421,7 +424,7 @@ impl HybridEngine {
             return s.exact_check(key, cost).await;
         }
         // The slow path tries the slot's permits first: one code path for
-        // everything `try_fast` did not answer.
+        // everything `fast_into` did not answer.
         let Some(slot) = s.insert(key, s.time.now_us()) else {
             return s.exact_check(key, cost).await;
         };
@@ -507,10 +510,10 @@ impl HybridEngine {
             // as a thin holder's does) is not made to wait for the next
             // window, or denied at `max_wait` before it starts.
             let next_start = slot.next_start();
-            let soon = 2 * s.rtt_us.load(Ordering::Relaxed) + 1_000;
-            if next_start.is_none_or(|start| {
-                start > now + soon && slot.books().used_up != slot.window() as u32
-            }) {
+            let soon = policy::soon_us(s.rtt_us.load(Ordering::Relaxed));
+            if next_start
+                .is_none_or(|start| start > now + soon && !slot.books().used_up(slot.window()))
+            {
                 s.request_refill(&slot, true);
             }
             if slot.refill_failed() {
@@ -576,7 +579,6 @@ impl HybridEngine {
         }
     }
 
-    /// Stops the sync task and gives every unused permit back.
     /// Tells the sync task to stop, which gives back what the engine
     /// holds on its own runtime (as when the engine is dropped), without
     /// waiting: for an engine no longer used, whether or not its
@@ -587,6 +589,7 @@ impl HybridEngine {
         s.outbox.wake.notify_one();
     }
 
+    /// Stops the sync task and gives every unused permit back.
     pub(crate) async fn shutdown(&self) {
         let s = &*self.shared;
         s.life.closed.store(true, Ordering::Release);

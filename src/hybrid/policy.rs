@@ -1,8 +1,10 @@
 //! The lease policy: how many permits to ask for, when to refill, when to
 //! lease the next window ahead, when an idle holder gives back, how long
 //! a peek is believed. Every rule is arithmetic on numbers the sync task
-//! hands in (rate, held, remaining, time left, round trip), and every
-//! tuning constant is here; no atomics, no I/O. (The store's side of the
+//! hands in (rate, held, remaining, time left, round trip), with its
+//! tuning constants; no atomics, no I/O. (Limits on the engine's own work
+//! — slots watched, pipelines per round, report back-off — stay where
+//! that work is done.) (The store's side of the
 //! policy, the fair share of what remains, is `lease_window.lua`'s
 //! `share_of`, mirrored in `algorithm::window::share_of`.)
 //!
@@ -53,8 +55,8 @@ pub(crate) const PRELEASE_ROUND_TRIPS: u64 = 4;
 
 /// The longest a thin holder's pre-lease goes out before the round: a
 /// full sweep of the maintenance, enough to spread a thousand keys' leases.
-/// (Spread over half an hour-long window, they went out half an hour early
-/// and a key's requests waited on a pre-lease instead of its window.)
+/// (Spread over half an hour-long window, they would go out half an hour
+/// early, and a key's requests wait on a pre-lease instead of its window.)
 pub(crate) const MAX_SPREAD_US: u64 = 1_000_000;
 
 /// A window lease idle for this share of its period gives back what it
@@ -85,6 +87,50 @@ pub(crate) const IDLE_TRIM_GAPS: f64 = 4.0;
 /// permit given back longer before it runs out is found by its ask.
 pub(crate) fn peek_trust_us(period_us: u64) -> u64 {
     period_us.min(1_000_000)
+}
+
+/// How long after a grant its window is peeked at the earliest (at least
+/// two round trips): a round of pre-leases over a fleet lands well within
+/// it.
+pub(crate) const PEEK_AFTER_US: u64 = 10_000;
+
+/// How far ahead of its mark a refill rides along: an eighth of a period,
+/// at most 100 ms (a fraction of the window's permits fetched early, by
+/// processes that spend them).
+pub(crate) fn ride_horizon_us(period_us: u64) -> u64 {
+    (period_us / 8).min(100_000)
+}
+
+/// How often a large `ahead` is scanned at most (see `sync::watch::add_rides`).
+pub(crate) fn ride_scan_every_us(horizon_us: u64) -> u64 {
+    horizon_us / 8
+}
+
+/// What a refill's round trip takes, with room to spare: two round
+/// trips and a millisecond. A lease that covers its window refills when
+/// what is left would be spent within it; a waiter holding the next
+/// window's pre-lease waits for it when it starts within it.
+pub(crate) fn soon_us(rtt_us: u64) -> u64 {
+    2 * rtt_us + 1_000
+}
+
+/// Besides a tick, the pre-lease lead and the round trips, how early the
+/// next window's pre-leases go out: slack for the tick's own lateness.
+pub(crate) const PRELEASE_SLACK_US: u64 = 50_000;
+
+/// How long before a window ends its keys are pre-leased for the next:
+/// a maintenance tick, the configured `lead`, [`PRELEASE_SLACK_US`],
+/// [`PRELEASE_ROUND_TRIPS`] round trips and what leasing `keys` keys
+/// takes Redis ([`LEASE_COST_US`] each); at most half a window.
+pub(crate) fn prelease_lead_us(
+    tick_us: u64,
+    lead_us: u64,
+    rtt_us: u64,
+    keys: u64,
+    period_us: u64,
+) -> u64 {
+    (tick_us + lead_us + PRELEASE_SLACK_US + PRELEASE_ROUND_TRIPS * rtt_us + keys * LEASE_COST_US)
+        .min(period_us / 2)
 }
 
 /// A lease reply, as the numbers that set its slot's refill mark.
@@ -141,9 +187,7 @@ pub(crate) fn low_water(g: &Granted, ablate: Ablation) -> Mark {
     let low_water = if contested || thin || ablate.off(Ablation::AHEAD) {
         0
     } else if (g.to_the_end && !ablate.off(Ablation::WINDOW_LAST)) || covers {
-        (g.rate_per_us * (2.0 * g.rtt_us as f64 + 1_000.0))
-            .ceil()
-            .max(1.0) as u64
+        (g.rate_per_us * soon_us(g.rtt_us) as f64).ceil().max(1.0) as u64
     } else {
         (g.want / 2).max(g.granted / 4)
     };
@@ -175,7 +219,8 @@ pub(crate) fn thin_want(per_window: u64) -> u64 {
     2 * per_window + 4
 }
 
-/// Per-key sizing state, owned by the sync task.
+/// Per-key sizing state: updated by the sync task (and by a promotion of
+/// the next window's lease), read by the request path's refunds.
 #[derive(Debug, Clone)]
 pub(crate) struct Sizing {
     /// Local permits right after the last refill was applied.

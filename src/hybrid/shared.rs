@@ -10,7 +10,7 @@ pub(crate) struct Shared {
     pub(super) stocks: bool,
     /// User key → local state. Entries are removed by the sync task
     /// (eviction), by `release` (a key that moved to another tier) and
-    /// by `finish` (shutdown).
+    /// by `sync::finish` (shutdown).
     /// aHash: several times faster than SipHash on short keys, and keyed
     /// with random seeds, so user-chosen keys cannot force collisions.
     pub(super) slots: DashMap<Arc<str>, Arc<Slot>, ahash::RandomState>,

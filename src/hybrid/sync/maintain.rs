@@ -95,10 +95,9 @@ pub(super) fn prelease_if_active(
     // Asked once per boundary (the store may refuse a thin holder, the
     // key being near its limit).
     let boundary = (plan.end / shared.params.period_us.max(1)) as u32;
-    if !active || !due || books.ahead_asked == boundary {
+    if !active || !due || !books.ask_ahead_once(boundary) {
         return;
     }
-    books.ahead_asked = boundary;
     drop(books);
     slot.mark_swept_ahead();
     shared.request_refill(slot, false);
@@ -152,7 +151,7 @@ pub(super) fn trim_idle(shared: &Shared, slot: &Slot, idle_ms: u64, now: u64) {
         return;
     }
     if let Some((trimmed, window)) = slot.trim(keep, now) {
-        let origin = slot.books().origin;
+        let origin = slot.books().origin();
         shared.give_back(&shared.store_key(slot), trimmed as u64, window, origin);
     }
 }
@@ -172,21 +171,17 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
     // Fixed window: once per window, shortly before its end, every key
     // used in it is pre-leased for the next one, all in the same rounds
     // (a few pipelines, not one round trip per key). Early enough for the
-    // next tick to be too late: a tick, the pre-lease lead, 50 ms, a few
-    // of the round trips the limiter measures (`PRELEASE_ROUND_TRIPS`),
-    // and what leasing every key in the map takes Redis (`LEASE_COST_US`
-    // each); at most half a window.
+    // next tick to be too late (`policy::prelease_lead_us`).
     let period = shared.params.period_us;
     let plan = (!shared.prelease_lead(&config).is_zero())
         .then(|| {
-            let leasing = shared.slots.len() as u64 * LEASE_COST_US;
-            let round_trips = PRELEASE_ROUND_TRIPS * shared.rtt_us.load(Ordering::Relaxed);
-            (MAINTENANCE.as_micros() as u64
-                + shared.prelease_lead(&config).as_micros() as u64
-                + 50_000
-                + round_trips
-                + leasing)
-                .min(period / 2)
+            prelease_lead_us(
+                MAINTENANCE.as_micros() as u64,
+                shared.prelease_lead(&config).as_micros() as u64,
+                shared.rtt_us.load(Ordering::Relaxed),
+                shared.slots.len() as u64,
+                period,
+            )
         })
         .and_then(|lead| {
             let end = next_boundary(shared.window_end_hint.load(Ordering::Relaxed), now, period)?;
@@ -210,7 +205,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
                 // The window they belong to is over.
                 LeaseKind::Window => shared.counters.stranded.add(expired as u64),
                 LeaseKind::Bucket => {
-                    let origin = slot.books().origin;
+                    let origin = slot.books().origin();
                     shared.give_back(&shared.store_key(slot), expired as u64, 0, origin)
                 }
             }

@@ -19,7 +19,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::policy::*;
-use super::slot::{Credit, Installed, NextLease, Slot};
+use super::slot::{Installed, NextLease, Slot};
 use futures_util::future::join_all;
 
 use super::{Ablation, HybridConfig, Shared};

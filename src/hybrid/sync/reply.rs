@@ -145,12 +145,12 @@ pub(super) fn lease_answered(
         // The window the debt went to (the store's current one when the
         // process did not know it) is closed to credit.
         let current = r.window - i64::from(r.start_after_us > 0);
-        let mut books = slot.books();
-        books.credit_closed = books.credit_closed.max(p.call.debt_window.max(current));
+        slot.books()
+            .close_credit_through(p.call.debt_window.max(current));
     }
     slot.set_store_remaining(r.remaining);
     if windowed && r.start_after_us == 0 && r.remaining == 0 {
-        slot.books().used_up = r.window as u32;
+        slot.books().mark_used_up(r.window);
     }
     if windowed {
         shared
@@ -324,15 +324,15 @@ pub(super) fn install_grant(
             let full_at = t0 + r.reset_after_us;
             let origin = origin_of(r);
             let mut books = slot.books();
-            let before = books.origin;
+            let before = books.origin();
             match slot.install(granted, 0, deadline, full_at, now, p.renew()) {
                 Installed::Replaced(0) if !p.renew() && before.at_us != 0 => {
                     // Added to permits still held: the merged lease
                     // answers to the older origin too.
-                    books.origin = before.merge(origin);
+                    books.set_origin(origin, true);
                 }
                 Installed::Replaced(replaced) => {
-                    books.origin = origin;
+                    books.set_origin(origin, false);
                     drop(books);
                     if replaced > 0 {
                         shared.give_back(&shared.store_key(slot), replaced as u64, 0, before);

@@ -69,9 +69,7 @@ impl Drop for Unsent<'_> {
 /// A lease call's reply is lost (an error, or its future dropped): its
 /// identity is kept for the next lease of the slot.
 pub(super) fn lose_lease(slot: &Slot, call: &LeaseCall) {
-    if call.lease_id != 0 {
-        slot.books().lost_lease = call.lease_id;
-    }
+    slot.books().lose_lease(call.lease_id);
 }
 
 /// One lease in flight, with what is needed to apply its reply.
@@ -322,9 +320,9 @@ impl Sent {
     /// in order on one server — at least as long after `t0` as it read
     /// after the round's first, and at least as long before `t1` as it
     /// read before its batch's `last` (less the drift allowance both
-    /// ways). Without this, every reply of a long pipeline was placed
-    /// anywhere in the whole round trip: its lease ended early and its
-    /// pre-lease started late by the time the pipeline took to run.
+    /// ways). Otherwise every reply of a long pipeline could be anywhere in
+    /// the whole round trip: its lease would end early and its pre-lease
+    /// start late by the time the pipeline took to run.
     fn narrowed(self, now_us: u64, last: u64) -> (u64, u64) {
         let Some(first) = self.first else {
             return (self.t0, self.t1);
@@ -434,14 +432,7 @@ pub(super) fn lease_call(
     let valid = now < slot.deadline();
     let near_end = slot.near_end(now, shared.early_lead());
     let mut books = slot.books();
-    let credit = Credit {
-        debt: books.credit.debt,
-        window: books.credit.window,
-        in_flight: 0,
-        recalled: 0,
-    };
-    books.credit.in_flight += books.credit.debt;
-    books.credit.debt = 0;
+    let credit = books.send_credit();
     let need = slot.take_need();
     let rule = SizingRule {
         min_lease: config.min_lease,
@@ -522,7 +513,7 @@ pub(super) fn lease_call(
     // Window leases have an identity; after a lost reply the next one
     // reuses it (see `LeaseCall::lease_id`).
     let lease_id = if shared.leases.identified() {
-        match std::mem::take(&mut books.lost_lease) {
+        match books.take_lost_lease() {
             0 => shared.ops.next_lease(),
             lost => lost,
         }

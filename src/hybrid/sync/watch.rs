@@ -49,11 +49,6 @@ pub(crate) struct Watched {
     pub(super) rate_per_us: f64,
 }
 
-/// How long after a grant its window is peeked at the earliest (at least
-/// two round trips): a round of pre-leases over a fleet lands well within
-/// it.
-pub(super) const PEEK_AFTER_US: u64 = 10_000;
-
 /// The most slots watched at once; beyond it, slots ask as before.
 pub(super) const MAX_WATCHED: usize = 4096;
 
@@ -183,18 +178,6 @@ pub(crate) struct Ahead {
     pub(super) held: i64,
     /// The rate known at the grant (permits per µs, above 0).
     pub(super) rate_per_us: f64,
-}
-
-/// How far ahead of its mark a refill rides along: an eighth of a period,
-/// at most 100 ms (a fraction of the window's permits fetched early, by
-/// processes that spend them).
-pub(super) fn ride_horizon_us(period_us: u64) -> u64 {
-    (period_us / 8).min(100_000)
-}
-
-/// How often a large `ahead` is scanned at most (see [`add_rides`]).
-pub(super) fn ride_scan_every_us(horizon_us: u64) -> u64 {
-    horizon_us / 8
 }
 
 /// Up to this many entries, `ahead` is scanned with every batch.
