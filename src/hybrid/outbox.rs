@@ -57,8 +57,8 @@ pub(crate) struct DebtReport {
 
 /// Refills waiting to be sent. Waiters first: a slot a request waits on
 /// goes before one refilled ahead of need (low water, pre-lease). A slot
-/// promoted while queued has an entry in both; the first taken wins and
-/// the other is skipped as a duplicate.
+/// waited on while queued (`Refill::Waited`) has an entry in both; the
+/// first taken wins and the other is skipped as a duplicate.
 #[derive(Default)]
 pub(crate) struct RefillQueue {
     waiting: VecDeque<Arc<Slot>>,
@@ -117,7 +117,7 @@ mod tests {
     }
 
     #[test]
-    fn waiters_go_first_and_a_promoted_refill_is_sent_once() {
+    fn waiters_go_first_and_a_refill_waited_on_is_sent_once() {
         let mut q = RefillQueue::default();
         let (a, b, c, x) = (slot("a"), slot("b"), slot("c"), slot("x"));
         queue(&mut q, &a, false);
