@@ -1,0 +1,203 @@
+//! The request path's fast half: a key's slot found, a permit taken with
+//! one compare-and-swap, the decision written where the caller keeps it
+//! (`Limiter::check_now`). Whatever it cannot answer goes to the slow
+//! path (`HybridEngine::check`, in `mod.rs`).
+
+use super::*;
+
+impl HybridEngine {
+    /// [`fast_into`](HybridEngine::fast_into), returned.
+    #[cfg(test)]
+    pub(crate) fn try_fast(&self, key: &str, cost: u64) -> Option<Decision> {
+        let mut decided = None;
+        self.fast_into(key, cost, &mut decided);
+        decided
+    }
+
+    /// The request path's common case, without a future: a known key with
+    /// valid local permits. Writes the decision into `decided` (where the
+    /// caller keeps it; see `Limiter::check_now`), or leaves it `None`:
+    /// "take the slow path".
+    #[inline(always)]
+    pub(crate) fn fast_into(&self, key: &str, cost: u64, decided: &mut Option<Decision>) {
+        let s = &*self.shared;
+        if cost > s.max_cost || s.life.closed.load(Ordering::Relaxed) {
+            return;
+        }
+        // The per-thread cache pays off only when threads contend for a
+        // key; uncontended, the map's lock is cheaper than the probe.
+        let contended = s.contended.load(Ordering::Relaxed);
+        if contended {
+            if let Some(stocked) = thread_cache::with(self.id, key, |slot, stock| {
+                self.fast_stocked(slot, stock, cost)
+            }) {
+                *decided = stocked;
+                return;
+            }
+        }
+        let Some(entry) = s.slots.get(key) else {
+            return;
+        };
+        self.fast_on(entry.value(), cost, decided);
+        if contended && thread_cache::worth_caching() {
+            let now = s.time.now_us();
+            let lost = thread_cache::put(self.id, entry.value().clone(), now);
+            s.counters.stranded.add(lost as u64);
+        }
+    }
+
+    /// The fast path on a slot this thread cached: spends from the
+    /// thread's stock of its permits while the stock's lease is valid, and
+    /// refills the stock when it takes from the slot (see `thread_cache`).
+    #[inline(always)]
+    fn fast_stocked(
+        &self,
+        slot: &Arc<Slot>,
+        stock: &std::cell::Cell<thread_cache::Stock>,
+        cost: u64,
+    ) -> Option<Decision> {
+        let s = &*self.shared;
+        if cost == 0 {
+            let mut decided = None;
+            self.fast_on(slot, cost, &mut decided);
+            return decided;
+        }
+        let mut held = stock.get();
+        if held.permits > 0 {
+            match s.time.valid_until(held.deadline) {
+                Some(now) if held.permits as u64 >= cost => {
+                    held.permits -= cost as i64;
+                    stock.set(held);
+                    slot.touch(now);
+                    let left = slot.permits();
+                    return Some(s.spent(slot, left + held.permits, now, cost, held.window));
+                }
+                // Too few for this cost: back to the slot, if its lease
+                // is still the one they came from.
+                Some(now) => {
+                    if !slot.restore(held.window, held.deadline, held.permits, now) {
+                        s.counters.stranded.add(held.permits as u64);
+                    }
+                }
+                None => s.counters.stranded.add(held.permits as u64),
+            }
+            stock.set(thread_cache::Stock::NONE);
+        }
+        match slot.take_spare(cost, &s.time, thread_cache::stock_for) {
+            (Take::Taken(left, now, contended, window), spare, deadline) => {
+                if contended && !s.contended.load(Ordering::Relaxed) {
+                    s.contended.store(true, Ordering::Relaxed);
+                }
+                stock.set(thread_cache::Stock {
+                    permits: spare,
+                    window,
+                    deadline,
+                });
+                slot.touch(now);
+                Some(s.spent(slot, left + spare, now, cost, window))
+            }
+            (Take::Late(lost, _), ..) => {
+                s.counters.stranded.add(lost as u64);
+                None
+            }
+            // A pre-lease to promote, or a denial to answer: the common way.
+            (Take::Empty, ..) => {
+                let mut decided = None;
+                self.fast_on(slot, cost, &mut decided);
+                decided
+            }
+        }
+    }
+
+    /// The fast path on a slot found: one clock read, after the permit
+    /// was taken (see [`Slot::take`]); the decision into `decided`.
+    #[inline(always)]
+    fn fast_on(&self, slot: &Arc<Slot>, cost: u64, decided: &mut Option<Decision>) {
+        let s = &*self.shared;
+        match slot.take(cost, &s.time) {
+            Take::Taken(left, now, contended, window) => {
+                if contended && s.stocks && !s.contended.load(Ordering::Relaxed) {
+                    s.contended.store(true, Ordering::Relaxed);
+                }
+                slot.touch(now);
+                *decided = Some(s.spent(slot, left, now, cost, window));
+            }
+            missed => *decided = self.fast_missed(slot, cost, missed),
+        }
+    }
+
+    /// [`fast_on`](HybridEngine::fast_on) when the slot's lease could not
+    /// pay: a pre-lease to promote, a window to spend across, or a denial
+    /// known until a time.
+    #[inline(never)]
+    fn fast_missed(&self, slot: &Arc<Slot>, cost: u64, missed: Take) -> Option<Decision> {
+        let s = &*self.shared;
+        match missed {
+            Take::Taken(..) => None,
+            Take::Empty => {
+                if let Some(decided) = self.promoted(slot, cost, None) {
+                    return Some(decided);
+                }
+                // Known exhausted: answer from the denied-until time. The
+                // coarse clock may lag, which only lengthens the denial.
+                if cost == 0 || slot.denied_until() == 0 {
+                    return None;
+                }
+                let now = s.time.now_us();
+                slot.denied(now)
+                    .map(|until| s.cached_denial(slot, until, now))
+            }
+            // The lease ended (its permits are void): the next window's
+            // may be held already.
+            Take::Late(lost, window) => {
+                s.counters.stranded.add(lost as u64);
+                self.promoted(slot, cost, Take::paid(lost, window, cost))
+            }
+        }
+    }
+
+    /// A pre-lease of the window that has just begun, put in place and
+    /// spent from. Its start is read on the precise clock: the coarse one,
+    /// anchored to it once, may read up to a kernel tick ahead, and a
+    /// pre-lease must never start early. `paid`: the window a late take
+    /// just took `cost` from (see [`Take::Late`]).
+    fn promoted(&self, slot: &Arc<Slot>, cost: u64, paid: Option<i64>) -> Option<Decision> {
+        let s = &*self.shared;
+        if !slot.has_next() {
+            return None;
+        }
+        let now = s.time.precise_us();
+        let Some(replaced) = slot.promote(now) else {
+            return self.across(slot, cost, now, paid);
+        };
+        s.counters.stranded.add(replaced as u64);
+        match slot.take(cost, &s.time) {
+            Take::Taken(left, now, _, window) => {
+                slot.touch(now);
+                Some(s.spent(slot, left, now, cost, window))
+            }
+            _ => None,
+        }
+    }
+
+    /// Spent across a window boundary from both windows' permits (see
+    /// `Slot::take_across`): near a boundary, a slot holding permits of
+    /// the window ending and of the next one need not wait for either.
+    pub(super) fn across(
+        &self,
+        slot: &Arc<Slot>,
+        cost: u64,
+        now: u64,
+        paid: Option<i64>,
+    ) -> Option<Decision> {
+        let s = &*self.shared;
+        let cost_now = cost.min(i64::MAX as u64) as i64;
+        let across = slot.take_across(cost_now, now, paid, || s.time.precise_us());
+        s.counters.stranded.add(across.stranded as u64);
+        let left = across.left?;
+        // Counted in the next window: it resets when that one ends.
+        let mut decided = s.spent(slot, left, now, cost, Some(across.window));
+        decided.set_reset_after(Duration::from_micros(across.window_end.saturating_sub(now)));
+        Some(decided)
+    }
+}
