@@ -12,7 +12,8 @@
 //! measurement switches), `policy` (the
 //! lease policy as arithmetic: sizing, refill marks, timing, and its
 //! constants), `shared` (what the request path and the sync task share),
-//! `outbox` (what the sync task is handed, and its wake), `slot/` (one
+//! `outbox` (what the sync task is handed, and its wake), `watchlist`
+//! (what the sync task watches between rounds), `slot/` (one
 //! key's state: its atomics, refill state, pre-lease and credit),
 //! `thread_cache` (the per-thread slot cache), `refunds` (refunds that go
 //! back locally), `sync/` (the background task: rounds, replies, peeks
@@ -27,11 +28,11 @@ mod shared;
 mod slot;
 mod sync;
 mod thread_cache;
+mod watchlist;
 
 pub(crate) use self::config::Ablation;
 pub use self::config::{Consistency, HybridConfig};
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -41,12 +42,11 @@ use dashmap::DashMap;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
-pub(crate) use self::outbox::DebtReport;
 use self::outbox::Outbox;
 pub(crate) use self::refunds::LocalRefunds;
 use self::shared::{Life, Shared, REFILL_STRIPES};
-use self::slot::{Retired, Slot, Take, UNKNOWN_WINDOW};
-use crate::algorithm::{GiveBackCall, LeaseKind, LeaseOrigin, OpIds, Params};
+use self::slot::{Slot, Take};
+use crate::algorithm::{OpIds, Params};
 use crate::clock::TimeSource;
 use crate::decision::Decision;
 use crate::decision::Source;
@@ -150,7 +150,7 @@ impl HybridEngine {
             time,
             counters,
             outbox: Outbox::new(),
-            watch: sync::Watch::default(),
+            watch: watchlist::Watch::default(),
             outstanding: DashMap::with_hasher(ahash::RandomState::new()),
             ops,
             holder,

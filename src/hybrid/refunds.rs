@@ -1,7 +1,11 @@
 //! Refunds that go back locally: into the lease a permit came from, or
 //! into credit not yet reported, each at most once.
 
-use super::*;
+use std::collections::HashMap;
+
+use super::HybridEngine;
+use crate::decision::{Origin, Taken};
+use crate::error::Error;
 
 /// Admissions refunded that could go back locally, and where each went,
 /// each kept until the lease or credit it could go back into has surely

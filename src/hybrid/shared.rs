@@ -1,8 +1,27 @@
 //! State the request path and the sync task share, and the operations
 //! on it both use.
 
-use super::*;
-use crate::clock::StoreClock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use dashmap::DashMap;
+use tokio::sync::Notify;
+
+use super::config::{Ablation, HybridConfig};
+use super::outbox::{DebtReport, Outbox};
+use super::slot::{Retired, Slot, UNKNOWN_WINDOW};
+use super::watchlist::Watch;
+use crate::algorithm::{GiveBackCall, LeaseKind, LeaseOrigin, OpIds, Params};
+use crate::clock::{StoreClock, TimeSource};
+use crate::decision::{Decision, Origin, Source, Taken};
+use crate::error::Error;
+use crate::exact::ExactEngine;
+use crate::failure::Reconciler;
+use crate::key::KeyEncoder;
+use crate::stats::Counters;
+use crate::store::Store;
 
 /// State shared by the request path and the sync task.
 pub(crate) struct Shared {
@@ -29,8 +48,8 @@ pub(crate) struct Shared {
     /// and how it is woken.
     pub(super) outbox: Outbox,
     /// The sync task's own watch on slots: peeks and rides (its part,
-    /// read and written by `sync` alone).
-    pub(super) watch: sync::Watch,
+    /// read and written by `sync` alone; see `watchlist`).
+    pub(super) watch: Watch,
     /// Store key → credit of slots already retired: debt queued or in
     /// flight, and (fixed window) what the window saw and whether the store
     /// closed it to credit. A recreated slot counts it against `max_debt`,
@@ -81,7 +100,7 @@ pub(crate) struct Shared {
     /// Runs once between a failed try and the wait for a refill: lets a
     /// test land a refill in exactly that gap.
     #[cfg(test)]
-    pub(super) before_wait: Mutex<Option<BeforeWait>>,
+    pub(super) before_wait: std::sync::Mutex<Option<BeforeWait>>,
 }
 
 /// An engine's life: its sync task running, told to stop, the engine

@@ -15,14 +15,15 @@ mod send;
 mod watch;
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
 use super::policy::*;
 use super::slot::{Installed, NextLease, Slot};
 use futures_util::future::join_all;
 
-use super::{Ablation, HybridConfig, Shared};
+use super::config::{Ablation, HybridConfig};
+use super::shared::Shared;
 use crate::algorithm::{
     LeaseCall, LeaseKind, LeaseOrigin, LeaseReply, LeaseTarget, LeaseView, MAX_REPORT,
 };
@@ -38,7 +39,6 @@ use watch::*;
 use super::outbox::DebtReport;
 pub(crate) use maintain::{maintain, SWEEP_SLICES};
 pub(crate) use send::{give_back_all, round};
-pub(crate) use watch::Watch;
 #[cfg(test)]
 pub(crate) use watch::{note_ahead, RIDE_SCAN_ALWAYS};
 

@@ -1,53 +1,8 @@
 //! Peeks and rides: asking after keys that will soon run out, in batches
 //! going out anyway, instead of in calls of their own.
 
-use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
-use std::sync::Mutex;
-
 use super::*;
-
-/// The sync task's watch on slots: windows to peek at, refills ahead of
-/// need to send along. Read and written by the sync task alone.
-#[derive(Default)]
-pub(crate) struct Watch {
-    /// Slots whose window is peeked at with the next batch sent.
-    pub(crate) watched: Mutex<HashMap<usize, Watched>>,
-    /// Slots whose refill ahead of need is soon due: sent early with a
-    /// batch that goes out anyway (see [`Ahead`]).
-    pub(crate) ahead: Mutex<HashMap<usize, Ahead>>,
-    /// When `ahead` was last scanned for refills to send along (local µs;
-    /// 0: never), so a burst of batches does not scan it once each.
-    pub(crate) ride_scan_at: AtomicU64,
-}
-
-/// A slot whose window lease runs out before its window ends, granted
-/// while the store still had room in that window. The other holders of a
-/// key over its limit usually lease that room within milliseconds (a
-/// pre-lease round, a ramp's second asks), and then each of them, its
-/// share spent, would ask once more only to find nothing: one round trip
-/// per holder and key, each on its own. Instead, shortly before the slot
-/// runs out (by its rate), the window is peeked at (a call that takes
-/// nothing) in a batch that goes out anyway, with whatever lease the
-/// process asks for next. A holder that finds it fully leased spends what
-/// it holds and, if it runs out within [`peek_trust_us`] of the peek, is
-/// denied here until the window ends, as after an ask that got nothing;
-/// later, it asks as before (permits given back meanwhile are found). One
-/// peek per grant; none on a cluster, where a batch goes out as a pipeline
-/// per hash slot and a peek would cost a round trip of its own.
-pub(crate) struct Watched {
-    pub(super) slot: Weak<Slot>,
-    /// The window the lease is for (a pre-lease's: the next one, peeked
-    /// only once it is the slot's current window).
-    pub(super) window: i64,
-    /// Not peeked before this local µs: the other holders' leases of the
-    /// same round land in the meantime.
-    pub(super) after: u64,
-    /// The window's lease deadline (local µs): no peek after it.
-    pub(super) until: u64,
-    /// The slot's rate when the lease was granted (permits per µs).
-    pub(super) rate_per_us: f64,
-}
+use crate::hybrid::watchlist::{Ahead, Watched};
 
 /// The most slots watched at once; beyond it, slots ask as before.
 pub(super) const MAX_WATCHED: usize = 4096;
@@ -156,28 +111,6 @@ pub(super) fn peek_answered(
         t1 + peek_trust_us(shared.params.period_us),
     );
     slot.set_low_water(0);
-}
-
-/// A slot that, by its rate, falls to its low-water mark shortly, before
-/// its window's lease ends: a refill ahead of need that would go out on
-/// its own. Keys that ramp up together (past their first refill) or run
-/// down leases refilled at half would each send theirs alone, a round
-/// trip apiece a few milliseconds apart. Instead, a batch that goes out
-/// anyway takes along the refills of watched slots (only those whose rate
-/// was known at the grant, see [`expect_refill`]) due within
-/// [`ride_horizon_us`]: sized by the same rule (what the rate spends until
-/// the window ends, less what is held), only sent a little earlier. None
-/// on a cluster (a pipeline per hash slot: riding saves nothing there).
-pub(crate) struct Ahead {
-    pub(super) slot: Weak<Slot>,
-    /// The window of the lease the mark belongs to.
-    pub(super) window: i64,
-    /// When the lease was installed (local µs), and what the slot held
-    /// then: the rate since is what it spends now.
-    pub(super) since: u64,
-    pub(super) held: i64,
-    /// The rate known at the grant (permits per µs, above 0).
-    pub(super) rate_per_us: f64,
 }
 
 /// Up to this many entries, `ahead` is scanned with every batch.
