@@ -32,10 +32,13 @@ fn millis(us: u64) -> u32 {
 /// "No window known yet": the store charges such debt to its current window.
 pub(crate) const UNKNOWN_WINDOW: i64 = -1;
 
+mod books;
 mod credit;
+mod install;
 mod next;
 mod refill;
 
+pub(crate) use books::Books;
 pub(crate) use credit::Credit;
 #[cfg(test)]
 use next::Across;
@@ -98,103 +101,6 @@ pub(crate) struct Slot {
     /// Credit and sizing: the slow path's and the sync task's, behind one
     /// lock to keep the slot small.
     books: Mutex<Books>,
-}
-
-/// A slot's slow-path bookkeeping.
-#[derive(Debug)]
-pub(crate) struct Books {
-    /// Optimistic mode: credit admitted, not yet reported.
-    credit: Credit,
-    /// Fixed window: no credit in this window or earlier. Set once the
-    /// store reports debt it could not cover, so each process overshoots a
-    /// window by at most `max_debt`, whatever else the reply granted.
-    credit_closed: i64,
-    /// Lease sizing: the policy's state of the key (its rate, what it
-    /// spent), updated by the sync task and by a promotion.
-    pub(crate) sizing: Sizing,
-    /// Token bucket, GCRA: where the permits held came from, for the
-    /// give-back of those left unused.
-    origin: LeaseOrigin,
-    /// Fixed window: the identity of a lease whose reply was lost (0:
-    /// none). The next lease is sent under it, so the store hands back
-    /// what it granted then instead of counting a second grant.
-    lost_lease: u64,
-    /// Fixed window: the boundary a pre-lease was last asked for (local
-    /// µs ÷ period, wrapping), so it is asked once per window.
-    ahead_asked: u32,
-    /// Fixed and sliding window: the last window the store said had no
-    /// permit left to lease (its index, wrapping). Until it ends, a waiter
-    /// holding the next window's pre-lease waits for it instead of asking
-    /// again.
-    used_up: u32,
-}
-
-impl Books {
-    /// The debt to report with a lease call being sent, moved in flight
-    /// (settled by `Slot::credit_settled` when the reply comes back).
-    pub(crate) fn send_credit(&mut self) -> Credit {
-        let sent = Credit {
-            debt: self.credit.debt,
-            window: self.credit.window,
-            in_flight: 0,
-            recalled: 0,
-        };
-        self.credit.in_flight += self.credit.debt;
-        self.credit.debt = 0;
-        sent
-    }
-
-    /// No credit in `window` or earlier: the store reported debt there it
-    /// could not cover.
-    pub(crate) fn close_credit_through(&mut self, window: i64) {
-        self.credit_closed = self.credit_closed.max(window);
-    }
-
-    /// A lease call's reply was lost: the next lease goes under its
-    /// identity (`id`, 0: none).
-    pub(crate) fn lose_lease(&mut self, id: u64) {
-        if id != 0 {
-            self.lost_lease = id;
-        }
-    }
-
-    /// The identity of a lease whose reply was lost, once (0: none).
-    pub(crate) fn take_lost_lease(&mut self) -> u64 {
-        std::mem::take(&mut self.lost_lease)
-    }
-
-    /// Whether the next window's pre-lease, at `boundary`, is asked for
-    /// now: once per boundary.
-    pub(crate) fn ask_ahead_once(&mut self, boundary: u32) -> bool {
-        let first = self.ahead_asked != boundary;
-        self.ahead_asked = boundary;
-        first
-    }
-
-    /// The store said `window` had no permit left to lease.
-    pub(crate) fn mark_used_up(&mut self, window: i64) {
-        self.used_up = window as u32;
-    }
-
-    /// Whether the store said `window` had no permit left to lease.
-    pub(crate) fn used_up(&self, window: i64) -> bool {
-        self.used_up == window as u32
-    }
-
-    /// Where the permits held came from (buckets).
-    pub(crate) fn origin(&self) -> LeaseOrigin {
-        self.origin
-    }
-
-    /// Permits of a new lease from `origin` are in place (`added`: to
-    /// permits still held, which then answer to both origins).
-    pub(crate) fn set_origin(&mut self, origin: LeaseOrigin, added: bool) {
-        self.origin = if added {
-            self.origin.merge(origin)
-        } else {
-            origin
-        };
-    }
 }
 
 /// The result of trying to spend local permits.
@@ -636,123 +542,6 @@ impl Slot {
         lead > 0
             && self.early_refill.load(Ordering::Relaxed)
             && now + lead >= self.deadline.load(Ordering::Acquire)
-    }
-
-    /// Installs a lease. If the current permits are still valid and belong
-    /// to the same window (and this is not a renewal), the grant is added
-    /// and the deadline kept, so no permit outlives its own lease. A grant
-    /// for a window older than the valid one in place is refused (a late
-    /// reply must not bring back an ended window). Otherwise the grant
-    /// replaces the permits held, which are returned (expired leftovers,
-    /// for the caller to give back or count as stranded).
-    ///
-    /// Installs are serialised by the `next` lock (the sync task installs
-    /// replies, a request may promote a pre-lease at the same moment).
-    pub(crate) fn install(
-        &self,
-        granted: i64,
-        window: i64,
-        deadline: u64,
-        window_end: u64,
-        now: u64,
-        renew: bool,
-    ) -> Installed {
-        let _serial = self.next.lock().unwrap_or_else(|p| p.into_inner());
-        self.install_locked(granted, window, deadline, window_end, now, renew)
-    }
-
-    fn install_locked(
-        &self,
-        granted: i64,
-        window: i64,
-        deadline: u64,
-        window_end: u64,
-        now: u64,
-        renew: bool,
-    ) -> Installed {
-        let current_deadline = self.deadline.load(Ordering::Acquire);
-        let current_window = self.window.load(Ordering::Acquire);
-        if !renew && now < current_deadline {
-            if current_window == window {
-                self.early_refill.store(true, Ordering::Relaxed);
-                self.permits.fetch_add(granted, Ordering::AcqRel);
-                return Installed::Replaced(0);
-            }
-            if window < current_window {
-                return Installed::Stale(granted);
-            }
-        }
-        self.early_refill.store(true, Ordering::Relaxed);
-        // Void the old permits first, then publish the new ones, so the
-        // request path never pairs new permits with an old deadline.
-        self.deadline.store(0, Ordering::Release);
-        let old = self.permits.swap(granted, Ordering::AcqRel);
-        self.window.store(window, Ordering::Release);
-        self.window_end.store(window_end, Ordering::Release);
-        self.deadline.store(deadline, Ordering::Release);
-        Installed::Replaced(old.max(0))
-    }
-
-    /// Takes every permit above `keep` out of a lease still valid at
-    /// `now`, to be given back; returns them and their window (`None`:
-    /// nothing above `keep`, or no valid lease). Under the `next` lock,
-    /// which serialises installs, so the window is the permits' own.
-    pub(crate) fn trim(&self, keep: i64, now: u64) -> Option<(i64, i64)> {
-        let _serial = self.next_lock();
-        if self.evicted.load(Ordering::Acquire) || now >= self.deadline.load(Ordering::Acquire) {
-            return None;
-        }
-        let before = self
-            .permits
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
-                (p > keep).then_some(keep)
-            })
-            .ok()?;
-        let trimmed = before - keep;
-        self.books().sizing.moved(0, trimmed);
-        Some((trimmed, self.window.load(Ordering::Acquire)))
-    }
-
-    /// Voids permits whose deadline has passed; returns how many there were.
-    pub(crate) fn expire(&self, now: u64) -> i64 {
-        if now < self.deadline.load(Ordering::Acquire) {
-            return 0;
-        }
-        let voided = self.permits.swap(0, Ordering::AcqRel).max(0);
-        if voided > 0 {
-            self.books().sizing.moved(0, voided);
-        }
-        voided
-    }
-
-    /// Local estimate of the fixed window in force at `now`: `Some(index)`
-    /// when certain, `UNKNOWN_WINDOW` before the first lease, `None` close
-    /// to a boundary, where the store may be on either side of it. The
-    /// current window surely lasts until `deadline` (its earliest possible
-    /// end, minus the margin) and surely ended at `window_end` (its latest
-    /// possible end, plus the margin); later boundaries repeat every period.
-    pub(crate) fn window_at(&self, now: u64, period_us: u64) -> Option<i64> {
-        let window = self.window.load(Ordering::Acquire);
-        if window == UNKNOWN_WINDOW {
-            return Some(UNKNOWN_WINDOW);
-        }
-        let early = self.deadline.load(Ordering::Acquire);
-        let late = self.window_end.load(Ordering::Acquire);
-        if early == 0 {
-            return None;
-        }
-        if now < early {
-            return Some(window);
-        }
-        let period = period_us.max(1);
-        let width = late.saturating_sub(early);
-        let since = now - early;
-        let k = since / period;
-        if since - k * period < width {
-            None
-        } else {
-            Some(window + 1 + k as i64)
-        }
     }
 }
 
