@@ -10,8 +10,8 @@ use std::task::Poll;
 use std::time::Duration;
 
 use slicelimit::{
-    Algorithm, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota,
-    Source,
+    nonzero, Algorithm, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore,
+    Quota, Source,
 };
 use support::VirtualClock;
 
@@ -103,4 +103,60 @@ async fn every_future_dropped_at_every_poll_leaves_nothing_half_done() {
             }
         }
     }
+}
+
+/// A hybrid limiter on the embedded store, for the quota-change tests.
+fn on_memory(store: &MemoryStore, quota: Quota) -> Limiter {
+    Limiter::builder(quota)
+        .namespace("changed")
+        .store(store.clone())
+        .hybrid(HybridConfig::default())
+        .build()
+        .unwrap()
+}
+
+/// `set_quota` from a runtime that is dropped right after: the replaced
+/// lane's sync task (on the limiter's runtime) still stops, and the new
+/// lane's, spawned on the dropped runtime before it ever ran, is
+/// restarted where the limiter is used, with the old lane's permits back
+/// in the store for it.
+#[test]
+fn a_quota_changed_from_a_dropped_runtime_stops_the_old_lane_and_runs_the_new() {
+    let limiter_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = MemoryStore::new();
+    let limiter = limiter_rt.block_on(async {
+        let limiter = on_memory(&store, Quota::per_hour(nonzero!(100)));
+        for _ in 0..3 {
+            assert!(limiter.check("k", 1).await.is_allowed());
+        }
+        limiter
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let tasks_before = limiter_rt.metrics().num_alive_tasks();
+    {
+        let passing = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        passing.block_on(async { limiter.set_quota(Quota::per_hour(nonzero!(100))).unwrap() });
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        limiter_rt.metrics().num_alive_tasks() < tasks_before,
+        "the replaced lane's sync task still runs"
+    );
+    let admitted = limiter_rt.block_on(async {
+        let mut admitted = 0;
+        while limiter.check("k", 1).await.is_allowed() {
+            admitted += 1;
+            assert!(admitted <= 100, "more than the limit");
+        }
+        admitted
+    });
+    assert_eq!(admitted, 97, "the rest of the hour's 100, after 3");
+    assert!(limiter.stats().sync_restarts >= 1);
 }
