@@ -171,6 +171,8 @@ mod local;
 pub mod metrics;
 mod queues;
 mod quota;
+#[cfg(feature = "server")]
+pub mod server;
 mod several;
 mod stats;
 mod store;

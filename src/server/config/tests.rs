@@ -1,0 +1,164 @@
+use super::*;
+
+const EXAMPLE: &str = r#"
+domain: api
+descriptors:
+  - key: api_key
+    rate_limit: { unit: minute, requests_per_unit: 100 }
+    descriptors:
+      - key: path
+        value: /upload
+        name: uploads
+        rate_limit: { unit: hour, requests_per_unit: 10 }
+  - key: remote_address
+    value: "10.0.*"
+    unlimited: true
+  - key: remote_address
+    value: "10.*"
+    shadow_mode: true
+    slicelimit: { algorithm: token_bucket }
+    rate_limit: { unit: second, requests_per_unit: 5 }
+  - key: remote_address
+    value: 10.9.9.9
+    rate_limit: { unit: Day, requests_per_unit: 1 }
+  - key: remote_address
+    rate_limit: { unit: second, requests_per_unit: 50 }
+"#;
+
+fn example() -> Config {
+    Config::parse("example.yaml", EXAMPLE).expect("the example parses")
+}
+
+fn path<'a>(config: &'a Config, entries: &[(&str, &str)]) -> Option<&'a str> {
+    config.rule(entries).map(|r| r.path.as_str())
+}
+
+#[test]
+fn a_descriptor_reaches_the_rule_of_the_node_its_last_entry_reaches() {
+    let config = example();
+    assert_eq!(config.domain(), "api");
+    let key = config.rule(&[("api_key", "k1")]).expect("a rule");
+    assert_eq!(key.path, "api_key");
+    assert_eq!(
+        key.quota,
+        Some(Quota::new(100, Duration::from_secs(60)).unwrap())
+    );
+    assert_eq!(key.algorithm, Algorithm::FixedWindow);
+    let upload = config
+        .rule(&[("api_key", "k1"), ("path", "/upload")])
+        .expect("a rule");
+    assert_eq!(upload.path, "api_key/path=/upload");
+    assert_eq!(upload.name.as_deref(), Some("uploads"));
+    assert_eq!(upload.quota.unwrap().period(), Duration::from_secs(3_600));
+    // No node for the entry, or no entries: no rule, nothing counted.
+    assert_eq!(
+        path(&config, &[("api_key", "k1"), ("path", "/other")]),
+        None
+    );
+    assert_eq!(path(&config, &[("user", "u")]), None);
+    assert_eq!(path(&config, &[]), None);
+}
+
+#[test]
+fn an_exact_value_beats_the_longest_prefix_which_beats_the_key_alone() {
+    let config = example();
+    assert_eq!(
+        path(&config, &[("remote_address", "10.9.9.9")]),
+        Some("remote_address=10.9.9.9")
+    );
+    let unlimited = config.rule(&[("remote_address", "10.0.3.4")]).unwrap();
+    assert_eq!(unlimited.path, "remote_address=10.0.*");
+    assert_eq!(unlimited.quota, None);
+    let shadow = config.rule(&[("remote_address", "10.1.2.3")]).unwrap();
+    assert_eq!(shadow.path, "remote_address=10.*");
+    assert!(shadow.shadow_mode);
+    assert_eq!(shadow.algorithm, Algorithm::TokenBucket);
+    assert_eq!(
+        path(&config, &[("remote_address", "192.0.2.1")]),
+        Some("remote_address")
+    );
+}
+
+#[test]
+fn every_rule_is_listed_once_in_file_order() {
+    let paths: Vec<String> = example().rules().iter().map(|r| r.path.clone()).collect();
+    assert_eq!(
+        paths,
+        [
+            "api_key",
+            "api_key/path=/upload",
+            "remote_address=10.0.*",
+            "remote_address=10.*",
+            "remote_address=10.9.9.9",
+            "remote_address",
+        ]
+    );
+}
+
+/// The error for `text`, which must name every one of `words`.
+fn refused(text: &str, words: &[&str]) {
+    let err = Config::parse("limits/api.yaml", text).expect_err("refused");
+    let message = err.to_string();
+    assert!(message.contains("limits/api.yaml"), "{message}");
+    for word in words {
+        assert!(message.contains(word), "{word:?} missing from: {message}");
+    }
+}
+
+#[test]
+fn what_cannot_be_honoured_is_refused_naming_file_descriptor_and_field() {
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    replaces: [{name: x}]\n",
+        &["#1", "replaces"],
+    );
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n        rate_limit: {unit: week, requests_per_unit: 3}\n",
+        &["a/b", "unit", "week"],
+    );
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 0}\n",
+        &["a", "requests_per_unit"],
+    );
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1, burst: 3}\n",
+        &["a", "burst"],
+    );
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    unlimited: true\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+        &["a", "unlimited"],
+    );
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    shadow_mode: true\n",
+        &["a", "shadow_mode"],
+    );
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    value: v\n  - key: a\n    value: v\n",
+        &["#2", "a=v", "twice"],
+    );
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    slicelimit: {algorithm: leaky}\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+        &["a", "algorithm", "leaky", "gcra"],
+    );
+    refused("descriptors: []\n", &["domain"]);
+    refused("domain: d\nrlqs_only: 1\n", &["rlqs_only"]);
+    refused("domain: [unclosed\n", &["not YAML"]);
+    refused("domain: d\ndescriptors:\n  - value: v\n", &["#1", "key"]);
+}
+
+#[test]
+fn a_domain_without_descriptors_has_no_rules() {
+    let config = Config::parse("empty.yaml", "domain: quiet\n").unwrap();
+    assert!(config.rules().is_empty());
+    assert_eq!(config.rule(&[("a", "b")]), None);
+}
+
+#[test]
+fn a_file_nested_absurdly_deep_is_refused_not_a_crash() {
+    let mut text = String::from("domain: d\ndescriptors:\n");
+    for depth in 0..5_000 {
+        let pad = "  ".repeat(depth);
+        text.push_str(&format!("{pad}- key: k{depth}\n{pad}  descriptors:\n"));
+    }
+    let err = Config::parse("deep.yaml", &text).expect_err("refused");
+    assert!(err.to_string().contains("deep.yaml: not YAML"), "{err}");
+}
