@@ -281,7 +281,7 @@ impl HybridEngine {
             }
             // A peek is always answered, never denied: it takes nothing.
             if cost == 0 {
-                return Ok(s.lease_decision(&slot, 0, now));
+                return Ok(s.lease_decision(&slot, 0, now, Taken::default()));
             }
             if let Some(decided) = self.across(&slot, cost, now, paid) {
                 return Ok(decided);

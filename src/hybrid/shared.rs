@@ -268,13 +268,11 @@ impl Shared {
         } else {
             window.map(|_| now as i64)
         };
-        Decision::leased(
-            self.params.limit,
-            self.lease_remaining(slot, left),
-            slot.window_end().saturating_sub(now),
-            self.params.period_us,
+        self.lease_decision(
+            slot,
+            left,
+            now,
             Taken::new(Origin::Lease, cost, window).by(self.tag),
-            self.limiter,
         )
     }
 
@@ -286,13 +284,23 @@ impl Shared {
         remaining.min(self.params.limit.max(self.params.burst))
     }
 
+    /// An admission from `slot`'s lease that took `taken`, `left` permits
+    /// remaining, made whole in one literal (see `Decision::leased`).
     #[inline(always)]
-    pub(super) fn lease_decision(&self, slot: &Slot, left: i64, now: u64) -> Decision {
-        Decision::allow(
+    pub(super) fn lease_decision(
+        &self,
+        slot: &Slot,
+        left: i64,
+        now: u64,
+        taken: Taken,
+    ) -> Decision {
+        Decision::leased(
             self.params.limit,
             self.lease_remaining(slot, left),
-            self.reset_after(slot, now),
-            Source::Lease,
+            slot.window_end().saturating_sub(now),
+            self.params.period_us,
+            taken,
+            self.limiter,
         )
     }
 
