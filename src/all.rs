@@ -1,5 +1,5 @@
-//! Several limiters and keys in one decision: [`check_all`] and
-//! [`refund_all`], all-or-nothing across limiters whose keys may live in
+//! Several limiters and keys in one decision: [`check_all`] (or
+//! [`check_each`], a cost per pair) and [`refund_all`], all-or-nothing across limiters whose keys may live in
 //! different Redis slots or nodes.
 
 use crate::decision::Decision;
@@ -46,23 +46,30 @@ use crate::several::{binding, spawn_refunds};
 /// # }
 /// ```
 pub async fn check_all(pairs: &[(&Limiter, &str)], cost: u64) -> Decision {
-    let mut taken: Vec<(usize, Decision)> = Vec::with_capacity(pairs.len());
+    let items: Vec<(&Limiter, &str, u64)> = pairs.iter().map(|&(l, k)| (l, k, cost)).collect();
+    check_each(&items).await
+}
+
+/// [`check_all`] with a cost of its own for each `(limiter, key, cost)`:
+/// all-or-nothing in the same way, in order. Envoy's rate limit
+/// requests carry a cost per descriptor.
+pub async fn check_each(items: &[(&Limiter, &str, u64)]) -> Decision {
+    let mut taken: Vec<Decision> = Vec::with_capacity(items.len());
     let mut guard = AllUndo {
-        pairs,
+        items,
         taken: Vec::new(),
     };
-    for (i, (limiter, key)) in pairs.iter().enumerate() {
-        let decision = limiter.check(key, cost).await;
+    for (i, (limiter, key, cost)) in items.iter().enumerate() {
+        let decision = limiter.check(key, *cost).await;
         if !decision.is_allowed() {
             // What the earlier pairs took goes back in a task of its own
             // (the guard's drop), not holding up the denial.
             drop(guard);
-            let mut parts: Vec<Decision> = taken.into_iter().map(|(_, d)| d).collect();
-            parts.push(decision);
-            return binding_of_pairs(pairs, parts);
+            taken.push(decision);
+            return binding_of_pairs(items, taken);
         }
         guard.taken.push((i, decision.clone()));
-        taken.push((i, decision));
+        taken.push(decision);
     }
     guard.taken.clear();
     if taken.is_empty() {
@@ -73,36 +80,36 @@ pub async fn check_all(pairs: &[(&Limiter, &str)], cost: u64) -> Decision {
             crate::decision::Source::Local,
         );
     }
-    binding_of_pairs(pairs, taken.into_iter().map(|(_, d)| d).collect())
+    binding_of_pairs(items, taken)
 }
 
 /// The binding decision over pairs, each of which may itself hold parts.
 /// Parts are named after their limiters.
-fn binding_of_pairs(pairs: &[(&Limiter, &str)], parts: Vec<Decision>) -> Decision {
+fn binding_of_pairs(items: &[(&Limiter, &str, u64)], parts: Vec<Decision>) -> Decision {
     let flat: Vec<Decision> = parts
         .iter()
         .flat_map(|d| d.quotas().iter().cloned())
         .collect();
     let mut decision = binding(flat);
     decision.parts = None;
-    let names = pairs
+    let names = items
         .iter()
         .take(parts.len())
-        .map(|(limiter, _)| limiter.inner.name.clone())
+        .map(|(limiter, _, _)| limiter.inner.name.clone())
         .collect();
     decision.with_parts(parts, names)
 }
 
 /// What [`check_all`] took so far, given back if it is dropped midway.
 struct AllUndo<'a> {
-    pairs: &'a [(&'a Limiter, &'a str)],
+    items: &'a [(&'a Limiter, &'a str, u64)],
     taken: Vec<(usize, Decision)>,
 }
 
 impl Drop for AllUndo<'_> {
     fn drop(&mut self) {
         for (j, decision) in std::mem::take(&mut self.taken) {
-            let (limiter, key) = self.pairs[j];
+            let (limiter, key, _) = self.items[j];
             let key = local_key(key).into_owned();
             let parts: Vec<(usize, Taken)> = decision
                 .quotas()

@@ -180,7 +180,7 @@ mod tiers;
 mod wait;
 
 pub use algorithm::Algorithm;
-pub use all::{check_all, refund_all};
+pub use all::{check_all, check_each, refund_all};
 pub use breaker::{CircuitConfig, CircuitState};
 pub use clock::{Clock, FakeClock, SystemClock};
 pub use decision::{Decision, DeniedBy, Source};

@@ -188,6 +188,13 @@ impl PrometheusExporter {
     pub fn render(&self) -> String {
         self.handle.render()
     }
+
+    /// Drains histogram samples into their buckets; needed only with
+    /// [`install_prometheus_recorder`] (the listener of
+    /// [`install_prometheus`] does it itself).
+    pub fn run_upkeep(&self) {
+        self.handle.run_upkeep();
+    }
 }
 
 #[cfg(feature = "prometheus")]
@@ -210,12 +217,6 @@ impl std::fmt::Debug for PrometheusExporter {
 /// runtime or if a global recorder is already installed.
 #[cfg(feature = "prometheus")]
 pub fn install_prometheus(addr: std::net::SocketAddr) -> Result<PrometheusExporter, Error> {
-    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-
-    fn bad(e: impl std::error::Error + Send + Sync + 'static) -> Error {
-        Error::new(ErrorKind::InvalidInput, format!("Prometheus exporter: {e}")).caused_by(e)
-    }
-
     let runtime = tokio::runtime::Handle::try_current()
         .map_err(|_| Error::invalid("install_prometheus must be called inside a Tokio runtime"))?;
     // The exporter reports a busy port as a build error of its own; bind
@@ -227,6 +228,49 @@ pub fn install_prometheus(addr: std::net::SocketAddr) -> Result<PrometheusExport
         )
         .caused_by(e)
     })?);
+    let (recorder, exporter) = {
+        let _guard = runtime.enter();
+        prometheus_builder()?
+            .with_http_listener(addr)
+            .build()
+            .map_err(prometheus_error)?
+    };
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder).map_err(prometheus_error)?;
+    runtime.spawn(exporter);
+    describe();
+    Ok(PrometheusExporter { handle })
+}
+
+/// Installs a Prometheus recorder as the global `metrics` recorder
+/// without serving it: for a process that serves
+/// [`render`](PrometheusExporter::render) on an endpoint of its own
+/// (as `slicelimit-server` does). Call
+/// [`run_upkeep`](PrometheusExporter::run_upkeep) every few seconds.
+/// Feature `prometheus`.
+///
+/// # Errors
+/// [`InvalidInput`](ErrorKind::InvalidInput) if a global recorder is
+/// already installed.
+#[cfg(feature = "prometheus")]
+pub fn install_prometheus_recorder() -> Result<PrometheusExporter, Error> {
+    let recorder = prometheus_builder()?.build_recorder();
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder).map_err(prometheus_error)?;
+    describe();
+    Ok(PrometheusExporter { handle })
+}
+
+#[cfg(feature = "prometheus")]
+fn prometheus_error(e: impl std::error::Error + Send + Sync + 'static) -> Error {
+    Error::new(ErrorKind::InvalidInput, format!("Prometheus exporter: {e}")).caused_by(e)
+}
+
+/// The exporter with slicelimit's histogram buckets.
+#[cfg(feature = "prometheus")]
+fn prometheus_builder() -> Result<metrics_exporter_prometheus::PrometheusBuilder, Error> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+
     let latency = [
         0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
         1.0,
@@ -234,22 +278,11 @@ pub fn install_prometheus(addr: std::net::SocketAddr) -> Result<PrometheusExport
     let sizes = [
         1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 2_500.0, 10_000.0, 100_000.0,
     ];
-    let (recorder, exporter) = {
-        let _guard = runtime.enter();
-        PrometheusBuilder::new()
-            .with_http_listener(addr)
-            .set_buckets_for_metric(Matcher::Full(STORE_LATENCY.to_owned()), &latency)
-            .map_err(bad)?
-            .set_buckets_for_metric(Matcher::Full(LEASE_SIZE.to_owned()), &sizes)
-            .map_err(bad)?
-            .build()
-            .map_err(bad)?
-    };
-    let handle = recorder.handle();
-    metrics::set_global_recorder(recorder).map_err(bad)?;
-    runtime.spawn(exporter);
-    describe();
-    Ok(PrometheusExporter { handle })
+    PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Full(STORE_LATENCY.to_owned()), &latency)
+        .map_err(prometheus_error)?
+        .set_buckets_for_metric(Matcher::Full(LEASE_SIZE.to_owned()), &sizes)
+        .map_err(prometheus_error)
 }
 
 const SOURCES: [Source; 8] = [
