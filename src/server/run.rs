@@ -188,7 +188,7 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
             .add_service(health_service)
             .add_service(RateLimitServiceServer::new(service))
             .serve_with_incoming_shutdown(
-                tonic::transport::server::TcpIncoming::from(grpc),
+                tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
                 stopped(stop_rx.clone()),
             ),
     );
