@@ -1168,7 +1168,7 @@ async fn a_hybrid_limiter_behind_the_layer() {
 }
 
 #[test]
-fn the_grafana_dashboard_prompts_for_a_data_source_and_charts_the_layer() {
+fn the_grafana_dashboard_prompts_for_a_data_source_and_charts_the_layer_and_the_server() {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/examples/grafana/slicelimit.json"
@@ -1185,9 +1185,26 @@ fn the_grafana_dashboard_prompts_for_a_data_source_and_charts_the_layer() {
         .as_array()
         .unwrap()
         .iter()
+        .filter(|p| p["type"] != "row")
         .flat_map(|p| p["targets"].as_array().unwrap())
         .map(|t| t["expr"].as_str().unwrap())
         .collect();
+    use slicelimit::server::stats::{
+        CALLS, CONFIG_FAILING, NEAR_LIMIT, OVER_LIMIT, SHADOW_MODE, WITHIN_LIMIT,
+    };
+    for metric in [
+        WITHIN_LIMIT,
+        OVER_LIMIT,
+        NEAR_LIMIT,
+        SHADOW_MODE,
+        CALLS,
+        CONFIG_FAILING,
+    ] {
+        assert!(
+            exprs.iter().any(|e| e.contains(metric)),
+            "{metric} is charted"
+        );
+    }
     use slicelimit::metrics::*;
     for metric in [
         DECISIONS,
