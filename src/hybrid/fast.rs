@@ -76,10 +76,10 @@ impl HybridEngine {
                 // is still the one they came from.
                 Some(now) => {
                     if !slot.restore(held.window, held.deadline, held.permits, now) {
-                        s.counters.stranded.add(held.permits as u64);
+                        s.expired(slot, held.permits as u64);
                     }
                 }
-                None => s.counters.stranded.add(held.permits as u64),
+                None => s.expired(slot, held.permits as u64),
             }
             stock.set(thread_cache::Stock::NONE);
         }
@@ -97,7 +97,7 @@ impl HybridEngine {
                 Some(s.spent(slot, left + spare, now, cost, window))
             }
             (Take::Late(lost, _), ..) => {
-                s.counters.stranded.add(lost as u64);
+                s.expired(slot, lost as u64);
                 None
             }
             // A pre-lease to promote, or a denial to answer: the common way.
@@ -150,7 +150,7 @@ impl HybridEngine {
             // The lease ended (its permits are void): the next window's
             // may be held already.
             Take::Late(lost, window) => {
-                s.counters.stranded.add(lost as u64);
+                s.expired(slot, lost as u64);
                 self.promoted(slot, cost, Take::paid(lost, window, cost))
             }
         }

@@ -274,7 +274,7 @@ impl HybridEngine {
                     return Ok(s.spent(&slot, left, now, cost, window))
                 }
                 Take::Late(lost, window) => {
-                    s.counters.stranded.add(lost as u64);
+                    s.expired(&slot, lost as u64);
                     paid = Take::paid(lost, window, cost);
                 }
                 Take::Empty => {}

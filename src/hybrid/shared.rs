@@ -493,6 +493,24 @@ impl Shared {
         self.keys.store_key(slot.key(), self.params.algorithm)
     }
 
+    /// Permits of `slot`'s lease that ran out unspent: stranded under a
+    /// window lease (their window is over), given back under a bucket
+    /// lease (capped by what the bucket could have held since the lease's
+    /// origin), so a key used less often than its leases last does not
+    /// lose a token at every expiry.
+    pub(super) fn expired(&self, slot: &Slot, permits: u64) {
+        if permits == 0 {
+            return;
+        }
+        match self.leases {
+            LeaseKind::Window => self.counters.stranded.add(permits),
+            LeaseKind::Bucket => {
+                let origin = slot.books().origin();
+                self.give_back(&self.store_key(slot), permits, 0, origin);
+            }
+        }
+    }
+
     pub(super) fn give_back(
         &self,
         store_key: &str,

@@ -535,6 +535,32 @@ async fn token_bucket_leases_expire_after_their_horizon_and_go_back() {
     assert_eq!(r.counters.stranded.get(), 8);
 }
 
+/// A key asked for less often than its leases last: every request finds
+/// its lease expired. The permit it took late and the rest of the lease go
+/// back to the bucket, under the lease's own origin. Before, a new lease
+/// that replaced an empty one kept the old origin's higher level, which
+/// capped every later give-back to nothing: 6 of 10 were admitted.
+#[tokio::test]
+async fn a_token_bucket_used_less_often_than_its_leases_last_loses_nothing() {
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let r = rig(
+            Quota::new(10, Duration::from_secs(3_600)).unwrap(),
+            algorithm,
+            strict(),
+        );
+        let mut admitted = 0;
+        for i in 0..12u64 {
+            r.clock.set(ORIGIN + Duration::from_millis(1_200 * i));
+            if r.check("k", 1).await.is_allowed() {
+                admitted += 1;
+            }
+            r.sync().await;
+        }
+        assert_eq!(admitted, 10, "{algorithm:?}");
+        assert_eq!(r.counters.stranded.get(), 0, "{algorithm:?}");
+    }
+}
+
 #[tokio::test]
 async fn a_request_costing_more_than_a_lease_still_gets_one_large_enough() {
     let r = rig(

@@ -43,7 +43,7 @@ impl Slot {
             if current_window == window {
                 self.early_refill.store(true, Ordering::Relaxed);
                 self.permits.fetch_add(granted, Ordering::AcqRel);
-                return Installed::Replaced(0);
+                return Installed::Added;
             }
             if window < current_window {
                 return Installed::Stale(granted);

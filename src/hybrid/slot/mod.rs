@@ -147,7 +147,11 @@ pub(crate) struct Retired {
 /// What installing a lease did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Installed {
-    /// In place; this many expired or superseded permits were replaced.
+    /// Added to the permits of the lease in force (same window, its
+    /// deadline unchanged): nothing was replaced.
+    Added,
+    /// In place of the lease before; this many of its permits (expired
+    /// or superseded) were replaced, possibly none.
     Replaced(i64),
     /// The grant is for a window older than the one the slot already
     /// serves (a late reply): not installed, these permits are stranded.
@@ -666,10 +670,7 @@ mod tests {
     fn a_grant_for_the_same_window_adds_and_a_new_window_replaces() {
         let slot = Slot::new("k".into(), 0);
         slot.install(3, 7, 100, 103, 10, false);
-        assert_eq!(
-            slot.install(2, 7, 200, 203, 20, false),
-            Installed::Replaced(0)
-        );
+        assert_eq!(slot.install(2, 7, 200, 203, 20, false), Installed::Added);
         assert!(matches!(slot.take(5, &at(30)), Take::Taken(0, ..)));
         slot.install(3, 7, 100, 103, 40, false);
         // window 8 replaces window 7's leftovers, which are handed back
@@ -868,7 +869,9 @@ mod model {
                 .collect();
             let replaced = match slot.install(3, 8, 200, 203, 20, true) {
                 Installed::Replaced(n) => n,
-                Installed::Stale(_) => unreachable!("a renewal is never stale"),
+                Installed::Added | Installed::Stale(_) => {
+                    unreachable!("a renewal replaces")
+                }
             };
             let taken: i64 = spenders.into_iter().map(|t| t.join().unwrap()).sum();
             let left = slot.permits.load(Ordering::Acquire);
@@ -902,7 +905,7 @@ mod model {
             let permits = slot.permits.load(Ordering::Acquire);
             match late {
                 // Landed first, on window 7's permits, then replaced.
-                Installed::Replaced(0) => assert_eq!(permits, 5),
+                Installed::Added => assert_eq!(permits, 5),
                 Installed::Stale(4) => assert_eq!(permits, 5),
                 other => panic!("{other:?}"),
             }

@@ -206,6 +206,7 @@ impl Slot {
         );
         drop(next);
         Some(match installed {
+            Installed::Added => 0,
             Installed::Replaced(n) => {
                 self.books().sizing.moved(lease.permits, n);
                 n

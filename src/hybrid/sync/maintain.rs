@@ -199,17 +199,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
             }
             continue;
         }
-        let expired = slot.expire(now);
-        if expired > 0 {
-            match shared.leases {
-                // The window they belong to is over.
-                LeaseKind::Window => shared.counters.stranded.add(expired as u64),
-                LeaseKind::Bucket => {
-                    let origin = slot.books().origin();
-                    shared.give_back(&shared.store_key(slot), expired as u64, 0, origin)
-                }
-            }
-        }
+        shared.expired(slot, slot.expire(now) as u64);
         shared.counters.stranded.add(slot.expire_next(now) as u64);
         let idle_for = slot.idle_ms(now);
         trim_idle(shared, slot, idle_for, now);

@@ -314,6 +314,7 @@ pub(super) fn install_grant(
                 counters.stranded.add(slot.hold_next(lease) as u64);
             } else {
                 match slot.install(granted, r.window, deadline, window_end, now, false) {
+                    Installed::Added => {}
                     Installed::Replaced(n) | Installed::Stale(n) => counters.stranded.add(n as u64),
                 }
             }
@@ -326,11 +327,16 @@ pub(super) fn install_grant(
             let mut books = slot.books();
             let before = books.origin();
             match slot.install(granted, 0, deadline, full_at, now, p.renew()) {
-                Installed::Replaced(0) if !p.renew() && before.at_us != 0 => {
+                Installed::Added if before.at_us != 0 => {
                     // Added to permits still held: the merged lease
                     // answers to the older origin too.
                     books.set_origin(origin, true);
                 }
+                // In place of a lease whose permits were all spent or void
+                // (none replaced) or are given back here: the new lease
+                // answers to its own origin alone. Merging in the old one
+                // would cap its give-backs by a level long gone.
+                Installed::Added => books.set_origin(origin, false),
                 Installed::Replaced(replaced) => {
                     books.set_origin(origin, false);
                     drop(books);
