@@ -527,3 +527,44 @@ async fn sigterm_gives_leased_permits_back_within_the_documented_time() {
     // What A leased and did not use went back: B gets all of the rest.
     assert_eq!(admitted(&[&b], "u", 150, 4).await, 99);
 }
+
+/// In the hybrid modes the token goes back to the replica's lease. (In
+/// `exact` mode it goes back to the store, which counts bucket levels in
+/// whole tokens rounded up: on a bucket refilling slowly it can keep the
+/// token; docs/envoy.md says so.)
+#[tokio::test]
+async fn a_token_bucket_keeps_its_tokens_when_another_descriptor_denies() {
+    let text = "domain: api\ndescriptors:\n  - key: u\n    rate_limit: { unit: hour, requests_per_unit: 2 }\n    slicelimit: { algorithm: token_bucket }\n  - key: o\n    rate_limit: { unit: hour, requests_per_unit: 1 }\n";
+    // (Optimistic would admit a third on credit, as documented.)
+    for mode in [Mode::HybridStrict] {
+        let settings = Settings {
+            store: MemoryStore::new().into(),
+            mode,
+            on_store_error: FailurePolicy::FailOpen,
+        };
+        let config = Config::parse("tb.yaml", text).unwrap();
+        let (table, _) = Table::build(vec![config], &settings, None).unwrap();
+        let service = RateLimiter::new(Arc::new(ArcSwap::from_pointee(table)), settings);
+        let both = || {
+            request(
+                "api",
+                vec![descriptor(&[("u", "x")]), descriptor(&[("o", "y")])],
+            )
+        };
+        assert!(is_ok(&service.decide(both()).await.unwrap()), "{mode:?}");
+        for _ in 0..3 {
+            // What u took goes back in a task of its own: a moment later.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let r = service.decide(both()).await.unwrap();
+            assert_eq!(codes(&r), [OK, OVER], "{mode:?}");
+            assert_eq!(r.statuses[0].limit_remaining, 1, "{mode:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let alone = || request("api", vec![descriptor(&[("u", "x")])]);
+        assert!(
+            is_ok(&service.decide(alone()).await.unwrap()),
+            "{mode:?}: the second token"
+        );
+        assert!(!is_ok(&service.decide(alone()).await.unwrap()), "{mode:?}");
+    }
+}

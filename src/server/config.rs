@@ -36,6 +36,7 @@ use crate::quota::Quota;
 /// One domain's configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
+    source: String,
     domain: String,
     descriptors: Vec<Node>,
 }
@@ -111,9 +112,15 @@ impl Config {
             fail(format!("descriptor {at}: {what}"))
         })?;
         Ok(Config {
+            source: source.to_owned(),
             domain,
             descriptors,
         })
+    }
+
+    /// Where it was read from (as given to [`parse`](Config::parse)).
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The domain requests name to use this configuration.
@@ -192,12 +199,29 @@ fn nodes(list: Option<&Value>, parent: &str, fail: Fail<'_>) -> Result<Vec<Node>
     Ok(out)
 }
 
+/// A node's part of a rule's path; `%`, `/`, `=` and `*` inside keys and
+/// values are percent-encoded, so no two rules share a path.
 fn segment(node: &Node) -> String {
+    let key = escape(&node.key);
     match &node.value {
-        Match::Any => node.key.clone(),
-        Match::Exact(v) => format!("{}={v}", node.key),
-        Match::Prefix(p) => format!("{}={p}*", node.key),
+        Match::Any => key,
+        Match::Exact(v) => format!("{key}={}", escape(v)),
+        Match::Prefix(p) => format!("{key}={}*", escape(p)),
     }
+}
+
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '/' => out.push_str("%2F"),
+            '=' => out.push_str("%3D"),
+            '*' => out.push_str("%2A"),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node, Error> {

@@ -29,8 +29,16 @@ pub type Sources = Vec<(PathBuf, String)>;
 /// # Errors
 /// [`Io`](ErrorKind::Io) naming the path that could not be read.
 pub fn read(path: &Path) -> Result<Sources, Error> {
+    read_or_missing(path).map_err(|(_, e)| e)
+}
+
+/// [`read`], saying whether the error was a file not found (as in the
+/// middle of a swap).
+fn read_or_missing(path: &Path) -> Result<Sources, (bool, Error)> {
     let io = |at: &Path, e: std::io::Error| {
-        Error::new(ErrorKind::Io, format!("{}: {e}", at.display())).caused_by(e)
+        let missing = e.kind() == std::io::ErrorKind::NotFound;
+        let error = Error::new(ErrorKind::Io, format!("{}: {e}", at.display())).caused_by(e);
+        (missing, error)
     };
     let meta = std::fs::metadata(path).map_err(|e| io(path, e))?;
     if !meta.is_dir() {
@@ -92,8 +100,9 @@ fn loaded(table: &Table) {
 
 /// Applies changes to the configuration at `path` to `table` until the
 /// task is dropped. `seen` is what the current table was built from. A
-/// configuration that fails keeps the table as it is, and is reported
-/// once (log and [`stats::CONFIG_LOADS`]) until it changes again.
+/// configuration that fails (a file that does not parse or cannot be
+/// read) keeps the table as it is, and is reported once (log and
+/// [`stats::CONFIG_LOADS`]) until it changes again.
 pub async fn watch(
     path: PathBuf,
     table: Arc<ArcSwap<Table>>,
@@ -102,14 +111,25 @@ pub async fn watch(
 ) {
     let mut ticker = tokio::time::interval(POLL);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut unreadable: Option<String> = None;
     loop {
         ticker.tick().await;
-        let sources = match read(&path) {
+        let sources = match read_or_missing(&path) {
             Ok(sources) => sources,
-            // Mid-swap, or gone: try again at the next tick, quietly;
-            // only what can be read is judged.
-            Err(_) => continue,
+            // Mid-swap: read again at the next tick.
+            Err((true, _)) => continue,
+            // Unreadable (not UTF-8, no permission): a failure like a
+            // parse error, reported once.
+            Err((false, e)) => {
+                let said = e.to_string();
+                if unreadable.as_deref() != Some(said.as_str()) {
+                    failed(&e);
+                    unreadable = Some(said);
+                }
+                continue;
+            }
         };
+        unreadable = None;
         if sources == seen {
             continue;
         }
@@ -132,13 +152,13 @@ pub async fn watch(
                     });
                 }
             }
-            Err(e) => {
-                metrics::counter!(stats::CONFIG_LOADS, "result" => "error").increment(1);
-                metrics::gauge!(stats::CONFIG_FAILING).set(1.0);
-                eprintln!(
-                    "slicelimit-server: configuration not applied, keeping the last good one: {e}"
-                );
-            }
+            Err(e) => failed(&e),
         }
     }
+}
+
+fn failed(e: &Error) {
+    metrics::counter!(stats::CONFIG_LOADS, "result" => "error").increment(1);
+    metrics::gauge!(stats::CONFIG_FAILING).set(1.0);
+    eprintln!("slicelimit-server: configuration not applied, keeping the last good one: {e}");
 }

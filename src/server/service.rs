@@ -111,11 +111,16 @@ impl RateLimiter {
                 continue;
             };
             let stats = &p.rule.stats;
-            stats.total_hits.increment(p.cost);
+            // Hits as counted: a cost past any limit counts as one past
+            // u32::MAX (Envoy's own hits_addend is a u32), so a client
+            // cannot wrap the counters.
+            let hits = p.cost.min(u64::from(u32::MAX) + 1);
+            stats.total_hits.increment(hits);
+            let mut peeked = false;
             let decision = if p.rule.rule.shadow_mode {
                 let decision = p.limiter.check(&p.key, p.cost).await;
                 if !decision.is_allowed() {
-                    stats.shadow_mode.increment(p.cost);
+                    stats.shadow_mode.increment(hits);
                 }
                 decision
             } else {
@@ -123,7 +128,10 @@ impl RateLimiter {
                     Some(decision) => decision.clone(),
                     // Past the denying descriptor: nothing was asked of
                     // this one; what it has left, without taking any.
-                    None => p.limiter.check(&p.key, 0).await,
+                    None => {
+                        peeked = true;
+                        p.limiter.check(&p.key, 0).await
+                    }
                 }
             };
             // A descriptor whose permits went back because another
@@ -132,12 +140,14 @@ impl RateLimiter {
             let denied = !decision.is_allowed() && !given_back && !p.rule.rule.shadow_mode;
             if denied {
                 over = true;
-                stats.over_limit.increment(p.cost);
-            } else if decision.is_allowed() || given_back {
-                stats.within_limit.increment(p.cost);
+                stats.over_limit.increment(hits);
+            } else if decision.is_allowed() && !peeked {
+                // Admitted and kept (not given back because another
+                // descriptor denied, not merely peeked at).
+                stats.within_limit.increment(hits);
                 let used = decision.limit().saturating_sub(decision.remaining());
                 if used.saturating_mul(5) > decision.limit().saturating_mul(4) {
-                    stats.near_limit.increment(p.cost);
+                    stats.near_limit.increment(hits);
                 }
             }
             statuses.push(status(p, &decision, denied));

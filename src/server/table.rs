@@ -36,6 +36,12 @@ pub enum Mode {
 /// [`Mode::HybridOptimistic`].
 pub const OPTIMISTIC_MAX_DEBT: u64 = 5;
 
+/// How long a hybrid rule waits for a refill before it answers. Longer
+/// than the store's longest response timeout (4 × 25 ms), so a stalled
+/// Redis ends in a store error, which `--on-store-error` decides, not in a
+/// denial; shorter than the 250 ms Envoy timeout `docs/envoy.md` advises.
+pub const MAX_WAIT: Duration = Duration::from_millis(150);
+
 /// The most distinct `limit` overrides one rule keeps limiters for; a
 /// request bringing another one is refused.
 pub const MAX_OVERRIDES: usize = 64;
@@ -123,12 +129,13 @@ impl Table {
         settings: &Settings,
         previous: Option<&Table>,
     ) -> Result<(Table, Vec<Limiter>), Error> {
-        let mut names: Vec<&str> = configs.iter().map(Config::domain).collect();
+        let mut names: Vec<(&str, &str)> =
+            configs.iter().map(|c| (c.domain(), c.source())).collect();
         names.sort_unstable();
-        if let Some(twice) = names.windows(2).find(|w| w[0] == w[1]) {
+        if let Some(twice) = names.windows(2).find(|w| w[0].0 == w[1].0) {
             return Err(Error::invalid(format!(
-                "domain {:?} is configured twice",
-                twice[0]
+                "domain {:?} is configured twice: in {} and in {}",
+                twice[0].0, twice[0].1, twice[1].1
             )));
         }
         let mut domains: HashMap<String, Domain> = HashMap::new();
@@ -300,8 +307,10 @@ fn build(
         .on_store_error(settings.on_store_error);
     match settings.mode {
         Mode::Exact => builder.exact(),
-        Mode::HybridStrict => builder.hybrid(HybridConfig::strict()),
-        Mode::HybridOptimistic => builder.hybrid(HybridConfig::optimistic(OPTIMISTIC_MAX_DEBT)),
+        Mode::HybridStrict => builder.hybrid(HybridConfig::strict().max_wait(MAX_WAIT)),
+        Mode::HybridOptimistic => {
+            builder.hybrid(HybridConfig::optimistic(OPTIMISTIC_MAX_DEBT).max_wait(MAX_WAIT))
+        }
     }
     .build()
 }
@@ -309,7 +318,8 @@ fn build(
 /// The store namespace of a rule: the same on every replica, from the
 /// domain and the rule's place in the file; hashed when long.
 fn namespace(domain: &str, path: &str) -> String {
-    let plain = format!("rls:{domain}:{path}");
+    // The domain's length first: no domain and path can read as another.
+    let plain = format!("rls:{}:{domain}:{path}", domain.len());
     if plain.len() <= 128 {
         return plain;
     }

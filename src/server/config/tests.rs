@@ -47,7 +47,7 @@ fn a_descriptor_reaches_the_rule_of_the_node_its_last_entry_reaches() {
     let upload = config
         .rule(&[("api_key", "k1"), ("path", "/upload")])
         .expect("a rule");
-    assert_eq!(upload.path, "api_key/path=/upload");
+    assert_eq!(upload.path, "api_key/path=%2Fupload");
     assert_eq!(upload.name.as_deref(), Some("uploads"));
     assert_eq!(upload.quota.unwrap().period(), Duration::from_secs(3_600));
     // No node for the entry, or no entries: no rule, nothing counted.
@@ -86,7 +86,7 @@ fn every_rule_is_listed_once_in_file_order() {
         paths,
         [
             "api_key",
-            "api_key/path=/upload",
+            "api_key/path=%2Fupload",
             "remote_address=10.0.*",
             "remote_address=10.*",
             "remote_address=10.9.9.9",
@@ -161,4 +161,26 @@ fn a_file_nested_absurdly_deep_is_refused_not_a_crash() {
     }
     let err = Config::parse("deep.yaml", &text).expect_err("refused");
     assert!(err.to_string().contains("deep.yaml: not YAML"), "{err}");
+}
+
+#[test]
+fn no_two_rules_share_a_path() {
+    let text = r#"
+domain: d
+descriptors:
+  - key: a
+    value: "b/c=d"
+    rate_limit: { unit: second, requests_per_unit: 1 }
+  - key: a
+    value: b
+    descriptors:
+      - key: c
+        value: d
+        rate_limit: { unit: second, requests_per_unit: 100 }
+"#;
+    let config = Config::parse("d.yaml", text).expect("parses");
+    let paths: Vec<&str> = config.rules().iter().map(|r| r.path.as_str()).collect();
+    assert_eq!(paths, ["a=b%2Fc%3Dd", "a=b/c=d"]);
+    let flat = config.rule(&[("a", "b/c=d")]).unwrap();
+    assert_eq!(flat.quota.unwrap().limit(), 1);
 }
