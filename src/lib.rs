@@ -174,6 +174,8 @@ mod quota;
 #[cfg(feature = "server")]
 pub mod server;
 mod several;
+#[cfg(feature = "server")]
+mod share;
 mod stats;
 mod store;
 mod tiers;

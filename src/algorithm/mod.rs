@@ -203,8 +203,15 @@ pub(crate) fn scripts() -> impl Iterator<Item = &'static Lua> {
     Algorithm::all()
         .into_iter()
         .flat_map(|a| [&a.spec().exact, &a.spec().exact_all, &a.spec().lease])
-        .chain(std::iter::once(&GIVE_BACK))
+        .chain([&GIVE_BACK, &RATE_SHARE])
 }
+
+/// A holder's share of a rate (slicelimit-server's RLQS buckets; see its
+/// header and `share.rs`).
+pub(crate) static RATE_SHARE: Lua = Lua {
+    name: "rate_share",
+    source: include_str!("../../lua/rate_share.lua"),
+};
 
 /// Returns unused permits of any layout (see its header).
 pub(crate) static GIVE_BACK: Lua = Lua {

@@ -33,12 +33,17 @@ use crate::algorithm::Algorithm;
 use crate::error::Error;
 use crate::quota::Quota;
 
+mod rlqs;
+
+pub use self::rlqs::{BucketRule, NoMatch, RlqsConfig};
+
 /// One domain's configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
     source: String,
     domain: String,
     descriptors: Vec<Node>,
+    rlqs: Option<RlqsConfig>,
 }
 
 /// What a descriptor that reaches a rule is limited by.
@@ -100,7 +105,7 @@ impl Config {
             .ok_or_else(|| fail("expected a mapping with `domain` and `descriptors`".into()))?;
         for (field, _) in top {
             match field.as_str() {
-                Some("domain" | "descriptors") => {}
+                Some("domain" | "descriptors" | "rlqs") => {}
                 other => return Err(fail(format!("unsupported top-level field {other:?}"))),
             }
         }
@@ -111,16 +116,27 @@ impl Config {
         let descriptors = nodes(top.get("descriptors"), "", &|at, what| {
             fail(format!("descriptor {at}: {what}"))
         })?;
+        let rlqs = match top.get("rlqs") {
+            Some(section) => Some(RlqsConfig::parse(section, &fail)?),
+            None => None,
+        };
         Ok(Config {
             source: source.to_owned(),
             domain,
             descriptors,
+            rlqs,
         })
     }
 
     /// Where it was read from (as given to [`parse`](Config::parse)).
     pub fn source(&self) -> &str {
         &self.source
+    }
+
+    /// The `rlqs` section: quotas for the buckets of Envoy's
+    /// `rate_limit_quota` filter.
+    pub fn rlqs(&self) -> Option<&RlqsConfig> {
+        self.rlqs.as_ref()
     }
 
     /// The domain requests name to use this configuration.

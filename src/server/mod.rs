@@ -7,6 +7,7 @@
 //! - [`table`]: every domain's rules, one [`Limiter`](crate::Limiter)
 //!   each, kept across reloads;
 //! - [`service`]: `ShouldRateLimit` on the table;
+//! - [`rlqs`]: the rate limit quota service (Envoys hold the quota);
 //! - [`stats`]: the server's own metrics;
 //! - [`run`]: the process (flags, listeners, shutdown).
 //!
@@ -14,6 +15,7 @@
 
 pub mod config;
 pub mod files;
+pub mod rlqs;
 pub mod run;
 pub mod service;
 pub mod stats;

@@ -7,12 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 
 use crate::error::{Error, ErrorKind};
 use crate::failure::FailurePolicy;
 use crate::metrics::PrometheusExporter;
 use crate::server::files;
+use crate::server::rlqs::Rlqs;
 use crate::server::service::RateLimiter;
 use crate::server::stats;
 use crate::server::table::{Mode, Settings};
@@ -142,6 +144,12 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
     );
     let table = Arc::new(ArcSwap::from_pointee(first));
     let service = RateLimiter::new(table.clone(), settings.clone());
+    let rlqs = Rlqs::new(
+        table.clone(),
+        settings.store.clone(),
+        settings.on_store_error,
+    );
+    let renewer = tokio::spawn(rlqs.clone().run());
 
     let bind_error = |what: &str, addr: SocketAddr, e: std::io::Error| {
         Error::new(ErrorKind::Io, format!("cannot serve {what} on {addr}: {e}")).caused_by(e)
@@ -187,6 +195,7 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
         tonic::transport::Server::builder()
             .add_service(health_service)
             .add_service(RateLimitServiceServer::new(service))
+            .add_service(RateLimitQuotaServiceServer::new(rlqs.clone()))
             .serve_with_incoming_shutdown(
                 tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
                 stopped(stop_rx.clone()),
@@ -200,6 +209,8 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
         .await;
     let _ = stop_tx.send(true);
     watcher.abort();
+    renewer.abort();
+    rlqs.close();
     // Calls in flight finish; connections that stay open past the step
     // are closed with the process.
     if tokio::time::timeout(SHUTDOWN_STEP, grpc_server)

@@ -25,6 +25,50 @@ pub const CONFIG_FAILING: &str = "slicelimit_server_config_failing";
 /// Rules in the configuration in use.
 pub const RULES: &str = "slicelimit_server_rules";
 
+/// Requests Envoys reported on an RLQS rule's buckets, by `outcome`:
+/// `allowed` or `denied`.
+pub const RLQS_REPORTED: &str = "slicelimit_server_rlqs_reported_requests_total";
+/// The rate (requests per period) this replica has assigned to its Envoys
+/// on an RLQS rule's buckets, summed.
+pub const RLQS_ASSIGNED: &str = "slicelimit_server_rlqs_assigned_rate";
+/// The rate this replica holds in the store for an RLQS rule's buckets.
+pub const RLQS_HELD: &str = "slicelimit_server_rlqs_held_rate";
+/// RLQS stream messages, by `direction`: `received` (usage reports) or
+/// `sent` (assignments).
+pub const RLQS_MESSAGES: &str = "slicelimit_server_rlqs_messages_total";
+/// Envoys connected over RLQS.
+pub const RLQS_STREAMS: &str = "slicelimit_server_rlqs_streams";
+
+pub(crate) fn rlqs_reported(
+    domain: &str,
+    rule: &str,
+    usage: &envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage,
+) {
+    let labels = |outcome: &'static str| {
+        [
+            ("domain", domain.to_owned()),
+            ("rule", rule.to_owned()),
+            ("outcome", outcome.to_owned()),
+        ]
+    };
+    metrics::counter!(RLQS_REPORTED, &labels("allowed")).increment(usage.num_requests_allowed);
+    metrics::counter!(RLQS_REPORTED, &labels("denied")).increment(usage.num_requests_denied);
+}
+
+pub(crate) fn rlqs_assigned(domain: &str, rule: &str, assigned: u64, held: u64) {
+    let labels = [("domain", domain.to_owned()), ("rule", rule.to_owned())];
+    metrics::gauge!(RLQS_ASSIGNED, &labels).set(assigned as f64);
+    metrics::gauge!(RLQS_HELD, &labels).set(held as f64);
+}
+
+pub(crate) fn rlqs_message(direction: &'static str) {
+    metrics::counter!(RLQS_MESSAGES, "direction" => direction).increment(1);
+}
+
+pub(crate) fn rlqs_streams(change: f64) {
+    metrics::gauge!(RLQS_STREAMS).increment(change);
+}
+
 /// Describes the server's metrics to the installed recorder.
 pub fn describe() {
     describe_counter!(
@@ -51,4 +95,23 @@ pub fn describe() {
         "1 while the configuration on disk fails to load and the last good one is in use."
     );
     describe_gauge!(RULES, "Rules in the configuration in use.");
+    describe_counter!(
+        RLQS_REPORTED,
+        Unit::Count,
+        "Requests Envoys reported on an RLQS rule's buckets, by outcome."
+    );
+    describe_gauge!(
+        RLQS_ASSIGNED,
+        "Rate (requests per period) assigned to this replica's Envoys on an RLQS rule, summed."
+    );
+    describe_gauge!(
+        RLQS_HELD,
+        "Rate this replica holds in the store for an RLQS rule."
+    );
+    describe_counter!(
+        RLQS_MESSAGES,
+        Unit::Count,
+        "RLQS stream messages, by direction."
+    );
+    describe_gauge!(RLQS_STREAMS, "Envoys connected over RLQS.");
 }

@@ -43,6 +43,9 @@ struct Shared {
     ops_seen: Mutex<HashMap<String, (u64, u64)>>,
     /// Serialises checks of several quotas, as one script would be.
     several: Mutex<()>,
+    /// Rate shares by bucket key (`share.rs`).
+    #[cfg(feature = "server")]
+    shares: Mutex<HashMap<String, HashMap<String, crate::share::Hold>>>,
 }
 
 /// How long a report's identity is remembered (the scripts' 60 s).
@@ -81,8 +84,27 @@ impl MemoryStore {
                 ops: AtomicU64::new(0),
                 ops_seen: Mutex::new(HashMap::new()),
                 several: Mutex::new(()),
+                #[cfg(feature = "server")]
+                shares: Mutex::new(HashMap::new()),
             }),
         }
+    }
+
+    /// A holder's share of a rate, as `lua/rate_share.lua` does it.
+    #[cfg(feature = "server")]
+    pub(crate) fn share(
+        &self,
+        key: &str,
+        call: &crate::share::ShareCall,
+    ) -> crate::share::ShareReply {
+        let now_ms = self.now() / 1_000;
+        let mut shares = self.shared.shares.lock().unwrap_or_else(|e| e.into_inner());
+        let holders = shares.entry(key.to_owned()).or_default();
+        let reply = crate::share::apply(holders, call, now_ms);
+        if holders.is_empty() {
+            shares.remove(key);
+        }
+        reply
     }
 
     /// Entries currently held, expired ones included until the next sweep.

@@ -242,6 +242,23 @@ impl Store {
     }
 }
 
+#[cfg(feature = "server")]
+impl Store {
+    /// A holder's share of a rate (see `share.rs`), under `key`.
+    pub(crate) async fn share(
+        &self,
+        key: &str,
+        call: &crate::share::ShareCall,
+    ) -> Result<crate::share::ShareReply, Error> {
+        match self {
+            Store::Redis(s) => s.share(key, call).await,
+            Store::Memory(s) => Ok(s.share(key, call)),
+            #[cfg(feature = "test-support")]
+            Store::Faulty(s) => Box::pin(s.inner().share(key, call)).await,
+        }
+    }
+}
+
 /// The errors of a batch: its own when it failed whole (one error, not one
 /// per call), else each call's.
 fn errors<T>(replies: &Result<Vec<Result<T, Error>>, Error>) -> impl Iterator<Item = &Error> {

@@ -141,3 +141,41 @@ async fn the_lease_script_and_the_embedded_store_agree_on_shares() {
         );
     }
 }
+
+/// `lua/rate_share.lua` and `share::apply` (the embedded store's) grant
+/// the same shares for the same sequence of holders' calls.
+#[cfg(feature = "server")]
+#[tokio::test]
+async fn the_rate_share_script_and_the_embedded_store_agree() {
+    use crate::share::ShareCall;
+    let server = Server::start();
+    let redis: Store = RedisStore::connect(&format!("redis://127.0.0.1:{}", server.1))
+        .await
+        .expect("connect")
+        .into();
+    let memory: Store = MemoryStore::new().into();
+    let call = |holder: &str, demand: u64, in_use: u64, ttl_ms: u64| ShareCall {
+        holder: holder.into(),
+        demand,
+        limit: 100,
+        ttl_ms,
+        in_use,
+    };
+    let script = [
+        call("a", 90, 0, 5_000),
+        call("b", 90, 0, 5_000),
+        call("c", 30, 0, 5_000),
+        call("a", 90, 90, 5_000),
+        call("a", 90, 35, 5_000),
+        call("b", 90, 10, 5_000),
+        call("c", 30, 30, 5_000),
+        call("b", 0, 0, 0),
+        call("a", 200, 35, 5_000),
+        call("c", 5, 30, 5_000),
+    ];
+    for (i, c) in script.iter().enumerate() {
+        let from_redis = redis.share("rlqs:parity", c).await.expect("redis");
+        let from_memory = memory.share("rlqs:parity", c).await.expect("memory");
+        assert_eq!(from_redis, from_memory, "call {i}: {c:?}");
+    }
+}

@@ -42,6 +42,17 @@ impl Envoy {
     /// Starts Envoy with both `rls_ports` in its rate limit cluster and
     /// waits until its front listener answers.
     pub fn start(rls_ports: &[u16], failure_mode_deny: bool) -> Envoy {
+        Envoy::start_with(rls_ports, &ratelimit_filter(failure_mode_deny), true)
+    }
+
+    /// Starts Envoy with the `rate_limit_quota` filter (RLQS) instead:
+    /// bucket id `{name: api, user: <x-user>}`, reports every second, all
+    /// admitted until the first assignment, all denied when one expires.
+    pub fn start_rlqs(rls_ports: &[u16]) -> Envoy {
+        Envoy::start_with(rls_ports, RLQS_FILTER, false)
+    }
+
+    fn start_with(rls_ports: &[u16], filter: &str, with_rate_limits: bool) -> Envoy {
         let port = free_port();
         let backend = free_port();
         let admin = free_port();
@@ -51,7 +62,7 @@ impl Envoy {
         let config = dir.join("envoy.yaml");
         std::fs::write(
             &config,
-            config_yaml(port, backend, admin, rls_ports, failure_mode_deny),
+            config_yaml(port, backend, admin, rls_ports, filter, with_rate_limits),
         )
         .expect("write Envoy's configuration");
         let log = std::fs::File::create(dir.join("envoy.log")).expect("create Envoy's log");
@@ -134,8 +145,32 @@ pub fn get_port(port: u16, path: &str, headers: &[(&str, &str)]) -> Option<Reply
     }
     head.push_str("\r\n");
     stream.write_all(head.as_bytes()).ok()?;
+    // Read the head and the body its content-length announces, not to the
+    // end: Envoy may hold a connection after a local reply (a 429) open
+    // for its delayed-close timeout.
     let mut response = Vec::new();
-    stream.read_to_end(&mut response).ok()?;
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = stream.read(&mut buf).ok()?;
+        response.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&response);
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length = head
+                .lines()
+                .find_map(|l| {
+                    let (name, value) = l.split_once(':')?;
+                    name.eq_ignore_ascii_case("content-length")
+                        .then(|| value.trim().parse::<usize>().ok())?
+                })
+                .unwrap_or(0);
+            if body.len() >= length {
+                break;
+            }
+        }
+        if n == 0 {
+            break;
+        }
+    }
     let text = String::from_utf8_lossy(&response);
     let (head, _) = text.split_once("\r\n\r\n")?;
     let mut lines = head.lines();
@@ -147,13 +182,71 @@ pub fn get_port(port: u16, path: &str, headers: &[(&str, &str)]) -> Option<Reply
     Some(Reply { status, headers })
 }
 
+fn ratelimit_filter(failure_mode_deny: bool) -> String {
+    format!(
+        r#"          - name: envoy.filters.http.ratelimit
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
+              domain: api
+              failure_mode_deny: {failure_mode_deny}
+              timeout: 2s
+              enable_x_ratelimit_headers: DRAFT_VERSION_03
+              rate_limit_service:
+                transport_api_version: V3
+                grpc_service:
+                  envoy_grpc: {{ cluster_name: rls }}
+"#
+    )
+}
+
+const RLQS_FILTER: &str = r#"          - name: envoy.filters.http.rate_limit_quota
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaFilterConfig
+              rlqs_server: { envoy_grpc: { cluster_name: rls } }
+              domain: api
+              bucket_matchers:
+                matcher_list:
+                  matchers:
+                  - predicate:
+                      single_predicate:
+                        input:
+                          name: user
+                          typed_config:
+                            "@type": type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput
+                            header_name: x-user
+                        value_match: { safe_regex: { google_re2: {}, regex: ".*" } }
+                    on_match:
+                      action:
+                        name: rate_limit_quota
+                        typed_config:
+                          "@type": type.googleapis.com/envoy.extensions.filters.http.rate_limit_quota.v3.RateLimitQuotaBucketSettings
+                          bucket_id_builder:
+                            bucket_id_builder:
+                              name: { string_value: api }
+                              user:
+                                custom_value:
+                                  name: user
+                                  typed_config:
+                                    "@type": type.googleapis.com/envoy.type.matcher.v3.HttpRequestHeaderMatchInput
+                                    header_name: x-user
+                          reporting_interval: 1s
+                          no_assignment_behavior: { fallback_rate_limit: { blanket_rule: ALLOW_ALL } }
+                          expired_assignment_behavior: { fallback_rate_limit: { blanket_rule: DENY_ALL } }
+"#;
+
 fn config_yaml(
     port: u16,
     backend: u16,
     admin: u16,
     rls_ports: &[u16],
-    failure_mode_deny: bool,
+    filter: &str,
+    with_rate_limits: bool,
 ) -> String {
+    let rate_limits = if with_rate_limits {
+        "                  rate_limits:\n                  - actions:\n                    - request_headers: { header_name: x-user, descriptor_key: user }\n"
+    } else {
+        ""
+    };
     let endpoint = |p: u16| {
         format!(
             "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}\n"
@@ -182,22 +275,8 @@ static_resources:
               - match: {{ prefix: "/" }}
                 route:
                   cluster: backend
-                  rate_limits:
-                  - actions:
-                    - request_headers: {{ header_name: x-user, descriptor_key: user }}
-          http_filters:
-          - name: envoy.filters.http.ratelimit
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimit
-              domain: api
-              failure_mode_deny: {failure_mode_deny}
-              timeout: 2s
-              enable_x_ratelimit_headers: DRAFT_VERSION_03
-              rate_limit_service:
-                transport_api_version: V3
-                grpc_service:
-                  envoy_grpc: {{ cluster_name: rls }}
-          - name: envoy.filters.http.router
+{rate_limits}          http_filters:
+{filter}          - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
   - name: backend

@@ -143,6 +143,35 @@ impl RedisStore {
         (reply, cost)
     }
 
+    /// A holder's share of a rate (`lua/rate_share.lua`), through the
+    /// breaker of the key's primary.
+    #[cfg(feature = "server")]
+    pub(crate) async fn share(
+        &self,
+        key: &str,
+        call: &crate::share::ShareCall,
+    ) -> Result<crate::share::ShareReply, Error> {
+        let lua = script(&algorithm::RATE_SHARE);
+        let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
+        cmd.arg(&call.holder)
+            .arg(call.demand)
+            .arg(call.limit)
+            .arg(call.ttl_ms)
+            .arg(call.in_use);
+        let node = self.node_for(key);
+        let (reply, _) = self.script_call(lua, node.as_deref(), cmd).await;
+        let values = reply?.extract_error().map_err(Error::from_redis)?;
+        let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
+        match values.as_slice() {
+            &[grant, held, others] => Ok(crate::share::ShareReply {
+                grant: grant.max(0) as u64,
+                held: held.max(0) as u64,
+                others: others.max(0) as u64,
+            }),
+            _ => Err(parse_error(format!("rate_share replied {values:?}"))),
+        }
+    }
+
     /// Several quotas of one key in one script call, all-or-nothing (see
     /// `lua/check_all.lua`). Every key shares one hash tag, so one slot.
     pub(crate) async fn acquire_all(

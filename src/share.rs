@@ -1,0 +1,163 @@
+//! Shares of a rate, held under an expiry: how the replicas of
+//! slicelimit-server divide an RLQS bucket's rate among themselves (in
+//! the store, `lua/rate_share.lua`), and how each divides its share among
+//! the Envoys connected to it. Pure arithmetic; the store applies
+//! [`ShareCall`] atomically.
+
+/// Max-min fair division of `capacity` among `demands` (whole requests):
+/// a demand at or under the level is met in full, the others get the
+/// level, which is what is left shared equally, rounded down.
+pub(crate) fn fair(capacity: u64, demands: &[u64]) -> Vec<u64> {
+    let level = level(capacity, demands);
+    demands.iter().map(|&d| d.min(level)).collect()
+}
+
+/// The max-min level for `demands` (`u64::MAX` when every demand fits).
+pub(crate) fn level(capacity: u64, demands: &[u64]) -> u64 {
+    let mut sorted = demands.to_vec();
+    sorted.sort_unstable();
+    let mut left = capacity;
+    for (i, &d) in sorted.iter().enumerate() {
+        let share = left / (sorted.len() - i) as u64;
+        if d > share {
+            return share;
+        }
+        left -= d;
+    }
+    u64::MAX
+}
+
+/// One holder's call on a bucket's shares (the script's arguments).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ShareCall {
+    /// The holder (a server replica).
+    pub(crate) holder: String,
+    /// Its clients' demand, requests per period.
+    pub(crate) demand: u64,
+    /// The bucket's limit, requests per period.
+    pub(crate) limit: u64,
+    /// How long the hold lasts; 0 lets go.
+    pub(crate) ttl_ms: u64,
+    /// What its clients may still be using: kept until it says otherwise.
+    pub(crate) in_use: u64,
+}
+
+/// What a [`ShareCall`] got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct ShareReply {
+    /// The rate it may hand out now.
+    pub(crate) grant: u64,
+    /// The rate it holds (at least what its clients may still use).
+    pub(crate) held: u64,
+    /// Other live holders.
+    pub(crate) others: u64,
+}
+
+/// One holder's entry: what it holds, its demand, when it expires (ms of
+/// the store's clock).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hold {
+    pub(crate) held: u64,
+    pub(crate) demand: u64,
+    pub(crate) expires_ms: u64,
+}
+
+/// Applies `call` at `now_ms` to a bucket's holders, as the script does.
+pub(crate) fn apply(
+    holders: &mut std::collections::HashMap<String, Hold>,
+    call: &ShareCall,
+    now_ms: u64,
+) -> ShareReply {
+    holders.retain(|name, hold| *name == call.holder || hold.expires_ms > now_ms);
+    let others: Vec<Hold> = holders
+        .iter()
+        .filter(|(name, _)| **name != call.holder)
+        .map(|(_, hold)| *hold)
+        .collect();
+    let others_held: u64 = others.iter().map(|h| h.held).sum();
+    if call.ttl_ms == 0 {
+        holders.remove(&call.holder);
+        return ShareReply {
+            others: others.len() as u64,
+            ..ShareReply::default()
+        };
+    }
+    let mut demands = vec![call.demand];
+    demands.extend(others.iter().map(|h| h.demand));
+    let target = call.demand.min(level(call.limit, &demands));
+    let grant = target.min(call.limit.saturating_sub(others_held));
+    let held = grant.max(call.in_use);
+    holders.insert(
+        call.holder.clone(),
+        Hold {
+            held,
+            demand: call.demand,
+            expires_ms: now_ms + call.ttl_ms,
+        },
+    );
+    ShareReply {
+        grant,
+        held,
+        others: others.len() as u64,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    #[test]
+    fn max_min_meets_small_demands_and_splits_the_rest() {
+        assert_eq!(fair(100, &[30, 90, 180]), [30, 35, 35]);
+        assert_eq!(fair(100, &[10, 20]), [10, 20]);
+        assert_eq!(fair(100, &[0, 0]), [0, 0]);
+        assert_eq!(fair(10, &[5, 5, 5]), [3, 3, 3]);
+        assert_eq!(fair(0, &[5]), [0]);
+    }
+
+    fn call(holder: &str, demand: u64, in_use: u64) -> ShareCall {
+        ShareCall {
+            holder: holder.into(),
+            demand,
+            limit: 100,
+            ttl_ms: 3_000,
+            in_use,
+        }
+    }
+
+    #[test]
+    fn holds_never_sum_past_the_limit_and_converge_to_fair_shares() {
+        let mut holders = HashMap::new();
+        // A alone takes what it asks for.
+        assert_eq!(apply(&mut holders, &call("a", 90, 0), 0).grant, 90);
+        // B arrives: only 10 are free, though its fair share is more.
+        let b = apply(&mut holders, &call("b", 90, 0), 10);
+        assert_eq!((b.grant, b.others), (10, 1));
+        // A renews at its fair share (its clients still use 90 until told).
+        let a = apply(&mut holders, &call("a", 90, 90), 20);
+        assert_eq!((a.grant, a.held), (50, 90));
+        let a = apply(&mut holders, &call("a", 90, 50), 30);
+        assert_eq!((a.grant, a.held), (50, 50));
+        // Now B gets its fair share.
+        let b = apply(&mut holders, &call("b", 90, 10), 40);
+        assert_eq!((b.grant, b.held), (50, 50));
+        let sum: u64 = holders.values().map(|h| h.held).sum();
+        assert!(sum <= 100);
+    }
+
+    #[test]
+    fn an_expired_holder_frees_its_share_and_ttl_zero_lets_go() {
+        let mut holders = HashMap::new();
+        apply(&mut holders, &call("a", 100, 0), 0);
+        assert_eq!(apply(&mut holders, &call("b", 100, 0), 1_000).grant, 0);
+        // A stops renewing: past its expiry, B may have everything.
+        assert_eq!(apply(&mut holders, &call("b", 100, 0), 3_001).grant, 100);
+        let gone = ShareCall {
+            ttl_ms: 0,
+            ..call("b", 0, 0)
+        };
+        apply(&mut holders, &gone, 3_002);
+        assert!(holders.is_empty());
+    }
+}
