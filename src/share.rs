@@ -160,4 +160,51 @@ mod tests {
         apply(&mut holders, &gone, 3_002);
         assert!(holders.is_empty());
     }
+
+    proptest::proptest! {
+        /// Any sequence of calls by holders that never claim more in use
+        /// than they last held keeps the live holds within the limit, and
+        /// a holder alone with enough demand gets all of it back within
+        /// one expiry.
+        #[test]
+        fn live_holds_never_sum_past_the_limit(
+            limit in 1u64..500,
+            calls in proptest::collection::vec(
+                (0usize..4, 0u64..600, 0u64..=100, 0u64..3_000, 0u64..1_500),
+                1..80,
+            ),
+        ) {
+            let mut holders = HashMap::new();
+            let mut last: HashMap<String, u64> = HashMap::new();
+            let mut now = 0;
+            for (who, demand, in_use_pct, ttl_ms, step) in calls {
+                now += step;
+                let holder = format!("h{who}");
+                let held_before = holders
+                    .get(&holder)
+                    .filter(|h: &&Hold| h.expires_ms > now)
+                    .map_or(0, |h| h.held);
+                let in_use = held_before * in_use_pct / 100;
+                let call = ShareCall { holder: holder.clone(), demand, limit, ttl_ms, in_use };
+                let reply = apply(&mut holders, &call, now);
+                proptest::prop_assert!(reply.grant <= demand.min(limit));
+                proptest::prop_assert!(reply.held >= in_use);
+                last.insert(holder, reply.held);
+                let live: u64 = holders
+                    .values()
+                    .filter(|h| h.expires_ms > now)
+                    .map(|h| h.held)
+                    .sum();
+                proptest::prop_assert!(live <= limit, "{} held of {}", live, limit);
+            }
+            // Everyone else expires: a lone holder gets what it asks for.
+            now += 3_001;
+            let alone = apply(
+                &mut holders,
+                &ShareCall { holder: "z".into(), demand: limit, limit, ttl_ms: 1, in_use: 0 },
+                now,
+            );
+            proptest::prop_assert_eq!(alone.grant, limit);
+        }
+    }
 }

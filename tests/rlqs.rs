@@ -8,7 +8,7 @@ mod envoy;
 mod rls;
 mod support;
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use envoy::Envoy;
@@ -17,29 +17,39 @@ use support::RedisServer;
 
 const BUCKET: &str = "domain: api\nrlqs:\n  buckets:\n    - match: { name: api }\n      rate_limit: { unit: second, requests_per_unit: 100 }\n  no_match: deny\n";
 
+const SECONDS: u64 = 20;
+const DEMAND: [f64; 3] = [30.0, 90.0, 180.0];
+
 /// Open-loop load: `rate` requests a second to `envoy` for `user` until
-/// `until`, from 4 threads; each answer as (seconds since `start`, passed).
+/// `until` (or until `stop` says so), from 4 threads; each answer as
+/// (which Envoy, seconds since `start`, passed).
+#[allow(clippy::too_many_arguments)]
 fn load(
-    envoy: &Envoy,
+    envoy: &Mutex<Envoy>,
     user: &str,
     rate: f64,
     start: Instant,
     until: Duration,
     out: &Mutex<Vec<(usize, f64, bool)>>,
     which: usize,
+    killed_at: Option<Duration>,
 ) {
     let threads = 4;
+    let port = envoy.lock().unwrap().port;
     std::thread::scope(|scope| {
         for t in 0..threads {
             scope.spawn(move || {
                 let gap = Duration::from_secs_f64(threads as f64 / rate);
                 let mut next = start + gap.mul_f64(t as f64 / threads as f64);
-                while next.duration_since(start) < until {
+                let end = killed_at.unwrap_or(until).min(until);
+                while next.duration_since(start) < end {
                     let now = Instant::now();
                     if next > now {
                         std::thread::sleep(next - now);
                     }
-                    let reply = envoy.get(user);
+                    let Some(reply) = envoy::get_port(port, "/", &[("x-user", user)]) else {
+                        break;
+                    };
                     let at = start.elapsed().as_secs_f64();
                     out.lock().unwrap().push((which, at, reply.status == 200));
                     next += gap;
@@ -49,9 +59,56 @@ fn load(
     });
 }
 
-#[test]
-fn three_envoys_two_servers_one_bucket_hold_100_a_second_shared_fairly() {
-    let redis = RedisServer::start();
+struct Run {
+    /// Admissions per whole second, per Envoy.
+    per_second: Vec<[usize; 3]>,
+    requests: usize,
+}
+
+/// Drives the three Envoys for [`SECONDS`]; Envoy `kill.0` is killed at
+/// `kill.1`.
+fn drive(envoys: &[Mutex<Envoy>; 3], kill: Option<(usize, Duration)>) -> Run {
+    let answers = Mutex::new(Vec::new());
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        for (i, envoy) in envoys.iter().enumerate() {
+            let answers = &answers;
+            let killed_at = kill.filter(|(k, _)| *k == i).map(|(_, at)| at);
+            scope.spawn(move || {
+                load(
+                    envoy,
+                    "alice",
+                    DEMAND[i],
+                    start,
+                    Duration::from_secs(SECONDS),
+                    answers,
+                    i,
+                    killed_at,
+                )
+            });
+        }
+        if let Some((k, at)) = kill {
+            std::thread::sleep(at);
+            envoys[k].lock().unwrap().kill();
+        }
+    });
+    let answers = answers.into_inner().unwrap();
+    let mut per_second = vec![[0usize; 3]; SECONDS as usize + 1];
+    for (which, at, passed) in &answers {
+        if *passed {
+            per_second[*at as usize][*which] += 1;
+        }
+    }
+    for (s, counts) in per_second.iter().enumerate() {
+        eprintln!("second {s}: {counts:?} = {}", counts.iter().sum::<usize>());
+    }
+    Run {
+        per_second,
+        requests: answers.len(),
+    }
+}
+
+fn fleet(redis: &RedisServer) -> ([RlsServer; 2], [Mutex<Envoy>; 3]) {
     let dir = scratch("rlqs");
     let config = dir.join("api.yaml");
     write_config(&config, BUCKET);
@@ -61,45 +118,58 @@ fn three_envoys_two_servers_one_bucket_hold_100_a_second_shared_fairly() {
         RlsServer::start(&config, &flags),
     ];
     let envoys = [
-        Envoy::start_rlqs(&[servers[0].grpc_port]),
-        Envoy::start_rlqs(&[servers[1].grpc_port]),
-        Envoy::start_rlqs(&[servers[1].grpc_port]),
+        Mutex::new(Envoy::start_rlqs(&[servers[0].grpc_port])),
+        Mutex::new(Envoy::start_rlqs(&[servers[1].grpc_port])),
+        Mutex::new(Envoy::start_rlqs(&[servers[1].grpc_port])),
     ];
-    let seconds: u64 = std::env::var("RLQS_SECONDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(20);
-    let demand = [30.0, 90.0, 180.0];
-    let answers = Arc::new(Mutex::new(Vec::new()));
-    let start = Instant::now();
-    std::thread::scope(|scope| {
-        for (i, envoy) in envoys.iter().enumerate() {
-            let answers = answers.clone();
-            scope.spawn(move || {
-                load(
-                    envoy,
-                    "alice",
-                    demand[i],
-                    start,
-                    Duration::from_secs(seconds),
-                    &answers,
-                    i,
-                )
-            });
-        }
-    });
-    let answers = answers.lock().unwrap().clone();
-    let mut per_second = vec![[0usize; 3]; seconds as usize + 1];
-    for (which, at, passed) in &answers {
-        if *passed {
-            per_second[*at as usize][*which] += 1;
-        }
-    }
-    for (s, counts) in per_second.iter().enumerate() {
-        eprintln!("second {s}: {counts:?} = {}", counts.iter().sum::<usize>());
-    }
+    (servers, envoys)
+}
+
+fn redis_commands(redis: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut redis.conn())
+        .unwrap();
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_") && !l.starts_with("cmdstat_info:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+#[test]
+fn three_envoys_two_servers_one_bucket_hold_100_a_second_shared_fairly() {
+    let redis = RedisServer::start();
+    let (servers, envoys) = fleet(&redis);
+    let commands_before = redis_commands(&redis);
+    let run = drive(&envoys, None);
+    let commands = redis_commands(&redis) - commands_before;
+    let messages: f64 = servers
+        .iter()
+        .map(|s| {
+            s.metric(
+                "slicelimit_server_rlqs_messages_total",
+                "{direction=\"received\"}",
+            ) + s.metric(
+                "slicelimit_server_rlqs_messages_total",
+                "{direction=\"sent\"}",
+            )
+        })
+        .sum();
+    eprintln!(
+        "{} requests: {:.1} stream messages and {:.1} Redis commands per 1,000",
+        run.requests,
+        messages * 1_000.0 / run.requests as f64,
+        commands as f64 * 1_000.0 / run.requests as f64
+    );
     // The bound, in every whole second after the first assignments.
-    let assigned = &per_second[1..seconds as usize];
+    let assigned = &run.per_second[1..SECONDS as usize];
     let worst = assigned
         .iter()
         .map(|c| c.iter().sum::<usize>())
@@ -110,13 +180,13 @@ fn three_envoys_two_servers_one_bucket_hold_100_a_second_shared_fairly() {
         .map(|c| c.iter().sum::<usize>())
         .sum::<usize>() as f64
         / assigned.len() as f64;
-    eprintln!("seconds 1..{seconds}: worst {worst}, mean {mean:.1}");
+    eprintln!("seconds 1..{SECONDS}: worst {worst}, mean {mean:.1}");
     assert!(worst <= 100, "worst second {worst}");
     // Fair shares once each Envoy's demand is known (Envoy 1.40 reports
     // about every 5 s): max-min of what the bound leaves after each
     // Envoy's reserve, 100 - 3 x 2 = 94, for demands of 30, 90 and 180:
     // 30, 32, 32 (the plain max-min shares of 100 are 30, 35, 35).
-    let learned = &per_second[seconds as usize / 2..seconds as usize];
+    let learned = &run.per_second[SECONDS as usize / 2..SECONDS as usize];
     for (i, fair) in [30.0, 32.0, 32.0].into_iter().enumerate() {
         let got = learned.iter().map(|c| c[i]).sum::<usize>() as f64 / learned.len() as f64;
         eprintln!("envoy {i}: {got:.1} a second, fair share {fair}");
@@ -125,4 +195,24 @@ fn three_envoys_two_servers_one_bucket_hold_100_a_second_shared_fairly() {
             "envoy {i}: {got:.1} against {fair}"
         );
     }
+}
+
+#[test]
+fn a_killed_envoys_share_goes_to_the_others() {
+    let redis = RedisServer::start();
+    let (_servers, envoys) = fleet(&redis);
+    let kill_at = Duration::from_secs(10);
+    let run = drive(&envoys, Some((2, kill_at)));
+    let after = kill_at.as_secs() as usize;
+    for counts in &run.per_second[1..SECONDS as usize] {
+        assert!(counts.iter().sum::<usize>() <= 100, "{counts:?}");
+    }
+    // Envoy 1 (90 a second) shared its replica with Envoy 2: alone, it
+    // gets what Envoy 0 leaves, less the two reserves: about 66.
+    let settled = run.per_second[after..SECONDS as usize]
+        .iter()
+        .position(|c| c[1] >= 60)
+        .expect("Envoy 1 never took the freed share");
+    eprintln!("Envoy 1 reached 60 a second {settled} s after the kill");
+    assert!(settled <= 2, "{settled} s");
 }

@@ -97,6 +97,14 @@ impl Envoy {
         panic!("envoy did not become ready: {}", envoy.log());
     }
 
+    /// SIGKILL: the Envoy vanishes, its streams with it.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("envoy.log")).unwrap_or_default()
     }
