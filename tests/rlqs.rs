@@ -216,3 +216,50 @@ fn a_killed_envoys_share_goes_to_the_others() {
     eprintln!("Envoy 1 reached 60 a second {settled} s after the kill");
     assert!(settled <= 2, "{settled} s");
 }
+
+/// Redis gone: each replica's hold stands until it expires, then its
+/// `--on-store-error` decides what its Envoys are assigned.
+#[test]
+fn without_redis_each_replica_assigns_what_its_policy_says() {
+    let mut redis = RedisServer::start();
+    let dir = scratch("rlqs-failure");
+    let config = dir.join("api.yaml");
+    write_config(&config, BUCKET);
+    let url = redis.url();
+    let open = RlsServer::start(&config, &["--redis-url", &url, "--on-store-error", "open"]);
+    let closed = RlsServer::start(&config, &["--redis-url", &url, "--on-store-error", "closed"]);
+    let envoys = [
+        Mutex::new(Envoy::start_rlqs(&[open.grpc_port])),
+        Mutex::new(Envoy::start_rlqs(&[closed.grpc_port])),
+    ];
+    let seconds = 16;
+    let answers = Mutex::new(Vec::new());
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        for (i, envoy) in envoys.iter().enumerate() {
+            let answers = &answers;
+            let until = Duration::from_secs(seconds);
+            scope.spawn(move || load(envoy, "bob", 80.0, start, until, answers, i, None));
+        }
+        std::thread::sleep(Duration::from_secs(5));
+        redis.kill();
+    });
+    let mut per_second = vec![[0usize; 2]; seconds as usize + 1];
+    for (which, at, passed) in answers.into_inner().unwrap() {
+        if passed {
+            per_second[at as usize][which] += 1;
+        }
+    }
+    for (s, counts) in per_second.iter().enumerate() {
+        eprintln!("second {s}: {counts:?}");
+    }
+    for counts in &per_second[1..5] {
+        assert!(counts[0] + counts[1] <= 100, "{counts:?}");
+    }
+    // Killed at 5 s; holds last 4 s and assignments 2 s: from 12 s on, the
+    // open replica's Envoy admits everything and the closed one's nothing.
+    for counts in &per_second[12..seconds as usize] {
+        assert!(counts[0] >= 70, "open: {counts:?}");
+        assert_eq!(counts[1], 0, "closed: {counts:?}");
+    }
+}

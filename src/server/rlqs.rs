@@ -72,6 +72,9 @@ pub const RESERVE: u64 = 2;
 /// most (a gRPC stream message): until then the rate before it counts as
 /// in use.
 pub const DELIVERY: Duration = Duration::from_secs(1);
+/// How long an Envoy may go without reporting on a bucket before it loses
+/// its seat (Envoy 1.40 reported about every 5 s).
+pub const SILENT: Duration = Duration::from_secs(20);
 /// How long a bucket no Envoy reports on is kept before it is abandoned.
 pub const IDLE: Duration = Duration::from_secs(60);
 
@@ -315,6 +318,12 @@ impl Inner {
             let mut state = self.lock();
             let State { envoys, buckets } = &mut *state;
             buckets.retain(|(domain, _), bucket| {
+                // An Envoy that stopped reporting (connected, but no longer
+                // sending this bucket's requests) gives its seat up: its
+                // assignment is not renewed and expires.
+                bucket
+                    .envoys
+                    .retain(|_, seat| seat.reported.is_none_or(|at| now.duration_since(at) < SILENT));
                 // Nobody reports on it any more, or the configuration
                 // changed its rule: the Envoys forget it (a bucket they
                 // still use comes back with its first request).
