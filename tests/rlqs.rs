@@ -227,7 +227,10 @@ fn without_redis_each_replica_assigns_what_its_policy_says() {
     write_config(&config, BUCKET);
     let url = redis.url();
     let open = RlsServer::start(&config, &["--redis-url", &url, "--on-store-error", "open"]);
-    let closed = RlsServer::start(&config, &["--redis-url", &url, "--on-store-error", "closed"]);
+    let closed = RlsServer::start(
+        &config,
+        &["--redis-url", &url, "--on-store-error", "closed"],
+    );
     let envoys = [
         Mutex::new(Envoy::start_rlqs(&[open.grpc_port])),
         Mutex::new(Envoy::start_rlqs(&[closed.grpc_port])),

@@ -34,20 +34,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
-use envoy_types::pb::envoy::r#type::v3::{RateLimitStrategy, TokenBucket};
+use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
-    AbandonAction, BucketAction as Action, QuotaAssignmentAction,
+    AbandonAction, BucketAction as Action,
 };
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::BucketAction;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaService;
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
-use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
-use futures_util::stream::BoxStream;
 use tokio::sync::{mpsc, Notify};
-use tonic::{Request, Response, Status, Streaming};
+use tonic::Status;
 
 use crate::failure::FailurePolicy;
 use crate::quota::Quota;
@@ -55,6 +50,11 @@ use crate::server::config::NoMatch;
 use crate::server::table::Table;
 use crate::share::{fair, ShareCall};
 use crate::store::Store;
+
+mod actions;
+mod stream;
+
+use actions::{blanket, send, token_bucket};
 
 /// How often every bucket's hold is renewed and its assignments sent.
 pub const RENEW: Duration = Duration::from_millis(500);
@@ -321,9 +321,10 @@ impl Inner {
                 // An Envoy that stopped reporting (connected, but no longer
                 // sending this bucket's requests) gives its seat up: its
                 // assignment is not renewed and expires.
-                bucket
-                    .envoys
-                    .retain(|_, seat| seat.reported.is_none_or(|at| now.duration_since(at) < SILENT));
+                bucket.envoys.retain(|_, seat| {
+                    seat.reported
+                        .is_none_or(|at| now.duration_since(at) < SILENT)
+                });
                 // Nobody reports on it any more, or the configuration
                 // changed its rule: the Envoys forget it (a bucket they
                 // still use comes back with its first request).
@@ -502,60 +503,6 @@ impl Inner {
     }
 }
 
-fn send(
-    envoys: &mut HashMap<u64, mpsc::Sender<Result<RateLimitQuotaResponse, Status>>>,
-    envoy: u64,
-    id: &BucketId,
-    action: Action,
-) {
-    let Some(tx) = envoys.get(&envoy) else {
-        return;
-    };
-    let message = RateLimitQuotaResponse {
-        bucket_action: vec![BucketAction {
-            bucket_id: Some(id.clone()),
-            bucket_action: Some(action),
-        }],
-    };
-    // A full queue means an Envoy not reading: the next round sends again.
-    if tx.try_send(Ok(message)).is_ok() {
-        crate::server::stats::rlqs_message("sent");
-    }
-}
-
-fn ttl(d: Duration) -> ProtoDuration {
-    ProtoDuration {
-        seconds: d.as_secs() as i64,
-        nanos: 0,
-    }
-}
-
-fn blanket(rule: BlanketRule, lasts: Option<Duration>) -> Action {
-    Action::QuotaAssignmentAction(QuotaAssignmentAction {
-        assignment_time_to_live: lasts.map(ttl),
-        rate_limit_strategy: Some(RateLimitStrategy {
-            strategy: Some(Strategy::BlanketRule(rule as i32)),
-        }),
-    })
-}
-
-/// A token bucket of [`RESERVE`] tokens filling at `rate` per `period`
-/// (whole seconds, as Envoy reads them).
-fn token_bucket(rate: u64, period: Duration) -> Action {
-    Action::QuotaAssignmentAction(QuotaAssignmentAction {
-        assignment_time_to_live: Some(ttl(ASSIGNMENT_TTL)),
-        rate_limit_strategy: Some(RateLimitStrategy {
-            strategy: Some(Strategy::TokenBucket(TokenBucket {
-                max_tokens: RESERVE as u32,
-                tokens_per_fill: Some(UInt32Value {
-                    value: u32::try_from(rate).unwrap_or(u32::MAX),
-                }),
-                fill_interval: Some(ttl(period)),
-            })),
-        }),
-    })
-}
-
 impl Rule {
     fn same(&self, other: &Rule) -> bool {
         match (self, other) {
@@ -565,38 +512,5 @@ impl Rule {
             (Rule::Blanket(a), Rule::Blanket(b)) => a == b,
             _ => false,
         }
-    }
-}
-
-#[tonic::async_trait]
-impl RateLimitQuotaService for Rlqs {
-    type StreamRateLimitQuotasStream = BoxStream<'static, Result<RateLimitQuotaResponse, Status>>;
-
-    async fn stream_rate_limit_quotas(
-        &self,
-        request: Request<Streaming<RateLimitQuotaUsageReports>>,
-    ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
-        let mut inbound = request.into_inner();
-        let envoy = self.inner.next_envoy.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel(256);
-        self.inner.lock().envoys.insert(envoy, tx);
-        crate::server::stats::rlqs_streams(1.0);
-        let inner = self.inner.clone();
-        tokio::spawn(async move {
-            let mut domain = String::new();
-            while let Ok(Some(message)) = inbound.message().await {
-                crate::server::stats::rlqs_message("received");
-                if domain.is_empty() {
-                    domain = message.domain.clone();
-                }
-                inner.report(envoy, &domain, &message);
-            }
-            inner.leave(envoy);
-            crate::server::stats::rlqs_streams(-1.0);
-        });
-        let stream = futures_util::stream::unfold(rx, |mut rx| async move {
-            rx.recv().await.map(|item| (item, rx))
-        });
-        Ok(Response::new(Box::pin(stream)))
     }
 }
