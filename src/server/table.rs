@@ -139,7 +139,9 @@ impl Table {
             )));
         }
         let mut domains: HashMap<String, Domain> = HashMap::new();
-        let mut kept: Vec<*const RuleLimiter> = Vec::new();
+        // The old rules carried over, by address: a set, so a reload of
+        // many rules stays linear.
+        let mut kept: std::collections::HashSet<*const RuleLimiter> = Default::default();
         // Quotas change in place only once every rule is built: a table
         // that fails to build changes nothing.
         let mut changes: Vec<(Limiter, Quota)> = Vec::new();
@@ -152,7 +154,7 @@ impl Table {
                     .and_then(|d| d.rules.get(&rule.path));
                 let entry = match old {
                     Some(old) if old.can_become(rule) => {
-                        kept.push(Arc::as_ptr(old));
+                        kept.insert(Arc::as_ptr(old));
                         if let (Some(limiter), Some(quota)) = (&old.limiter, rule.quota) {
                             if limiter.quota() != quota {
                                 changes.push((limiter.clone(), quota));
