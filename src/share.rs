@@ -36,7 +36,7 @@ pub(crate) struct ShareCall {
     pub(crate) demand: u64,
     /// The bucket's limit, requests per period.
     pub(crate) limit: u64,
-    /// How long the hold lasts; 0 lets go.
+    /// How long the hold lasts; 0 lets go (with nothing in use).
     pub(crate) ttl_ms: u64,
     /// What its clients may still be using: kept until it says otherwise.
     pub(crate) in_use: u64,
@@ -184,7 +184,8 @@ mod tests {
                     .get(&holder)
                     .filter(|h: &&Hold| h.expires_ms > now)
                     .map_or(0, |h| h.held);
-                let in_use = held_before * in_use_pct / 100;
+                // A holder lets go (ttl 0) only once nothing is in use.
+                let in_use = if ttl_ms == 0 { 0 } else { held_before * in_use_pct / 100 };
                 let call = ShareCall { holder: holder.clone(), demand, limit, ttl_ms, in_use };
                 let reply = apply(&mut holders, &call, now);
                 proptest::prop_assert!(reply.grant <= demand.min(limit));

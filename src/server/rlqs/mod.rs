@@ -342,7 +342,10 @@ impl Inner {
                         );
                     }
                 }
-                if (idle || changed) && bucket.held > 0 {
+                // An idle bucket's hold is let go; a changed one's expires,
+                // as its Envoys may use their assignments until the
+                // abandon reaches them.
+                if idle && bucket.held > 0 {
                     gone.push(bucket.store_key.clone());
                 }
                 !(idle || changed)
