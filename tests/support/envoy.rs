@@ -239,7 +239,9 @@ const RLQS_FILTER: &str = r#"          - name: envoy.filters.http.rate_limit_quo
                                     header_name: x-user
                           reporting_interval: 1s
                           no_assignment_behavior: { fallback_rate_limit: { blanket_rule: ALLOW_ALL } }
-                          expired_assignment_behavior: { fallback_rate_limit: { blanket_rule: DENY_ALL } }
+                          expired_assignment_behavior:
+                            expired_assignment_behavior_timeout: 3600s
+                            fallback_rate_limit: { blanket_rule: DENY_ALL }
 "#;
 
 fn config_yaml(

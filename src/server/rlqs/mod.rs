@@ -23,7 +23,9 @@
 //!    [`ASSIGNMENT_TTL`], holds [`HOLD_TTL`], renewed every [`RENEW`]
 //!    (the replica's and the store's clocks run at the same rate);
 //! 4. Envoy's `expired_assignment_behavior` does not admit more than the
-//!    expired assignment (DENY_ALL, or the same token bucket).
+//!    expired assignment (DENY_ALL, or the same token bucket), and its
+//!    `expired_assignment_behavior_timeout` is set (unset, it is zero and
+//!    `no_assignment_behavior` takes over at once).
 //!
 //! Before a bucket's first assignment Envoy's `no_assignment_behavior`
 //! decides, outside this bound.
@@ -120,6 +122,9 @@ struct Bucket {
     held: u64,
     hold_until: Option<Instant>,
     last_report: Instant,
+    /// What Envoys that left (stream gone, or silent) may still admit
+    /// under their last assignment, and until when: held until then.
+    departed: Vec<(u64, Instant)>,
 }
 
 #[derive(Clone)]
@@ -142,6 +147,24 @@ struct Seat {
     sent: Option<Instant>,
     /// When it last reported.
     reported: Option<Instant>,
+}
+
+impl Seat {
+    /// What its assignments may admit in a period (rate and tokens, the
+    /// one before too while its replacement is on its way), at `now`.
+    fn in_use(&self, now: Instant) -> u64 {
+        let before = self
+            .replaced
+            .filter(|(_, until)| *until > now)
+            .map(|(r, _)| r);
+        self.rate.max(before).map_or(0, |r| r + RESERVE)
+    }
+
+    /// Its last assignment's reach, for an Envoy leaving: until it lapses.
+    fn departing(&self, now: Instant) -> Option<(u64, Instant)> {
+        let sent = self.sent?;
+        Some((self.in_use(now), sent + ASSIGNMENT_TTL)).filter(|(n, _)| *n > 0)
+    }
 }
 
 impl Rlqs {
@@ -243,6 +266,7 @@ impl Inner {
                         envoys: HashMap::new(),
                         held: 0,
                         hold_until: None,
+                        departed: Vec::new(),
                         last_report: Instant::now(),
                     }
                 });
@@ -302,8 +326,13 @@ impl Inner {
     fn leave(&self, envoy: u64) {
         let mut state = self.lock();
         state.envoys.remove(&envoy);
+        let now = Instant::now();
         for bucket in state.buckets.values_mut() {
-            bucket.envoys.remove(&envoy);
+            // Its stream is gone, not its assignment: that stays counted
+            // until it lapses.
+            if let Some(reach) = bucket.envoys.remove(&envoy).and_then(|s| s.departing(now)) {
+                bucket.departed.push(reach);
+            }
         }
         drop(state);
         self.wake.notify_one();
@@ -321,10 +350,18 @@ impl Inner {
                 // An Envoy that stopped reporting (connected, but no longer
                 // sending this bucket's requests) gives its seat up: its
                 // assignment is not renewed and expires.
+                let mut silent = Vec::new();
                 bucket.envoys.retain(|_, seat| {
-                    seat.reported
-                        .is_none_or(|at| now.duration_since(at) < SILENT)
+                    let keep = seat
+                        .reported
+                        .is_none_or(|at| now.duration_since(at) < SILENT);
+                    if !keep {
+                        silent.extend(seat.departing(now));
+                    }
+                    keep
                 });
+                bucket.departed.extend(silent);
+                bucket.departed.retain(|(_, until)| *until > now);
                 // Nobody reports on it any more, or the configuration
                 // changed its rule: the Envoys forget it (a bucket they
                 // still use comes back with its first request).
@@ -368,24 +405,19 @@ impl Inner {
                     continue;
                 };
                 let demand: u64 = bucket.envoys.values().map(|s| s.demand + RESERVE).sum();
-                let in_use: u64 = bucket
-                    .envoys
-                    .values()
-                    .map(|s| {
-                        let before = s.replaced.filter(|(_, until)| *until > now).map(|(r, _)| r);
-                        s.rate.max(before).map_or(0, |r| r + RESERVE)
-                    })
-                    .sum();
+                let in_use: u64 = bucket.envoys.values().map(|s| s.in_use(now)).sum::<u64>()
+                    + bucket.departed.iter().map(|(n, _)| n).sum::<u64>();
+                let holding = !bucket.envoys.is_empty() || !bucket.departed.is_empty();
                 (
                     bucket.store_key.clone(),
                     ShareCall {
                         holder: self.holder.clone(),
                         demand: if bucket.envoys.is_empty() { 0 } else { demand },
                         limit: quota.limit(),
-                        ttl_ms: if bucket.envoys.is_empty() {
-                            0
-                        } else {
+                        ttl_ms: if holding {
                             HOLD_TTL.as_millis() as u64
+                        } else {
+                            0
                         },
                         in_use: in_use.min(bucket.held),
                     },
