@@ -264,51 +264,24 @@ fn config_yaml(
     };
     let rls_endpoints: String = rls_ports.iter().map(|&p| endpoint(p)).collect();
     let backend_endpoint = endpoint(backend);
+    let front = listener(
+        "front",
+        port,
+        &format!("                route:\n                  cluster: backend\n{rate_limits}"),
+        filter,
+    );
+    let back = listener(
+        "backend",
+        backend,
+        "                direct_response: { status: 200, body: { inline_string: \"hello\\n\" } }\n",
+        "",
+    );
     format!(
         r#"admin:
   address: {{ socket_address: {{ address: 127.0.0.1, port_value: {admin} }} }}
 static_resources:
   listeners:
-  - name: front
-    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: front
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{ prefix: "/" }}
-                route:
-                  cluster: backend
-{rate_limits}          http_filters:
-{filter}          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  - name: backend
-    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {backend} }} }}
-    filter_chains:
-    - filters:
-      - name: envoy.filters.network.http_connection_manager
-        typed_config:
-          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-          stat_prefix: backend
-          route_config:
-            virtual_hosts:
-            - name: all
-              domains: ["*"]
-              routes:
-              - match: {{ prefix: "/" }}
-                direct_response: {{ status: 200, body: {{ inline_string: "hello\n" }} }}
-          http_filters:
-          - name: envoy.filters.http.router
-            typed_config:
-              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
+{front}{back}  clusters:
   - name: backend
     type: STATIC
     connect_timeout: 1s
@@ -328,5 +301,31 @@ static_resources:
       endpoints:
       - lb_endpoints:
 {rls_endpoints}"#
+    )
+}
+
+/// One HTTP listener on `port`: every path takes `route`, through
+/// `filters` and then the router.
+fn listener(name: &str, port: u16, route: &str, filters: &str) -> String {
+    format!(
+        r#"  - name: {name}
+    address: {{ socket_address: {{ address: 127.0.0.1, port_value: {port} }} }}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: {name}
+          route_config:
+            virtual_hosts:
+            - name: all
+              domains: ["*"]
+              routes:
+              - match: {{ prefix: "/" }}
+{route}          http_filters:
+{filters}          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+"#
     )
 }
