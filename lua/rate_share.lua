@@ -2,63 +2,76 @@
 -- slicelimit-server divide an RLQS bucket's rate (src/share.rs mirrors
 -- the arithmetic; a parity test holds them together).
 --
--- KEYS[1]  the bucket's holders: a hash, holder -> "held demand expires_ms"
+-- KEYS[1]  the bucket's holders: a hash, holder -> "held expires_ms claims"
 -- ARGV[1]  this holder's name
--- ARGV[2]  its demand (requests per period, whole)
+-- ARGV[2]  its clients' claims (requests per period, whole), comma-separated
 -- ARGV[3]  the bucket's limit (requests per period)
 -- ARGV[4]  how long the hold lasts, ms; 0 lets go of it
 -- ARGV[5]  what this holder's clients may still be using (at most what it
 --          held before): it keeps at least that until it says otherwise
 --
--- Holders past their expiry are dropped. Each live holder's target is its
--- max-min fair share of the limit by demand; this one is granted
--- min(target, limit - what the others hold) and holds max(grant, in use),
--- so the holds never sum past the limit. A second delivery of the same
--- call finds the same holders and grants the same.
+-- Holders past their expiry are dropped. The limit is shared max-min fair
+-- among every live holder's clients; this holder's target is what its
+-- own clients get, it is granted min(target, limit - what the others
+-- hold) and holds max(grant, in use), so the holds never sum past the
+-- limit. A second delivery of the same call finds the same holders and
+-- grants the same.
 -- Returns {grant, held, other holders}.
 local holder = ARGV[1]
-local demand = tonumber(ARGV[2])
 local limit = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
 local in_use = tonumber(ARGV[5])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+local own = {}
+local claims = {}
+for c in string.gmatch(ARGV[2], '%d+') do
+  own[#own + 1] = tonumber(c)
+  claims[#claims + 1] = tonumber(c)
+end
 local entries = redis.call('HGETALL', KEYS[1])
 local others_held = 0
-local demands = {demand}
+local others = 0
 for i = 1, #entries, 2 do
   if entries[i] ~= holder then
-    local held, d, expires = string.match(entries[i + 1], '^(%d+) (%d+) (%d+)$')
+    local held, expires, list = string.match(entries[i + 1], '^(%d+) (%d+) ?([%d,]*)$')
     if held == nil or tonumber(expires) <= now then
       redis.call('HDEL', KEYS[1], entries[i])
     else
+      others = others + 1
       others_held = others_held + tonumber(held)
-      demands[#demands + 1] = tonumber(d)
+      for c in string.gmatch(list, '%d+') do
+        claims[#claims + 1] = tonumber(c)
+      end
     end
   end
 end
 if ttl <= 0 then
   redis.call('HDEL', KEYS[1], holder)
-  return {0, 0, #demands - 1}
+  return {0, 0, others}
 end
 
--- The max-min level: demands at or under it are met in full, the rest
+-- The max-min level: claims at or under it are met in full, the rest
 -- share what is left equally (whole requests, rounded down).
-table.sort(demands)
+table.sort(claims)
 local left = limit
 local level = -1
-for i = 1, #demands do
-  local share = math.floor(left / (#demands - i + 1))
-  if demands[i] > share then
+for i = 1, #claims do
+  local share = math.floor(left / (#claims - i + 1))
+  if claims[i] > share then
     level = share
     break
   end
-  left = left - demands[i]
+  left = left - claims[i]
 end
-local target = demand
-if level >= 0 and level < demand then
-  target = level
+local target = 0
+for i = 1, #own do
+  if level >= 0 and level < own[i] then
+    target = target + level
+  else
+    target = target + own[i]
+  end
 end
 local grant = math.min(target, limit - others_held)
 if grant < 0 then
@@ -66,6 +79,6 @@ if grant < 0 then
 end
 local held = math.max(grant, in_use)
 redis.call('HSET', KEYS[1], holder,
-  string.format('%d %d %d', held, demand, now + ttl))
+  string.format('%d %d %s', held, now + ttl, table.concat(own, ',')))
 redis.call('PEXPIRE', KEYS[1], ttl)
-return {grant, held, #demands - 1}
+return {grant, held, others}

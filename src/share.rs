@@ -32,14 +32,23 @@ pub(crate) fn level(capacity: u64, demands: &[u64]) -> u64 {
 pub(crate) struct ShareCall {
     /// The holder (a server replica).
     pub(crate) holder: String,
-    /// Its clients' demand, requests per period.
-    pub(crate) demand: u64,
+    /// What each of its clients claims, requests per period: the
+    /// bucket's rate is shared max-min fair among every holder's clients.
+    pub(crate) claims: Vec<u64>,
     /// The bucket's limit, requests per period.
     pub(crate) limit: u64,
     /// How long the hold lasts; 0 lets go (with nothing in use).
     pub(crate) ttl_ms: u64,
     /// What its clients may still be using: kept until it says otherwise.
     pub(crate) in_use: u64,
+}
+
+impl ShareCall {
+    /// The claims as the script takes them: comma-separated.
+    pub(crate) fn claims_arg(&self) -> String {
+        let claims: Vec<String> = self.claims.iter().map(u64::to_string).collect();
+        claims.join(",")
+    }
 }
 
 /// What a [`ShareCall`] got.
@@ -53,12 +62,12 @@ pub(crate) struct ShareReply {
     pub(crate) others: u64,
 }
 
-/// One holder's entry: what it holds, its demand, when it expires (ms of
-/// the store's clock).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// One holder's entry: what it holds, its clients' claims, when it
+/// expires (ms of the store's clock).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Hold {
     pub(crate) held: u64,
-    pub(crate) demand: u64,
+    pub(crate) claims: Vec<u64>,
     pub(crate) expires_ms: u64,
 }
 
@@ -69,36 +78,36 @@ pub(crate) fn apply(
     now_ms: u64,
 ) -> ShareReply {
     holders.retain(|name, hold| *name == call.holder || hold.expires_ms > now_ms);
-    let others: Vec<Hold> = holders
-        .iter()
-        .filter(|(name, _)| **name != call.holder)
-        .map(|(_, hold)| *hold)
-        .collect();
-    let others_held: u64 = others.iter().map(|h| h.held).sum();
+    let others = holders.keys().filter(|name| **name != call.holder).count() as u64;
     if call.ttl_ms == 0 {
         holders.remove(&call.holder);
         return ShareReply {
-            others: others.len() as u64,
+            others,
             ..ShareReply::default()
         };
     }
-    let mut demands = vec![call.demand];
-    demands.extend(others.iter().map(|h| h.demand));
-    let target = call.demand.min(level(call.limit, &demands));
+    let mut others_held = 0;
+    let mut claims = call.claims.clone();
+    for (_, hold) in holders.iter().filter(|(name, _)| **name != call.holder) {
+        others_held += hold.held;
+        claims.extend(&hold.claims);
+    }
+    let level = level(call.limit, &claims);
+    let target: u64 = call.claims.iter().map(|&c| c.min(level)).sum();
     let grant = target.min(call.limit.saturating_sub(others_held));
     let held = grant.max(call.in_use);
     holders.insert(
         call.holder.clone(),
         Hold {
             held,
-            demand: call.demand,
+            claims: call.claims.clone(),
             expires_ms: now_ms + call.ttl_ms,
         },
     );
     ShareReply {
         grant,
         held,
-        others: others.len() as u64,
+        others,
     }
 }
 
@@ -119,7 +128,7 @@ mod tests {
     fn call(holder: &str, demand: u64, in_use: u64) -> ShareCall {
         ShareCall {
             holder: holder.into(),
-            demand,
+            claims: vec![demand],
             limit: 100,
             ttl_ms: 3_000,
             in_use,
@@ -147,6 +156,25 @@ mod tests {
     }
 
     #[test]
+    fn clients_are_shared_fairly_whichever_holder_they_reach() {
+        let mut holders = HashMap::new();
+        let on = |holder: &str, claims: &[u64]| ShareCall {
+            holder: holder.into(),
+            claims: claims.to_vec(),
+            limit: 100,
+            ttl_ms: 3_000,
+            in_use: 0,
+        };
+        // A small and a large client on one holder, a large one on the
+        // other: the large ones get the same, not the holders.
+        apply(&mut holders, &on("a", &[32, 102]), 0);
+        apply(&mut holders, &on("b", &[92]), 1);
+        let a = apply(&mut holders, &on("a", &[32, 102]), 2);
+        let b = apply(&mut holders, &on("b", &[92]), 3);
+        assert_eq!((a.grant, b.grant), (66, 34));
+    }
+
+    #[test]
     fn an_expired_holder_frees_its_share_and_ttl_zero_lets_go() {
         let mut holders = HashMap::new();
         apply(&mut holders, &call("a", 100, 0), 0);
@@ -170,14 +198,20 @@ mod tests {
         fn live_holds_never_sum_past_the_limit(
             limit in 1u64..500,
             calls in proptest::collection::vec(
-                (0usize..4, 0u64..600, 0u64..=100, 0u64..3_000, 0u64..1_500),
+                (
+                    0usize..4,
+                    proptest::collection::vec(0u64..300, 0..4),
+                    0u64..=100,
+                    0u64..3_000,
+                    0u64..1_500,
+                ),
                 1..80,
             ),
         ) {
             let mut holders = HashMap::new();
             let mut last: HashMap<String, u64> = HashMap::new();
             let mut now = 0;
-            for (who, demand, in_use_pct, ttl_ms, step) in calls {
+            for (who, claims, in_use_pct, ttl_ms, step) in calls {
                 now += step;
                 let holder = format!("h{who}");
                 let held_before = holders
@@ -186,7 +220,8 @@ mod tests {
                     .map_or(0, |h| h.held);
                 // A holder lets go (ttl 0) only once nothing is in use.
                 let in_use = if ttl_ms == 0 { 0 } else { held_before * in_use_pct / 100 };
-                let call = ShareCall { holder: holder.clone(), demand, limit, ttl_ms, in_use };
+                let demand: u64 = claims.iter().sum();
+                let call = ShareCall { holder: holder.clone(), claims, limit, ttl_ms, in_use };
                 let reply = apply(&mut holders, &call, now);
                 proptest::prop_assert!(reply.grant <= demand.min(limit));
                 proptest::prop_assert!(reply.held >= in_use);
@@ -202,7 +237,7 @@ mod tests {
             now += 3_001;
             let alone = apply(
                 &mut holders,
-                &ShareCall { holder: "z".into(), demand: limit, limit, ttl_ms: 1, in_use: 0 },
+                &ShareCall { holder: "z".into(), claims: vec![limit], limit, ttl_ms: 1, in_use: 0 },
                 now,
             );
             proptest::prop_assert_eq!(alone.grant, limit);

@@ -120,7 +120,7 @@ fn fleet(redis: &RedisServer) -> ([RlsServer; 2], [Mutex<Envoy>; 3]) {
     let envoys = [
         Mutex::new(Envoy::start_rlqs(&[servers[0].grpc_port])),
         Mutex::new(Envoy::start_rlqs(&[servers[1].grpc_port])),
-        Mutex::new(Envoy::start_rlqs(&[servers[1].grpc_port])),
+        Mutex::new(Envoy::start_rlqs(&[servers[0].grpc_port])),
     ];
     (servers, envoys)
 }
@@ -150,6 +150,16 @@ fn three_envoys_two_servers_one_bucket_hold_100_a_second_shared_fairly() {
     let commands_before = redis_commands(&redis);
     let run = drive(&envoys, None);
     let commands = redis_commands(&redis) - commands_before;
+    // What each Envoy reported against what it was assigned: none
+    // admitted more than its assignments allowed.
+    let rule = "{domain=\"api\",rule=\"rlqs#1\"}";
+    let metric = |name: &str| -> f64 { servers.iter().map(|s| s.metric(name, rule)).sum() };
+    let excess = metric("slicelimit_server_rlqs_excess_requests_total");
+    eprintln!(
+        "allowance {} requests over whole reported intervals, excess {excess}",
+        metric("slicelimit_server_rlqs_allowance_requests_total")
+    );
+    assert_eq!(excess, 0.0);
     let messages: f64 = servers
         .iter()
         .map(|s| {
@@ -183,11 +193,11 @@ fn three_envoys_two_servers_one_bucket_hold_100_a_second_shared_fairly() {
     eprintln!("seconds 1..{SECONDS}: worst {worst}, mean {mean:.1}");
     assert!(worst <= 100, "worst second {worst}");
     // Fair shares once each Envoy's demand is known (Envoy 1.40 reports
-    // about every 5 s): max-min of what the bound leaves after each
-    // Envoy's reserve, 100 - 3 x 2 = 94, for demands of 30, 90 and 180:
-    // 30, 32, 32 (the plain max-min shares of 100 are 30, 35, 35).
+    // about every 5 s): the max-min shares of 100 for demands of 30, 90
+    // and 180 are 30, 35 and 35, whichever replica each Envoy reaches
+    // (Envoys 0 and 2 share one).
     let learned = &run.per_second[SECONDS as usize / 2..SECONDS as usize];
-    for (i, fair) in [30.0, 32.0, 32.0].into_iter().enumerate() {
+    for (i, fair) in [30.0, 35.0, 35.0].into_iter().enumerate() {
         let got = learned.iter().map(|c| c[i]).sum::<usize>() as f64 / learned.len() as f64;
         eprintln!("envoy {i}: {got:.1} a second, fair share {fair}");
         assert!(
@@ -207,14 +217,17 @@ fn a_killed_envoys_share_goes_to_the_others() {
     for counts in &run.per_second[1..SECONDS as usize] {
         assert!(counts.iter().sum::<usize>() <= 100, "{counts:?}");
     }
-    // Envoy 1 (90 a second) shared its replica with Envoy 2: alone, it
-    // gets what Envoy 0 leaves, less the two reserves: about 66.
+    // Envoy 2 (180 a second) gone, Envoy 1 (90 a second, on the other
+    // replica) gets what Envoy 0 leaves: about 68, once Envoy 2's last
+    // assignment has lapsed (sent at most 1 s before the kill, arrived
+    // within 1 s, lived 2 s) and its tokens a second later. A stream cut
+    // looks the same as a kill, and the Envoy may still be admitting.
     let settled = run.per_second[after..SECONDS as usize]
         .iter()
         .position(|c| c[1] >= 60)
         .expect("Envoy 1 never took the freed share");
     eprintln!("Envoy 1 reached 60 a second {settled} s after the kill");
-    assert!(settled <= 2, "{settled} s");
+    assert!(settled <= 4, "{settled} s");
 }
 
 /// Redis gone: each replica's hold stands until it expires, then its

@@ -28,6 +28,14 @@ pub const RULES: &str = "slicelimit_server_rules";
 /// Requests Envoys reported on an RLQS rule's buckets, by `outcome`:
 /// `allowed` or `denied`.
 pub const RLQS_REPORTED: &str = "slicelimit_server_rlqs_reported_requests_total";
+/// Requests Envoys' assignments allowed (their reach over time) in the
+/// report intervals an assignment covered from start to end, an RLQS
+/// rule's buckets summed.
+pub const RLQS_ALLOWANCE: &str = "slicelimit_server_rlqs_allowance_requests_total";
+/// Requests an Envoy reported allowed in such an interval beyond its
+/// allowance and a bucket's tokens, an RLQS rule's buckets summed: 0
+/// unless an Envoy admits more than it is assigned.
+pub const RLQS_EXCESS: &str = "slicelimit_server_rlqs_excess_requests_total";
 /// The rate (requests per period) this replica has assigned to its Envoys
 /// on an RLQS rule's buckets, summed.
 pub const RLQS_ASSIGNED: &str = "slicelimit_server_rlqs_assigned_rate";
@@ -43,6 +51,7 @@ pub(crate) fn rlqs_reported(
     domain: &str,
     rule: &str,
     usage: &envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_usage_reports::BucketQuotaUsage,
+    allowance: Option<(f64, u64)>,
 ) {
     let labels = |outcome: &'static str| {
         [
@@ -53,6 +62,14 @@ pub(crate) fn rlqs_reported(
     };
     metrics::counter!(RLQS_REPORTED, &labels("allowed")).increment(usage.num_requests_allowed);
     metrics::counter!(RLQS_REPORTED, &labels("denied")).increment(usage.num_requests_denied);
+    if let Some((allowance, tokens)) = allowance {
+        let labels = [("domain", domain.to_owned()), ("rule", rule.to_owned())];
+        metrics::counter!(RLQS_ALLOWANCE, &labels).increment(allowance.floor() as u64);
+        let excess = usage.num_requests_allowed as f64 - allowance.ceil() - tokens as f64;
+        if excess > 0.0 {
+            metrics::counter!(RLQS_EXCESS, &labels).increment(excess as u64);
+        }
+    }
 }
 
 pub(crate) fn rlqs_assigned(domain: &str, rule: &str, assigned: u64, held: u64) {
@@ -114,4 +131,14 @@ pub fn describe() {
         "RLQS stream messages, by direction."
     );
     describe_gauge!(RLQS_STREAMS, "Envoys connected over RLQS.");
+    describe_counter!(
+        RLQS_ALLOWANCE,
+        Unit::Count,
+        "Requests Envoys' RLQS assignments allowed over the intervals they reported on."
+    );
+    describe_counter!(
+        RLQS_EXCESS,
+        Unit::Count,
+        "Requests Envoys reported allowed beyond their RLQS assignments."
+    );
 }

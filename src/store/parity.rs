@@ -156,7 +156,7 @@ async fn the_rate_share_script_and_the_embedded_store_agree() {
     let memory: Store = MemoryStore::new().into();
     let call = |holder: &str, demand: u64, in_use: u64, ttl_ms: u64| ShareCall {
         holder: holder.into(),
-        demand,
+        claims: vec![demand, demand / 3],
         limit: 100,
         ttl_ms,
         in_use,

@@ -15,16 +15,17 @@ use envoy_types::pb::google::protobuf::{Duration as ProtoDuration, UInt32Value};
 use tokio::sync::mpsc;
 use tonic::Status;
 
-use super::{ASSIGNMENT_TTL, RESERVE};
+use super::bucket::Given;
+use super::ASSIGNMENT_TTL;
 
 pub(super) fn send(
     envoys: &mut HashMap<u64, mpsc::Sender<Result<RateLimitQuotaResponse, Status>>>,
     envoy: u64,
     id: &BucketId,
     action: Action,
-) {
+) -> bool {
     let Some(tx) = envoys.get(&envoy) else {
-        return;
+        return false;
     };
     let message = RateLimitQuotaResponse {
         bucket_action: vec![BucketAction {
@@ -33,9 +34,11 @@ pub(super) fn send(
         }],
     };
     // A full queue means an Envoy not reading: the next round sends again.
-    if tx.try_send(Ok(message)).is_ok() {
+    let sent = tx.try_send(Ok(message)).is_ok();
+    if sent {
         crate::server::stats::rlqs_message("sent");
     }
+    sent
 }
 
 fn ttl(d: Duration) -> ProtoDuration {
@@ -54,18 +57,26 @@ pub(super) fn blanket(rule: BlanketRule, lasts: Option<Duration>) -> Action {
     })
 }
 
-/// A token bucket of [`RESERVE`] tokens filling at `rate` per `period`
-/// (whole seconds, as Envoy reads them).
-pub(super) fn token_bucket(rate: u64, period: Duration) -> Action {
+/// A token bucket of `given.tokens` tokens filling at `given.rate` per
+/// `period` (whole seconds, as Envoy reads them). A rate of 0 fills 2
+/// tokens every 4 periods: Envoy's buckets fill continuously, so a bucket
+/// of one admits at most one in any period; and Envoy 1.40 takes two
+/// buckets that differ only in the seconds of their fill interval for the
+/// same, so the tokens per fill tell it apart from a rate of 1.
+pub(super) fn token_bucket(given: Given, period: Duration) -> Action {
+    let (per_fill, fill) = match given.rate {
+        0 => (2, period * 4),
+        rate => (rate, period),
+    };
     Action::QuotaAssignmentAction(QuotaAssignmentAction {
         assignment_time_to_live: Some(ttl(ASSIGNMENT_TTL)),
         rate_limit_strategy: Some(RateLimitStrategy {
             strategy: Some(Strategy::TokenBucket(TokenBucket {
-                max_tokens: RESERVE as u32,
+                max_tokens: u32::try_from(given.tokens).unwrap_or(u32::MAX),
                 tokens_per_fill: Some(UInt32Value {
-                    value: u32::try_from(rate).unwrap_or(u32::MAX),
+                    value: u32::try_from(per_fill).unwrap_or(u32::MAX),
                 }),
-                fill_interval: Some(ttl(period)),
+                fill_interval: Some(ttl(fill)),
             })),
         }),
     })

@@ -11,21 +11,33 @@
 //! **The bound.** A bucket of `limit` per `period` admits at most `limit`
 //! in any interval of one `period` across the fleet, once its Envoys have
 //! assignments, given that
-//! 1. each Envoy's assignment is a token bucket of [`RESERVE`] tokens
-//!    filling at `rate` per `period`, and a replica holds at least the sum
-//!    of its Envoys' `rate + RESERVE` — a bucket never holds more than
-//!    `RESERVE` tokens, so an Envoy admits at most `rate + RESERVE` in a
-//!    period (a replacement bucket starts no fuller than the one it
-//!    replaces, in Envoy 1.40);
-//! 2. a replica lowers what it holds only [`DELIVERY`] after it sent the
-//!    lower assignments (a stream message arrives within that);
-//! 3. an assignment expires before the hold behind it: assignments live
-//!    [`ASSIGNMENT_TTL`], holds [`HOLD_TTL`], renewed every [`RENEW`]
-//!    (the replica's and the store's clocks run at the same rate);
-//! 4. Envoy's `expired_assignment_behavior` does not admit more than the
-//!    expired assignment (DENY_ALL, or the same token bucket), and its
-//!    `expired_assignment_behavior_timeout` is set (unset, it is zero and
+//! 1. an Envoy's assignment is a token bucket of at most [`RESERVE`]
+//!    tokens filling at `rate` per `period` (its reach: `rate + tokens`,
+//!    the most it admits in a period), and Envoy fills a bucket that
+//!    replaces another in proportion to how full that one was, up to its
+//!    own size (Envoy 1.40, checked by `tests/rlqs_envoy_buckets.rs`);
+//!    a raise never shrinks a bucket and a lowering never grows one;
+//! 2. a replica counts as in use, and holds in the store, at every moment
+//!    the sum over its Envoys of the highest rate that may be in force
+//!    (a replaced one until [`DELIVERY`] after its replacement was sent:
+//!    a stream message arrives within that) and the most tokens of a
+//!    bucket that may share a period with that moment (a replaced one's
+//!    for `DELIVERY + period`); an Envoy that left counts until its last
+//!    assignment lapses (`DELIVERY + ASSIGNMENT_TTL` after it was sent),
+//!    its tokens a period longer;
+//! 3. it hands out only what the store grants it beyond that, and the
+//!    store's holds never sum past the limit (`lua/rate_share.lua`);
+//! 4. a hold outlives what its assignments may admit: holds last
+//!    [`hold_ttl`], renewed every [`RENEW`] (the replica's and the
+//!    store's clocks run at the same rate);
+//! 5. Envoy's `expired_assignment_behavior` is DENY_ALL, with its
+//!    `expired_assignment_behavior_timeout` set (unset, it is zero and
 //!    `no_assignment_behavior` takes over at once).
+//!
+//! The admissions of an interval are then at most the tokens its buckets
+//! held at its start, what they filled during it and what a replacement
+//! carried over, which (1) and (2) bound by what is held. The seeded
+//! simulation in `sim.rs` searches for an interval that breaks it.
 //!
 //! Before a bucket's first assignment Envoy's `no_assignment_behavior`
 //! decides, outside this bound.
@@ -41,33 +53,45 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_resp
     AbandonAction, BucketAction as Action,
 };
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
-    BucketId, RateLimitQuotaResponse, RateLimitQuotaUsageReports,
+    RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
 use tokio::sync::{mpsc, Notify};
 use tonic::Status;
 
 use crate::failure::FailurePolicy;
-use crate::quota::Quota;
 use crate::server::config::NoMatch;
 use crate::server::table::Table;
-use crate::share::{fair, ShareCall};
+use crate::share::ShareCall;
 use crate::store::Store;
 
 mod actions;
+mod bucket;
+#[cfg(test)]
+mod sim;
 mod stream;
+#[cfg(test)]
+mod tests;
 
 use actions::{blanket, send, token_bucket};
+use bucket::{canonical, period, resolve, Bucket, Given, Rule, Seat};
 
 /// How often every bucket's hold is renewed and its assignments sent.
 pub const RENEW: Duration = Duration::from_millis(500);
-/// How long a replica's hold on a bucket's rate lasts without renewal.
-pub const HOLD_TTL: Duration = Duration::from_secs(4);
+/// How long a replica's hold on the rate of a bucket of `period` lasts
+/// without renewal: past the end of anything its Envoys may admit under
+/// assignments it sent (delivered within [`DELIVERY`], in force for
+/// [`ASSIGNMENT_TTL`], their tokens' admissions sharing a period with
+/// what comes after), with two renewals to spare.
+pub fn hold_ttl(period: Duration) -> Duration {
+    DELIVERY + ASSIGNMENT_TTL + period + RENEW * 2
+}
 /// How long an assignment lasts in Envoy without renewal (whole seconds:
 /// Envoy reads only the seconds).
 pub const ASSIGNMENT_TTL: Duration = Duration::from_secs(2);
 /// The tokens an Envoy's bucket may hold, set aside from its share: what
 /// it may admit at once beyond its rate. One token wastes the time it
-/// sits full (an Envoy assigned its own demand of 30 a second admitted
+/// sits full between requests (measured: assigned 33 a second against a
+/// demand of 90, an Envoy admitted 30; assigned its own demand of 30,
 /// about 20); two absorb most of that.
 pub const RESERVE: u64 = 2;
 /// How long an assignment sent takes to be in force in its Envoy, at
@@ -111,62 +135,6 @@ struct State {
     buckets: HashMap<(String, String), Bucket>,
 }
 
-/// One bucket id of one domain, as this replica serves it.
-struct Bucket {
-    id: BucketId,
-    /// The rule's quota, or what an unmatched bucket gets.
-    rule: Rule,
-    store_key: String,
-    envoys: HashMap<u64, Seat>,
-    /// What this replica holds in the store, and until when (its clock).
-    held: u64,
-    hold_until: Option<Instant>,
-    last_report: Instant,
-    /// What Envoys that left (stream gone, or silent) may still admit
-    /// under their last assignment, and until when: held until then.
-    departed: Vec<(u64, Instant)>,
-}
-
-#[derive(Clone)]
-enum Rule {
-    Quota { quota: Quota, label: String },
-    Blanket(NoMatch),
-}
-
-/// One Envoy's place in a bucket.
-#[derive(Default)]
-struct Seat {
-    /// Requests per period it reported (allowed and denied).
-    demand: u64,
-    /// The rate it was last sent.
-    rate: Option<u64>,
-    /// The rate it was sent before the current one, and until when it
-    /// may still be in use (its replacement is on its way).
-    replaced: Option<(u64, Instant)>,
-    /// When its assignment was last sent.
-    sent: Option<Instant>,
-    /// When it last reported.
-    reported: Option<Instant>,
-}
-
-impl Seat {
-    /// What its assignments may admit in a period (rate and tokens, the
-    /// one before too while its replacement is on its way), at `now`.
-    fn in_use(&self, now: Instant) -> u64 {
-        let before = self
-            .replaced
-            .filter(|(_, until)| *until > now)
-            .map(|(r, _)| r);
-        self.rate.max(before).map_or(0, |r| r + RESERVE)
-    }
-
-    /// Its last assignment's reach, for an Envoy leaving: until it lapses.
-    fn departing(&self, now: Instant) -> Option<(u64, Instant)> {
-        let sent = self.sent?;
-        Some((self.in_use(now), sent + ASSIGNMENT_TTL)).filter(|(n, _)| *n > 0)
-    }
-}
-
 impl Rlqs {
     /// The service on `table`'s `rlqs` sections, sharing each bucket's
     /// rate through `store` with the other replicas.
@@ -198,7 +166,7 @@ impl Rlqs {
     pub async fn run(self) {
         loop {
             let woken = self.inner.wake.notified();
-            self.inner.round().await;
+            self.inner.round(Instant::now()).await;
             let _ = tokio::time::timeout(RENEW, woken).await;
         }
     }
@@ -210,42 +178,13 @@ impl Rlqs {
     }
 }
 
-/// The rule `table` gives bucket `id` of `domain`.
-fn resolve(table: &Table, domain: &str, id: &BucketId) -> Rule {
-    let Some(config) = table.domain(domain).and_then(|d| d.config.rlqs()) else {
-        return Rule::Blanket(NoMatch::Allow);
-    };
-    let entries: Vec<(&str, &str)> = id
-        .bucket
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.as_str()))
-        .collect();
-    match config.rule(&entries) {
-        Some(rule) => Rule::Quota {
-            quota: rule.quota,
-            label: rule.label(),
-        },
-        None => Rule::Blanket(config.no_match),
-    }
-}
-
-fn canonical(id: &BucketId) -> String {
-    let mut entries: Vec<(&String, &String)> = id.bucket.iter().collect();
-    entries.sort();
-    let mut out = String::new();
-    for (k, v) in entries {
-        out.push_str(&format!("{}:{k}={}:{v};", k.len(), v.len()));
-    }
-    out
-}
-
 impl Inner {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Folds one message of Envoy `envoy` in.
-    fn report(&self, envoy: u64, domain: &str, reports: &RateLimitQuotaUsageReports) {
+    /// Folds one message of Envoy `envoy`, received at `now`, in.
+    fn report(&self, envoy: u64, domain: &str, reports: &RateLimitQuotaUsageReports, now: Instant) {
         let table = self.table.load();
         let mut state = self.lock();
         let mut fresh = false;
@@ -267,41 +206,47 @@ impl Inner {
                         held: 0,
                         hold_until: None,
                         departed: Vec::new(),
-                        last_report: Instant::now(),
+                        last_report: now,
                     }
                 });
-            bucket.last_report = Instant::now();
-            let period = match &bucket.rule {
-                Rule::Quota { quota, label } => {
-                    crate::server::stats::rlqs_reported(domain, label, usage);
-                    quota.period()
-                }
-                Rule::Blanket(_) => Duration::from_secs(1),
-            };
-            let seen = usage
-                .num_requests_allowed
-                .saturating_add(usage.num_requests_denied);
+            bucket.last_report = now;
+            let period = period(&bucket.rule);
             let limit = match &bucket.rule {
                 Rule::Quota { quota, .. } => quota.limit(),
                 Rule::Blanket(_) => 1,
             };
-            let now = Instant::now();
             let seat = bucket.envoys.entry(envoy).or_insert_with(|| {
                 fresh = true;
                 Seat::default()
             });
-            seat.demand = match seat.reported {
+            let seen = usage
+                .num_requests_allowed
+                .saturating_add(usage.num_requests_denied);
+            // Measured here, between reports: Envoy's own `time_elapsed`
+            // was seen to run short of the time its counts covered.
+            let elapsed = seat
+                .reported
+                .map(|last| now.duration_since(last).max(Duration::from_millis(100)));
+            let allowance = seat.allowance(now, period);
+            if let Rule::Quota { label, .. } = &bucket.rule {
+                crate::server::stats::rlqs_reported(domain, label, usage, allowance);
+            }
+            seat.demand = match elapsed {
                 // The first report comes with the bucket's first request
                 // and says nothing of its rate: until the next one, the
                 // Envoy may want all of it (the shares split evenly).
                 None => limit,
-                // Measured here, between reports: Envoy's own
-                // `time_elapsed` was seen to run short of the time its
-                // counts covered.
-                Some(last) => {
-                    let elapsed = now.duration_since(last).max(Duration::from_millis(100));
+                Some(elapsed) => {
                     let per_period = seen as f64 * period.as_secs_f64() / elapsed.as_secs_f64();
-                    (per_period.ceil() as u64).clamp(1, limit.max(1))
+                    let measured = (per_period.round() as u64).clamp(1, limit.max(1));
+                    // A steady Envoy measures a request more or less from
+                    // one report to the next: that moves no assignment.
+                    let noise = (seat.demand / 20).max(1);
+                    if measured.abs_diff(seat.demand) <= noise {
+                        seat.demand
+                    } else {
+                        measured
+                    }
                 }
             };
             seat.reported = Some(now);
@@ -316,31 +261,31 @@ impl Inner {
     fn letting_go(&self) -> ShareCall {
         ShareCall {
             holder: self.holder.clone(),
-            demand: 0,
+            claims: Vec::new(),
             limit: 0,
             ttl_ms: 0,
             in_use: 0,
         }
     }
 
-    fn leave(&self, envoy: u64) {
+    /// Envoy `envoy`'s stream ended at `now`.
+    fn leave(&self, envoy: u64, now: Instant) {
         let mut state = self.lock();
         state.envoys.remove(&envoy);
-        let now = Instant::now();
         for bucket in state.buckets.values_mut() {
             // Its stream is gone, not its assignment: that stays counted
             // until it lapses.
-            if let Some(reach) = bucket.envoys.remove(&envoy).and_then(|s| s.departing(now)) {
-                bucket.departed.push(reach);
+            let period = period(&bucket.rule);
+            if let Some(seat) = bucket.envoys.remove(&envoy) {
+                bucket.departed.extend(seat.departing(now, period));
             }
         }
         drop(state);
         self.wake.notify_one();
     }
 
-    /// Renews every bucket's hold and sends what changed.
-    async fn round(&self) {
-        let now = Instant::now();
+    /// Renews every bucket's hold and sends what changed, at `now`.
+    async fn round(&self, now: Instant) {
         let table = self.table.load_full();
         let mut gone = Vec::new();
         let keys: Vec<(String, String)> = {
@@ -351,12 +296,13 @@ impl Inner {
                 // sending this bucket's requests) gives its seat up: its
                 // assignment is not renewed and expires.
                 let mut silent = Vec::new();
+                let period = period(&bucket.rule);
                 bucket.envoys.retain(|_, seat| {
                     let keep = seat
                         .reported
                         .is_none_or(|at| now.duration_since(at) < SILENT);
                     if !keep {
-                        silent.extend(seat.departing(now));
+                        silent.extend(seat.departing(now, period));
                     }
                     keep
                 });
@@ -401,32 +347,28 @@ impl Inner {
                 };
                 let Rule::Quota { quota, .. } = &bucket.rule else {
                     drop(state);
-                    self.send_blanket(&key);
+                    self.send_blanket(&key, now);
                     continue;
                 };
-                let demand: u64 = bucket.envoys.values().map(|s| s.demand + RESERVE).sum();
-                let in_use: u64 = bucket.envoys.values().map(|s| s.in_use(now)).sum::<u64>()
-                    + bucket.departed.iter().map(|(n, _)| n).sum::<u64>();
                 let holding = !bucket.envoys.is_empty() || !bucket.departed.is_empty();
                 (
                     bucket.store_key.clone(),
                     ShareCall {
                         holder: self.holder.clone(),
-                        demand: if bucket.envoys.is_empty() { 0 } else { demand },
+                        claims: bucket.envoys.values().map(Seat::claim).collect(),
                         limit: quota.limit(),
                         ttl_ms: if holding {
-                            HOLD_TTL.as_millis() as u64
+                            hold_ttl(quota.period()).as_millis() as u64
                         } else {
                             0
                         },
-                        in_use: in_use.min(bucket.held),
+                        in_use: bucket.in_use(now).min(bucket.held),
                     },
                 )
             };
-            let asked = Instant::now();
             let reply = self.store.share(&call.0, &call.1).await;
             if let Some((label, assigned, held)) =
-                self.assign(&key, reply.map(|r| (r.grant, r.held)).ok(), asked)
+                self.assign(&key, reply.map(|r| (r.grant, r.held)).ok(), now)
             {
                 let sum = sums.entry((key.0.clone(), label)).or_default();
                 sum.0 += assigned;
@@ -438,9 +380,9 @@ impl Inner {
         }
     }
 
-    /// Divides what the hold `got` among the bucket's Envoys and sends
-    /// each its new rate; returns the rule's label, the rate assigned and
-    /// the rate held.
+    /// Divides what the hold `got` (asked for at `asked`) among the
+    /// bucket's Envoys and sends each its new assignment; returns the
+    /// rule's label, the reach assigned and the rate held.
     fn assign(
         &self,
         key: &(String, String),
@@ -453,16 +395,19 @@ impl Inner {
         let Rule::Quota { quota, label } = bucket.rule.clone() else {
             return None;
         };
-        let grant = match got {
+        let give = match got {
             Some((grant, held)) => {
                 bucket.held = held;
-                bucket.hold_until = Some(asked + HOLD_TTL);
-                Some(grant)
+                bucket.hold_until = Some(asked + hold_ttl(quota.period()));
+                grant
             }
-            // The store did not answer: the hold stands until it expires;
-            // after that, the failure policy.
+            // The store did not answer: the hold stands until it expires,
+            // and what it holds may be divided again; after that, the
+            // failure policy.
             None => match bucket.hold_until {
-                Some(until) if Instant::now() + ASSIGNMENT_TTL < until => None,
+                Some(until) if asked + DELIVERY + ASSIGNMENT_TTL + quota.period() <= until => {
+                    bucket.held
+                }
                 _ => {
                     let strategy = match self.policy {
                         FailurePolicy::FailClosed => BlanketRule::DenyAll,
@@ -480,43 +425,29 @@ impl Inner {
                 }
             },
         };
-        let seats: Vec<u64> = bucket.envoys.keys().copied().collect();
-        let demands: Vec<u64> = seats.iter().map(|e| bucket.envoys[e].demand).collect();
-        let give = grant.unwrap_or_else(|| {
-            bucket
-                .envoys
-                .values()
-                .map(|s| s.rate.map_or(0, |r| r + RESERVE))
-                .sum()
-        });
-        let usable = give.saturating_sub(RESERVE * seats.len() as u64);
-        let rates = fair(usable, &demands);
-        let mut assigned = 0;
-        for (envoy, rate) in seats.iter().zip(rates) {
-            let seat = bucket.envoys.get_mut(envoy).expect("a seat");
-            assigned += rate;
-            let due = seat
-                .sent
-                .is_none_or(|at| at.elapsed() >= ASSIGNMENT_TTL / 2);
-            if seat.rate == Some(rate) && !due {
-                continue;
-            }
-            if seat.rate != Some(rate) {
-                seat.replaced = seat.rate.map(|r| (r, Instant::now() + DELIVERY));
-                seat.rate = Some(rate);
-            }
-            seat.sent = Some(Instant::now());
-            let action = if rate == 0 {
+        for (envoy, given) in bucket.plan(give, asked) {
+            let action = if given.reach() == 0 {
                 blanket(BlanketRule::DenyAll, Some(ASSIGNMENT_TTL))
             } else {
-                token_bucket(rate, quota.period())
+                token_bucket(given, quota.period())
             };
-            send(envoys, *envoy, &bucket.id, action);
+            // Not sent (its queue is full): the next round tries again,
+            // and what it had stays counted meanwhile.
+            if send(envoys, envoy, &bucket.id, action) {
+                if let Some(seat) = bucket.envoys.get_mut(&envoy) {
+                    seat.record(given, asked, quota.period());
+                }
+            }
         }
+        let assigned = bucket
+            .envoys
+            .values()
+            .map(|s| s.given.map_or(0, Given::reach))
+            .sum();
         Some((label, assigned, bucket.held))
     }
 
-    fn send_blanket(&self, key: &(String, String)) {
+    fn send_blanket(&self, key: &(String, String), now: Instant) {
         let mut state = self.lock();
         let State { envoys, buckets } = &mut *state;
         let Some(bucket) = buckets.get_mut(key) else {
@@ -530,22 +461,9 @@ impl Inner {
             NoMatch::Deny => BlanketRule::DenyAll,
         };
         for (envoy, seat) in bucket.envoys.iter_mut() {
-            if seat.rate.is_none() {
-                seat.rate = Some(0);
-                send(envoys, *envoy, &bucket.id, blanket(rule, None));
+            if seat.given.is_none() && send(envoys, *envoy, &bucket.id, blanket(rule, None)) {
+                seat.record(Given::default(), now, Duration::from_secs(1));
             }
-        }
-    }
-}
-
-impl Rule {
-    fn same(&self, other: &Rule) -> bool {
-        match (self, other) {
-            (Rule::Quota { quota: a, label: x }, Rule::Quota { quota: b, label: y }) => {
-                a == b && x == y
-            }
-            (Rule::Blanket(a), Rule::Blanket(b)) => a == b,
-            _ => false,
         }
     }
 }

@@ -33,9 +33,9 @@ impl RateLimitQuotaService for Rlqs {
                 if domain.is_empty() {
                     domain = message.domain.clone();
                 }
-                inner.report(envoy, &domain, &message);
+                inner.report(envoy, &domain, &message, std::time::Instant::now());
             }
-            inner.leave(envoy);
+            inner.leave(envoy, std::time::Instant::now());
             crate::server::stats::rlqs_streams(-1.0);
         });
         let stream = futures_util::stream::unfold(rx, |mut rx| async move {

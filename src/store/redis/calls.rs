@@ -154,7 +154,7 @@ impl RedisStore {
         let lua = script(&algorithm::RATE_SHARE);
         let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
         cmd.arg(&call.holder)
-            .arg(call.demand)
+            .arg(call.claims_arg())
             .arg(call.limit)
             .arg(call.ttl_ms)
             .arg(call.in_use);
