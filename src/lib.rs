@@ -176,6 +176,7 @@ pub mod server;
 mod several;
 #[cfg(feature = "server")]
 mod share;
+mod slots;
 mod stats;
 mod store;
 mod tiers;

@@ -203,8 +203,15 @@ pub(crate) fn scripts() -> impl Iterator<Item = &'static Lua> {
     Algorithm::all()
         .into_iter()
         .flat_map(|a| [&a.spec().exact, &a.spec().exact_all, &a.spec().lease])
-        .chain([&GIVE_BACK, &RATE_SHARE])
+        .chain([&GIVE_BACK, &RATE_SHARE, &SLOTS])
 }
+
+/// Slots of a key's in-flight budget in leases (the concurrency limiter;
+/// see its header and `slots.rs`).
+pub(crate) static SLOTS: Lua = Lua {
+    name: "slots",
+    source: include_str!("../../lua/slots.lua"),
+};
 
 /// A holder's share of a rate (slicelimit-server's RLQS buckets; see its
 /// header and `share.rs`).

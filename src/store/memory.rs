@@ -46,6 +46,8 @@ struct Shared {
     /// Rate shares by bucket key (`share.rs`).
     #[cfg(feature = "server")]
     shares: Mutex<HashMap<String, HashMap<String, crate::share::Hold>>>,
+    /// In-flight slot leases by key (the concurrency limiter's).
+    slots: Mutex<HashMap<String, HashMap<String, crate::slots::SlotLease>>>,
 }
 
 /// How long a report's identity is remembered (the scripts' 60 s).
@@ -86,8 +88,25 @@ impl MemoryStore {
                 several: Mutex::new(()),
                 #[cfg(feature = "server")]
                 shares: Mutex::new(HashMap::new()),
+                slots: Mutex::new(HashMap::new()),
             }),
         }
+    }
+
+    /// Sets leases on a key's in-flight slots, as `lua/slots.lua` does.
+    pub(crate) fn slots(
+        &self,
+        key: &str,
+        call: &crate::slots::SlotsCall,
+    ) -> Vec<crate::slots::SlotsReply> {
+        let now_ms = self.now() / 1_000;
+        let mut slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let leases = slots.entry(key.to_owned()).or_default();
+        let replies = crate::slots::apply(leases, call, now_ms);
+        if leases.is_empty() {
+            slots.remove(key);
+        }
+        replies
     }
 
     /// A holder's share of a rate, as `lua/rate_share.lua` does it.

@@ -242,6 +242,22 @@ impl Store {
     }
 }
 
+impl Store {
+    /// Sets leases on a key's in-flight slots (see `slots.rs`).
+    pub(crate) async fn slots(
+        &self,
+        key: &str,
+        call: &crate::slots::SlotsCall,
+    ) -> Result<Vec<crate::slots::SlotsReply>, Error> {
+        match self {
+            Store::Redis(s) => s.slots(key, call).await,
+            Store::Memory(s) => Ok(s.slots(key, call)),
+            #[cfg(feature = "test-support")]
+            Store::Faulty(s) => Box::pin(s.inner().slots(key, call)).await,
+        }
+    }
+}
+
 #[cfg(feature = "server")]
 impl Store {
     /// A holder's share of a rate (see `share.rs`), under `key`.

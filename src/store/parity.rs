@@ -179,3 +179,37 @@ async fn the_rate_share_script_and_the_embedded_store_agree() {
         assert_eq!(from_redis, from_memory, "call {i}: {c:?}");
     }
 }
+
+/// `lua/slots.lua` and `slots::apply` (the embedded store's) hold and
+/// share the same slots for the same sequence of calls.
+#[tokio::test]
+async fn the_slots_script_and_the_embedded_store_agree() {
+    use crate::slots::SlotsCall;
+    let server = Server::start();
+    let redis: Store = RedisStore::connect(&format!("redis://127.0.0.1:{}", server.1))
+        .await
+        .expect("connect")
+        .into();
+    let memory: Store = MemoryStore::new().into();
+    let call = |leases: &[(&str, u64)]| SlotsCall {
+        max: 20,
+        ttl_ms: 5_000,
+        leases: leases.iter().map(|(n, w)| ((*n).to_owned(), *w)).collect(),
+    };
+    let script = [
+        call(&[("a", 15)]),
+        call(&[("b", 15)]),
+        call(&[("b", 15)]),
+        call(&[("c:1", 1), ("c:2", 1), ("c:3", 1)]),
+        call(&[("a", 9)]),
+        call(&[("b", 30)]),
+        call(&[("c:2", 0), ("c:2", 0)]),
+        call(&[("a", 0), ("d", 4)]),
+        call(&[("b", 0), ("c:1", 0), ("c:3", 0), ("d", 0)]),
+    ];
+    for (i, c) in script.iter().enumerate() {
+        let from_redis = redis.slots("slots:parity", c).await.expect("redis");
+        let from_memory = memory.slots("slots:parity", c).await.expect("memory");
+        assert_eq!(from_redis, from_memory, "call {i}: {c:?}");
+    }
+}

@@ -143,6 +143,35 @@ impl RedisStore {
         (reply, cost)
     }
 
+    /// Sets leases on a key's in-flight slots (`lua/slots.lua`), through
+    /// the breaker of the key's primary.
+    pub(crate) async fn slots(
+        &self,
+        key: &str,
+        call: &crate::slots::SlotsCall,
+    ) -> Result<Vec<crate::slots::SlotsReply>, Error> {
+        let lua = script(&algorithm::SLOTS);
+        let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
+        cmd.arg(call.max).arg(call.ttl_ms);
+        for (lease, want) in &call.leases {
+            cmd.arg(lease).arg(*want);
+        }
+        let node = self.node_for(key);
+        let (reply, _) = self.script_call(lua, node.as_deref(), cmd).await;
+        let values = reply?.extract_error().map_err(Error::from_redis)?;
+        let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
+        if values.len() != call.leases.len() * 2 {
+            return Err(parse_error(format!("slots replied {values:?}")));
+        }
+        Ok(values
+            .chunks(2)
+            .map(|pair| crate::slots::SlotsReply {
+                held: pair[0].max(0) as u64,
+                fair: pair[1].max(0) as u64,
+            })
+            .collect())
+    }
+
     /// A holder's share of a rate (`lua/rate_share.lua`), through the
     /// breaker of the key's primary.
     #[cfg(feature = "server")]

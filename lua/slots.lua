@@ -1,0 +1,93 @@
+-- Slots of a key's in-flight budget, held in leases under an expiry: how
+-- the concurrency limiter's holders share at most N in flight (src/slots.rs
+-- mirrors the arithmetic; a parity test holds them together).
+--
+-- KEYS[1]  the key's leases: a hash, lease -> "slots expires_ms want"
+-- ARGV[1]  N, the most slots in flight across every lease
+-- ARGV[2]  how long a lease lasts, ms, from this call
+-- ARGV[3…] pairs: a lease and the slots it wants to hold (absolute)
+--
+-- Leases past their expiry are dropped: their holder stopped renewing,
+-- and its slots are free again. A lease asking for no more than it holds
+-- gets what it asks (the rest is released; 0 ends it). A lease asking
+-- for more gets what fits beside the others' live slots, and never less
+-- than it holds. Every call sets an absolute value, so a second delivery
+-- of the same call changes nothing.
+-- Returns, per pair, {slots held, fair share}: the fair share is the
+-- lease's max-min share of N by every live lease's want, which a holder
+-- above it gives back as its requests finish.
+local n = tonumber(ARGV[1])
+local ttl = tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+
+local slots = {}
+local wants = {}
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  local held, expires, want = string.match(entries[i + 1], '^(%d+) (%d+) (%d+)$')
+  if held == nil or tonumber(expires) <= now then
+    redis.call('HDEL', KEYS[1], entries[i])
+  else
+    slots[entries[i]] = tonumber(held)
+    wants[entries[i]] = tonumber(want)
+  end
+end
+
+local function total()
+  local sum = 0
+  for _, held in pairs(slots) do
+    sum = sum + held
+  end
+  return sum
+end
+
+-- The max-min level of N by the live wants (whole slots, rounded down).
+local function level()
+  local sorted = {}
+  for _, want in pairs(wants) do
+    sorted[#sorted + 1] = want
+  end
+  table.sort(sorted)
+  local left = n
+  for i = 1, #sorted do
+    local share = math.floor(left / (#sorted - i + 1))
+    if sorted[i] > share then
+      return share
+    end
+    left = left - sorted[i]
+  end
+  return n
+end
+
+local out = {}
+for i = 3, #ARGV, 2 do
+  local lease = ARGV[i]
+  local want = tonumber(ARGV[i + 1])
+  local held = slots[lease] or 0
+  local new = want
+  if want > held then
+    new = math.max(held, math.min(want, n - (total() - held)))
+  end
+  if new <= 0 then
+    slots[lease] = nil
+    wants[lease] = nil
+    redis.call('HDEL', KEYS[1], lease)
+  else
+    slots[lease] = new
+    wants[lease] = want
+    redis.call('HSET', KEYS[1], lease, string.format('%d %d %d', new, now + ttl, want))
+  end
+  out[#out + 1] = new
+end
+local lvl = level()
+local reply = {}
+for i = 3, #ARGV, 2 do
+  local want = wants[ARGV[i]] or 0
+  reply[#reply + 1] = out[(i - 1) / 2]
+  reply[#reply + 1] = math.min(want, lvl)
+end
+if redis.call('HLEN', KEYS[1]) > 0 and redis.call('PTTL', KEYS[1]) < ttl then
+  redis.call('PEXPIRE', KEYS[1], ttl)
+end
+return reply

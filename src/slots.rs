@@ -1,0 +1,168 @@
+//! Slots of a key's in-flight budget held in leases under an expiry: the
+//! arithmetic of `lua/slots.lua`, which the embedded store applies and a
+//! parity test holds to the script.
+
+use std::collections::HashMap;
+
+/// One call on a key's leases (the script's arguments).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SlotsCall {
+    /// The most slots in flight across every lease.
+    pub(crate) max: u64,
+    /// How long a lease lasts from this call, ms.
+    pub(crate) ttl_ms: u64,
+    /// Leases and the slots each wants to hold (absolute; 0 ends it).
+    pub(crate) leases: Vec<(String, u64)>,
+}
+
+/// What one lease of a [`SlotsCall`] got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct SlotsReply {
+    /// The slots it holds now.
+    pub(crate) held: u64,
+    /// Its max-min fair share of the maximum by every live lease's want.
+    pub(crate) fair: u64,
+}
+
+/// A live lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SlotLease {
+    pub(crate) held: u64,
+    pub(crate) want: u64,
+    pub(crate) expires_ms: u64,
+}
+
+/// Applies `call` at `now_ms` to a key's leases, as the script does.
+pub(crate) fn apply(
+    leases: &mut HashMap<String, SlotLease>,
+    call: &SlotsCall,
+    now_ms: u64,
+) -> Vec<SlotsReply> {
+    leases.retain(|_, lease| lease.expires_ms > now_ms);
+    let mut held_now = Vec::with_capacity(call.leases.len());
+    for (name, want) in &call.leases {
+        let held = leases.get(name).map_or(0, |l| l.held);
+        let others = leases.values().map(|l| l.held).sum::<u64>() - held;
+        let new = if *want > held {
+            held.max((*want).min(call.max.saturating_sub(others)))
+        } else {
+            *want
+        };
+        if new == 0 {
+            leases.remove(name);
+        } else {
+            leases.insert(
+                name.clone(),
+                SlotLease {
+                    held: new,
+                    want: *want,
+                    expires_ms: now_ms + call.ttl_ms,
+                },
+            );
+        }
+        held_now.push(new);
+    }
+    let wants: Vec<u64> = leases.values().map(|l| l.want).collect();
+    let level = level(call.max, &wants);
+    call.leases
+        .iter()
+        .zip(held_now)
+        .map(|((name, _), held)| SlotsReply {
+            held,
+            fair: leases.get(name).map_or(0, |l| l.want.min(level)),
+        })
+        .collect()
+}
+
+/// The max-min level of `capacity` for `wants` (`capacity` when every
+/// want fits).
+fn level(capacity: u64, wants: &[u64]) -> u64 {
+    let mut sorted = wants.to_vec();
+    sorted.sort_unstable();
+    let mut left = capacity;
+    for (i, &want) in sorted.iter().enumerate() {
+        let share = left / (sorted.len() - i) as u64;
+        if want > share {
+            return share;
+        }
+        left -= want;
+    }
+    capacity
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(max: u64, leases: &[(&str, u64)]) -> SlotsCall {
+        SlotsCall {
+            max,
+            ttl_ms: 1_000,
+            leases: leases.iter().map(|(n, w)| ((*n).to_owned(), *w)).collect(),
+        }
+    }
+
+    #[test]
+    fn leases_never_hold_more_than_the_maximum_and_expire() {
+        let mut leases = HashMap::new();
+        let a = apply(&mut leases, &call(20, &[("a", 15)]), 0);
+        assert_eq!(a[0].held, 15);
+        let b = apply(&mut leases, &call(20, &[("b", 15)]), 10);
+        assert_eq!(b[0], SlotsReply { held: 5, fair: 10 });
+        // A second delivery of the same call changes nothing.
+        assert_eq!(apply(&mut leases, &call(20, &[("b", 15)]), 20)[0].held, 5);
+        // A is above its fair share of 10; giving back 5 lets B have them.
+        apply(&mut leases, &call(20, &[("a", 10)]), 30);
+        assert_eq!(apply(&mut leases, &call(20, &[("b", 15)]), 40)[0].held, 10);
+        // A stops renewing: past its expiry, its slots are free.
+        assert_eq!(
+            apply(&mut leases, &call(20, &[("b", 20)]), 1_031)[0].held,
+            20
+        );
+        // Released twice: released once.
+        apply(&mut leases, &call(20, &[("b", 0)]), 1_040);
+        apply(&mut leases, &call(20, &[("b", 0)]), 1_041);
+        assert!(leases.is_empty());
+    }
+
+    proptest::proptest! {
+        /// Whatever the calls, the live leases hold at most the maximum
+        /// (the maximum never changes here), and no lease loses slots it
+        /// did not give back while it is live.
+        #[test]
+        fn live_leases_hold_at_most_the_maximum(
+            max in 1u64..40,
+            calls in proptest::collection::vec(
+                (proptest::collection::vec((0usize..5, 0u64..50), 1..4), 0u64..700),
+                1..60,
+            ),
+        ) {
+            let mut leases = HashMap::new();
+            let mut now = 0;
+            for (pairs, step) in calls {
+                now += step;
+                let before: HashMap<String, u64> = leases
+                    .iter()
+                    .filter(|(_, l): &(&String, &SlotLease)| l.expires_ms > now)
+                    .map(|(n, l)| (n.clone(), l.held))
+                    .collect();
+                let mut seen = std::collections::HashSet::new();
+                let pairs: Vec<(String, u64)> = pairs
+                    .into_iter()
+                    .filter(|(n, _)| seen.insert(*n))
+                    .map(|(n, w)| (format!("l{n}"), w))
+                    .collect();
+                let c = SlotsCall { max, ttl_ms: 1_000, leases: pairs.clone() };
+                let replies = apply(&mut leases, &c, now);
+                for ((name, want), reply) in pairs.iter().zip(&replies) {
+                    let had = before.get(name).copied().unwrap_or(0);
+                    if *want >= had {
+                        proptest::prop_assert!(reply.held >= had.min(*want));
+                    }
+                }
+                let live: u64 = leases.values().map(|l| l.held).sum();
+                proptest::prop_assert!(live <= max, "{} held of {}", live, max);
+            }
+        }
+    }
+}
