@@ -15,7 +15,8 @@
 -- of the same call changes nothing.
 -- Returns, per pair, {slots held, fair share}: the fair share is the
 -- lease's max-min share of N by every live lease's want, which a holder
--- above it gives back as its requests finish.
+-- above it gives back as its requests finish; then the slots of expired
+-- leases this call dropped (leaked by a holder that stopped renewing).
 local n = tonumber(ARGV[1])
 local ttl = tonumber(ARGV[2])
 local t = redis.call('TIME')
@@ -23,11 +24,15 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 local slots = {}
 local wants = {}
+local expired = 0
 local entries = redis.call('HGETALL', KEYS[1])
 for i = 1, #entries, 2 do
   local held, expires, want = string.match(entries[i + 1], '^(%d+) (%d+) (%d+)$')
   if held == nil or tonumber(expires) <= now then
     redis.call('HDEL', KEYS[1], entries[i])
+    if held ~= nil then
+      expired = expired + tonumber(held)
+    end
   else
     slots[entries[i]] = tonumber(held)
     wants[entries[i]] = tonumber(want)
@@ -90,4 +95,5 @@ end
 if redis.call('HLEN', KEYS[1]) > 0 and redis.call('PTTL', KEYS[1]) < ttl then
   redis.call('PEXPIRE', KEYS[1], ttl)
 end
+reply[#reply + 1] = expired
 return reply

@@ -73,6 +73,7 @@ pub const ACQUIRE_TIMEOUTS: &str = "slicelimit_acquire_timeouts_total";
 /// installed recorder. `install_prometheus` (feature `prometheus`) calls it
 /// for you.
 pub fn describe() {
+    crate::concurrency::stats::describe();
     describe_counter!(
         DECISIONS,
         Unit::Count,

@@ -32,13 +32,22 @@ pub(crate) struct SlotLease {
     pub(crate) expires_ms: u64,
 }
 
-/// Applies `call` at `now_ms` to a key's leases, as the script does.
+/// Applies `call` at `now_ms` to a key's leases, as the script does;
+/// returns each lease's reply and the slots of the expired leases it
+/// dropped.
 pub(crate) fn apply(
     leases: &mut HashMap<String, SlotLease>,
     call: &SlotsCall,
     now_ms: u64,
-) -> Vec<SlotsReply> {
-    leases.retain(|_, lease| lease.expires_ms > now_ms);
+) -> (Vec<SlotsReply>, u64) {
+    let mut expired = 0;
+    leases.retain(|_, lease| {
+        let live = lease.expires_ms > now_ms;
+        if !live {
+            expired += lease.held;
+        }
+        live
+    });
     let mut held_now = Vec::with_capacity(call.leases.len());
     for (name, want) in &call.leases {
         let held = leases.get(name).map_or(0, |l| l.held);
@@ -64,14 +73,16 @@ pub(crate) fn apply(
     }
     let wants: Vec<u64> = leases.values().map(|l| l.want).collect();
     let level = level(call.max, &wants);
-    call.leases
+    let replies = call
+        .leases
         .iter()
         .zip(held_now)
         .map(|((name, _), held)| SlotsReply {
             held,
             fair: leases.get(name).map_or(0, |l| l.want.min(level)),
         })
-        .collect()
+        .collect();
+    (replies, expired)
 }
 
 /// The max-min level of `capacity` for `wants` (`capacity` when every
@@ -105,20 +116,21 @@ mod tests {
     #[test]
     fn leases_never_hold_more_than_the_maximum_and_expire() {
         let mut leases = HashMap::new();
-        let a = apply(&mut leases, &call(20, &[("a", 15)]), 0);
+        let (a, _) = apply(&mut leases, &call(20, &[("a", 15)]), 0);
         assert_eq!(a[0].held, 15);
-        let b = apply(&mut leases, &call(20, &[("b", 15)]), 10);
+        let (b, _) = apply(&mut leases, &call(20, &[("b", 15)]), 10);
         assert_eq!(b[0], SlotsReply { held: 5, fair: 10 });
         // A second delivery of the same call changes nothing.
-        assert_eq!(apply(&mut leases, &call(20, &[("b", 15)]), 20)[0].held, 5);
+        assert_eq!(apply(&mut leases, &call(20, &[("b", 15)]), 20).0[0].held, 5);
         // A is above its fair share of 10; giving back 5 lets B have them.
         apply(&mut leases, &call(20, &[("a", 10)]), 30);
-        assert_eq!(apply(&mut leases, &call(20, &[("b", 15)]), 40)[0].held, 10);
-        // A stops renewing: past its expiry, its slots are free.
         assert_eq!(
-            apply(&mut leases, &call(20, &[("b", 20)]), 1_031)[0].held,
-            20
+            apply(&mut leases, &call(20, &[("b", 15)]), 40).0[0].held,
+            10
         );
+        // A stops renewing: past its expiry, its slots are free.
+        let (b, expired) = apply(&mut leases, &call(20, &[("b", 20)]), 1_031);
+        assert_eq!((b[0].held, expired), (20, 10));
         // Released twice: released once.
         apply(&mut leases, &call(20, &[("b", 0)]), 1_040);
         apply(&mut leases, &call(20, &[("b", 0)]), 1_041);
@@ -153,7 +165,7 @@ mod tests {
                     .map(|(n, w)| (format!("l{n}"), w))
                     .collect();
                 let c = SlotsCall { max, ttl_ms: 1_000, leases: pairs.clone() };
-                let replies = apply(&mut leases, &c, now);
+                let (replies, _) = apply(&mut leases, &c, now);
                 for ((name, want), reply) in pairs.iter().zip(&replies) {
                     let had = before.get(name).copied().unwrap_or(0);
                     if *want >= had {

@@ -236,6 +236,14 @@ impl FaultyStore {
         result
     }
 
+    pub(crate) async fn slots(
+        &self,
+        key: &str,
+        call: &crate::slots::SlotsCall,
+    ) -> Result<(Vec<crate::slots::SlotsReply>, u64), Error> {
+        self.run(|| Box::pin(self.inner().slots(key, call))).await
+    }
+
     pub(crate) async fn acquire(
         &self,
         key: &str,

@@ -98,7 +98,7 @@ impl MemoryStore {
         &self,
         key: &str,
         call: &crate::slots::SlotsCall,
-    ) -> Vec<crate::slots::SlotsReply> {
+    ) -> (Vec<crate::slots::SlotsReply>, u64) {
         let now_ms = self.now() / 1_000;
         let mut slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
         let leases = slots.entry(key.to_owned()).or_default();
@@ -107,6 +107,16 @@ impl MemoryStore {
             slots.remove(key);
         }
         replies
+    }
+
+    /// Slots the leases of `key` hold (expired ones included until a
+    /// call drops them).
+    #[cfg(test)]
+    pub(crate) fn slots_held(&self, key: &str) -> u64 {
+        let slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots
+            .get(key)
+            .map_or(0, |l| l.values().map(|l| l.held).sum())
     }
 
     /// A holder's share of a rate, as `lua/rate_share.lua` does it.

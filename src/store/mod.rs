@@ -248,12 +248,12 @@ impl Store {
         &self,
         key: &str,
         call: &crate::slots::SlotsCall,
-    ) -> Result<Vec<crate::slots::SlotsReply>, Error> {
+    ) -> Result<(Vec<crate::slots::SlotsReply>, u64), Error> {
         match self {
             Store::Redis(s) => s.slots(key, call).await,
             Store::Memory(s) => Ok(s.slots(key, call)),
             #[cfg(feature = "test-support")]
-            Store::Faulty(s) => Box::pin(s.inner().slots(key, call)).await,
+            Store::Faulty(s) => Box::pin(s.slots(key, call)).await,
         }
     }
 }

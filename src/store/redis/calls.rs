@@ -149,7 +149,7 @@ impl RedisStore {
         &self,
         key: &str,
         call: &crate::slots::SlotsCall,
-    ) -> Result<Vec<crate::slots::SlotsReply>, Error> {
+    ) -> Result<(Vec<crate::slots::SlotsReply>, u64), Error> {
         let lua = script(&algorithm::SLOTS);
         let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
         cmd.arg(call.max).arg(call.ttl_ms);
@@ -160,16 +160,20 @@ impl RedisStore {
         let (reply, _) = self.script_call(lua, node.as_deref(), cmd).await;
         let values = reply?.extract_error().map_err(Error::from_redis)?;
         let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
-        if values.len() != call.leases.len() * 2 {
+        let Some((expired, pairs)) = values.split_last() else {
+            return Err(parse_error("slots replied nothing"));
+        };
+        if pairs.len() != call.leases.len() * 2 {
             return Err(parse_error(format!("slots replied {values:?}")));
         }
-        Ok(values
+        let replies = pairs
             .chunks(2)
             .map(|pair| crate::slots::SlotsReply {
                 held: pair[0].max(0) as u64,
                 fair: pair[1].max(0) as u64,
             })
-            .collect())
+            .collect();
+        Ok((replies, (*expired).max(0) as u64))
     }
 
     /// A holder's share of a rate (`lua/rate_share.lua`), through the

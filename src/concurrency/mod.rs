@@ -1,0 +1,608 @@
+//! Concurrency limits: at most `max` requests in flight per key across a
+//! fleet, on slots leased under an expiry that a crashed process cannot
+//! leak.
+//!
+//! A key's slots live in the store as *leases* (`lua/slots.lua`): each
+//! holds some slots until an expiry, renewed while its holder is alive.
+//! A holder that stops renewing (killed, partitioned, its runtime gone)
+//! loses its slots when its lease expires, and they are free again.
+//!
+//! - **exact**: every permit is a lease of one slot: one script call to
+//!   take it, one to release it, and the background task renews every
+//!   live permit's lease of a key in one call;
+//! - **hybrid**: the process holds one lease per key and hands its slots
+//!   to requests from memory; it asks for more when they run out (a batch
+//!   sized by how many it uses), renews the lease in the background, and
+//!   gives back slots it does not use, or holds beyond its fair share of
+//!   `max` by every holder's demand.
+//!
+//! **The bound.** In flight per key ≤ `max` at every instant across the
+//! fleet, in both modes, given that every holder renews its lease before
+//! it expires (renewals every [`ConcurrencyBuilder::lease`]`/3` by
+//! default, reaching the store within the expiry) and that the holders'
+//! and the store's clocks run at the same rate (a holder counts its
+//! lease from when it sent the call, before the store started it). A
+//! holder that cannot renew in time stops handing out slots when its
+//! lease lapses on its own clock; requests already running keep going
+//! (a request cannot be stopped) and are outside the bound. When the
+//! store cannot answer, the failure policy decides: `FailClosed` admits
+//! nothing new; any other policy admits at most `max` per process.
+
+mod permit;
+mod renew;
+mod state;
+#[cfg(test)]
+mod tests;
+
+pub use self::permit::SlotPermit;
+
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dashmap::DashMap;
+use tokio::sync::{mpsc, Notify};
+
+use crate::clock::{Clock, SystemClock};
+use crate::error::{Error, ErrorKind};
+use crate::failure::FailurePolicy;
+use crate::key::KeyEncoder;
+use crate::slots::{SlotsCall, SlotsReply};
+use crate::store::{MemoryStore, Store};
+
+use self::permit::Held;
+use self::state::KeySlots;
+
+/// Why no slot was given.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum AcquireError {
+    /// All `max` slots of the key are in flight (for as long as the call
+    /// was willing to wait). `retry_after`: a hint for a `Retry-After`.
+    Full {
+        /// When trying again may find a slot.
+        retry_after: Duration,
+    },
+    /// The store cannot answer and the failure policy is `FailClosed`.
+    Unavailable {
+        /// When the store will be tried again.
+        retry_after: Duration,
+    },
+    /// The limiter was shut down.
+    Closed,
+}
+
+impl AcquireError {
+    /// The `Retry-After` hint, if any.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            AcquireError::Full { retry_after } | AcquireError::Unavailable { retry_after } => {
+                Some(*retry_after)
+            }
+            AcquireError::Closed => None,
+        }
+    }
+}
+
+impl std::fmt::Display for AcquireError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AcquireError::Full { .. } => write!(f, "every slot of the key is in flight"),
+            AcquireError::Unavailable { .. } => write!(f, "the store cannot answer"),
+            AcquireError::Closed => write!(f, "the concurrency limiter was shut down"),
+        }
+    }
+}
+
+impl std::error::Error for AcquireError {}
+
+/// Longest lease a holder may take: how long a crashed process's slots
+/// stay taken at most.
+pub const MAX_LEASE: Duration = Duration::from_secs(300);
+/// Shortest lease: renewals must fit well inside it.
+pub const MIN_LEASE: Duration = Duration::from_millis(300);
+
+/// Builds a [`ConcurrencyLimiter`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct ConcurrencyBuilder {
+    max: NonZeroU32,
+    store: Option<Store>,
+    namespace: String,
+    name: String,
+    hybrid: bool,
+    policy: FailurePolicy,
+    lease: Duration,
+    renew: Option<Duration>,
+    clock: Option<Arc<dyn ClockDebug>>,
+}
+
+/// A [`Clock`] the builder can print.
+trait ClockDebug: Clock {}
+impl<T: Clock> ClockDebug for T {}
+
+impl std::fmt::Debug for dyn ClockDebug {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Clock")
+    }
+}
+
+impl ConcurrencyBuilder {
+    /// Where the leases live (by default an embedded [`MemoryStore`]: one
+    /// process only).
+    pub fn store(mut self, store: impl Into<Store>) -> Self {
+        self.store = Some(store.into());
+        self
+    }
+
+    /// The namespace of the store keys (default `"inflight"`).
+    pub fn namespace(mut self, namespace: &str) -> Self {
+        self.namespace = namespace.to_owned();
+        self
+    }
+
+    /// The name in metrics (default: the namespace).
+    pub fn name(mut self, name: &str) -> Self {
+        self.name = name.to_owned();
+        self
+    }
+
+    /// One lease per permit (the default): a script call to take a slot
+    /// and one to release it.
+    pub fn exact(mut self) -> Self {
+        self.hybrid = false;
+        self
+    }
+
+    /// One lease per key and process, its slots handed out from memory.
+    pub fn hybrid(mut self) -> Self {
+        self.hybrid = true;
+        self
+    }
+
+    /// What to do when the store cannot answer (default `FailOpen`: at
+    /// most `max` per process).
+    pub fn on_store_error(mut self, policy: FailurePolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// How long a lease lasts unrenewed (default 10 s; between
+    /// [`MIN_LEASE`] and [`MAX_LEASE`]): a crashed holder's slots are
+    /// free again after at most this.
+    pub fn lease(mut self, expiry: Duration) -> Self {
+        self.lease = expiry;
+        self
+    }
+
+    /// How often leases are renewed (default a third of the lease; at
+    /// most half of it, so one late renewal does not lose the lease).
+    pub fn renew_every(mut self, every: Duration) -> Self {
+        self.renew = Some(every);
+        self
+    }
+
+    /// The local clock leases are timed on (tests use a
+    /// [`FakeClock`](crate::FakeClock)).
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Some(Arc::new(clock));
+        self
+    }
+
+    /// Builds the limiter and starts its background task.
+    ///
+    /// # Errors
+    /// A lease or renewal interval out of bounds; no Tokio runtime.
+    pub fn build(self) -> Result<ConcurrencyLimiter, Error> {
+        if !(MIN_LEASE..=MAX_LEASE).contains(&self.lease) {
+            return Err(Error::invalid(format!(
+                "a lease of {:?} is outside {MIN_LEASE:?}..={MAX_LEASE:?}",
+                self.lease
+            )));
+        }
+        let renew = self.renew.unwrap_or(self.lease / 3);
+        if renew.is_zero() || renew > self.lease / 2 {
+            return Err(Error::invalid(format!(
+                "renewing every {renew:?} does not fit twice in a lease of {:?}",
+                self.lease
+            )));
+        }
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            Error::new(
+                ErrorKind::Unsupported,
+                "a concurrency limiter renews its leases in a background task: \
+                 build it inside a Tokio runtime",
+            )
+        })?;
+        let clock: Arc<dyn Clock> = match self.clock {
+            Some(clock) => Arc::new(Forward(clock)),
+            None => Arc::new(SystemClock::new()),
+        };
+        let name = if self.name.is_empty() {
+            self.namespace.clone()
+        } else {
+            self.name
+        };
+        let (releases, released) = mpsc::unbounded_channel();
+        let inner = Arc::new(Inner {
+            max: u64::from(self.max.get()),
+            store: self
+                .store
+                .unwrap_or_else(|| MemoryStore::with_shared_clock(clock.clone()).into()),
+            keys: KeyEncoder::new(&self.namespace),
+            hybrid: self.hybrid,
+            policy: self.policy,
+            lease: self.lease,
+            renew,
+            clock,
+            holder: holder_name(),
+            slots: DashMap::new(),
+            next_lease: AtomicU64::new(1),
+            closed: AtomicBool::new(false),
+            wake: Arc::new(Notify::new()),
+            dirty: std::sync::Mutex::default(),
+            releases,
+            metrics: stats::Handles::new(&name),
+            task: std::sync::Mutex::default(),
+        });
+        let task = runtime.spawn(renew::run(Arc::downgrade(&inner), released));
+        *inner.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
+        Ok(ConcurrencyLimiter { inner })
+    }
+}
+
+/// Adapts the builder's clock.
+struct Forward(Arc<dyn ClockDebug>);
+
+impl Clock for Forward {
+    fn now(&self) -> Duration {
+        self.0.now()
+    }
+}
+
+/// This process's name as a lease holder: unique per limiter instance.
+fn holder_name() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!(
+        "{}.{}.{nanos:x}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// At most `max` requests in flight per key across every process that
+/// shares the store. Clones share one limiter.
+#[derive(Clone, Debug)]
+pub struct ConcurrencyLimiter {
+    inner: Arc<Inner>,
+}
+
+pub(crate) struct Inner {
+    pub(crate) max: u64,
+    pub(crate) store: Store,
+    keys: KeyEncoder,
+    pub(crate) hybrid: bool,
+    policy: FailurePolicy,
+    pub(crate) lease: Duration,
+    pub(crate) renew: Duration,
+    pub(crate) clock: Arc<dyn Clock>,
+    /// This process's lease name (hybrid) and the prefix of its permits'
+    /// (exact).
+    pub(crate) holder: String,
+    pub(crate) slots: DashMap<String, Arc<KeySlots>>,
+    next_lease: AtomicU64,
+    closed: AtomicBool,
+    /// Wakes the background task: hybrid leases in `dirty` to sync at
+    /// once.
+    pub(crate) wake: Arc<Notify>,
+    dirty: std::sync::Mutex<Vec<String>>,
+    /// Exact permits to release, by the background task.
+    releases: mpsc::UnboundedSender<(String, u64)>,
+    pub(crate) metrics: stats::Handles,
+    /// The background task.
+    pub(crate) task: std::sync::Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConcurrencyLimiter")
+            .field("max", &self.max)
+            .field("hybrid", &self.hybrid)
+            .field("namespace", &self.keys.namespace())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConcurrencyLimiter {
+    /// A builder for at most `max` in flight per key.
+    pub fn builder(max: NonZeroU32) -> ConcurrencyBuilder {
+        ConcurrencyBuilder {
+            max,
+            store: None,
+            namespace: "inflight".to_owned(),
+            name: String::new(),
+            hybrid: false,
+            policy: FailurePolicy::FailOpen,
+            lease: Duration::from_secs(10),
+            renew: None,
+            clock: None,
+        }
+    }
+
+    /// A slot for `key` now, or why not. Asks the store when this process
+    /// holds no free slot of the key (exact mode: always).
+    ///
+    /// # Errors
+    /// [`AcquireError::Full`] when every slot is in flight.
+    pub async fn try_acquire(&self, key: &str) -> Result<SlotPermit, AcquireError> {
+        self.inner.clone().try_once(key).await
+    }
+
+    /// A slot for `key`, waiting up to `wait` for one: a slot released in
+    /// this process is handed on at once, others are asked for again with
+    /// a growing pause. Cancel-safe: a dropped call leaves no slot taken.
+    ///
+    /// # Errors
+    /// [`AcquireError::Full`] when none came free within `wait`.
+    pub async fn acquire(&self, key: &str, wait: Duration) -> Result<SlotPermit, AcquireError> {
+        let deadline = tokio::time::Instant::now() + wait;
+        let mut pause = Duration::from_millis(2);
+        let mut waited = false;
+        loop {
+            let slots = self.inner.key_slots(key);
+            let freed = slots.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            match self.inner.clone().try_once(key).await {
+                Ok(permit) => {
+                    if waited {
+                        self.inner.metrics.waited.increment(1);
+                    }
+                    return Ok(permit);
+                }
+                Err(AcquireError::Full { .. }) => {}
+                Err(other) => return Err(other),
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                self.inner.metrics.timeouts.increment(1);
+                return Err(AcquireError::Full {
+                    retry_after: pause.max(Duration::from_millis(10)),
+                });
+            }
+            waited = true;
+            let sleep = pause.min(deadline - now);
+            let _ = tokio::time::timeout(sleep, freed).await;
+            tokio::task::yield_now().await;
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
+    }
+
+    /// Permits of `key` this process holds now.
+    pub fn in_flight(&self, key: &str) -> u64 {
+        self.inner
+            .slots
+            .get(key)
+            .map_or(0, |s| s.lock().in_flight())
+    }
+
+    /// The most in flight per key.
+    pub fn max(&self) -> u64 {
+        self.inner.max
+    }
+
+    /// Stops handing out slots and gives back every lease this process
+    /// holds with nothing in flight. Permits still alive release as they
+    /// drop; leases left behind expire.
+    pub async fn shutdown(&self) {
+        self.inner.closed.store(true, Ordering::Release);
+        renew::sweep(&self.inner, true).await;
+    }
+}
+
+impl Inner {
+    pub(crate) fn store_key(&self, key: &str) -> String {
+        format!("{}:{{{}}}:inflight", crate::key::PREFIX, self.keys.tag(key))
+    }
+
+    pub(crate) fn dirty(&self) -> std::sync::MutexGuard<'_, Vec<String>> {
+        self.dirty.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn key_slots(&self, key: &str) -> Arc<KeySlots> {
+        self.slots
+            .entry(key.to_owned())
+            .or_insert_with(|| Arc::new(KeySlots::default()))
+            .clone()
+    }
+
+    /// The name of exact permit `id`'s lease.
+    pub(crate) fn lease_name(&self, id: u64) -> String {
+        format!("{}:{id}", self.holder)
+    }
+
+    pub(crate) async fn call(
+        &self,
+        key: &str,
+        leases: Vec<(String, u64)>,
+    ) -> Result<Vec<SlotsReply>, Error> {
+        let call = SlotsCall {
+            max: self.max,
+            ttl_ms: self.lease.as_millis() as u64,
+            leases,
+        };
+        self.metrics.store_calls.increment(1);
+        let replies = self.store.slots(&self.store_key(key), &call).await;
+        if let Ok((_, expired)) = &replies {
+            self.metrics.expired.increment(*expired);
+        }
+        replies.map(|(replies, _)| replies)
+    }
+
+    async fn try_once(self: Arc<Self>, key: &str) -> Result<SlotPermit, AcquireError> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(AcquireError::Closed);
+        }
+        let slots = self.key_slots(key);
+        let result = if self.hybrid {
+            self.try_hybrid(key, &slots).await
+        } else {
+            self.try_exact(key, &slots).await
+        };
+        if result.is_err() {
+            self.metrics.denied.increment(1);
+        }
+        result
+    }
+
+    async fn try_exact(
+        self: &Arc<Self>,
+        key: &str,
+        slots: &Arc<KeySlots>,
+    ) -> Result<SlotPermit, AcquireError> {
+        let id = self.next_lease.fetch_add(1, Ordering::Relaxed);
+        // The guard exists before the call: dropped mid-call, it releases
+        // whatever the call may have taken.
+        let mut permit = SlotPermit::new(self.clone(), key, slots.clone(), Held::Asked(id));
+        let reply = self.call(key, vec![(self.lease_name(id), 1)]).await;
+        match reply {
+            Ok(replies) if replies.first().is_some_and(|r| r.held == 1) => {
+                slots.lock().exact.insert(id);
+                permit.set(Held::Exact(id));
+                self.metrics.in_flight.increment(1.0);
+                Ok(permit)
+            }
+            Ok(_) => {
+                permit.set(Held::Nothing);
+                Err(AcquireError::Full {
+                    retry_after: self.renew.min(Duration::from_millis(100)),
+                })
+            }
+            // Released as it drops, in case the store took it.
+            Err(error) => self.fallback(key, slots, &error),
+        }
+    }
+
+    async fn try_hybrid(
+        self: &Arc<Self>,
+        key: &str,
+        slots: &Arc<KeySlots>,
+    ) -> Result<SlotPermit, AcquireError> {
+        let now = self.clock.now();
+        let want = {
+            let mut held = slots.lock();
+            if held.take(now) {
+                self.metrics.in_flight.increment(1.0);
+                return Ok(SlotPermit::new(
+                    self.clone(),
+                    key,
+                    slots.clone(),
+                    Held::Leased,
+                ));
+            }
+            match held.ask(now) {
+                Some(want) => want,
+                // Another call is asking the store: its answer frees us.
+                None => {
+                    return Err(AcquireError::Full {
+                        retry_after: Duration::from_millis(10),
+                    })
+                }
+            }
+        };
+        let asking = state::Asking::new(slots.clone());
+        let reply = self.call(key, vec![(self.holder.clone(), want)]).await;
+        let mut held = slots.lock();
+        asking.done(&mut held);
+        match reply {
+            Ok(replies) => {
+                let reply = replies.first().copied().unwrap_or_default();
+                let change = held.granted(reply.held, reply.fair, now + self.lease);
+                self.metrics.leased.increment(change as f64);
+                if change > 1 {
+                    // More than this call takes: others may have one.
+                    slots.freed.notify_waiters();
+                }
+                if held.take(self.clock.now()) {
+                    drop(held);
+                    self.metrics.in_flight.increment(1.0);
+                    Ok(SlotPermit::new(
+                        self.clone(),
+                        key,
+                        slots.clone(),
+                        Held::Leased,
+                    ))
+                } else {
+                    Err(AcquireError::Full {
+                        retry_after: Duration::from_millis(10),
+                    })
+                }
+            }
+            Err(error) => {
+                drop(held);
+                self.fallback(key, slots, &error)
+            }
+        }
+    }
+
+    /// The failure policy's answer when the store could not.
+    fn fallback(
+        self: &Arc<Self>,
+        key: &str,
+        slots: &Arc<KeySlots>,
+        error: &Error,
+    ) -> Result<SlotPermit, AcquireError> {
+        let retry_after = self.store.retry_hint().unwrap_or(Duration::from_secs(1));
+        if matches!(self.policy, FailurePolicy::FailClosed) {
+            let _ = error;
+            return Err(AcquireError::Unavailable { retry_after });
+        }
+        let mut held = slots.lock();
+        if held.in_flight() >= self.max {
+            return Err(AcquireError::Full { retry_after });
+        }
+        held.fallback += 1;
+        drop(held);
+        self.metrics.fallback.increment(1);
+        self.metrics.in_flight.increment(1.0);
+        Ok(SlotPermit::new(
+            self.clone(),
+            key,
+            slots.clone(),
+            Held::Fallback,
+        ))
+    }
+
+    /// Gives a permit's slot back (from its drop).
+    pub(crate) fn release(&self, key: &str, slots: &KeySlots, held: Held) {
+        match held {
+            Held::Exact(id) => {
+                slots.lock().exact.remove(&id);
+                let _ = self.releases.send((key.to_owned(), id));
+            }
+            Held::Asked(id) => {
+                let _ = self.releases.send((key.to_owned(), id));
+                return;
+            }
+            Held::Leased => {
+                if slots.lock().put_back() {
+                    self.dirty().push(key.to_owned());
+                    self.wake.notify_one();
+                }
+            }
+            Held::Fallback => {
+                let mut held = slots.lock();
+                held.fallback = held.fallback.saturating_sub(1);
+            }
+            Held::Nothing => return,
+        }
+        self.metrics.in_flight.decrement(1.0);
+        slots.freed.notify_one();
+    }
+}
+
+pub mod stats;

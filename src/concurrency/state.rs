@@ -1,0 +1,133 @@
+//! One key's slots in this process: the exact permits' leases, the hybrid
+//! lease's slots and what is in use of them. Pure bookkeeping on the
+//! local clock; the calls to the store are the limiter's.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use tokio::sync::Notify;
+
+/// A key's slots, and the waiters for one.
+#[derive(Debug, Default)]
+pub(crate) struct KeySlots {
+    state: Mutex<Slots>,
+    /// Signalled when a slot of the key may have come free here.
+    pub(crate) freed: Notify,
+}
+
+impl KeySlots {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Slots> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Slots {
+    /// Live exact permits' lease ids (renewed together).
+    pub(crate) exact: HashSet<u64>,
+    /// Slots this process's lease holds in the store (hybrid), as last
+    /// answered.
+    pub(crate) held: u64,
+    /// Of those, in use by live permits.
+    pub(crate) in_use: u64,
+    /// The lease's fair share of the key, as last answered.
+    pub(crate) fair: u64,
+    /// Until when (local clock) the lease surely lives: counted from
+    /// before the call that renewed it.
+    pub(crate) valid_until: Duration,
+    /// A call on the lease is in flight: no other may be sent (values are
+    /// absolute, so a late one would undo an earlier one).
+    pub(crate) asking: bool,
+    /// Permits the failure policy admitted.
+    pub(crate) fallback: u64,
+}
+
+impl Slots {
+    /// Permits of the key alive in this process.
+    pub(crate) fn in_flight(&self) -> u64 {
+        self.in_use + self.exact.len() as u64 + self.fallback
+    }
+
+    /// Takes a leased slot at `now`, if one is free and the lease lives.
+    pub(crate) fn take(&mut self, now: Duration) -> bool {
+        if now < self.valid_until && self.in_use < self.held {
+            self.in_use += 1;
+            return true;
+        }
+        false
+    }
+
+    /// What to ask the store for at `now` when no slot is free (none if a
+    /// call is in flight already): what is in use, one more, and a batch
+    /// of a quarter of that besides.
+    pub(crate) fn ask(&mut self, _now: Duration) -> Option<u64> {
+        if self.asking {
+            return None;
+        }
+        self.asking = true;
+        let want = self.in_use + 1;
+        Some(want + want / 4)
+    }
+
+    /// What the lease should hold when renewed: what is in use, and a
+    /// spare batch while it is busy, but never above its fair share
+    /// unless in use (`closing`: only what is in use).
+    pub(crate) fn desired(&self, closing: bool) -> u64 {
+        if closing {
+            return self.in_use;
+        }
+        let spare = self.in_use.div_ceil(4);
+        let want = self.held.min(self.in_use + spare);
+        want.min(self.fair.max(self.in_use))
+    }
+
+    /// Records what the store answered; returns the change in slots held.
+    pub(crate) fn granted(&mut self, held: u64, fair: u64, valid_until: Duration) -> i64 {
+        let change = held as i64 - self.held as i64;
+        self.held = held;
+        self.fair = fair;
+        self.valid_until = valid_until;
+        change
+    }
+
+    /// A leased slot's permit dropped. Returns whether the lease should be
+    /// synced at once: it holds more than its fair share (others want the
+    /// slot) and more than is in use.
+    pub(crate) fn put_back(&mut self) -> bool {
+        self.in_use = self.in_use.saturating_sub(1);
+        self.held > self.fair && self.held > self.in_use
+    }
+
+    /// Nothing held, in use or asked for: the entry may go.
+    pub(crate) fn idle(&self) -> bool {
+        self.held == 0 && self.in_flight() == 0 && !self.asking
+    }
+}
+
+/// A call on a hybrid lease in flight; dropped (the call's future was),
+/// it lets the next call go.
+pub(crate) struct Asking {
+    slots: Option<Arc<KeySlots>>,
+}
+
+impl Asking {
+    pub(crate) fn new(slots: Arc<KeySlots>) -> Self {
+        Asking { slots: Some(slots) }
+    }
+
+    /// The call answered: `slots` is the locked state.
+    pub(crate) fn done(mut self, slots: &mut Slots) {
+        slots.asking = false;
+        self.slots = None;
+    }
+}
+
+impl Drop for Asking {
+    fn drop(&mut self) {
+        if let Some(slots) = self.slots.take() {
+            slots.lock().asking = false;
+            slots.freed.notify_waiters();
+        }
+    }
+}

@@ -1,0 +1,235 @@
+//! The concurrency limiter on an embedded store, with a fake clock shared
+//! by the store and the limiters and Tokio's paused time for the
+//! background task: leases expire and renew without sleeping.
+
+use std::num::NonZeroU32;
+use std::time::Duration;
+
+use super::{AcquireError, ConcurrencyLimiter};
+use crate::store::MemoryStore;
+use crate::FakeClock;
+
+fn max(n: u32) -> NonZeroU32 {
+    NonZeroU32::new(n).expect("not zero")
+}
+
+struct Fleet {
+    clock: FakeClock,
+    store: MemoryStore,
+}
+
+impl Fleet {
+    fn new() -> Fleet {
+        let clock = FakeClock::new(Duration::from_secs(1_000));
+        let store = MemoryStore::with_clock(clock.clone());
+        Fleet { clock, store }
+    }
+
+    /// A process's limiter of at most `n` per key, leases of 3 s renewed
+    /// every second.
+    fn process(&self, n: u32, hybrid: bool) -> ConcurrencyLimiter {
+        let builder = ConcurrencyLimiter::builder(max(n))
+            .store(self.store.clone())
+            .clock(self.clock.clone())
+            .lease(Duration::from_secs(3))
+            .renew_every(Duration::from_secs(1));
+        let builder = if hybrid {
+            builder.hybrid()
+        } else {
+            builder.exact()
+        };
+        builder.build().expect("builds")
+    }
+
+    /// Moves both clocks by `by`, in steps the background tasks see.
+    async fn advance(&self, by: Duration) {
+        let step = Duration::from_millis(100);
+        let mut left = by;
+        while !left.is_zero() {
+            let d = step.min(left);
+            self.clock.advance(d);
+            tokio::time::advance(d).await;
+            tokio::task::yield_now().await;
+            left -= d;
+        }
+    }
+
+    /// Slots held in the store for `key` by live leases.
+    fn held(&self, key: &str, limiter: &ConcurrencyLimiter) -> u64 {
+        let store_key = limiter.inner.store_key(key);
+        let call = crate::slots::SlotsCall {
+            max: 0,
+            ttl_ms: 0,
+            leases: Vec::new(),
+        };
+        let _ = self.store.slots(&store_key, &call);
+        self.store.slots_held(&store_key)
+    }
+}
+
+/// Stops a limiter's background task, as a killed process's would.
+fn kill(limiter: &ConcurrencyLimiter) {
+    let task = limiter.inner.task.lock().expect("not poisoned").take();
+    task.expect("a task").abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn exact_permits_take_and_release_one_slot_each() {
+    let fleet = Fleet::new();
+    let limiter = fleet.process(3, false);
+    let permits: Vec<_> = [
+        limiter.try_acquire("k").await,
+        limiter.try_acquire("k").await,
+        limiter.try_acquire("k").await,
+    ]
+    .into_iter()
+    .map(|p| p.expect("a slot"))
+    .collect();
+    assert!(matches!(
+        limiter.try_acquire("k").await,
+        Err(AcquireError::Full { .. })
+    ));
+    assert_eq!(fleet.held("k", &limiter), 3);
+    drop(permits);
+    fleet.advance(Duration::from_millis(100)).await;
+    assert_eq!(fleet.held("k", &limiter), 0);
+    assert_eq!(limiter.in_flight("k"), 0);
+    let _again = limiter.try_acquire("k").await.expect("free again");
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_hybrid_processes_never_hold_more_than_the_maximum() {
+    let fleet = Fleet::new();
+    let a = fleet.process(20, true);
+    let b = fleet.process(20, true);
+    let mut held = Vec::new();
+    for i in 0..40 {
+        let process = if i % 2 == 0 { &a } else { &b };
+        if let Ok(permit) = process.try_acquire("k").await {
+            held.push(permit);
+        }
+        assert!(fleet.held("k", &a) <= 20);
+    }
+    assert_eq!(held.len(), 20);
+    assert_eq!(a.in_flight("k") + b.in_flight("k"), 20);
+    drop(held);
+    fleet.advance(Duration::from_secs(2)).await;
+    assert_eq!(fleet.held("k", &a), 0, "idle slots go back");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_request_releases_its_slot() {
+    let fleet = Fleet::new();
+    let limiter = fleet.process(1, true);
+    let inside = limiter.clone();
+    let task = tokio::spawn(async move {
+        let _permit = inside.try_acquire("k").await.expect("a slot");
+        panic!("the request failed");
+    });
+    assert!(task.await.is_err());
+    assert_eq!(limiter.in_flight("k"), 0);
+    let _next = limiter
+        .try_acquire("k")
+        .await
+        .expect("released by the panic");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_wait_takes_no_slot() {
+    let fleet = Fleet::new();
+    let limiter = fleet.process(1, false);
+    let held = limiter.try_acquire("k").await.expect("a slot");
+    let waiting = limiter.acquire("k", Duration::from_secs(10));
+    // Dropped while waiting.
+    assert!(tokio::time::timeout(Duration::from_millis(50), waiting)
+        .await
+        .is_err());
+    drop(held);
+    fleet.advance(Duration::from_millis(100)).await;
+    assert_eq!(fleet.held("k", &limiter), 0);
+    let _next = limiter.try_acquire("k").await.expect("nothing leaked");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_waiter_gets_the_slot_released_in_its_process() {
+    let fleet = Fleet::new();
+    let limiter = fleet.process(1, true);
+    let held = limiter.try_acquire("k").await.expect("a slot");
+    let waiter = {
+        let limiter = limiter.clone();
+        tokio::spawn(async move { limiter.acquire("k", Duration::from_secs(5)).await })
+    };
+    tokio::task::yield_now().await;
+    drop(held);
+    let permit = waiter.await.expect("joins").expect("handed on");
+    assert_eq!(permit.key(), "k");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dead_processs_slots_are_free_after_its_lease_and_not_before() {
+    for hybrid in [false, true] {
+        let fleet = Fleet::new();
+        let dead = fleet.process(20, hybrid);
+        let alive = fleet.process(20, hybrid);
+        let mut gone = Vec::new();
+        for _ in 0..10 {
+            gone.push(dead.try_acquire("k").await.expect("a slot"));
+        }
+        // Killed: its permits never drop, its task never runs again.
+        std::mem::forget(gone);
+        kill(&dead);
+        std::mem::forget(dead);
+        let mut mine = Vec::new();
+        while let Ok(p) = alive.try_acquire("k").await {
+            mine.push(p);
+        }
+        assert!(mine.len() <= 10, "hybrid {hybrid}: {}", mine.len());
+        // Just before the lease runs out (3 s from its last renewal at 0):
+        fleet.advance(Duration::from_millis(2_900)).await;
+        assert!(alive.try_acquire("k").await.is_err(), "hybrid {hybrid}");
+        fleet.advance(Duration::from_millis(200)).await;
+        while let Ok(p) = alive.try_acquire("k").await {
+            mine.push(p);
+        }
+        assert_eq!(mine.len(), 20, "hybrid {hybrid}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_request_that_outlives_its_lease_keeps_its_slot() {
+    for hybrid in [false, true] {
+        let fleet = Fleet::new();
+        let long = fleet.process(1, hybrid);
+        let other = fleet.process(1, hybrid);
+        let permit = long.try_acquire("k").await.expect("a slot");
+        // Five leases long, renewed every second by its process.
+        for _ in 0..15 {
+            fleet.advance(Duration::from_secs(1)).await;
+            assert!(other.try_acquire("k").await.is_err(), "hybrid {hybrid}");
+        }
+        drop(permit);
+        fleet.advance(Duration::from_millis(1_100)).await;
+        let _now = other.try_acquire("k").await.expect("released at last");
+    }
+}
+
+#[test]
+fn bad_leases_are_refused() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let _guard = runtime.enter();
+    for (lease, renew) in [
+        (Duration::from_millis(10), None),
+        (Duration::from_secs(3_600), None),
+        (Duration::from_secs(3), Some(Duration::from_secs(2))),
+        (Duration::from_secs(3), Some(Duration::ZERO)),
+    ] {
+        let mut builder = ConcurrencyLimiter::builder(max(1)).lease(lease);
+        if let Some(renew) = renew {
+            builder = builder.renew_every(renew);
+        }
+        assert!(builder.build().is_err(), "{lease:?} {renew:?}");
+    }
+}
