@@ -30,6 +30,8 @@
 
 mod permit;
 mod renew;
+#[cfg(all(test, feature = "test-support"))]
+mod sim;
 mod state;
 #[cfg(test)]
 mod tests;

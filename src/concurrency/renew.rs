@@ -109,8 +109,8 @@ pub(super) async fn sync_hybrid(inner: &Inner, key: &str, closing: bool) {
         if held.asking || (held.held == 0 && held.in_use == 0) {
             return;
         }
-        held.asking = true;
-        held.desired(closing)
+        let want = held.desired(closing);
+        held.sending(want)
     };
     let asking = Asking::new(slots.clone());
     let reply = inner.call(key, vec![(inner.holder.clone(), want)]).await;

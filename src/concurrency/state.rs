@@ -31,6 +31,9 @@ pub(crate) struct Slots {
     pub(crate) held: u64,
     /// Of those, in use by live permits.
     pub(crate) in_use: u64,
+    /// What the store last answered the lease holds (`held` may be lower
+    /// while a call that shrinks it is in flight).
+    pub(crate) stored: u64,
     /// The lease's fair share of the key, as last answered.
     pub(crate) fair: u64,
     /// Until when (local clock) the lease surely lives: counted from
@@ -65,9 +68,17 @@ impl Slots {
         if self.asking {
             return None;
         }
-        self.asking = true;
         let want = self.in_use + 1;
-        Some(want + want / 4)
+        Some(self.sending(want + want / 4))
+    }
+
+    /// A call setting the lease to `want` is about to go: no other may
+    /// go meanwhile, and no more than `want` may be in use here until it
+    /// answers (the store may apply it at any moment).
+    pub(crate) fn sending(&mut self, want: u64) -> u64 {
+        self.asking = true;
+        self.held = self.held.min(want);
+        want
     }
 
     /// What the lease should hold when renewed: what is in use, and a
@@ -82,9 +93,11 @@ impl Slots {
         want.min(self.fair.max(self.in_use))
     }
 
-    /// Records what the store answered; returns the change in slots held.
+    /// Records what the store answered; returns the change in slots the
+    /// store says the lease holds.
     pub(crate) fn granted(&mut self, held: u64, fair: u64, valid_until: Duration) -> i64 {
-        let change = held as i64 - self.held as i64;
+        let change = held as i64 - self.stored as i64;
+        self.stored = held;
         self.held = held;
         self.fair = fair;
         self.valid_until = valid_until;
