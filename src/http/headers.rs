@@ -255,6 +255,15 @@ pub(crate) fn unavailable_problem<'a>(
     )
 }
 
+/// A problem+json body for a request denied because its key has every
+/// slot in flight.
+pub(crate) fn in_flight_problem(retry: Option<u64>) -> String {
+    let retry = retry.unwrap_or(1);
+    format!(
+        "{{\"type\":\"{PROBLEM_TYPE}\",\"title\":\"Too many requests in flight\",\"status\":429,\"detail\":\"every slot of this key is in use; retry in {retry} s\"}}"
+    )
+}
+
 /// A problem+json body for a request without a key.
 pub(crate) fn missing_key_problem(status: http::StatusCode) -> String {
     format!(

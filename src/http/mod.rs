@@ -13,6 +13,12 @@
 //! - no key: the configured status (401 with `WWW-Authenticate` by
 //!   default), or a shared key.
 //!
+//! [`InFlightLayer`] limits requests *in flight* per key instead, with a
+//! [`ConcurrencyLimiter`](crate::ConcurrencyLimiter): `429` with
+//! `Retry-After` when every slot is taken (after a bounded wait, if
+//! configured); the slot is held until the response body is finished or
+//! dropped.
+//!
 //! Keys a client cannot choose: [`ClientIp`] reads forwarding headers only
 //! from trusted proxies (rightmost-untrusted rule, `X-Forwarded-For` or
 //! RFC 7239 `Forwarded`) and keys IPv6 clients per /64.
@@ -26,6 +32,7 @@
 mod body;
 mod future;
 mod headers;
+mod inflight;
 mod ip;
 mod key;
 mod layer;
@@ -38,6 +45,7 @@ pub use self::future::ResponseFuture;
 pub use self::headers::{
     PolicyHeaders, PROBLEM_TYPE, PROBLEM_TYPE_UNAVAILABLE, RATELIMIT, RATELIMIT_POLICY,
 };
+pub use self::inflight::{InFlight, InFlightBody, InFlightLayer};
 pub use self::ip::{Cidr, ClientIp, ProxyHeader};
 pub use self::key::{KeyExtractor, MissingKey, RequestView};
 pub use self::layer::RateLimitLayer;

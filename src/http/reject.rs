@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 
-use super::headers::{missing_key_problem, quota_problem, unavailable_problem};
+use super::headers::{in_flight_problem, missing_key_problem, quota_problem, unavailable_problem};
 
 /// Why the layer answered a request itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,6 +23,9 @@ pub enum RejectionKind {
     /// this status (gRPC: `UNAUTHENTICATED` for 401, `PERMISSION_DENIED`
     /// for 403, `INVALID_ARGUMENT` for 400).
     MissingKey(StatusCode),
+    /// Every slot of the key is in flight ([`InFlightLayer`](super::InFlightLayer)):
+    /// 429, gRPC `RESOURCE_EXHAUSTED`.
+    TooManyInFlight,
 }
 
 /// What the layer knows about a request it answers itself; handed to the
@@ -46,7 +49,9 @@ impl Rejection {
     /// 200 and this status mapped to a `grpc-status`).
     pub fn status(&self) -> StatusCode {
         match self.kind {
-            RejectionKind::QuotaExceeded => StatusCode::TOO_MANY_REQUESTS,
+            RejectionKind::QuotaExceeded | RejectionKind::TooManyInFlight => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             RejectionKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
             RejectionKind::MissingKey(status) => status,
         }
@@ -83,6 +88,9 @@ impl Rejection {
                 format!("the rate limiter cannot decide{retry}")
             }
             RejectionKind::MissingKey(_) => "no rate-limit key in the request".to_owned(),
+            RejectionKind::TooManyInFlight => {
+                format!("too many requests in flight for this key{retry}")
+            }
         }
     }
 
@@ -114,6 +122,7 @@ impl Rejection {
                     unavailable_problem(quoted.iter().copied(), self.retry_secs())
                 }
                 RejectionKind::MissingKey(status) => missing_key_problem(status),
+                RejectionKind::TooManyInFlight => in_flight_problem(self.retry_secs()),
             };
             headers.insert(
                 http::header::CONTENT_TYPE,
