@@ -39,8 +39,18 @@ pub(crate) struct ShareCall {
     pub(crate) limit: u64,
     /// How long the hold lasts; 0 lets go (with nothing in use).
     pub(crate) ttl_ms: u64,
+    /// How long the part of the hold that is tokens lasts (at least
+    /// `ttl_ms`): what a bucket's tokens admitted may share a period with
+    /// what comes after it.
+    pub(crate) tokens_ttl_ms: u64,
+    /// How long its claims count without renewal (at most `ttl_ms`): a
+    /// holder gone quiet stops shaping the others' shares sooner than
+    /// its hold lapses.
+    pub(crate) claims_ttl_ms: u64,
     /// What its clients may still be using: kept until it says otherwise.
     pub(crate) in_use: u64,
+    /// Of the hold, the most that is tokens.
+    pub(crate) tokens: u64,
 }
 
 impl ShareCall {
@@ -60,15 +70,40 @@ pub(crate) struct ShareReply {
     pub(crate) held: u64,
     /// Other live holders.
     pub(crate) others: u64,
+    /// Whether the store still had this holder's hold: a holder that
+    /// held something and finds it gone knows the store lost the holds
+    /// (a restart, a flush, an eviction), others' included.
+    pub(crate) had: bool,
 }
 
-/// One holder's entry: what it holds, its clients' claims, when it
-/// expires (ms of the store's clock).
+/// One holder's entry (times in ms of the store's clock).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Hold {
     pub(crate) held: u64,
-    pub(crate) claims: Vec<u64>,
+    /// Of `held`, what lasts until `tokens_expires_ms`; the rest until
+    /// `expires_ms`.
+    pub(crate) tokens: u64,
     pub(crate) expires_ms: u64,
+    pub(crate) tokens_expires_ms: u64,
+    pub(crate) claims_until_ms: u64,
+    pub(crate) claims: Vec<u64>,
+}
+
+impl Hold {
+    /// What it holds at `now_ms`.
+    fn live(&self, now_ms: u64) -> u64 {
+        let rate = if self.expires_ms > now_ms {
+            self.held - self.tokens
+        } else {
+            0
+        };
+        let tokens = if self.tokens_expires_ms > now_ms {
+            self.tokens
+        } else {
+            0
+        };
+        rate + tokens
+    }
 }
 
 /// Applies `call` at `now_ms` to a bucket's holders, as the script does.
@@ -77,20 +112,24 @@ pub(crate) fn apply(
     call: &ShareCall,
     now_ms: u64,
 ) -> ShareReply {
-    holders.retain(|name, hold| *name == call.holder || hold.expires_ms > now_ms);
+    holders.retain(|_, hold| hold.tokens_expires_ms > now_ms);
+    let had = holders.contains_key(&call.holder);
     let others = holders.keys().filter(|name| **name != call.holder).count() as u64;
     if call.ttl_ms == 0 {
         holders.remove(&call.holder);
         return ShareReply {
             others,
+            had,
             ..ShareReply::default()
         };
     }
     let mut others_held = 0;
     let mut claims = call.claims.clone();
     for (_, hold) in holders.iter().filter(|(name, _)| **name != call.holder) {
-        others_held += hold.held;
-        claims.extend(&hold.claims);
+        others_held += hold.live(now_ms);
+        if hold.claims_until_ms > now_ms {
+            claims.extend(&hold.claims);
+        }
     }
     let level = level(call.limit, &claims);
     let target: u64 = call.claims.iter().map(|&c| c.min(level)).sum();
@@ -100,14 +139,18 @@ pub(crate) fn apply(
         call.holder.clone(),
         Hold {
             held,
-            claims: call.claims.clone(),
+            tokens: call.tokens.min(held),
             expires_ms: now_ms + call.ttl_ms,
+            tokens_expires_ms: now_ms + call.tokens_ttl_ms.max(call.ttl_ms),
+            claims_until_ms: now_ms + call.claims_ttl_ms.min(call.ttl_ms),
+            claims: call.claims.clone(),
         },
     );
     ShareReply {
         grant,
         held,
         others,
+        had,
     }
 }
 
@@ -131,7 +174,10 @@ mod tests {
             claims: vec![demand],
             limit: 100,
             ttl_ms: 3_000,
+            tokens_ttl_ms: 3_000,
+            claims_ttl_ms: 3_000,
             in_use,
+            tokens: 0,
         }
     }
 
@@ -159,11 +205,8 @@ mod tests {
     fn clients_are_shared_fairly_whichever_holder_they_reach() {
         let mut holders = HashMap::new();
         let on = |holder: &str, claims: &[u64]| ShareCall {
-            holder: holder.into(),
             claims: claims.to_vec(),
-            limit: 100,
-            ttl_ms: 3_000,
-            in_use: 0,
+            ..call(holder, 0, 0)
         };
         // A small and a large client on one holder, a large one on the
         // other: the large ones get the same, not the holders.
@@ -172,6 +215,31 @@ mod tests {
         let a = apply(&mut holders, &on("a", &[32, 102]), 2);
         let b = apply(&mut holders, &on("b", &[92]), 3);
         assert_eq!((a.grant, b.grant), (66, 34));
+    }
+
+    #[test]
+    fn a_quiet_holders_claims_lapse_before_its_hold_and_its_rate_before_its_tokens() {
+        let mut holders = HashMap::new();
+        let long = |holder: &str, demand: u64, in_use: u64, tokens: u64| ShareCall {
+            ttl_ms: 3_000,
+            tokens_ttl_ms: 60_000,
+            claims_ttl_ms: 1_000,
+            tokens,
+            ..call(holder, demand, in_use)
+        };
+        apply(&mut holders, &long("a", 100, 0, 0), 0);
+        apply(&mut holders, &long("a", 100, 100, 4), 10);
+        // A goes quiet. At 1.5 s its claims no longer count, its hold does.
+        let b = apply(&mut holders, &long("b", 100, 0, 0), 1_500);
+        assert_eq!((b.grant, b.had), (0, false));
+        // At 3.5 s its rate has lapsed, its 4 tokens have not.
+        assert_eq!(apply(&mut holders, &long("b", 100, 0, 2), 3_500).grant, 96);
+        assert_eq!(
+            apply(&mut holders, &long("b", 100, 96, 2), 60_011).grant,
+            100
+        );
+        // A comes back: its hold is gone, and it is told so.
+        assert!(!apply(&mut holders, &long("a", 100, 0, 0), 60_020).had);
     }
 
     #[test]
@@ -216,28 +284,41 @@ mod tests {
                 let holder = format!("h{who}");
                 let held_before = holders
                     .get(&holder)
-                    .filter(|h: &&Hold| h.expires_ms > now)
-                    .map_or(0, |h| h.held);
+                    .map_or(0, |h: &Hold| h.live(now));
                 // A holder lets go (ttl 0) only once nothing is in use.
                 let in_use = if ttl_ms == 0 { 0 } else { held_before * in_use_pct / 100 };
                 let demand: u64 = claims.iter().sum();
-                let call = ShareCall { holder: holder.clone(), claims, limit, ttl_ms, in_use };
+                let call = ShareCall {
+                    holder: holder.clone(),
+                    claims,
+                    limit,
+                    ttl_ms,
+                    tokens_ttl_ms: ttl_ms + in_use_pct * 10,
+                    claims_ttl_ms: ttl_ms / 2,
+                    in_use,
+                    tokens: in_use / 3,
+                };
                 let reply = apply(&mut holders, &call, now);
                 proptest::prop_assert!(reply.grant <= demand.min(limit));
                 proptest::prop_assert!(reply.held >= in_use);
                 last.insert(holder, reply.held);
-                let live: u64 = holders
-                    .values()
-                    .filter(|h| h.expires_ms > now)
-                    .map(|h| h.held)
-                    .sum();
+                let live: u64 = holders.values().map(|h| h.live(now)).sum();
                 proptest::prop_assert!(live <= limit, "{} held of {}", live, limit);
             }
             // Everyone else expires: a lone holder gets what it asks for.
-            now += 3_001;
+            now += 5_001;
             let alone = apply(
                 &mut holders,
-                &ShareCall { holder: "z".into(), claims: vec![limit], limit, ttl_ms: 1, in_use: 0 },
+                &ShareCall {
+                    holder: "z".into(),
+                    claims: vec![limit],
+                    limit,
+                    ttl_ms: 1,
+                    tokens_ttl_ms: 1,
+                    claims_ttl_ms: 1,
+                    in_use: 0,
+                    tokens: 0,
+                },
                 now,
             );
             proptest::prop_assert_eq!(alone.grant, limit);

@@ -210,7 +210,12 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
     let _ = stop_tx.send(true);
     watcher.abort();
     renewer.abort();
-    rlqs.close();
+    if tokio::time::timeout(SHUTDOWN_STEP, rlqs.close())
+        .await
+        .is_err()
+    {
+        eprintln!("slicelimit-server: RLQS claims not all let go after {SHUTDOWN_STEP:?}");
+    }
     // Calls in flight finish; connections that stay open past the step
     // are closed with the process.
     if tokio::time::timeout(SHUTDOWN_STEP, grpc_server)

@@ -119,6 +119,16 @@ impl MemoryStore {
             .map_or(0, |l| l.values().map(|l| l.held).sum())
     }
 
+    /// Forgets every rate share, as a Redis restarted empty would.
+    #[cfg(all(test, feature = "server"))]
+    pub(crate) fn forget_shares(&self) {
+        self.shared
+            .shares
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
     /// A holder's share of a rate, as `lua/rate_share.lua` does it.
     #[cfg(feature = "server")]
     pub(crate) fn share(

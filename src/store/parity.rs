@@ -159,7 +159,10 @@ async fn the_rate_share_script_and_the_embedded_store_agree() {
         claims: vec![demand, demand / 3],
         limit: 100,
         ttl_ms,
+        tokens_ttl_ms: ttl_ms * 2,
+        claims_ttl_ms: ttl_ms / 2,
         in_use,
+        tokens: in_use / 4,
     };
     let script = [
         call("a", 90, 0, 5_000),

@@ -23,6 +23,9 @@ pub(super) struct Bucket {
     /// What this replica holds in the store, and until when (its clock).
     pub(super) held: u64,
     pub(super) hold_until: Option<Instant>,
+    /// Until when nothing is raised: the store lost the holds, and the
+    /// other replicas' Envoys may still admit under theirs.
+    pub(super) frozen_until: Option<Instant>,
     pub(super) last_report: Instant,
     /// What Envoys that left (stream gone, or silent) may still admit
     /// under their last assignment, and until when: held until then.
@@ -36,11 +39,11 @@ pub(super) enum Rule {
 }
 
 impl Rule {
+    /// The same budget (a rule's label, its place in the file, may move
+    /// without changing it).
     pub(super) fn same(&self, other: &Rule) -> bool {
         match (self, other) {
-            (Rule::Quota { quota: a, label: x }, Rule::Quota { quota: b, label: y }) => {
-                a == b && x == y
-            }
+            (Rule::Quota { quota: a, .. }, Rule::Quota { quota: b, .. }) => a == b,
             (Rule::Blanket(a), Rule::Blanket(b)) => a == b,
             _ => false,
         }
@@ -85,10 +88,12 @@ pub(super) struct Seat {
     pub(super) demand: u64,
     /// What it was last sent.
     pub(super) given: Option<Given>,
-    /// What it was sent before, and when each was replaced: a replaced
-    /// bucket may admit at its rate until its replacement arrives, and
-    /// what its tokens admitted may share a period with the next one.
-    pub(super) retired: Vec<(Given, Instant)>,
+    /// What it was sent before, when each was replaced, and whether its
+    /// replacement carries on from it (a token bucket replacing a token
+    /// bucket in force: Envoy fills it in proportion); a replaced bucket
+    /// may admit at its rate until its replacement arrives, and what its
+    /// tokens admitted may share a period with what follows.
+    pub(super) retired: Vec<(Given, Instant, bool)>,
     /// When its assignment was last sent.
     pub(super) sent: Option<Instant>,
     /// When it last reported.
@@ -117,18 +122,34 @@ impl Seat {
         rate + tokens
     }
 
+    /// The rate and the tokens of [`in_use`](Self::in_use): a bucket
+    /// that carries on from the one before starts no fuller than it was,
+    /// so their tokens overlap; one that starts afresh (after a blanket
+    /// rule, or an assignment that may have lapsed) starts full, so its
+    /// tokens add to what the ones before admitted.
     fn split(&self, now: Instant, period: Duration) -> (u64, u64) {
         let current = self.given.unwrap_or_default();
-        let (mut rate, mut tokens) = (current.rate, current.tokens);
-        for (before, at) in &self.retired {
+        let (mut rate, mut chain, mut tokens) = (current.rate, current.tokens, 0);
+        for (before, at, carried) in self.retired.iter().rev() {
             if now < *at + DELIVERY {
                 rate = rate.max(before.rate);
             }
             if now < *at + DELIVERY + period {
-                tokens = tokens.max(before.tokens);
+                if *carried {
+                    chain = chain.max(before.tokens);
+                } else {
+                    tokens += chain;
+                    chain = before.tokens;
+                }
             }
         }
-        (rate, tokens)
+        (rate, tokens + chain)
+    }
+
+    /// The most its buckets' tokens may admit in a period ending after
+    /// `now` (with the reserve of a bucket it may yet be sent).
+    pub(super) fn tokens(&self, now: Instant, period: Duration) -> u64 {
+        self.split(now, period).1.max(RESERVE)
     }
 
     /// What it may still admit once it is gone, as (amount, until):
@@ -184,9 +205,16 @@ impl Seat {
     pub(super) fn record(&mut self, given: Given, now: Instant, period: Duration) {
         self.accrue(now, period);
         self.first_sent.get_or_insert(now);
-        self.retired.retain(|(_, at)| now < *at + DELIVERY + period);
-        if let Some(before) = self.given.filter(|before| *before != given) {
-            self.retired.push((before, now));
+        self.retired
+            .retain(|(_, at, _)| now < *at + DELIVERY + period);
+        // Unrenewed this long, the assignment in force may have lapsed:
+        // what is sent now starts afresh.
+        let lapsed = self
+            .sent
+            .is_some_and(|at| now.duration_since(at) >= ASSIGNMENT_TTL);
+        if let Some(before) = self.given.filter(|before| *before != given || lapsed) {
+            let carried = before.reach() > 0 && given.reach() > 0 && !lapsed;
+            self.retired.push((before, now, carried));
         }
         self.given = Some(given);
         self.sent = Some(now);
@@ -194,6 +222,17 @@ impl Seat {
 }
 
 impl Bucket {
+    /// What the tokens of its Envoys' buckets, and departed Envoys'
+    /// assignments, may admit in a period ending after `now`.
+    pub(super) fn tokens_bound(&self, now: Instant) -> u64 {
+        let period = period(&self.rule);
+        self.envoys
+            .values()
+            .map(|s| s.tokens(now, period))
+            .sum::<u64>()
+            + self.departed.iter().map(|(n, _)| n).sum::<u64>()
+    }
+
     /// What the Envoys' assignments and departed Envoys' last ones may
     /// admit in a period, at `now`.
     pub(super) fn in_use(&self, now: Instant) -> u64 {

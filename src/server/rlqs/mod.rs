@@ -49,9 +49,6 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::BlanketRule;
-use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_response::bucket_action::{
-    AbandonAction, BucketAction as Action,
-};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
     RateLimitQuotaResponse, RateLimitQuotaUsageReports,
 };
@@ -59,32 +56,48 @@ use tokio::sync::{mpsc, Notify};
 use tonic::Status;
 
 use crate::failure::FailurePolicy;
-use crate::server::config::NoMatch;
 use crate::server::table::Table;
-use crate::share::ShareCall;
 use crate::store::Store;
 
 mod actions;
 mod bucket;
+mod round;
 #[cfg(test)]
 mod sim;
 mod stream;
 #[cfg(test)]
 mod tests;
 
-use actions::{blanket, send, token_bucket};
-use bucket::{canonical, period, resolve, Bucket, Given, Rule, Seat};
+use actions::{blanket, send};
+use bucket::{canonical, period, resolve, Bucket, Rule, Seat};
 
 /// How often every bucket's hold is renewed and its assignments sent.
 pub const RENEW: Duration = Duration::from_millis(500);
-/// How long a replica's hold on the rate of a bucket of `period` lasts
-/// without renewal: past the end of anything its Envoys may admit under
-/// assignments it sent (delivered within [`DELIVERY`], in force for
-/// [`ASSIGNMENT_TTL`], their tokens' admissions sharing a period with
-/// what comes after), with two renewals to spare.
-pub fn hold_ttl(period: Duration) -> Duration {
-    DELIVERY + ASSIGNMENT_TTL + period + RENEW * 2
+/// How long a replica's hold on a bucket's rate lasts without renewal:
+/// past the end of the assignments it sent (delivered within
+/// [`DELIVERY`], in force for [`ASSIGNMENT_TTL`]), with two renewals to
+/// spare.
+pub const HOLD_TTL: Duration = Duration::from_secs(4);
+/// How long the tokens part of a hold on a bucket of `period` lasts: what
+/// its Envoys' tokens admitted may share a period with what comes after.
+pub fn tokens_ttl(period: Duration) -> Duration {
+    HOLD_TTL + period
 }
+/// How long a replica's claims (its Envoys' demand) shape the others'
+/// shares without renewal: a replica gone quiet stops holding the others
+/// back sooner than its hold lapses.
+pub const CLAIMS_TTL: Duration = Duration::from_secs(2);
+/// The most buckets a replica serves; reports on more get the failure
+/// policy's blanket answer.
+pub const MAX_BUCKETS: usize = 10_000;
+/// The most entries, and bytes, of a bucket id a replica serves.
+pub const MAX_ID_ENTRIES: usize = 16;
+/// See [`MAX_ID_ENTRIES`].
+pub const MAX_ID_BYTES: usize = 1_024;
+/// How long a bucket refused for want of room keeps its blanket answer.
+const REFUSED_TTL: Duration = Duration::from_secs(60);
+/// Store calls of one round in flight at once.
+const ROUND_CALLS: usize = 32;
 /// How long an assignment lasts in Envoy without renewal (whole seconds:
 /// Envoy reads only the seconds).
 pub const ASSIGNMENT_TTL: Duration = Duration::from_secs(2);
@@ -127,6 +140,8 @@ struct Inner {
     state: Mutex<State>,
     next_envoy: AtomicU64,
     wake: Notify,
+    /// The time, when a test sets it (else the system's).
+    fixed: Mutex<Option<Instant>>,
 }
 
 #[derive(Default)]
@@ -157,6 +172,7 @@ impl Rlqs {
                 state: Mutex::default(),
                 next_envoy: AtomicU64::new(1),
                 wake: Notify::new(),
+                fixed: Mutex::new(None),
             }),
         }
     }
@@ -171,9 +187,11 @@ impl Rlqs {
         }
     }
 
-    /// Ends every Envoy's stream (at shutdown). The holds are left to
-    /// expire: the assignments sent under them may be in use until then.
-    pub fn close(&self) {
+    /// At shutdown: lets go of every claim and of every hold beyond what
+    /// the assignments sent may still admit (that part expires), and ends
+    /// every Envoy's stream.
+    pub async fn close(&self) {
+        self.inner.let_go(Instant::now()).await;
         self.inner.lock().envoys.clear();
     }
 }
@@ -183,32 +201,63 @@ impl Inner {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Now: the system's time, or the one a test set.
+    fn now(&self) -> Instant {
+        let fixed = *self.fixed.lock().unwrap_or_else(|e| e.into_inner());
+        fixed.unwrap_or_else(Instant::now)
+    }
+
+    /// What the failure policy assigns when the store cannot answer.
+    fn fallback(&self) -> BlanketRule {
+        match self.policy {
+            FailurePolicy::FailClosed => BlanketRule::DenyAll,
+            _ => BlanketRule::AllowAll,
+        }
+    }
+
     /// Folds one message of Envoy `envoy`, received at `now`, in.
     fn report(&self, envoy: u64, domain: &str, reports: &RateLimitQuotaUsageReports, now: Instant) {
         let table = self.table.load();
         let mut state = self.lock();
+        let State { envoys, buckets } = &mut *state;
         let mut fresh = false;
         for usage in &reports.bucket_quota_usages {
             let Some(id) = usage.bucket_id.clone() else {
                 continue;
             };
-            let key = canonical(&id);
-            let bucket = state
-                .buckets
-                .entry((domain.to_owned(), key.clone()))
-                .or_insert_with(|| {
-                    fresh = true;
-                    Bucket {
-                        rule: resolve(&table, domain, &id),
-                        id,
-                        store_key: format!("rlqs:{domain}:{key}"),
-                        envoys: HashMap::new(),
-                        held: 0,
-                        hold_until: None,
-                        departed: Vec::new(),
-                        last_report: now,
-                    }
-                });
+            let size: usize = id.bucket.iter().map(|(k, v)| k.len() + v.len()).sum();
+            let key = (domain.to_owned(), canonical(&id));
+            let known = buckets.contains_key(&key);
+            if !known
+                && (buckets.len() >= MAX_BUCKETS
+                    || id.bucket.len() > MAX_ID_ENTRIES
+                    || size > MAX_ID_BYTES
+                    || domain.len() > MAX_ID_BYTES)
+            {
+                // Served without state: what the store's failure would get.
+                crate::server::stats::rlqs_message("refused");
+                send(
+                    envoys,
+                    envoy,
+                    &id,
+                    blanket(self.fallback(), Some(REFUSED_TTL)),
+                );
+                continue;
+            }
+            let bucket = buckets.entry(key.clone()).or_insert_with(|| {
+                fresh = true;
+                Bucket {
+                    rule: resolve(&table, domain, &id),
+                    id,
+                    store_key: format!("rlqs:{domain}:{}", key.1),
+                    envoys: HashMap::new(),
+                    held: 0,
+                    hold_until: None,
+                    frozen_until: None,
+                    departed: Vec::new(),
+                    last_report: now,
+                }
+            });
             bucket.last_report = now;
             let period = period(&bucket.rule);
             let limit = match &bucket.rule {
@@ -257,17 +306,6 @@ impl Inner {
         }
     }
 
-    /// The call that ends this replica's hold on a bucket.
-    fn letting_go(&self) -> ShareCall {
-        ShareCall {
-            holder: self.holder.clone(),
-            claims: Vec::new(),
-            limit: 0,
-            ttl_ms: 0,
-            in_use: 0,
-        }
-    }
-
     /// Envoy `envoy`'s stream ended at `now`.
     fn leave(&self, envoy: u64, now: Instant) {
         let mut state = self.lock();
@@ -282,188 +320,5 @@ impl Inner {
         }
         drop(state);
         self.wake.notify_one();
-    }
-
-    /// Renews every bucket's hold and sends what changed, at `now`.
-    async fn round(&self, now: Instant) {
-        let table = self.table.load_full();
-        let mut gone = Vec::new();
-        let keys: Vec<(String, String)> = {
-            let mut state = self.lock();
-            let State { envoys, buckets } = &mut *state;
-            buckets.retain(|(domain, _), bucket| {
-                // An Envoy that stopped reporting (connected, but no longer
-                // sending this bucket's requests) gives its seat up: its
-                // assignment is not renewed and expires.
-                let mut silent = Vec::new();
-                let period = period(&bucket.rule);
-                bucket.envoys.retain(|_, seat| {
-                    let keep = seat
-                        .reported
-                        .is_none_or(|at| now.duration_since(at) < SILENT);
-                    if !keep {
-                        silent.extend(seat.departing(now, period));
-                    }
-                    keep
-                });
-                bucket.departed.extend(silent);
-                bucket.departed.retain(|(_, until)| *until > now);
-                // Nobody reports on it any more, or the configuration
-                // changed its rule: the Envoys forget it (a bucket they
-                // still use comes back with its first request).
-                let idle =
-                    bucket.envoys.is_empty() && now.duration_since(bucket.last_report) >= IDLE;
-                let rule = resolve(&table, domain, &bucket.id);
-                let changed = !bucket.rule.same(&rule);
-                if changed {
-                    for envoy in bucket.envoys.keys() {
-                        send(
-                            envoys,
-                            *envoy,
-                            &bucket.id,
-                            Action::AbandonAction(AbandonAction {}),
-                        );
-                    }
-                }
-                // An idle bucket's hold is let go; a changed one's expires,
-                // as its Envoys may use their assignments until the
-                // abandon reaches them.
-                if idle && bucket.held > 0 {
-                    gone.push(bucket.store_key.clone());
-                }
-                !(idle || changed)
-            });
-            buckets.keys().cloned().collect()
-        };
-        for store_key in gone {
-            let _ = self.store.share(&store_key, &self.letting_go()).await;
-        }
-        let mut sums: HashMap<(String, String), (u64, u64)> = HashMap::new();
-        for key in keys {
-            let call = {
-                let state = self.lock();
-                let Some(bucket) = state.buckets.get(&key) else {
-                    continue;
-                };
-                let Rule::Quota { quota, .. } = &bucket.rule else {
-                    drop(state);
-                    self.send_blanket(&key, now);
-                    continue;
-                };
-                let holding = !bucket.envoys.is_empty() || !bucket.departed.is_empty();
-                (
-                    bucket.store_key.clone(),
-                    ShareCall {
-                        holder: self.holder.clone(),
-                        claims: bucket.envoys.values().map(Seat::claim).collect(),
-                        limit: quota.limit(),
-                        ttl_ms: if holding {
-                            hold_ttl(quota.period()).as_millis() as u64
-                        } else {
-                            0
-                        },
-                        in_use: bucket.in_use(now).min(bucket.held),
-                    },
-                )
-            };
-            let reply = self.store.share(&call.0, &call.1).await;
-            if let Some((label, assigned, held)) =
-                self.assign(&key, reply.map(|r| (r.grant, r.held)).ok(), now)
-            {
-                let sum = sums.entry((key.0.clone(), label)).or_default();
-                sum.0 += assigned;
-                sum.1 += held;
-            }
-        }
-        for ((domain, label), (assigned, held)) in sums {
-            crate::server::stats::rlqs_assigned(&domain, &label, assigned, held);
-        }
-    }
-
-    /// Divides what the hold `got` (asked for at `asked`) among the
-    /// bucket's Envoys and sends each its new assignment; returns the
-    /// rule's label, the reach assigned and the rate held.
-    fn assign(
-        &self,
-        key: &(String, String),
-        got: Option<(u64, u64)>,
-        asked: Instant,
-    ) -> Option<(String, u64, u64)> {
-        let mut state = self.lock();
-        let State { envoys, buckets } = &mut *state;
-        let bucket = buckets.get_mut(key)?;
-        let Rule::Quota { quota, label } = bucket.rule.clone() else {
-            return None;
-        };
-        let give = match got {
-            Some((grant, held)) => {
-                bucket.held = held;
-                bucket.hold_until = Some(asked + hold_ttl(quota.period()));
-                grant
-            }
-            // The store did not answer: the hold stands until it expires,
-            // and what it holds may be divided again; after that, the
-            // failure policy.
-            None => match bucket.hold_until {
-                Some(until) if asked + DELIVERY + ASSIGNMENT_TTL + quota.period() <= until => {
-                    bucket.held
-                }
-                _ => {
-                    let strategy = match self.policy {
-                        FailurePolicy::FailClosed => BlanketRule::DenyAll,
-                        _ => BlanketRule::AllowAll,
-                    };
-                    for envoy in bucket.envoys.keys() {
-                        send(
-                            envoys,
-                            *envoy,
-                            &bucket.id,
-                            blanket(strategy, Some(ASSIGNMENT_TTL)),
-                        );
-                    }
-                    return Some((label, 0, bucket.held));
-                }
-            },
-        };
-        for (envoy, given) in bucket.plan(give, asked) {
-            let action = if given.reach() == 0 {
-                blanket(BlanketRule::DenyAll, Some(ASSIGNMENT_TTL))
-            } else {
-                token_bucket(given, quota.period())
-            };
-            // Not sent (its queue is full): the next round tries again,
-            // and what it had stays counted meanwhile.
-            if send(envoys, envoy, &bucket.id, action) {
-                if let Some(seat) = bucket.envoys.get_mut(&envoy) {
-                    seat.record(given, asked, quota.period());
-                }
-            }
-        }
-        let assigned = bucket
-            .envoys
-            .values()
-            .map(|s| s.given.map_or(0, Given::reach))
-            .sum();
-        Some((label, assigned, bucket.held))
-    }
-
-    fn send_blanket(&self, key: &(String, String), now: Instant) {
-        let mut state = self.lock();
-        let State { envoys, buckets } = &mut *state;
-        let Some(bucket) = buckets.get_mut(key) else {
-            return;
-        };
-        let Rule::Blanket(no_match) = bucket.rule else {
-            return;
-        };
-        let rule = match no_match {
-            NoMatch::Allow => BlanketRule::AllowAll,
-            NoMatch::Deny => BlanketRule::DenyAll,
-        };
-        for (envoy, seat) in bucket.envoys.iter_mut() {
-            if seat.given.is_none() && send(envoys, *envoy, &bucket.id, blanket(rule, None)) {
-                seat.record(Given::default(), now, Duration::from_secs(1));
-            }
-        }
     }
 }

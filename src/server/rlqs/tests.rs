@@ -55,13 +55,15 @@ impl Replica {
         };
         let table = table(&rules(limit), &settings);
         let rlqs = Rlqs::new(table, settings.store.clone(), FailurePolicy::FailClosed);
-        Replica {
+        let replica = Replica {
             rlqs,
             clock,
             start: Instant::now(),
             at: Duration::ZERO,
             settings,
-        }
+        };
+        replica.fix();
+        replica
     }
 
     fn inner(&self) -> &Inner {
@@ -75,6 +77,12 @@ impl Replica {
     fn advance(&mut self, by: Duration) {
         self.at += by;
         self.clock.advance(by);
+        self.fix();
+    }
+
+    /// Sets the replica's own clock to this one's time.
+    fn fix(&self) {
+        *self.rlqs.inner.fixed.lock().expect("lock") = Some(self.now());
     }
 
     /// An Envoy's stream, with room for `queue` messages.
@@ -302,6 +310,21 @@ async fn a_changed_rule_abandons_its_bucket() {
     replica.report(a, 1, 0);
     run_for(&mut replica, RENEW, 100).await;
     received(&mut inbox);
+    // A rule added above it moves its name, not its budget: nothing
+    // happens.
+    let moved = format!(
+        "domain: api\nrlqs:\n  buckets:\n    - match: {{ name: x }}\n      \
+         rate_limit: {{ unit: second, requests_per_unit: 1 }}\n{}",
+        rules("unit: second, requests_per_unit: 100")
+            .trim_start_matches("domain: api\nrlqs:\n  buckets:\n")
+    );
+    let moved = table(&moved, &replica.settings);
+    replica.inner().table.store(moved.load_full());
+    run_for(&mut replica, RENEW, 100).await;
+    assert!(received(&mut inbox)
+        .iter()
+        .all(|a| !matches!(a, Action::AbandonAction(_))));
+    // A new quota: the Envoy is told to forget the bucket.
     let changed = table(
         &rules("unit: second, requests_per_unit: 10"),
         &replica.settings,
@@ -312,10 +335,18 @@ async fn a_changed_rule_abandons_its_bucket() {
         received(&mut inbox).as_slice(),
         [Action::AbandonAction(_)]
     ));
-    assert!(replica.inner().lock().buckets.is_empty());
-    // Its next request brings it back under the new rule.
+    // Its next request brings it back under the new rule, but what its
+    // old assignment may still admit (100 a second) counts until it
+    // lapses: denied until then, then the new share.
     replica.report(a, 1, 0);
-    run_for(&mut replica, RENEW, 10).await;
+    run_for(&mut replica, RENEW, 100).await;
+    assert_eq!(strategy(received(&mut inbox).last().unwrap()), (0, 0, 0));
+    run_for(
+        &mut replica,
+        DELIVERY + ASSIGNMENT_TTL + Duration::from_secs(1),
+        100,
+    )
+    .await;
     assert_eq!(strategy(received(&mut inbox).last().unwrap()), (8, 2, 1));
 }
 
@@ -383,6 +414,7 @@ async fn envoys_on_two_replicas_get_the_fleets_max_min_shares() {
         assert!(total <= 100, "tick {tick}: {a:?} {b:?}");
         first.advance(RENEW);
         second.at += RENEW;
+        second.fix();
     }
     let (a, b) = (first.in_force(100), second.in_force(100));
     assert_eq!(

@@ -190,16 +190,20 @@ impl RedisStore {
             .arg(call.claims_arg())
             .arg(call.limit)
             .arg(call.ttl_ms)
-            .arg(call.in_use);
+            .arg(call.in_use)
+            .arg(call.tokens_ttl_ms)
+            .arg(call.claims_ttl_ms)
+            .arg(call.tokens);
         let node = self.node_for(key);
         let (reply, _) = self.script_call(lua, node.as_deref(), cmd).await;
         let values = reply?.extract_error().map_err(Error::from_redis)?;
         let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
         match values.as_slice() {
-            &[grant, held, others] => Ok(crate::share::ShareReply {
+            &[grant, held, others, had] => Ok(crate::share::ShareReply {
                 grant: grant.max(0) as u64,
                 held: held.max(0) as u64,
                 others: others.max(0) as u64,
+                had: had == 1,
             }),
             _ => Err(parse_error(format!("rate_share replied {values:?}"))),
         }
