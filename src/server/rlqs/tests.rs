@@ -435,3 +435,27 @@ async fn envoys_on_two_replicas_get_the_fleets_max_min_shares() {
         ],
     );
 }
+
+#[tokio::test]
+async fn a_bucket_id_too_big_to_serve_gets_a_blanket_and_no_state() {
+    let replica = Replica::new("unit: second, requests_per_unit: 100");
+    let (a, mut inbox) = replica.connect(64);
+    let id = BucketId {
+        bucket: (0..super::MAX_ID_ENTRIES + 1)
+            .map(|i| (format!("k{i}"), "v".to_owned()))
+            .collect(),
+    };
+    let message = RateLimitQuotaUsageReports {
+        domain: "api".into(),
+        bucket_quota_usages: vec![BucketQuotaUsage {
+            bucket_id: Some(id),
+            time_elapsed: None,
+            num_requests_allowed: 1,
+            num_requests_denied: 0,
+        }],
+    };
+    replica.inner().report(a, "api", &message, replica.now());
+    assert!(replica.inner().lock().buckets.is_empty());
+    // The failure policy's answer (closed here): a blanket denial.
+    assert_eq!(strategy(received(&mut inbox).last().unwrap()), (0, 0, 0));
+}
