@@ -172,6 +172,7 @@ impl ConcurrencyBuilder {
             releases,
             metrics: stats::Handles::new(&name),
             task: std::sync::Mutex::default(),
+            calls: AtomicU64::new(0),
         });
         let task = runtime.spawn(renew::run(Arc::downgrade(&inner), released));
         *inner.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());

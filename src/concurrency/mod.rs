@@ -138,6 +138,8 @@ pub(crate) struct Inner {
     pub(crate) metrics: stats::Handles,
     /// The background task.
     pub(crate) task: std::sync::Mutex<Option<tokio::task::AbortHandle>>,
+    /// Calls sent to the store.
+    pub(crate) calls: AtomicU64,
 }
 
 impl std::fmt::Debug for Inner {
@@ -218,6 +220,12 @@ impl ConcurrencyLimiter {
         self.inner.max
     }
 
+    /// Calls this limiter sent to the store so far (takes, releases and
+    /// renewals).
+    pub fn store_calls(&self) -> u64 {
+        self.inner.calls.load(Ordering::Relaxed)
+    }
+
     /// Stops handing out slots and gives back every lease this process
     /// holds with nothing in flight. Permits still alive release as they
     /// drop; leases left behind expire.
@@ -259,6 +267,7 @@ impl Inner {
             leases,
         };
         self.metrics.store_calls.increment(1);
+        self.calls.fetch_add(1, Ordering::Relaxed);
         let replies = self.store.slots(&self.store_key(key), &call).await;
         if let Ok((_, expired)) = &replies {
             self.metrics.expired.increment(*expired);
@@ -315,27 +324,43 @@ impl Inner {
         key: &str,
         slots: &Arc<KeySlots>,
     ) -> Result<SlotPermit, AcquireError> {
-        let now = self.clock.now();
-        let want = {
-            let mut held = slots.lock();
-            if held.take(now) {
-                self.metrics.in_flight.increment(1.0);
-                return Ok(SlotPermit::new(
-                    self.clone(),
-                    key,
-                    slots.clone(),
-                    Held::Leased,
-                ));
-            }
-            match held.ask(now) {
-                Some(want) => want,
-                // Another call is asking the store: its answer frees us.
-                None => {
-                    return Err(AcquireError::Full {
-                        retry_after: Duration::from_millis(10),
-                    })
+        let mut now = self.clock.now();
+        let mut waited = false;
+        let want = loop {
+            let answered = slots.answered.notified();
+            tokio::pin!(answered);
+            answered.as_mut().enable();
+            {
+                let mut held = slots.lock();
+                if held.take(now) {
+                    self.metrics.in_flight.increment(1.0);
+                    return Ok(SlotPermit::new(
+                        self.clone(),
+                        key,
+                        slots.clone(),
+                        Held::Leased,
+                    ));
+                }
+                match held.ask(now) {
+                    state::Ask::Send(want) => break want,
+                    state::Ask::Busy => {}
+                    state::Ask::Quiet => {
+                        return Err(AcquireError::Full {
+                            retry_after: state::QUIET,
+                        })
+                    }
                 }
             }
+            // Another call on the lease is in flight: its answer decides
+            // (within the store's timeout).
+            if waited {
+                return Err(AcquireError::Full {
+                    retry_after: Duration::from_millis(10),
+                });
+            }
+            waited = true;
+            let _ = tokio::time::timeout(Duration::from_secs(5), answered).await;
+            now = self.clock.now();
         };
         let asking = state::Asking::new(slots.clone());
         let reply = self.call(key, vec![(self.holder.clone(), want)]).await;
@@ -349,6 +374,9 @@ impl Inner {
                 if change > 1 {
                     // More than this call takes: others may have one.
                     slots.freed.notify_waiters();
+                }
+                if change <= 0 {
+                    held.quiet_until = now + state::QUIET;
                 }
                 if held.take(self.clock.now()) {
                     drop(held);

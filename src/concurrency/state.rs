@@ -14,6 +14,9 @@ pub(crate) struct KeySlots {
     state: Mutex<Slots>,
     /// Signalled when a slot of the key may have come free here.
     pub(crate) freed: Notify,
+    /// Signalled when a call on the key's lease has answered (or was
+    /// given up).
+    pub(crate) answered: Notify,
 }
 
 impl KeySlots {
@@ -44,7 +47,25 @@ pub(crate) struct Slots {
     pub(crate) asking: bool,
     /// Permits the failure policy admitted.
     pub(crate) fallback: u64,
+    /// Until when (local clock) not to ask for more: the last ask got
+    /// nothing (every slot is taken), and asking again at once would only
+    /// load the store.
+    pub(crate) quiet_until: Duration,
 }
+
+/// What [`Slots::ask`] says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ask {
+    /// Send a call for this many.
+    Send(u64),
+    /// Another call is in flight: wait for its answer.
+    Busy,
+    /// Asked in vain a moment ago: not yet.
+    Quiet,
+}
+
+/// How long a process does not ask again after an ask got nothing.
+pub(crate) const QUIET: Duration = Duration::from_millis(20);
 
 impl Slots {
     /// Permits of the key alive in this process.
@@ -64,12 +85,15 @@ impl Slots {
     /// What to ask the store for at `now` when no slot is free (none if a
     /// call is in flight already): what is in use, one more, and a batch
     /// of a quarter of that besides.
-    pub(crate) fn ask(&mut self, _now: Duration) -> Option<u64> {
+    pub(crate) fn ask(&mut self, now: Duration) -> Ask {
         if self.asking {
-            return None;
+            return Ask::Busy;
+        }
+        if now < self.quiet_until && now < self.valid_until {
+            return Ask::Quiet;
         }
         let want = self.in_use + 1;
-        Some(self.sending(want + want / 4))
+        Ask::Send(self.sending(want + want / 4))
     }
 
     /// A call setting the lease to `want` is about to go: no other may
@@ -132,7 +156,9 @@ impl Asking {
     /// The call answered: `slots` is the locked state.
     pub(crate) fn done(mut self, slots: &mut Slots) {
         slots.asking = false;
-        self.slots = None;
+        if let Some(key) = self.slots.take() {
+            key.answered.notify_waiters();
+        }
     }
 }
 
@@ -140,7 +166,7 @@ impl Drop for Asking {
     fn drop(&mut self) {
         if let Some(slots) = self.slots.take() {
             slots.lock().asking = false;
-            slots.freed.notify_waiters();
+            slots.answered.notify_waiters();
         }
     }
 }

@@ -27,10 +27,14 @@
 //!    its tokens a period longer;
 //! 3. it hands out only what the store grants it beyond that, and the
 //!    store's holds never sum past the limit (`lua/rate_share.lua`);
-//! 4. a hold outlives what its assignments may admit: holds last
-//!    [`hold_ttl`], renewed every [`RENEW`] (the replica's and the
-//!    store's clocks run at the same rate);
-//! 5. Envoy's `expired_assignment_behavior` is DENY_ALL, with its
+//! 4. a hold outlives what its assignments may admit: its rate part
+//!    lasts [`HOLD_TTL`] and its tokens [`tokens_ttl`], renewed every
+//!    [`RENEW`] (the replica's and the store's clocks run at the same
+//!    rate); its claims count for [`CLAIMS_TTL`] only;
+//! 5. the store keeps the holds (a replica that held a share and finds
+//!    it gone raises nothing for [`tokens_ttl`]; one that held nothing
+//!    cannot tell, and may be granted up to the limit again);
+//! 6. Envoy's `expired_assignment_behavior` is DENY_ALL, with its
 //!    `expired_assignment_behavior_timeout` set (unset, it is zero and
 //!    `no_assignment_behavior` takes over at once).
 //!
