@@ -1,0 +1,186 @@
+//! The in-flight layer on real axum servers: four servers, each with its
+//! own concurrency limiter on one private Redis, behind a round-robin
+//! client; handlers counted where they run.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::routing::get;
+use axum::Router;
+use bytes::Bytes;
+use http::StatusCode;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use slicelimit::http::{InFlightLayer, KeyExtractor};
+use slicelimit::ConcurrencyLimiter;
+use support::RedisServer;
+
+const MAX: u32 = 20;
+
+#[derive(Default)]
+struct Running {
+    now: AtomicU64,
+    most: AtomicU64,
+}
+
+async fn server(redis: &RedisServer, running: Arc<Running>, wait: Duration) -> SocketAddr {
+    let limiter = ConcurrencyLimiter::builder(NonZeroU32::new(MAX).unwrap())
+        .store(support::store(redis).await)
+        .namespace("http-inflight")
+        .hybrid()
+        .build()
+        .expect("builds");
+    let layer = InFlightLayer::new(limiter, KeyExtractor::header("x-api-key")).wait_up_to(wait);
+    let router = Router::new()
+        .route(
+            "/work",
+            get(move || {
+                let running = running.clone();
+                async move {
+                    let now = running.now.fetch_add(1, Ordering::SeqCst) + 1;
+                    running.most.fetch_max(now, Ordering::SeqCst);
+                    let jitter = Instant::now().elapsed().subsec_nanos() as u64 % 46;
+                    tokio::time::sleep(Duration::from_millis(5 + jitter)).await;
+                    running.now.fetch_sub(1, Ordering::SeqCst);
+                    "done"
+                }
+            }),
+        )
+        .layer(layer);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    addr
+}
+
+/// Sends requests from `clients` tasks, each to the next server in turn,
+/// for `span`; returns (passed, refused, refusals with `Retry-After`).
+async fn drive(servers: &[SocketAddr], clients: usize, span: Duration) -> (u64, u64, u64) {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let next = Arc::new(AtomicU64::new(0));
+    let counts = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
+    let until = Instant::now() + span;
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let (client, next, counts) = (client.clone(), next.clone(), counts.clone());
+            let servers = servers.to_vec();
+            tokio::spawn(async move {
+                while Instant::now() < until {
+                    let i = next.fetch_add(1, Ordering::Relaxed) as usize % servers.len();
+                    let request = http::Request::get(format!("http://{}/work", servers[i]))
+                        .header("x-api-key", "tenant-7")
+                        .body(Empty::new())
+                        .unwrap();
+                    let response = client.request(request).await.expect("an answer");
+                    let status = response.status();
+                    let retry = response.headers().contains_key(http::header::RETRY_AFTER);
+                    let _ = response.into_body().collect().await;
+                    match status {
+                        StatusCode::OK => counts[0].fetch_add(1, Ordering::Relaxed),
+                        StatusCode::TOO_MANY_REQUESTS => {
+                            if retry {
+                                counts[2].fetch_add(1, Ordering::Relaxed);
+                            }
+                            counts[1].fetch_add(1, Ordering::Relaxed)
+                        }
+                        other => panic!("unexpected {other}"),
+                    };
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    (
+        counts[0].load(Ordering::Relaxed),
+        counts[1].load(Ordering::Relaxed),
+        counts[2].load(Ordering::Relaxed),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_servers_behind_round_robin_run_at_most_20_handlers_at_once() {
+    let redis = RedisServer::start();
+    let running = Arc::new(Running::default());
+    let mut servers = Vec::new();
+    for _ in 0..4 {
+        servers.push(server(&redis, running.clone(), Duration::ZERO).await);
+    }
+    let (passed, refused, with_retry) = drive(&servers, 80, Duration::from_secs(5)).await;
+    let most = running.most.load(Ordering::SeqCst);
+    eprintln!("{passed} passed, {refused} answered 429, at most {most} handlers at once");
+    assert!(most <= u64::from(MAX), "{most} handlers at once");
+    assert!(passed > 1_000 && refused > 0, "{passed} / {refused}");
+    assert_eq!(with_retry, refused, "every 429 carries Retry-After");
+    assert_eq!(redis.immortal_keys(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_a_slot_turns_refusals_into_waits() {
+    let redis = RedisServer::start();
+    let running = Arc::new(Running::default());
+    let mut servers = Vec::new();
+    for _ in 0..2 {
+        servers.push(server(&redis, running.clone(), Duration::from_secs(2)).await);
+    }
+    // 30 clients for 20 slots, each request some 30 ms: a wait of 2 s
+    // always ends in a slot.
+    let (passed, refused, _) = drive(&servers, 30, Duration::from_secs(3)).await;
+    let most = running.most.load(Ordering::SeqCst);
+    eprintln!("{passed} passed, {refused} answered 429, at most {most} handlers at once");
+    assert!(most <= u64::from(MAX), "{most} handlers at once");
+    assert_eq!(refused, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_slot_is_held_until_the_response_body_is_sent() {
+    let limiter = ConcurrencyLimiter::builder(NonZeroU32::new(1).unwrap())
+        .build()
+        .expect("builds");
+    let layer = InFlightLayer::new(limiter.clone(), KeyExtractor::header("x-api-key"));
+    // The handler returns at once; its body takes 600 ms to stream.
+    let router = Router::new()
+        .route(
+            "/slow",
+            get(|| async {
+                let chunks = futures_util::stream::unfold(0u8, |n| async move {
+                    if n == 3 {
+                        return None;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    Some((Ok::<_, std::io::Error>(Bytes::from_static(b"chunk")), n + 1))
+                });
+                axum::body::Body::from_stream(chunks)
+            }),
+        )
+        .layer(layer);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let get = || {
+        let request = http::Request::get(format!("http://{addr}/slow"))
+            .header("x-api-key", "k")
+            .body(Empty::new())
+            .unwrap();
+        client.request(request)
+    };
+    let first = get().await.expect("an answer");
+    assert_eq!(first.status(), StatusCode::OK);
+    // Its headers are in, its body is not: the slot is still taken.
+    let second = get().await.expect("an answer");
+    assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(limiter.in_flight("k"), 1);
+    let body = first.into_body().collect().await.expect("a body").to_bytes();
+    assert_eq!(body.len(), 15);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(limiter.in_flight("k"), 0);
+    assert_eq!(get().await.expect("an answer").status(), StatusCode::OK);
+}
