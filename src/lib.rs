@@ -218,6 +218,11 @@ pub struct UsageDoctests;
 #[doc = include_str!("../docs/http.md")]
 pub struct HttpDoctests;
 
+/// The code blocks of `docs/concurrency.md`, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/concurrency.md")]
+pub struct ConcurrencyDoctests;
+
 /// The code blocks of `docs/operations.md`, compiled as doctests.
 #[cfg(doctest)]
 #[doc = include_str!("../docs/operations.md")]

@@ -1205,6 +1205,20 @@ fn the_grafana_dashboard_prompts_for_a_data_source_and_charts_the_layer_and_the_
             "{metric} is charted"
         );
     }
+    use slicelimit::concurrency::stats as inflight;
+    for metric in [
+        inflight::IN_FLIGHT,
+        inflight::LEASED,
+        inflight::EXPIRED,
+        inflight::LOST,
+        inflight::WAITED,
+        inflight::DENIED,
+    ] {
+        assert!(
+            exprs.iter().any(|e| e.contains(metric)),
+            "{metric} is charted"
+        );
+    }
     use slicelimit::metrics::*;
     for metric in [
         DECISIONS,

@@ -178,7 +178,12 @@ async fn the_slot_is_held_until_the_response_body_is_sent() {
     let second = get().await.expect("an answer");
     assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
     assert_eq!(limiter.in_flight("k"), 1);
-    let body = first.into_body().collect().await.expect("a body").to_bytes();
+    let body = first
+        .into_body()
+        .collect()
+        .await
+        .expect("a body")
+        .to_bytes();
     assert_eq!(body.len(), 15);
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert_eq!(limiter.in_flight("k"), 0);
