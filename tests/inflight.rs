@@ -44,7 +44,7 @@ fn main() {
         return;
     }
     let filters: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with('-')).collect();
-    let tests: [(&str, fn()); 3] = [
+    let tests: [(&str, fn()); 4] = [
         (
             "four_processes_never_run_more_than_the_maximum_at_once",
             four_processes,
@@ -56,6 +56,10 @@ fn main() {
         (
             "a_request_that_outlives_its_lease_five_times_keeps_its_slot",
             long_request,
+        ),
+        (
+            "without_redis_the_failure_policy_decides_and_never_exceeds_n_per_process",
+            store_down,
         ),
     ];
     let chosen: Vec<_> = tests
@@ -250,6 +254,61 @@ fn long_request() {
             long.shutdown().await;
             other.shutdown().await;
         }
+    });
+}
+
+fn store_down() {
+    let mut server = RedisServer::start();
+    let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+    runtime.block_on(async {
+        let options = support::test_options().response_timeout(Duration::from_millis(200));
+        let url = server.url();
+        let connect = || slicelimit::RedisStore::connect_with(&url, options.clone());
+        let builder = |store, policy| {
+            ConcurrencyLimiter::builder(NonZeroU32::new(3).unwrap())
+                .store(store)
+                .namespace("down")
+                .on_store_error(policy)
+                .build()
+                .expect("builds")
+        };
+        let closed = builder(
+            connect().await.expect("connect"),
+            slicelimit::FailurePolicy::FailClosed,
+        );
+        let open = builder(
+            connect().await.expect("connect"),
+            slicelimit::FailurePolicy::FailOpen,
+        );
+        let before = closed
+            .try_acquire("k")
+            .await
+            .expect("a slot while Redis is up");
+        server.kill();
+        let began = Instant::now();
+        let refused = closed.try_acquire("k").await;
+        assert!(
+            matches!(refused, Err(slicelimit::AcquireError::Unavailable { .. })),
+            "{refused:?}"
+        );
+        let mut admitted = Vec::new();
+        for _ in 0..10 {
+            if let Ok(permit) = open.try_acquire("k").await {
+                assert!(permit.is_fallback());
+                admitted.push(permit);
+            }
+        }
+        let took = began.elapsed();
+        println!(
+            "Redis down: fail-closed refused, fail-open admitted {} of 10 (N = 3 per \
+             process) in {:.2} s",
+            admitted.len(),
+            took.as_secs_f64()
+        );
+        assert_eq!(admitted.len(), 3);
+        // Bounded by the store's timeout, not hung.
+        assert!(took < Duration::from_secs(10), "{took:?}");
+        drop(before);
     });
 }
 
