@@ -148,12 +148,7 @@ async fn the_lease_script_and_the_embedded_store_agree_on_shares() {
 #[tokio::test]
 async fn the_rate_share_script_and_the_embedded_store_agree() {
     use crate::share::ShareCall;
-    let server = Server::start();
-    let redis: Store = RedisStore::connect(&format!("redis://127.0.0.1:{}", server.1))
-        .await
-        .expect("connect")
-        .into();
-    let memory: Store = MemoryStore::new().into();
+    let (_server, redis, memory) = both_stores().await;
     let call = |holder: &str, demand: u64, in_use: u64, ttl_ms: u64| ShareCall {
         holder: holder.into(),
         claims: vec![demand, demand / 3],
@@ -188,12 +183,7 @@ async fn the_rate_share_script_and_the_embedded_store_agree() {
 #[tokio::test]
 async fn the_slots_script_and_the_embedded_store_agree() {
     use crate::slots::SlotsCall;
-    let server = Server::start();
-    let redis: Store = RedisStore::connect(&format!("redis://127.0.0.1:{}", server.1))
-        .await
-        .expect("connect")
-        .into();
-    let memory: Store = MemoryStore::new().into();
+    let (_server, redis, memory) = both_stores().await;
     let call = |leases: &[(&str, u64)]| SlotsCall {
         max: 20,
         ttl_ms: 5_000,
@@ -215,4 +205,14 @@ async fn the_slots_script_and_the_embedded_store_agree() {
         let from_memory = memory.slots("slots:parity", c).await.expect("memory");
         assert_eq!(from_redis, from_memory, "call {i}: {c:?}");
     }
+}
+
+/// A private Redis (kept alive by the first value) and an embedded store.
+async fn both_stores() -> (Server, Store, Store) {
+    let server = Server::start();
+    let redis: Store = RedisStore::connect(&format!("redis://127.0.0.1:{}", server.1))
+        .await
+        .expect("connect")
+        .into();
+    (server, redis, MemoryStore::new().into())
 }

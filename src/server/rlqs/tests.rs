@@ -25,6 +25,24 @@ use crate::FakeClock;
 
 type Inbox = mpsc::Receiver<Result<RateLimitQuotaResponse, Status>>;
 
+/// The assignments for demands of 30, 90 and 180 a second on a bucket of
+/// 100: claims 32, 92, 182 (demand and a reserve of 2); the first is met,
+/// the others split the remaining 68, each a bucket of 2 tokens.
+const FAIR_30_90_180: [Given; 3] = [
+    Given {
+        rate: 30,
+        tokens: 2,
+    },
+    Given {
+        rate: 32,
+        tokens: 2,
+    },
+    Given {
+        rate: 32,
+        tokens: 2,
+    },
+];
+
 fn rules(limit: &str) -> String {
     format!(
         "domain: api\nrlqs:\n  buckets:\n    - match: {{ name: api }}\n      \
@@ -208,23 +226,7 @@ async fn envoys_get_max_min_shares_of_their_demand_within_the_limit() {
     let got: Vec<Given> = envoys.iter().map(|(e, _)| given[e]).collect();
     // Claims 32, 92, 182 (demand and a reserve of 2): the first is met;
     // the others split the remaining 68, each a bucket of 2 tokens.
-    assert_eq!(
-        got,
-        [
-            Given {
-                rate: 30,
-                tokens: 2
-            },
-            Given {
-                rate: 32,
-                tokens: 2
-            },
-            Given {
-                rate: 32,
-                tokens: 2
-            },
-        ]
-    );
+    assert_eq!(got, FAIR_30_90_180);
     for (_, inbox) in &mut envoys {
         let last = received(inbox).pop().expect("an assignment");
         assert!(matches!(strategy(&last), (30, 2, 1) | (32, 2, 1)));
@@ -417,23 +419,7 @@ async fn envoys_on_two_replicas_get_the_fleets_max_min_shares() {
         second.fix();
     }
     let (a, b) = (first.in_force(100), second.in_force(100));
-    assert_eq!(
-        [a[&e0], b[&e1], a[&e2]],
-        [
-            Given {
-                rate: 30,
-                tokens: 2
-            },
-            Given {
-                rate: 32,
-                tokens: 2
-            },
-            Given {
-                rate: 32,
-                tokens: 2
-            },
-        ],
-    );
+    assert_eq!([a[&e0], b[&e1], a[&e2]], FAIR_30_90_180,);
 }
 
 #[tokio::test]
