@@ -5,11 +5,16 @@
 -- KEYS[1]  the key's leases: a hash, lease -> "slots expires_ms want"
 -- ARGV[1]  N, the most slots in flight across every lease
 -- ARGV[2]  how long a lease lasts, ms, from this call
--- ARGV[3…] pairs: a lease and the slots it wants to hold (absolute)
+-- ARGV[3]  1: a lease that gets nothing still counts its want for a
+--          moment (one per process: hybrid); 0: it is dropped (one per
+--          request: exact, whose attempts would pile up)
+-- ARGV[4…] pairs: a lease and the slots it wants to hold (absolute)
 --
 -- Leases past their expiry are dropped: their holder stopped renewing,
 -- and its slots are free again. A lease asking for no more than it holds
--- gets what it asks (the rest is released; 0 ends it). A lease asking
+-- gets what it asks (the rest is released; 0 ends it). A lease that gets
+-- nothing is kept, with no slot, for a second: its want counts in the
+-- fair shares. A lease asking
 -- for more gets what fits beside the others' live slots, and never less
 -- than it holds. Every call sets an absolute value, so a second delivery
 -- of the same call changes nothing.
@@ -19,6 +24,9 @@
 -- leases this call dropped (leaked by a holder that stopped renewing).
 local n = tonumber(ARGV[1])
 local ttl = tonumber(ARGV[2])
+local keep_waiting = ARGV[3] == '1'
+-- How long a want that got nothing counts, ms.
+local waiting = 1000
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
@@ -66,7 +74,7 @@ local function level()
 end
 
 local out = {}
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   local lease = ARGV[i]
   local want = tonumber(ARGV[i + 1])
   local held = slots[lease] or 0
@@ -74,22 +82,28 @@ for i = 3, #ARGV, 2 do
   if want > held then
     new = math.max(held, math.min(want, n - (total() - held)))
   end
-  if new <= 0 then
+  if want <= 0 or (new <= 0 and not keep_waiting) then
     slots[lease] = nil
     wants[lease] = nil
     redis.call('HDEL', KEYS[1], lease)
   else
+    -- A lease that got nothing still counts its want for a moment, so
+    -- the holders above their fair share give slots back.
+    local lasts = ttl
+    if new <= 0 then
+      lasts = math.min(ttl, waiting)
+    end
     slots[lease] = new
     wants[lease] = want
-    redis.call('HSET', KEYS[1], lease, string.format('%d %d %d', new, now + ttl, want))
+    redis.call('HSET', KEYS[1], lease, string.format('%d %d %d', new, now + lasts, want))
   end
   out[#out + 1] = new
 end
 local lvl = level()
 local reply = {}
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   local want = wants[ARGV[i]] or 0
-  reply[#reply + 1] = out[(i - 1) / 2]
+  reply[#reply + 1] = out[(i - 2) / 2]
   reply[#reply + 1] = math.min(want, lvl)
 end
 if redis.call('HLEN', KEYS[1]) > 0 and redis.call('PTTL', KEYS[1]) < ttl then

@@ -4,6 +4,10 @@
 
 use std::collections::HashMap;
 
+/// How long a lease that got nothing counts its want, ms: the holders
+/// above their fair share give slots back meanwhile.
+pub(crate) const WAITING_MS: u64 = 1_000;
+
 /// One call on a key's leases (the script's arguments).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SlotsCall {
@@ -11,6 +15,9 @@ pub(crate) struct SlotsCall {
     pub(crate) max: u64,
     /// How long a lease lasts from this call, ms.
     pub(crate) ttl_ms: u64,
+    /// Whether a lease that gets nothing still counts its want for
+    /// [`WAITING_MS`] (one lease per process; not one per request).
+    pub(crate) waiting: bool,
     /// Leases and the slots each wants to hold (absolute; 0 ends it).
     pub(crate) leases: Vec<(String, u64)>,
 }
@@ -57,15 +64,20 @@ pub(crate) fn apply(
         } else {
             *want
         };
-        if new == 0 {
+        if *want == 0 || (new == 0 && !call.waiting) {
             leases.remove(name);
         } else {
+            let lasts = if new == 0 {
+                call.ttl_ms.min(WAITING_MS)
+            } else {
+                call.ttl_ms
+            };
             leases.insert(
                 name.clone(),
                 SlotLease {
                     held: new,
                     want: *want,
-                    expires_ms: now_ms + call.ttl_ms,
+                    expires_ms: now_ms + lasts,
                 },
             );
         }
@@ -109,6 +121,7 @@ mod tests {
         SlotsCall {
             max,
             ttl_ms: 1_000,
+            waiting: true,
             leases: leases.iter().map(|(n, w)| ((*n).to_owned(), *w)).collect(),
         }
     }
@@ -164,7 +177,7 @@ mod tests {
                     .filter(|(n, _)| seen.insert(*n))
                     .map(|(n, w)| (format!("l{n}"), w))
                     .collect();
-                let c = SlotsCall { max, ttl_ms: 1_000, leases: pairs.clone() };
+                let c = SlotsCall { max, ttl_ms: 1_000, waiting: step % 2 == 0, leases: pairs.clone() };
                 let (replies, _) = apply(&mut leases, &c, now);
                 for ((name, want), reply) in pairs.iter().zip(&replies) {
                     let had = before.get(name).copied().unwrap_or(0);

@@ -232,18 +232,18 @@ fn long_request() {
             let other = limiter(support::store(&server).await, mode, lease);
             let mut slots = Vec::new();
             for _ in 0..MAX {
-                slots.push(long.try_acquire("k").await.expect("a slot"));
+                slots.push(long.try_acquire(mode).await.expect("a slot"));
             }
             // Five leases and a half: no second holder meanwhile.
             let began = Instant::now();
             while began.elapsed() < lease * 5 + lease / 2 {
-                assert!(other.try_acquire("k").await.is_err(), "{mode}: taken");
+                assert!(other.try_acquire(mode).await.is_err(), "{mode}: taken");
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
             drop(slots);
             let freed = Instant::now();
             let _after = other
-                .acquire("k", Duration::from_secs(3))
+                .acquire(mode, Duration::from_secs(3))
                 .await
                 .expect("free once released");
             println!(
@@ -349,11 +349,12 @@ async fn run(store: slicelimit::RedisStore, args: &[String]) {
     let tasks: Vec<_> = (0..TASKS)
         .map(|t| {
             let limiter = limiter.clone();
+            let mode = args[2].clone();
             tokio::spawn(async move {
                 let mut x = (seed * 1_000 + t as u64) | 1;
                 let mut out = Vec::new();
                 while wall_us() < stop_at {
-                    let Ok(permit) = limiter.acquire("k", Duration::from_secs(1)).await else {
+                    let Ok(permit) = limiter.acquire(&mode, Duration::from_secs(1)).await else {
                         continue;
                     };
                     let start = wall_us();

@@ -174,7 +174,12 @@ impl ConcurrencyBuilder {
             task: std::sync::Mutex::default(),
             calls: AtomicU64::new(0),
         });
-        let task = runtime.spawn(renew::run(Arc::downgrade(&inner), released));
+        let releaser = renew::Releaser {
+            store: inner.store.clone(),
+            max: inner.max,
+            ttl_ms: inner.lease.as_millis() as u64,
+        };
+        let task = runtime.spawn(renew::run(Arc::downgrade(&inner), released, releaser));
         *inner.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
         Ok(ConcurrencyLimiter { inner })
     }

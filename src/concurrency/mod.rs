@@ -134,12 +134,33 @@ pub(crate) struct Inner {
     pub(crate) wake: Arc<Notify>,
     dirty: std::sync::Mutex<Vec<String>>,
     /// Exact permits to release, by the background task.
-    releases: mpsc::UnboundedSender<(String, u64)>,
+    releases: mpsc::UnboundedSender<Release>,
     pub(crate) metrics: stats::Handles,
     /// The background task.
     pub(crate) task: std::sync::Mutex<Option<tokio::task::AbortHandle>>,
     /// Calls sent to the store.
     pub(crate) calls: AtomicU64,
+}
+
+/// A lease to end.
+#[derive(Debug)]
+pub(crate) struct Release {
+    pub(crate) store_key: String,
+    pub(crate) lease: String,
+}
+
+/// The limiter's last handle and permit are gone: its hybrid leases go
+/// back (the background task sends them before it stops).
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for entry in self.slots.iter() {
+            if entry.value().lock().stored > 0 {
+                let _ = self
+                    .releases
+                    .send(self.release_of(entry.key(), &self.holder));
+            }
+        }
+    }
 }
 
 impl std::fmt::Debug for Inner {
@@ -164,7 +185,9 @@ impl ConcurrencyLimiter {
     /// # Errors
     /// [`AcquireError::Full`] when every slot is in flight.
     pub async fn try_acquire(&self, key: &str) -> Result<SlotPermit, AcquireError> {
-        self.inner.clone().try_once(key).await
+        // "Now": at most the time another call on the key takes to answer.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        self.inner.clone().try_once(key, deadline).await
     }
 
     /// A slot for `key`, waiting up to `wait` for one: a slot released in
@@ -177,12 +200,14 @@ impl ConcurrencyLimiter {
         let deadline = tokio::time::Instant::now() + wait;
         let mut pause = Duration::from_millis(2);
         let mut waited = false;
+        // Counted as waiting while it waits, however it ends (dropped too).
+        let mut waiting: Option<state::Waiting> = None;
         loop {
             let slots = self.inner.key_slots(key);
             let freed = slots.freed.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            match self.inner.clone().try_once(key).await {
+            match self.inner.clone().try_once(key, deadline).await {
                 Ok(permit) => {
                     if waited {
                         self.inner.metrics.waited.increment(1);
@@ -198,6 +223,9 @@ impl ConcurrencyLimiter {
                 return Err(AcquireError::Full {
                     retry_after: pause.max(Duration::from_millis(10)),
                 });
+            }
+            if waiting.is_none() {
+                waiting = Some(state::Waiting::new(slots.clone()));
             }
             waited = true;
             let sleep = pause.min(deadline - now);
@@ -236,6 +264,15 @@ impl ConcurrencyLimiter {
 }
 
 impl Inner {
+    /// What releasing lease `lease` of `key` takes, for the background
+    /// task (which sends it even once the limiter is gone).
+    fn release_of(&self, key: &str, lease: &str) -> Release {
+        Release {
+            store_key: self.store_key(key),
+            lease: lease.to_owned(),
+        }
+    }
+
     pub(crate) fn store_key(&self, key: &str) -> String {
         format!("{}:{{{}}}:inflight", crate::key::PREFIX, self.keys.tag(key))
     }
@@ -264,6 +301,7 @@ impl Inner {
         let call = SlotsCall {
             max: self.max,
             ttl_ms: self.lease.as_millis() as u64,
+            waiting: self.hybrid,
             leases,
         };
         self.metrics.store_calls.increment(1);
@@ -275,13 +313,25 @@ impl Inner {
         replies.map(|(replies, _)| replies)
     }
 
-    async fn try_once(self: Arc<Self>, key: &str) -> Result<SlotPermit, AcquireError> {
+    async fn try_once(
+        self: Arc<Self>,
+        key: &str,
+        deadline: tokio::time::Instant,
+    ) -> Result<SlotPermit, AcquireError> {
         if self.closed.load(Ordering::Acquire) {
             return Err(AcquireError::Closed);
         }
         let slots = self.key_slots(key);
+        // Never more than `max` here, whatever admitted them (permits the
+        // failure policy gave during an outage count too).
+        if slots.lock().in_flight() >= self.max {
+            self.metrics.denied.increment(1);
+            return Err(AcquireError::Full {
+                retry_after: Duration::from_millis(10),
+            });
+        }
         let result = if self.hybrid {
-            self.try_hybrid(key, &slots).await
+            self.try_hybrid(key, &slots, deadline).await
         } else {
             self.try_exact(key, &slots).await
         };
@@ -323,6 +373,7 @@ impl Inner {
         self: &Arc<Self>,
         key: &str,
         slots: &Arc<KeySlots>,
+        deadline: tokio::time::Instant,
     ) -> Result<SlotPermit, AcquireError> {
         let mut now = self.clock.now();
         let mut waited = false;
@@ -352,19 +403,29 @@ impl Inner {
                 }
             }
             // Another call on the lease is in flight: its answer decides
-            // (within the store's timeout).
+            // (within the store's timeout, and this call's deadline).
             if waited {
                 return Err(AcquireError::Full {
                     retry_after: Duration::from_millis(10),
                 });
             }
             waited = true;
-            let _ = tokio::time::timeout(Duration::from_secs(5), answered).await;
+            if tokio::time::timeout_at(deadline, answered).await.is_err() {
+                return Err(AcquireError::Full {
+                    retry_after: Duration::from_millis(10),
+                });
+            }
+            if slots.lock().failed {
+                // It could not reach the store: neither could this one.
+                let error = Error::new(crate::error::ErrorKind::Store, "the store did not answer");
+                return self.fallback(key, slots, &error);
+            }
             now = self.clock.now();
         };
         let asking = state::Asking::new(slots.clone());
         let reply = self.call(key, vec![(self.holder.clone(), want)]).await;
         let mut held = slots.lock();
+        held.failed = reply.is_err();
         asking.done(&mut held);
         match reply {
             Ok(replies) => {
@@ -433,10 +494,14 @@ impl Inner {
         match held {
             Held::Exact(id) => {
                 slots.lock().exact.remove(&id);
-                let _ = self.releases.send((key.to_owned(), id));
+                let _ = self
+                    .releases
+                    .send(self.release_of(key, &self.lease_name(id)));
             }
             Held::Asked(id) => {
-                let _ = self.releases.send((key.to_owned(), id));
+                let _ = self
+                    .releases
+                    .send(self.release_of(key, &self.lease_name(id)));
                 return;
             }
             Held::Leased => {

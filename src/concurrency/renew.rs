@@ -7,16 +7,22 @@ use std::sync::{Arc, Weak};
 use tokio::sync::mpsc;
 
 use super::state::Asking;
-use super::Inner;
+use super::{Inner, Release};
 
 /// Runs until the limiter is dropped.
-pub(super) async fn run(inner: Weak<Inner>, mut released: mpsc::UnboundedReceiver<(String, u64)>) {
-    let Some(strong) = inner.upgrade() else {
+pub(super) async fn run(
+    inner: Weak<Inner>,
+    mut released: mpsc::UnboundedReceiver<Release>,
+    releaser: Releaser,
+) {
+    // Taken before the first poll, which may come after the limiter is
+    // gone: releases queued by then are still sent.
+    let Some((renew, wake)) = inner.upgrade().map(|i| (i.renew, i.wake.clone())) else {
+        while let Some(last) = released.recv().await {
+            releaser.release(vec![last]).await;
+        }
         return;
     };
-    let renew = strong.renew;
-    let wake = strong.wake.clone();
-    drop(strong);
     let mut next = tokio::time::Instant::now() + renew;
     loop {
         let mut batch = Vec::new();
@@ -31,13 +37,17 @@ pub(super) async fn run(inner: Weak<Inner>, mut released: mpsc::UnboundedReceive
                 None => return,
             },
         };
-        let Some(inner) = inner.upgrade() else {
-            return;
-        };
         while let Ok(more) = released.try_recv() {
             batch.push(more);
         }
-        release(&inner, batch).await;
+        releaser.release(batch).await;
+        let Some(inner) = inner.upgrade() else {
+            // Gone: what its drop queued is sent, then nothing is left.
+            while let Some(last) = released.recv().await {
+                releaser.release(vec![last]).await;
+            }
+            return;
+        };
         if woken {
             let dirty: Vec<String> = std::mem::take(&mut *inner.dirty());
             for key in dirty {
@@ -51,19 +61,31 @@ pub(super) async fn run(inner: Weak<Inner>, mut released: mpsc::UnboundedReceive
     }
 }
 
-/// Releases exact permits' leases, one call per key.
-async fn release(inner: &Inner, batch: Vec<(String, u64)>) {
-    let mut by_key: HashMap<String, Vec<(String, u64)>> = HashMap::new();
-    for (key, id) in batch {
-        by_key
-            .entry(key)
-            .or_default()
-            .push((inner.lease_name(id), 0));
-    }
-    for (key, leases) in by_key {
-        // Not answered: the leases expire instead.
-        let _ = inner.call(&key, leases).await;
-        forget_if_idle(inner, &key);
+/// Ends leases, without the limiter: a limiter dropped with permits still
+/// alive releases them as they drop, after it is gone.
+pub(super) struct Releaser {
+    pub(super) store: crate::store::Store,
+    pub(super) max: u64,
+    pub(super) ttl_ms: u64,
+}
+
+impl Releaser {
+    /// Ends `batch`'s leases, one call per key.
+    async fn release(&self, batch: Vec<Release>) {
+        let mut by_key: HashMap<String, Vec<(String, u64)>> = HashMap::new();
+        for Release { store_key, lease } in batch {
+            by_key.entry(store_key).or_default().push((lease, 0));
+        }
+        for (store_key, leases) in by_key {
+            let call = crate::slots::SlotsCall {
+                max: self.max,
+                ttl_ms: self.ttl_ms,
+                waiting: false,
+                leases,
+            };
+            // Not answered: the leases expire instead.
+            let _ = self.store.slots(&store_key, &call).await;
+        }
     }
 }
 
@@ -106,7 +128,9 @@ pub(super) async fn sync_hybrid(inner: &Inner, key: &str, closing: bool) {
     let now = inner.clock.now();
     let want = {
         let mut held = slots.lock();
-        if held.asking || (held.held == 0 && held.in_use == 0) {
+        // The store's view decides: a slot given back here is still in
+        // the store's lease until this call.
+        if held.asking || (held.stored == 0 && held.in_use == 0) {
             return;
         }
         let want = held.desired(closing);
@@ -115,6 +139,7 @@ pub(super) async fn sync_hybrid(inner: &Inner, key: &str, closing: bool) {
     let asking = Asking::new(slots.clone());
     let reply = inner.call(key, vec![(inner.holder.clone(), want)]).await;
     let mut held = slots.lock();
+    held.failed = reply.is_err();
     asking.done(&mut held);
     if let Ok(replies) = reply {
         let reply = replies.first().copied().unwrap_or_default();

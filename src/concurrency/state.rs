@@ -47,6 +47,16 @@ pub(crate) struct Slots {
     pub(crate) asking: bool,
     /// Permits the failure policy admitted.
     pub(crate) fallback: u64,
+    /// The last call on the lease did not answer.
+    pub(crate) failed: bool,
+    /// Acquisitions waiting for a slot of the key here: the demand the
+    /// lease asks for besides what is in use.
+    pub(crate) waiting: u64,
+    /// The last answer's fair share was below what was asked: others
+    /// want slots too.
+    pub(crate) capped: bool,
+    /// What the last call asked for.
+    pub(crate) asked: u64,
     /// Until when (local clock) not to ask for more: the last ask got
     /// nothing (every slot is taken), and asking again at once would only
     /// load the store.
@@ -82,18 +92,26 @@ impl Slots {
         false
     }
 
-    /// What to ask the store for at `now` when no slot is free (none if a
-    /// call is in flight already): what is in use, one more, and a batch
-    /// of a quarter of that besides.
+    /// What to ask the store for at `now` when no slot is free: what is in
+    /// use, one for each acquisition waiting (at least this one), and a
+    /// batch of a quarter of that besides.
     pub(crate) fn ask(&mut self, now: Duration) -> Ask {
         if self.asking {
             return Ask::Busy;
         }
-        if now < self.quiet_until && now < self.valid_until {
+        // Asked in vain a moment ago, or giving slots back (a call now
+        // would take them again before the others could).
+        if (now < self.quiet_until && now < self.valid_until) || self.held < self.stored {
             return Ask::Quiet;
         }
-        let want = self.in_use + 1;
-        Ask::Send(self.sending(want + want / 4))
+        let want = self.in_use + self.waiting.max(1);
+        let want = want + want / 4;
+        if self.capped {
+            // Others wait too: no more than the fair share, which the
+            // answer brings up to date.
+            return Ask::Send(self.sending(want.min(self.fair.max(self.in_use))));
+        }
+        Ask::Send(self.sending(want))
     }
 
     /// A call setting the lease to `want` is about to go: no other may
@@ -101,6 +119,7 @@ impl Slots {
     /// answers (the store may apply it at any moment).
     pub(crate) fn sending(&mut self, want: u64) -> u64 {
         self.asking = true;
+        self.asked = want;
         self.held = self.held.min(want);
         want
     }
@@ -124,21 +143,31 @@ impl Slots {
         self.stored = held;
         self.held = held;
         self.fair = fair;
+        self.capped = fair < self.asked;
         self.valid_until = valid_until;
         change
     }
 
     /// A leased slot's permit dropped. Returns whether the lease should be
-    /// synced at once: it holds more than its fair share (others want the
-    /// slot) and more than is in use.
+    /// synced at once: it held more than its fair share (others want the
+    /// slot), so the slot goes back instead of to the next request here.
     pub(crate) fn put_back(&mut self) -> bool {
         self.in_use = self.in_use.saturating_sub(1);
-        self.held > self.fair && self.held > self.in_use
+        if self.held > self.fair && self.held > self.in_use {
+            // Others wait for it: not reused here, given back.
+            self.held -= 1;
+            return true;
+        }
+        false
     }
 
     /// Nothing held, in use or asked for: the entry may go.
     pub(crate) fn idle(&self) -> bool {
-        self.held == 0 && self.in_flight() == 0 && !self.asking
+        self.stored == 0
+            && self.held == 0
+            && self.in_flight() == 0
+            && self.waiting == 0
+            && !self.asking
     }
 }
 
@@ -168,5 +197,23 @@ impl Drop for Asking {
             slots.lock().asking = false;
             slots.answered.notify_waiters();
         }
+    }
+}
+
+/// An acquisition waiting for a slot of a key: counted in the lease's
+/// demand until it ends, however it ends.
+pub(crate) struct Waiting(Arc<KeySlots>);
+
+impl Waiting {
+    pub(crate) fn new(slots: Arc<KeySlots>) -> Self {
+        slots.lock().waiting += 1;
+        Waiting(slots)
+    }
+}
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        let mut slots = self.0.lock();
+        slots.waiting = slots.waiting.saturating_sub(1);
     }
 }

@@ -60,6 +60,7 @@ impl Fleet {
         let call = crate::slots::SlotsCall {
             max: 0,
             ttl_ms: 0,
+            waiting: false,
             leases: Vec::new(),
         };
         let _ = self.store.slots(&store_key, &call);
@@ -231,5 +232,66 @@ fn bad_leases_are_refused() {
             builder = builder.renew_every(renew);
         }
         assert!(builder.build().is_err(), "{lease:?} {renew:?}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_busy_hybrid_process_makes_room_for_a_late_one() {
+    let fleet = Fleet::new();
+    let first = fleet.process(20, true);
+    let late = fleet.process(20, true);
+    let mut held: Vec<_> = Vec::new();
+    for _ in 0..20 {
+        held.push(first.try_acquire("k").await.expect("a slot"));
+    }
+    // Ten requests of the late process wait; their demand counts.
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let asking: Vec<_> = (0..10)
+        .map(|_| {
+            let (late, got) = (late.clone(), got.clone());
+            tokio::spawn(async move {
+                if let Ok(permit) = late.acquire("k", Duration::from_secs(5)).await {
+                    got.lock().expect("lock").push(permit);
+                }
+            })
+        })
+        .collect();
+    // The first stays busy: each finished request is followed by another.
+    // It learns its fair share (10) at its next renewal; from then on its
+    // finished requests' slots go back instead of to its next.
+    for _ in 0..100 {
+        held.remove(0);
+        fleet.advance(Duration::from_millis(30)).await;
+        if let Ok(permit) = first.try_acquire("k").await {
+            held.push(permit);
+        }
+    }
+    for task in asking {
+        task.abort();
+    }
+    // Max-min by demand is 10 each: within 3 s the late one has 9 or 10.
+    let mine = got.lock().expect("lock").len();
+    assert!(mine >= 9, "the late process got {mine}");
+    assert!(held.len() + mine <= 20);
+}
+
+#[tokio::test(start_paused = true)]
+async fn permits_that_outlive_their_limiter_are_released() {
+    for hybrid in [false, true] {
+        let fleet = Fleet::new();
+        let limiter = fleet.process(5, hybrid);
+        let store_key = limiter.inner.store_key("k");
+        let mut held = Vec::new();
+        for _ in 0..5 {
+            held.push(limiter.try_acquire("k").await.expect("a slot"));
+        }
+        limiter.shutdown().await;
+        drop(limiter);
+        drop(held);
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        fleet.advance(Duration::from_millis(200)).await;
+        assert_eq!(fleet.store.slots_held(&store_key), 0, "hybrid {hybrid}");
     }
 }

@@ -187,6 +187,7 @@ async fn the_slots_script_and_the_embedded_store_agree() {
     let call = |leases: &[(&str, u64)]| SlotsCall {
         max: 20,
         ttl_ms: 5_000,
+        waiting: leases.len() == 1,
         leases: leases.iter().map(|(n, w)| ((*n).to_owned(), *w)).collect(),
     };
     let script = [

@@ -152,7 +152,9 @@ impl RedisStore {
     ) -> Result<(Vec<crate::slots::SlotsReply>, u64), Error> {
         let lua = script(&algorithm::SLOTS);
         let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
-        cmd.arg(call.max).arg(call.ttl_ms);
+        cmd.arg(call.max)
+            .arg(call.ttl_ms)
+            .arg(if call.waiting { 1 } else { 0 });
         for (lease, want) in &call.leases {
             cmd.arg(lease).arg(*want);
         }
