@@ -260,7 +260,7 @@ async fn a_busy_hybrid_process_makes_room_for_a_late_one() {
     // It learns its fair share (10) at its next renewal; from then on its
     // finished requests' slots go back instead of to its next.
     for _ in 0..100 {
-        held.remove(0);
+        drop(held.remove(0));
         fleet.advance(Duration::from_millis(30)).await;
         if let Ok(permit) = first.try_acquire("k").await {
             held.push(permit);
