@@ -180,7 +180,9 @@ impl ConcurrencyLimiter {
     }
 
     /// A slot for `key` now, or why not. Asks the store when this process
-    /// holds no free slot of the key (exact mode: always).
+    /// holds no free slot of the key (exact mode: always); when a call on
+    /// the key's hybrid lease is already in flight, waits for its answer
+    /// (at most a second).
     ///
     /// # Errors
     /// [`AcquireError::Full`] when every slot is in flight.
