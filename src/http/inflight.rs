@@ -123,11 +123,7 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let config = self.config.clone();
-        let grpc = request
-            .headers()
-            .get(http::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("application/grpc"));
+        let grpc = super::service::is_grpc(request.headers());
         let key = match (
             config.key.extract(&RequestView::new(&request)),
             &config.missing,

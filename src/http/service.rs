@@ -57,7 +57,7 @@ pub(crate) enum Verdict {
 }
 
 /// Whether a request is gRPC, so it gets a gRPC status, not an HTTP one.
-fn is_grpc(headers: &HeaderMap) -> bool {
+pub(super) fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
