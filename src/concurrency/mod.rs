@@ -432,7 +432,7 @@ impl Inner {
         match reply {
             Ok(replies) => {
                 let reply = replies.first().copied().unwrap_or_default();
-                let change = held.granted(reply.held, reply.fair, now + self.lease);
+                let change = held.granted(reply.held, reply.fair, now, self.lease);
                 self.metrics.leased.increment(change as f64);
                 if change > 1 {
                     // More than this call takes: others may have one.
@@ -507,7 +507,7 @@ impl Inner {
                 return;
             }
             Held::Leased => {
-                if slots.lock().put_back() {
+                if slots.lock().put_back(self.clock.now()) {
                     self.dirty().push(key.to_owned());
                     self.wake.notify_one();
                 }

@@ -146,7 +146,7 @@ pub(super) async fn sync_hybrid(inner: &Inner, key: &str, closing: bool) {
         if reply.held < held.in_use {
             inner.metrics.lost.increment(held.in_use - reply.held);
         }
-        let change = held.granted(reply.held, reply.fair, now + inner.lease);
+        let change = held.granted(reply.held, reply.fair, now, inner.lease);
         inner.metrics.leased.increment(change as f64);
     }
 }

@@ -57,6 +57,8 @@ pub(crate) struct Slots {
     pub(crate) capped: bool,
     /// What the last call asked for.
     pub(crate) asked: u64,
+    /// When (local clock) the last call was sent.
+    pub(crate) sent_at: Duration,
     /// Until when (local clock) not to ask for more: the last ask got
     /// nothing (every slot is taken), and asking again at once would only
     /// load the store.
@@ -73,6 +75,10 @@ pub(crate) enum Ask {
     /// Asked in vain a moment ago: not yet.
     Quiet,
 }
+
+/// How often a busy hybrid lease is synced at least: how soon it learns
+/// that others wait.
+pub(crate) const REFRESH: Duration = Duration::from_millis(200);
 
 /// How long a process does not ask again after an ask got nothing.
 pub(crate) const QUIET: Duration = Duration::from_millis(20);
@@ -138,7 +144,15 @@ impl Slots {
 
     /// Records what the store answered; returns the change in slots the
     /// store says the lease holds.
-    pub(crate) fn granted(&mut self, held: u64, fair: u64, valid_until: Duration) -> i64 {
+    pub(crate) fn granted(
+        &mut self,
+        held: u64,
+        fair: u64,
+        sent_at: Duration,
+        lease: Duration,
+    ) -> i64 {
+        let valid_until = sent_at + lease;
+        self.sent_at = sent_at;
         let change = held as i64 - self.stored as i64;
         self.stored = held;
         self.held = held;
@@ -148,17 +162,20 @@ impl Slots {
         change
     }
 
-    /// A leased slot's permit dropped. Returns whether the lease should be
-    /// synced at once: it held more than its fair share (others want the
-    /// slot), so the slot goes back instead of to the next request here.
-    pub(crate) fn put_back(&mut self) -> bool {
+    /// A leased slot's permit dropped at `now`. Returns whether the lease
+    /// should be synced at once: it held more than its fair share (others
+    /// want the slot, so the slot goes back instead of to the next
+    /// request here), or its last call is [`REFRESH`] old.
+    pub(crate) fn put_back(&mut self, now: Duration) -> bool {
         self.in_use = self.in_use.saturating_sub(1);
         if self.held > self.fair && self.held > self.in_use {
             // Others wait for it: not reused here, given back.
             self.held -= 1;
             return true;
         }
-        false
+        // A busy lease is synced now and then, so that it learns when
+        // others start to wait (its fair share comes with the answer).
+        now >= self.sent_at + REFRESH && !self.asking
     }
 
     /// Nothing held, in use or asked for: the entry may go.
