@@ -49,7 +49,9 @@ pub(super) async fn run(
             return;
         };
         if woken {
-            let dirty: Vec<String> = std::mem::take(&mut *inner.dirty());
+            let mut dirty: Vec<String> = std::mem::take(&mut *inner.dirty());
+            dirty.sort_unstable();
+            dirty.dedup();
             for key in dirty {
                 sync_hybrid(&inner, &key, false).await;
             }
