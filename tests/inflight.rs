@@ -44,7 +44,7 @@ fn main() {
         return;
     }
     let filters: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with('-')).collect();
-    let tests: [(&str, fn()); 4] = [
+    let tests: [(&str, fn()); 5] = [
         (
             "four_processes_never_run_more_than_the_maximum_at_once",
             four_processes,
@@ -60,6 +60,10 @@ fn main() {
         (
             "without_redis_the_failure_policy_decides_and_never_exceeds_n_per_process",
             store_down,
+        ),
+        (
+            "at_a_two_millisecond_round_trip_the_bound_holds_and_hybrid_keeps_up",
+            round_trip,
         ),
     ];
     let chosen: Vec<_> = tests
@@ -253,6 +257,76 @@ fn long_request() {
             );
             long.shutdown().await;
             other.shutdown().await;
+        }
+    });
+}
+
+/// Two holders (limiters on their own connections) × 30 tasks through a
+/// proxy that delays every byte 1 ms each way; counted where requests run.
+fn round_trip() {
+    let server = RedisServer::start();
+    let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+    runtime.block_on(async {
+        let proxy = support::proxy::Proxy::start_delayed(server.port(), Duration::from_millis(1)).await;
+        for mode in ["exact", "hybrid"] {
+            let running = std::sync::Arc::new((
+                std::sync::atomic::AtomicU64::new(0),
+                std::sync::atomic::AtomicU64::new(0),
+            ));
+            let mut limiters = Vec::new();
+            for _ in 0..2 {
+                let store = slicelimit::RedisStore::connect_with(&proxy.url(), support::test_options())
+                    .await
+                    .expect("connect");
+                limiters.push(limiter(store, mode, Duration::from_secs(3)));
+            }
+            let until = Instant::now() + Duration::from_secs(5);
+            let began = Instant::now();
+            let tasks: Vec<_> = (0..60)
+                .map(|t| {
+                    let limiter = limiters[t % 2].clone();
+                    let running = running.clone();
+                    let key = format!("rtt-{mode}");
+                    tokio::spawn(async move {
+                        let (mut done, mut busy) = (0u64, Duration::ZERO);
+                        while Instant::now() < until {
+                            let Ok(permit) = limiter.acquire(&key, Duration::from_secs(1)).await
+                            else {
+                                continue;
+                            };
+                            let now = running.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                            running.1.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+                            let start = Instant::now();
+                            tokio::time::sleep(Duration::from_millis(5 + (t as u64 * 7 + done) % 46)).await;
+                            busy += start.elapsed();
+                            running.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                            drop(permit);
+                            done += 1;
+                        }
+                        (done, busy)
+                    })
+                })
+                .collect();
+            let (mut done, mut busy) = (0, Duration::ZERO);
+            for task in tasks {
+                let (d, b) = task.await.expect("a task");
+                done += d;
+                busy += b;
+            }
+            let span = began.elapsed();
+            let calls: u64 = limiters.iter().map(|l| l.store_calls()).sum();
+            let most = running.1.load(std::sync::atomic::Ordering::SeqCst);
+            let mean = busy.as_secs_f64() / span.as_secs_f64();
+            println!(
+                "{mode} at a 2 ms round trip: {done} requests, at most {most} at once, mean {mean:.2} \
+                 in flight (utilization {:.1} %), {:.0} store calls per 1,000 acquisitions",
+                mean * 100.0 / f64::from(MAX),
+                calls as f64 * 1_000.0 / done as f64
+            );
+            assert!(most <= u64::from(MAX), "{mode}: {most} at once");
+            for limiter in limiters {
+                limiter.shutdown().await;
+            }
         }
     });
 }
