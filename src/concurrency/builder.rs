@@ -17,7 +17,7 @@ use crate::key::KeyEncoder;
 use crate::store::{MemoryStore, Store};
 
 /// Builds a [`ConcurrencyLimiter`].
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 #[must_use]
 pub struct ConcurrencyBuilder {
     max: NonZeroU32,
@@ -28,16 +28,19 @@ pub struct ConcurrencyBuilder {
     policy: FailurePolicy,
     lease: Duration,
     renew: Option<Duration>,
-    clock: Option<Arc<dyn ClockDebug>>,
+    clock: Option<Arc<dyn Clock>>,
 }
 
-/// A [`Clock`] the builder can print.
-trait ClockDebug: Clock {}
-impl<T: Clock> ClockDebug for T {}
-
-impl std::fmt::Debug for dyn ClockDebug {
+impl std::fmt::Debug for ConcurrencyBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Clock")
+        f.debug_struct("ConcurrencyBuilder")
+            .field("max", &self.max)
+            .field("namespace", &self.namespace)
+            .field("hybrid", &self.hybrid)
+            .field("policy", &self.policy)
+            .field("lease", &self.lease)
+            .field("renew", &self.renew)
+            .finish_non_exhaustive()
     }
 }
 
@@ -142,10 +145,7 @@ impl ConcurrencyBuilder {
                  build it inside a Tokio runtime",
             )
         })?;
-        let clock: Arc<dyn Clock> = match self.clock {
-            Some(clock) => Arc::new(Forward(clock)),
-            None => Arc::new(SystemClock::new()),
-        };
+        let clock = self.clock.unwrap_or_else(|| Arc::new(SystemClock::new()));
         let name = if self.name.is_empty() {
             self.namespace.clone()
         } else {
@@ -182,15 +182,6 @@ impl ConcurrencyBuilder {
         let task = runtime.spawn(renew::run(Arc::downgrade(&inner), released, releaser));
         *inner.task.lock().unwrap_or_else(|e| e.into_inner()) = Some(task.abort_handle());
         Ok(ConcurrencyLimiter { inner })
-    }
-}
-
-/// Adapts the builder's clock.
-struct Forward(Arc<dyn ClockDebug>);
-
-impl Clock for Forward {
-    fn now(&self) -> Duration {
-        self.0.now()
     }
 }
 
