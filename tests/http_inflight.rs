@@ -189,3 +189,69 @@ async fn the_slot_is_held_until_the_response_body_is_sent() {
     assert_eq!(limiter.in_flight("k"), 0);
     assert_eq!(get().await.expect("an answer").status(), StatusCode::OK);
 }
+
+/// The in-flight layer inside the rate limit layer, both on one Redis: a
+/// request refused for its rate never takes a slot, and one refused for a
+/// slot is answered as such (each 429 says which limit).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rate_and_in_flight_limits_stack() {
+    use slicelimit::http::RateLimitLayer;
+    use slicelimit::{nonzero, Limiter, Quota};
+    let redis = RedisServer::start();
+    let rate = Limiter::builder(Quota::per_minute(nonzero!(6)))
+        .store(support::store(&redis).await)
+        .namespace("stack-rate")
+        .exact()
+        .build()
+        .expect("builds");
+    let slots = ConcurrencyLimiter::builder(NonZeroU32::new(2).unwrap())
+        .store(support::store(&redis).await)
+        .namespace("stack-slots")
+        .build()
+        .expect("builds");
+    let router = Router::new()
+        .route(
+            "/slow",
+            get(|| async {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                "done"
+            }),
+        )
+        .layer(InFlightLayer::new(
+            slots.clone(),
+            KeyExtractor::header("x-api-key"),
+        ))
+        .layer(RateLimitLayer::new(rate).key(KeyExtractor::header("x-api-key")));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let get = || {
+        let request = http::Request::get(format!("http://{addr}/slow"))
+            .header("x-api-key", "k")
+            .body(Empty::new())
+            .unwrap();
+        let client = client.clone();
+        async move {
+            let response = client.request(request).await.expect("an answer");
+            let status = response.status();
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            (status, String::from_utf8_lossy(&body).into_owned())
+        }
+    };
+    // Four at once: two run, two find no slot (the rate allows all four).
+    let first: Vec<_> = futures_util::future::join_all((0..4).map(|_| get())).await;
+    let ok = first.iter().filter(|(s, _)| *s == StatusCode::OK).count();
+    let busy: Vec<_> = first.iter().filter(|(s, _)| *s != StatusCode::OK).collect();
+    assert_eq!(ok, 2, "{first:?}");
+    assert!(busy
+        .iter()
+        .all(|(s, b)| *s == StatusCode::TOO_MANY_REQUESTS && b.contains("in flight")));
+    // The rate is spent after six (the refused two counted for it too):
+    // the rest are refused for their rate and take no slot.
+    let _ = futures_util::future::join_all((0..2).map(|_| get())).await;
+    let (status, body) = get().await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(body.contains("quota"), "{body}");
+    assert_eq!(slots.in_flight("k"), 0);
+}
