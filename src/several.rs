@@ -52,20 +52,30 @@ pub(crate) fn check_now(lanes: &Arc<Lanes>, key: &str, cost: u64) -> Option<Deci
     let _stripe = inner.stripe(key);
     let count = 1 + inner.also.len();
     let mut parts = Vec::with_capacity(count);
+    let mut denied = false;
     for index in 0..count {
-        let lane = inner.lane(key, index)?;
+        let Some(lane) = inner.lane(key, index) else {
+            undo_now(lanes, key, &parts);
+            return None;
+        };
         match lane.check_now(key, cost) {
-            Some(decision) if decision.is_allowed() => parts.push(decision),
-            Some(denied) => {
-                undo_now(lanes, key, &parts);
-                parts.push(denied);
-                return Some(binding(parts));
+            Some(decision) => {
+                denied |= !decision.is_allowed();
+                parts.push(decision);
             }
+            // A quota this process cannot decide alone: the store decides
+            // them all, so a denial's hint is the binding quota's, not the
+            // first one's to say no.
             None => {
                 undo_now(lanes, key, &parts);
                 return None;
             }
         }
+    }
+    // Every quota was asked, after a denial too: the client is told the
+    // longest wait of those that denied (the one that binds).
+    if denied {
+        undo_now(lanes, key, &parts);
     }
     Some(binding(parts))
 }

@@ -281,6 +281,11 @@ impl HybridEngine {
             }
             // A peek is always answered, never denied: it takes nothing.
             if cost == 0 {
+                if slot.window_end() == 0 && slot.denied_until() == 0 {
+                    // A cold key: nothing known of it here, so what remains
+                    // is the store's to say (one call that takes nothing).
+                    return s.exact_check(key, 0).await;
+                }
                 return Ok(s.lease_decision(&slot, 0, now, Taken::default()));
             }
             if let Some(decided) = self.across(&slot, cost, now, paid) {

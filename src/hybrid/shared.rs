@@ -240,8 +240,11 @@ impl Shared {
         Duration::from_micros(slot.window_end().saturating_sub(now))
     }
 
+    /// A denial from the slot's cache (denied until `until`, local µs):
+    /// its hint is when the store said the request can succeed, not when
+    /// the cache is re-checked.
     pub(super) fn cached_denial(&self, slot: &Slot, until: u64, now: u64) -> Decision {
-        let wait = Duration::from_micros(until - now);
+        let wait = Duration::from_micros(slot.retry_at(until).saturating_sub(now));
         let reset = self.reset_after(slot, now).max(wait);
         Decision::deny(self.params.limit, 0, reset, Some(wait), Source::DeniedCache)
     }

@@ -69,6 +69,13 @@ pub(crate) struct Slot {
     /// The store said the key is exhausted until this local µs: even,
     /// an ask's answer (definitive); odd, a peek's (see `peek_trust`).
     denied_until: AtomicU64,
+    /// While `denied_until` stands: how much later (ms) the request can
+    /// succeed as far as the store said (a window's end, a bucket's
+    /// refill), which a denial tells the client. `denied_until` may come
+    /// sooner, a re-check and never a hint (see
+    /// [`Slot::deny_until_recheck`]). Milliseconds in 32 bits: 49 days, a
+    /// hint's precision, and room the slot had spare.
+    retry_later_ms: AtomicU32,
     /// When `denied_until` is a peek's (odd: the window was found fully
     /// leased while the slot still held permits of it), it is believed
     /// only if the slot runs out before this local µs and within the
@@ -169,6 +176,7 @@ impl Slot {
             low_water: AtomicU32::new(0),
             early_refill: AtomicBool::new(false),
             denied_until: AtomicU64::new(0),
+            retry_later_ms: AtomicU32::new(0),
             peek_trust: AtomicU64::new(0),
             refill: AtomicU8::new(refill::Refill::Idle as u8),
             swept_ahead: AtomicBool::new(false),
@@ -528,8 +536,26 @@ impl Slot {
 
     /// A definitive denial (an ask's answer) until `until`, or none (0).
     pub(crate) fn deny_until(&self, until: u64) {
-        self.denied_until
-            .store(until.saturating_add(1) & !1, Ordering::Release);
+        self.deny_until_recheck(until, until);
+    }
+
+    /// An ask's denial that holds until `retry` (what the client is told),
+    /// cached only until `recheck` (no later than `retry`): the store is
+    /// asked again then, for permits an idle holder may have given back.
+    pub(crate) fn deny_until_recheck(&self, recheck: u64, retry: u64) {
+        let recheck = recheck.min(retry).saturating_add(1) & !1;
+        let later_ms = retry.saturating_sub(recheck).div_ceil(1_000);
+        // The hint first: a request that sees the denial sees its hint.
+        self.retry_later_ms
+            .store(later_ms.min(u64::from(u32::MAX)) as u32, Ordering::Release);
+        self.denied_until.store(recheck, Ordering::Release);
+    }
+
+    /// What a denial cached until `until` tells the client: the local µs
+    /// from which the request can succeed, as far as the store said.
+    pub(crate) fn retry_at(&self, until: u64) -> u64 {
+        let later = u64::from(self.retry_later_ms.load(Ordering::Acquire));
+        until.saturating_add(later * 1_000)
     }
 
     /// A peek's denial until `until`, believed until `trust` (see
@@ -537,6 +563,7 @@ impl Slot {
     pub(crate) fn deny_on_peek(&self, until: u64, trust: u64) {
         // The trust first: a request that sees the denial sees its trust.
         self.peek_trust.store(trust, Ordering::Release);
+        self.retry_later_ms.store(0, Ordering::Release);
         self.denied_until.store(until | 1, Ordering::Release);
     }
 
@@ -1019,7 +1046,9 @@ mod size {
         // + 8 for credit recalled from a lease call in flight (a denial
         // of another quota gives its credit back)
         // + 8 for the boundary a thin holder's pre-lease was asked for
-        // (asked once a window, not on every maintenance tick).
-        assert!(size <= 224, "Slot grew to {size} bytes");
+        // (asked once a window, not on every maintenance tick)
+        // + 8 (4 and padding) for the hint a cached denial tells, which a
+        // re-check of the store may come before.
+        assert!(size <= 232, "Slot grew to {size} bytes");
     }
 }

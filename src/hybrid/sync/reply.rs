@@ -220,18 +220,38 @@ pub(super) fn lease_answered(
         // near its limit, or crowded, and its current lease stands.)
         if r.start_after_us == 0 {
             // Redis answered before t1: from t1 + retry_after on, the
-            // store surely has something again.
-            let mut until = t1 + r.retry_after_us + margin;
-            // The first denial after a calm spell asks once more, after
-            // the time an idle holder takes to give back what it will not
-            // spend (`trim_idle`): a window fully leased is not always
-            // fully spent.
+            // store surely has something again. (Without the drift
+            // allowance a lease's deadline needs: a denial that ends a
+            // little early costs one more ask, and an hour's allowance
+            // would tell the client seconds too many.)
+            let margin = config.clock_margin.as_micros() as u64 + shared.time.tick_us();
+            let until = t1 + r.retry_after_us + margin;
             let before = slot.denied_until();
             let calm = before.saturating_add(shared.params.period_us) <= t1;
             if windowed && calm {
-                until = until.min(t1 + trim_delay_us(shared.params.period_us, sweep_us()));
+                // The first denial after a calm spell asks once more, after
+                // the time an idle holder takes to give back what it will
+                // not spend (`trim_idle`): a window fully leased is not
+                // always fully spent. That re-check is not what the client
+                // is told: the window's end is.
+                let recheck = t1 + trim_delay_us(shared.params.period_us, sweep_us());
+                slot.deny_until_recheck(recheck, until);
+            } else if !windowed && calm {
+                // A bucket's store answered when `patience` tokens are
+                // back (fewer round trips for a key kept over its limit);
+                // the first denial after a calm spell is cached only until
+                // the request's own cost is back, which is what it is told.
+                let early = patience_surplus_us(
+                    p.call.patience,
+                    p.call.need,
+                    shared.params.burst,
+                    shared.params.period_us,
+                    shared.params.limit,
+                );
+                slot.deny_until(until.saturating_sub(early).max(t1 + margin));
+            } else {
+                slot.deny_until(until);
             }
-            slot.deny_until(until);
         } else if now >= slot.deadline() {
             // Nothing left of the next window, which has not begun in the
             // store, while this process's permits of the current one are

@@ -103,8 +103,8 @@ pub(super) fn peek_answered(
     {
         return;
     }
-    let margin =
-        config.clock_margin.as_micros() as u64 + shared.time.tick_us() + drift_us(r.reset_after_us);
+    // (No drift allowance: see the denial in `lease_answered`.)
+    let margin = config.clock_margin.as_micros() as u64 + shared.time.tick_us();
     shared.counters.peeks_full.add(1);
     slot.deny_on_peek(
         t1 + r.retry_after_us + margin,

@@ -1,0 +1,317 @@
+//! What a denial tells the client is true: a client that waits exactly
+//! `retry_after`, with nothing else asking for the key, is admitted.
+//!
+//! On the embedded store under Tokio's paused clock (exact virtual time),
+//! for every algorithm, exact and hybrid (strict and optimistic), minute
+//! and hour quotas, one quota and two (`and`), after `set_quota` and after
+//! a tier change: a key is spent in a burst, then denied several times
+//! (the first denial from the store, the rest from the hybrid mode's
+//! cache), and each denial's hint is checked two ways:
+//!
+//! - the oracle: sleeping exactly the hint, the same request is admitted;
+//! - against the exact limiter: in the same state, the hybrid hint is
+//!   within [`SLACK`] of the exact one (a window's end, a bucket's refill),
+//!   never a shorter re-check horizon.
+//!
+//! The real-time counterpart, through axum and a real Redis, is in
+//! `tests/http_hints.rs`.
+
+mod support;
+
+use std::time::Duration;
+
+use slicelimit::{nonzero, Algorithm, Decision, HybridConfig, Limiter, MemoryStore, Quota};
+use support::VirtualClock;
+
+/// Not a whole minute or hour since the epoch: a window is part spent
+/// when the test begins.
+const ORIGIN: Duration = Duration::from_millis(1_700_000_017_300);
+
+/// How far a hybrid hint may differ from the exact one: the clock margins
+/// and the round trip the hybrid mode adds to be safe (a few ms), well
+/// under the 1 s a `Retry-After` header can say.
+const SLACK: Duration = Duration::from_millis(50);
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    Exact,
+    Strict,
+    Optimistic,
+}
+
+const MODES: [Mode; 3] = [Mode::Exact, Mode::Strict, Mode::Optimistic];
+
+const ALGORITHMS: [Algorithm; 4] = [
+    Algorithm::FixedWindow,
+    Algorithm::SlidingWindow,
+    Algorithm::TokenBucket,
+    Algorithm::Gcra,
+];
+
+fn clock() -> VirtualClock {
+    VirtualClock {
+        origin: ORIGIN,
+        start: tokio::time::Instant::now(),
+    }
+}
+
+fn limiter(
+    quotas: &[Quota],
+    algorithm: Algorithm,
+    mode: Mode,
+    clock: &VirtualClock,
+    store: &MemoryStore,
+) -> Limiter {
+    let mut builder = Limiter::builder(quotas[0]);
+    for q in &quotas[1..] {
+        builder = builder.and(*q);
+    }
+    let builder = builder
+        .store(store.clone())
+        .clock(clock.clone())
+        .algorithm(algorithm);
+    match mode {
+        Mode::Exact => builder.exact(),
+        Mode::Strict => builder.hybrid(HybridConfig::strict()),
+        Mode::Optimistic => builder.hybrid(HybridConfig::optimistic(2)),
+    }
+    .build()
+    .unwrap()
+}
+
+/// Spends `key` until it is denied (at most `bound` requests, 1 ms apart),
+/// then returns the denials of five more requests, 10 ms apart.
+async fn spend_then_denials(limiter: &Limiter, key: &str, bound: usize) -> Vec<Decision> {
+    let mut admitted = 0;
+    for _ in 0..bound {
+        let d = limiter.check(key, 1).await;
+        if !d.is_allowed() {
+            break;
+        }
+        admitted += 1;
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert!(admitted < bound, "never denied after {admitted}");
+    let mut denials = Vec::new();
+    for _ in 0..5 {
+        let d = limiter.check(key, 1).await;
+        assert!(
+            !d.is_allowed(),
+            "denied, then admitted with nothing waited: {d:?}"
+        );
+        denials.push(d);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    denials
+}
+
+/// One scenario: what a denial said, and whether waiting it out worked.
+#[derive(Clone, Copy)]
+struct Told {
+    hint: Duration,
+    admitted_after: bool,
+}
+
+/// Runs `scenario` on a fresh store and clock: sets the limiter up
+/// (`prepare` may spend or change quotas first), spends the key, and
+/// waits out the last denial's hint.
+async fn told(
+    quotas: &[Quota],
+    algorithm: Algorithm,
+    mode: Mode,
+    prepare: impl AsyncFnOnce(&Limiter),
+) -> Told {
+    let clock = clock();
+    let store = MemoryStore::with_clock(clock.clone());
+    let l = limiter(quotas, algorithm, mode, &clock, &store);
+    prepare(&l).await;
+    let denials = spend_then_denials(&l, "k", 10_000).await;
+    let last = denials.last().unwrap().clone();
+    let hint = last
+        .retry_after()
+        .unwrap_or_else(|| panic!("{mode:?} {algorithm:?}: a denial without a hint: {last:?}"));
+    // Every denial of the run told a wait that ends at the same instant,
+    // give or take the slack (they were 10 ms apart): none a re-check.
+    for (i, d) in denials.iter().enumerate() {
+        let ends = d.retry_after().unwrap() + Duration::from_millis(10 * i as u64);
+        let last_ends = hint + Duration::from_millis(40);
+        assert!(
+            ends.abs_diff(last_ends) <= SLACK,
+            "{mode:?} {algorithm:?}: denial {i} said {:?}, the last {hint:?}: {denials:#?}",
+            d.retry_after()
+        );
+    }
+    tokio::time::sleep(hint).await;
+    let after = l.check("k", 1).await;
+    l.shutdown().await;
+    Told {
+        hint,
+        admitted_after: after.is_allowed(),
+    }
+}
+
+/// Every mode and algorithm on `quotas` after `prepare`: each is admitted
+/// after waiting its hint, and each hybrid hint is the exact one's.
+async fn check_all_modes(what: &str, quotas: &[Quota], prepare: impl AsyncFn(&Limiter) + Copy) {
+    for algorithm in ALGORITHMS {
+        let exact = told(quotas, algorithm, Mode::Exact, prepare).await;
+        for mode in MODES {
+            let t = if mode == Mode::Exact {
+                exact
+            } else {
+                told(quotas, algorithm, mode, prepare).await
+            };
+            assert!(
+                t.admitted_after,
+                "{what}, {mode:?} {algorithm:?}: waited the hint {:?} and was denied",
+                t.hint
+            );
+            // Optimistic credit admits up to `max_debt` more, which a
+            // bucket then refills before the next admission: its wait is
+            // longer than the exact limiter's, and the oracle above holds.
+            let credit_shifts = mode == Mode::Optimistic
+                && matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra);
+            assert!(
+                credit_shifts || t.hint.abs_diff(exact.hint) <= SLACK,
+                "{what}, {mode:?} {algorithm:?}: hinted {:?}, the exact limiter {:?}",
+                t.hint,
+                exact.hint
+            );
+        }
+    }
+}
+
+async fn nothing(_: &Limiter) {}
+
+#[tokio::test(start_paused = true)]
+async fn a_minute_quota_spent_tells_the_wait_that_admits() {
+    check_all_modes("20/min", &[Quota::per_minute(nonzero!(20))], nothing).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_hour_quota_spent_tells_the_wait_that_admits() {
+    check_all_modes("5/h", &[Quota::per_hour(nonzero!(5))], nothing).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn two_quotas_tell_the_binding_ones_wait() {
+    // The second quota binds: spent within the first second, the key
+    // waits for the hour, not for the next second.
+    let quotas = [Quota::per_second(nonzero!(5)), Quota::per_hour(nonzero!(5))];
+    check_all_modes("5/s and 5/h", &quotas, nothing).await;
+    let quotas = [Quota::per_hour(nonzero!(5)), Quota::per_second(nonzero!(5))];
+    check_all_modes("5/h and 5/s", &quotas, nothing).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_binding_second_quota_is_told_on_every_later_denial() {
+    // 5/s and 5/h in hybrid mode: once the hour is spent, the denials
+    // that the per-second quota would also give (it is spent too) still
+    // tell the hour.
+    for algorithm in ALGORITHMS {
+        for mode in [Mode::Strict, Mode::Optimistic] {
+            let clock = clock();
+            let store = MemoryStore::with_clock(clock.clone());
+            let quotas = [Quota::per_second(nonzero!(5)), Quota::per_hour(nonzero!(5))];
+            let l = limiter(&quotas, algorithm, mode, &clock, &store);
+            for _ in 0..5 {
+                assert!(l.check("k", 1).await.is_allowed());
+            }
+            for i in 0..20 {
+                let d = l.check("k", 1).await;
+                assert!(!d.is_allowed());
+                let hint = d.retry_after().unwrap();
+                assert!(
+                    hint > Duration::from_secs(60),
+                    "{mode:?} {algorithm:?}: denial {i} hinted {hint:?} for an hour's wait"
+                );
+            }
+            l.shutdown().await;
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_set_quota_the_new_quotas_wait_is_told() {
+    async fn lowered(l: &Limiter) {
+        for _ in 0..3 {
+            l.check("k", 1).await;
+        }
+        l.set_quota(Quota::per_minute(nonzero!(10))).unwrap();
+    }
+    check_all_modes(
+        "100/min set to 10/min",
+        &[Quota::per_minute(nonzero!(100))],
+        lowered,
+    )
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_tier_change_the_new_tiers_wait_is_told() {
+    async fn demoted(l: &Limiter) {
+        for _ in 0..3 {
+            l.check("k", 1).await;
+        }
+        l.set_quota_for(|key| (key == "k").then(|| Quota::per_minute(nonzero!(8))));
+    }
+    check_all_modes(
+        "tier 100/min to 8/min",
+        &[Quota::per_minute(nonzero!(100))],
+        demoted,
+    )
+    .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cold_peek_reports_what_the_store_holds() {
+    for algorithm in ALGORITHMS {
+        for mode in MODES {
+            let clock = clock();
+            let store = MemoryStore::with_clock(clock.clone());
+            let l = limiter(
+                &[Quota::per_minute(nonzero!(1000))],
+                algorithm,
+                mode,
+                &clock,
+                &store,
+            );
+            let peek = l.check("cold", 0).await;
+            assert!(peek.is_allowed());
+            assert_eq!(
+                peek.remaining(),
+                1000,
+                "{mode:?} {algorithm:?}: a cold peek of an untouched key"
+            );
+            l.shutdown().await;
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wait_that_cannot_succeed_returns_at_once() {
+    for algorithm in ALGORITHMS {
+        for mode in MODES {
+            let clock = clock();
+            let store = MemoryStore::with_clock(clock.clone());
+            let l = limiter(
+                &[Quota::per_minute(nonzero!(5))],
+                algorithm,
+                mode,
+                &clock,
+                &store,
+            );
+            spend_then_denials(&l, "k", 100).await;
+            let began = tokio::time::Instant::now();
+            let d = l.acquire("k", 1, Duration::from_secs(10)).await;
+            assert!(!d.is_allowed());
+            assert!(
+                began.elapsed() < Duration::from_millis(100),
+                "{mode:?} {algorithm:?}: waited {:?} for a permit {:?} away",
+                began.elapsed(),
+                d.retry_after()
+            );
+            l.shutdown().await;
+        }
+    }
+}
