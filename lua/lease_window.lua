@@ -315,8 +315,9 @@ local retry = 0
 if granted == 0 then
   if used + 1 + after_n > limit then
     -- No room in the target window itself: from the next one on, its
-    -- count is the one that fades (window_check.lua's rule).
-    retry = wait_for(1, 0, used, 0, tw + 1, now, period, limit)
+    -- count is the one that fades (window_check.lua's rule), and what
+    -- the next one holds already (pre-leased) is its own count.
+    retry = wait_for(1, after_n, used, 0, tw + 1, now, period, limit)
   else
     retry = wait_for(1, used, before_n, after_n, tw, now, period, limit)
   end

@@ -28,7 +28,9 @@ type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Emp
 
 async fn serve(limiter: Limiter) -> SocketAddr {
     let layer = RateLimitLayer::new(limiter).key(KeyExtractor::header("x-api-key"));
-    let router = Router::new().route("/", get(|| async { "ok" })).layer(layer);
+    let router = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, router).await.unwrap() });
@@ -115,7 +117,13 @@ async fn burst(
 /// One case: a hybrid and an exact server, each with `limiter` of its own
 /// mode; `key` spent on both in a burst; the hints checked; then the
 /// hybrid client sleeps for its last hint and tries again.
-async fn case(redis: &RedisServer, what: &str, build: impl Fn(bool) -> Limiter, limit: usize, binding: Duration) {
+async fn case(
+    redis: &RedisServer,
+    what: &str,
+    build: impl Fn(bool) -> Limiter,
+    limit: usize,
+    binding: Duration,
+) {
     let client: HttpClient = Client::builder(TokioExecutor::new()).build_http();
     let hybrid = serve(build(true)).await;
     let exact = serve(build(false)).await;
@@ -134,7 +142,10 @@ async fn case(redis: &RedisServer, what: &str, build: impl Fn(bool) -> Limiter, 
             retry as f64 >= left - 0.05 && retry as f64 <= left + 1.0,
             "{what}: 429 #{i} said Retry-After {retry} with {left:.3} s of the window left"
         );
-        assert_eq!(t as u64, retry, "{what}: 429 #{i}: RateLimit t {t}, Retry-After {retry}");
+        assert_eq!(
+            t as u64, retry,
+            "{what}: 429 #{i}: RateLimit t {t}, Retry-After {retry}"
+        );
     }
     let (e_retry, _, _) = e_hints[0];
     let (h_retry, _, _) = h_hints[0];
@@ -194,7 +205,10 @@ async fn a_429_tells_the_wait_that_admits() {
             "100/s and 20/min",
             limiter(
                 "two",
-                vec![Quota::per_second(nonzero!(100)), Quota::per_minute(nonzero!(20))],
+                vec![
+                    Quota::per_second(nonzero!(100)),
+                    Quota::per_minute(nonzero!(20))
+                ],
                 None
             ),
             20,

@@ -46,7 +46,8 @@ impl Rule {
     /// µs from now until `n` more permits fit in the target window (whose
     /// own count is `used`): if its own count (with the next window's)
     /// leaves no room, from the next window on, where its count is the
-    /// one that fades; else within it.
+    /// one that fades and what that window holds already (pre-leased) is
+    /// its own count; else within it.
     fn wait(&self, n: i64, used: i64, near: &Neighbours, limit: i64) -> u64 {
         if used + n + near.after > limit {
             let next = Neighbours {
@@ -55,7 +56,7 @@ impl Rule {
                 target: near.target + 1,
                 ..*near
             };
-            (self.wait_for)(n, 0, &next, limit)
+            (self.wait_for)(n, near.after, &next, limit)
         } else {
             (self.wait_for)(n, used, near, limit)
         }
