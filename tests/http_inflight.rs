@@ -18,7 +18,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use slicelimit::http::{InFlightLayer, KeyExtractor};
-use slicelimit::ConcurrencyLimiter;
+use slicelimit::{ConcurrencyLimiter, MemoryStore};
 use support::RedisServer;
 
 const MAX: u32 = 20;
@@ -142,6 +142,7 @@ async fn waiting_for_a_slot_turns_refusals_into_waits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_slot_is_held_until_the_response_body_is_sent() {
     let limiter = ConcurrencyLimiter::builder(NonZeroU32::new(1).unwrap())
+        .store(MemoryStore::new())
         .build()
         .expect("builds");
     let layer = InFlightLayer::new(limiter.clone(), KeyExtractor::header("x-api-key"));

@@ -227,12 +227,42 @@ fn bad_leases_are_refused() {
         (Duration::from_secs(3), Some(Duration::from_secs(2))),
         (Duration::from_secs(3), Some(Duration::ZERO)),
     ] {
-        let mut builder = ConcurrencyLimiter::builder(max(1)).lease(lease);
+        let mut builder = ConcurrencyLimiter::builder(max(1))
+            .store(MemoryStore::new())
+            .lease(lease);
         if let Some(renew) = renew {
             builder = builder.renew_every(renew);
         }
         assert!(builder.build().is_err(), "{lease:?} {renew:?}");
     }
+}
+
+#[test]
+fn a_limiter_without_a_store_is_refused_and_says_how_to_choose_one() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let _guard = runtime.enter();
+    for hybrid in [false, true] {
+        let builder = ConcurrencyLimiter::builder(max(1));
+        let builder = if hybrid {
+            builder.hybrid()
+        } else {
+            builder.exact()
+        };
+        let error = builder.build().expect_err("no store");
+        assert!(error.is_invalid_input(), "hybrid {hybrid}: {error}");
+        assert!(
+            error.to_string().contains(".store("),
+            "hybrid {hybrid}: {error}"
+        );
+    }
+    // Chosen on purpose, one process's embedded store is fine.
+    let _one = ConcurrencyLimiter::builder(max(1))
+        .store(MemoryStore::new())
+        .build()
+        .expect("builds");
 }
 
 #[tokio::test(start_paused = true)]
