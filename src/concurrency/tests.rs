@@ -99,6 +99,48 @@ async fn exact_permits_take_and_release_one_slot_each() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_exact_slot_dropped_here_is_free_here_at_once() {
+    let fleet = Fleet::new();
+    let limiter = fleet.process(3, false);
+    let other = fleet.process(3, false);
+    let first: Vec<_> = [
+        limiter.try_acquire("k").await,
+        limiter.try_acquire("k").await,
+        limiter.try_acquire("k").await,
+    ]
+    .into_iter()
+    .map(|p| p.expect("a slot"))
+    .collect();
+    drop(first);
+    // No time passes and the background task has not run: every release
+    // is still on its way, yet the next takes here find the slots free.
+    let mut again = Vec::new();
+    for _ in 0..3 {
+        again.push(limiter.try_acquire("k").await.expect("free at once"));
+    }
+    assert_eq!(fleet.held("k", &limiter), 3);
+    assert!(matches!(
+        other.try_acquire("k").await,
+        Err(AcquireError::Full { .. })
+    ));
+    // The releases the background task sends now arrive a second time:
+    // they change nothing, and the new permits keep their slots.
+    fleet.advance(Duration::from_millis(100)).await;
+    assert_eq!(fleet.held("k", &limiter), 3);
+    assert!(other.try_acquire("k").await.is_err());
+    drop(again);
+    fleet.advance(Duration::from_millis(100)).await;
+    assert_eq!(fleet.held("k", &limiter), 0);
+    // Every release has been applied and forgotten: the key goes idle.
+    fleet.advance(Duration::from_secs(2)).await;
+    assert!(
+        limiter.inner.slots.get("k").is_none(),
+        "the key was forgotten"
+    );
+    let _theirs = other.try_acquire("k").await.expect("a slot");
+}
+
+#[tokio::test(start_paused = true)]
 async fn two_hybrid_processes_never_hold_more_than_the_maximum() {
     let fleet = Fleet::new();
     let a = fleet.process(20, true);
