@@ -427,15 +427,18 @@ impl Inner {
                 });
             }
             waited = true;
-            if tokio::time::timeout_at(deadline, answered).await.is_err() {
+            let timed_out = tokio::time::timeout_at(deadline, answered).await.is_err();
+            if slots.lock().failed {
+                // The last call could not reach the store (and the one in
+                // flight has not answered by this call's deadline, or
+                // failed too): neither could this one.
+                let error = Error::new(crate::error::ErrorKind::Store, "the store did not answer");
+                return self.fallback(key, slots, &error);
+            }
+            if timed_out {
                 return Err(AcquireError::Full {
                     retry_after: Duration::from_millis(10),
                 });
-            }
-            if slots.lock().failed {
-                // It could not reach the store: neither could this one.
-                let error = Error::new(crate::error::ErrorKind::Store, "the store did not answer");
-                return self.fallback(key, slots, &error);
             }
             now = self.clock.now();
         };

@@ -113,8 +113,13 @@ impl Slots {
             return Ask::Busy;
         }
         // Asked in vain a moment ago, or giving slots back (a call now
-        // would take them again before the others could).
-        if (now < self.quiet_until && now < self.valid_until) || self.held < self.stored {
+        // would take them again before the others could). Not after a
+        // call that did not answer: what the store holds is then unknown
+        // (a shrink that failed leaves `held` below `stored` until a call
+        // answers), and only asking can tell "full" from "unreachable".
+        if !self.failed
+            && ((now < self.quiet_until && now < self.valid_until) || self.held < self.stored)
+        {
             return Ask::Quiet;
         }
         let want = self.in_use + self.waiting.max(1);
