@@ -196,7 +196,7 @@ async fn the_slot_is_held_until_the_response_body_is_sent() {
 /// slot is answered as such (each 429 says which limit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_and_in_flight_limits_stack() {
-    use slicelimit::http::RateLimitLayer;
+    use slicelimit::http::{RateLimitLayer, PROBLEM_TYPE, PROBLEM_TYPE_IN_FLIGHT};
     use slicelimit::{nonzero, Limiter, Quota};
     let redis = RedisServer::start();
     let rate = Limiter::builder(Quota::per_minute(nonzero!(6)))
@@ -245,14 +245,22 @@ async fn rate_and_in_flight_limits_stack() {
     let ok = first.iter().filter(|(s, _)| *s == StatusCode::OK).count();
     let busy: Vec<_> = first.iter().filter(|(s, _)| *s != StatusCode::OK).collect();
     assert_eq!(ok, 2, "{first:?}");
-    assert!(busy
-        .iter()
-        .all(|(s, b)| *s == StatusCode::TOO_MANY_REQUESTS && b.contains("in flight")));
+    // Each 429 names its own problem type: a client can tell "busy, come
+    // back when one ends" from "your quota is spent".
+    let in_flight_type = format!("\"type\":\"{PROBLEM_TYPE_IN_FLIGHT}\"");
+    assert!(busy.iter().all(|(s, b)| *s == StatusCode::TOO_MANY_REQUESTS
+        && b.contains("in flight")
+        && b.contains(&in_flight_type)
+        && !b.contains(PROBLEM_TYPE)));
     // The rate is spent after six (the refused two counted for it too):
     // the rest are refused for their rate and take no slot.
     let _ = futures_util::future::join_all((0..2).map(|_| get())).await;
     let (status, body) = get().await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert!(body.contains("quota"), "{body}");
+    assert!(
+        body.contains(&format!("\"type\":\"{PROBLEM_TYPE}\"")),
+        "{body}"
+    );
     assert_eq!(slots.in_flight("k"), 0);
 }
