@@ -1,6 +1,7 @@
 //! The in-flight layer on real axum servers: four servers, each with its
 //! own concurrency limiter on one private Redis, behind a round-robin
-//! client; handlers counted where they run.
+//! client; handlers counted where they run. What an outage answers is
+//! tested on an embedded store behind a fault-injecting wrapper.
 
 mod support;
 
@@ -263,4 +264,64 @@ async fn rate_and_in_flight_limits_stack() {
         "{body}"
     );
     assert_eq!(slots.in_flight("k"), 0);
+}
+
+/// Redis down under fail-closed: the in-flight layer answers 503 with the
+/// `temporary-reduced-capacity` problem type, never a 429 saying the key
+/// is busy (nothing is in flight).
+#[tokio::test]
+async fn an_outage_under_fail_closed_is_a_503() {
+    use slicelimit::http::PROBLEM_TYPE_UNAVAILABLE;
+    use slicelimit::{FailurePolicy, FakeClock, Faults, FaultyStore};
+    use tower::ServiceExt;
+    let clock = FakeClock::new(Duration::from_secs(1_000));
+    let down = Faults {
+        lost_before: 1.0,
+        ..Faults::default()
+    };
+    let store = FaultyStore::new(
+        MemoryStore::with_clock(clock.clone()),
+        down,
+        1,
+        clock.clone(),
+    );
+    for hybrid in [false, true] {
+        let builder = ConcurrencyLimiter::builder(NonZeroU32::new(2).unwrap())
+            .store(store.clone())
+            .clock(clock.clone())
+            .on_store_error(FailurePolicy::FailClosed);
+        let limiter = if hybrid {
+            builder.hybrid()
+        } else {
+            builder.exact()
+        }
+        .build()
+        .expect("builds");
+        let router = Router::new()
+            .route("/work", get(|| async { "done" }))
+            .layer(InFlightLayer::new(
+                limiter,
+                KeyExtractor::header("x-api-key"),
+            ));
+        for _ in 0..3 {
+            let request = http::Request::get("/work")
+                .header("x-api-key", "k")
+                .body(axum::body::Body::empty())
+                .unwrap();
+            let response = router.clone().oneshot(request).await.unwrap();
+            let status = response.status();
+            assert!(response.headers().contains_key(http::header::RETRY_AFTER));
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            let body = String::from_utf8_lossy(&body);
+            assert_eq!(
+                status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "hybrid {hybrid}: {body}"
+            );
+            assert!(
+                body.contains(&format!("\"type\":\"{PROBLEM_TYPE_UNAVAILABLE}\"")),
+                "{body}"
+            );
+        }
+    }
 }
