@@ -1,6 +1,7 @@
 //! The in-flight layer on real axum servers: four servers, each with its
 //! own concurrency limiter on one private Redis, behind a round-robin
-//! client; handlers counted where they run.
+//! client; handlers counted where they run. What an outage answers is
+//! tested on an embedded store behind a fault-injecting wrapper.
 
 mod support;
 
@@ -18,7 +19,7 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use slicelimit::http::{InFlightLayer, KeyExtractor};
-use slicelimit::ConcurrencyLimiter;
+use slicelimit::{ConcurrencyLimiter, MemoryStore};
 use support::RedisServer;
 
 const MAX: u32 = 20;
@@ -142,6 +143,7 @@ async fn waiting_for_a_slot_turns_refusals_into_waits() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_slot_is_held_until_the_response_body_is_sent() {
     let limiter = ConcurrencyLimiter::builder(NonZeroU32::new(1).unwrap())
+        .store(MemoryStore::new())
         .build()
         .expect("builds");
     let layer = InFlightLayer::new(limiter.clone(), KeyExtractor::header("x-api-key"));
@@ -195,7 +197,7 @@ async fn the_slot_is_held_until_the_response_body_is_sent() {
 /// slot is answered as such (each 429 says which limit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_and_in_flight_limits_stack() {
-    use slicelimit::http::RateLimitLayer;
+    use slicelimit::http::{RateLimitLayer, PROBLEM_TYPE, PROBLEM_TYPE_IN_FLIGHT};
     use slicelimit::{nonzero, Limiter, Quota};
     let redis = RedisServer::start();
     let rate = Limiter::builder(Quota::per_minute(nonzero!(6)))
@@ -244,14 +246,82 @@ async fn rate_and_in_flight_limits_stack() {
     let ok = first.iter().filter(|(s, _)| *s == StatusCode::OK).count();
     let busy: Vec<_> = first.iter().filter(|(s, _)| *s != StatusCode::OK).collect();
     assert_eq!(ok, 2, "{first:?}");
-    assert!(busy
-        .iter()
-        .all(|(s, b)| *s == StatusCode::TOO_MANY_REQUESTS && b.contains("in flight")));
+    // Each 429 names its own problem type: a client can tell "busy, come
+    // back when one ends" from "your quota is spent".
+    let in_flight_type = format!("\"type\":\"{PROBLEM_TYPE_IN_FLIGHT}\"");
+    assert!(busy.iter().all(|(s, b)| *s == StatusCode::TOO_MANY_REQUESTS
+        && b.contains("in flight")
+        && b.contains(&in_flight_type)
+        && !b.contains(PROBLEM_TYPE)));
     // The rate is spent after six (the refused two counted for it too):
     // the rest are refused for their rate and take no slot.
     let _ = futures_util::future::join_all((0..2).map(|_| get())).await;
     let (status, body) = get().await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
     assert!(body.contains("quota"), "{body}");
+    assert!(
+        body.contains(&format!("\"type\":\"{PROBLEM_TYPE}\"")),
+        "{body}"
+    );
     assert_eq!(slots.in_flight("k"), 0);
+}
+
+/// Redis down under fail-closed: the in-flight layer answers 503 with the
+/// `temporary-reduced-capacity` problem type, never a 429 saying the key
+/// is busy (nothing is in flight).
+#[tokio::test]
+async fn an_outage_under_fail_closed_is_a_503() {
+    use slicelimit::http::PROBLEM_TYPE_UNAVAILABLE;
+    use slicelimit::{FailurePolicy, FakeClock, Faults, FaultyStore};
+    use tower::ServiceExt;
+    let clock = FakeClock::new(Duration::from_secs(1_000));
+    let down = Faults {
+        lost_before: 1.0,
+        ..Faults::default()
+    };
+    let store = FaultyStore::new(
+        MemoryStore::with_clock(clock.clone()),
+        down,
+        1,
+        clock.clone(),
+    );
+    for hybrid in [false, true] {
+        let builder = ConcurrencyLimiter::builder(NonZeroU32::new(2).unwrap())
+            .store(store.clone())
+            .clock(clock.clone())
+            .on_store_error(FailurePolicy::FailClosed);
+        let limiter = if hybrid {
+            builder.hybrid()
+        } else {
+            builder.exact()
+        }
+        .build()
+        .expect("builds");
+        let router = Router::new()
+            .route("/work", get(|| async { "done" }))
+            .layer(InFlightLayer::new(
+                limiter,
+                KeyExtractor::header("x-api-key"),
+            ));
+        for _ in 0..3 {
+            let request = http::Request::get("/work")
+                .header("x-api-key", "k")
+                .body(axum::body::Body::empty())
+                .unwrap();
+            let response = router.clone().oneshot(request).await.unwrap();
+            let status = response.status();
+            assert!(response.headers().contains_key(http::header::RETRY_AFTER));
+            let body = response.into_body().collect().await.unwrap().to_bytes();
+            let body = String::from_utf8_lossy(&body);
+            assert_eq!(
+                status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "hybrid {hybrid}: {body}"
+            );
+            assert!(
+                body.contains(&format!("\"type\":\"{PROBLEM_TYPE_UNAVAILABLE}\"")),
+                "{body}"
+            );
+        }
+    }
 }

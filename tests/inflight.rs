@@ -44,7 +44,7 @@ fn main() {
         return;
     }
     let filters: Vec<&String> = args[1..].iter().filter(|a| !a.starts_with('-')).collect();
-    let tests: [(&str, fn()); 5] = [
+    let tests: [(&str, fn()); 6] = [
         (
             "four_processes_never_run_more_than_the_maximum_at_once",
             four_processes,
@@ -64,6 +64,10 @@ fn main() {
         (
             "at_a_two_millisecond_round_trip_the_bound_holds_and_hybrid_keeps_up",
             round_trip,
+        ),
+        (
+            "a_slot_dropped_in_a_process_is_free_to_it_at_once",
+            released_here,
         ),
     ];
     let chosen: Vec<_> = tests
@@ -329,6 +333,45 @@ fn round_trip() {
             }
         }
     });
+}
+
+/// Every slot taken, every permit dropped, every slot taken again at
+/// once, many times over: the releases race the takes to Redis and no
+/// take may lose (a dropped slot is free to its own process at once).
+fn released_here() {
+    let server = RedisServer::start();
+    let runtime = tokio::runtime::Runtime::new().expect("a runtime");
+    runtime.block_on(async {
+        for mode in ["exact", "hybrid"] {
+            let mine = limiter(support::store(&server).await, mode, Duration::from_secs(3));
+            let other = limiter(support::store(&server).await, mode, Duration::from_secs(3));
+            let key = format!("again-{mode}");
+            let mut held = Vec::new();
+            let (mut refused, rounds) = (0, 200);
+            for _ in 0..rounds {
+                held.clear();
+                for _ in 0..MAX {
+                    match mine.try_acquire(&key).await {
+                        Ok(permit) => held.push(permit),
+                        Err(_) => refused += 1,
+                    }
+                }
+            }
+            // The bound: nothing for another holder while all are held.
+            let theirs = other.try_acquire(&key).await;
+            println!(
+                "{mode}: {rounds} rounds of {MAX} taken, dropped and taken again at once: \
+                 {refused} refused"
+            );
+            assert_eq!(refused, 0, "{mode}");
+            assert_eq!(held.len(), MAX as usize, "{mode}");
+            assert!(theirs.is_err(), "{mode}: another holder got a slot");
+            drop(held);
+            mine.shutdown().await;
+            other.shutdown().await;
+        }
+    });
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
 }
 
 fn store_down() {

@@ -14,7 +14,7 @@ use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, ErrorKind};
 use crate::failure::FailurePolicy;
 use crate::key::KeyEncoder;
-use crate::store::{MemoryStore, Store};
+use crate::store::Store;
 
 /// Builds a [`ConcurrencyLimiter`].
 #[derive(Clone)]
@@ -59,8 +59,13 @@ impl ConcurrencyBuilder {
         }
     }
 
-    /// Where the leases live (by default an embedded [`MemoryStore`]: one
-    /// process only).
+    /// Where the leases live: a [`RedisStore`](crate::RedisStore) to
+    /// share the limit across a fleet, or a
+    /// [`MemoryStore`](crate::MemoryStore) for one process. Required:
+    /// there is no default, so a limit meant for a fleet cannot silently
+    /// become a limit per process. A limiter on an injected
+    /// [`clock`](ConcurrencyBuilder::clock) wants a `MemoryStore` on the
+    /// same clock ([`MemoryStore::with_clock`](crate::MemoryStore::with_clock)).
     pub fn store(mut self, store: impl Into<Store>) -> Self {
         self.store = Some(store.into());
         self
@@ -123,8 +128,18 @@ impl ConcurrencyBuilder {
     /// Builds the limiter and starts its background task.
     ///
     /// # Errors
-    /// A lease or renewal interval out of bounds; no Tokio runtime.
+    /// An [`InvalidInput`](crate::ErrorKind::InvalidInput) error without a
+    /// [`store`](ConcurrencyBuilder::store), or for a lease or renewal
+    /// interval out of bounds; an
+    /// [`Unsupported`](crate::ErrorKind::Unsupported) error outside a
+    /// Tokio runtime.
     pub fn build(self) -> Result<ConcurrencyLimiter, Error> {
+        let store = self.store.ok_or_else(|| {
+            Error::invalid(
+                "no store chosen: call .store(..) with a RedisStore to share the limit \
+                 across processes, or with MemoryStore::new() to limit this process alone",
+            )
+        })?;
         if !(MIN_LEASE..=MAX_LEASE).contains(&self.lease) {
             return Err(Error::invalid(format!(
                 "a lease of {:?} is outside {MIN_LEASE:?}..={MAX_LEASE:?}",
@@ -154,9 +169,7 @@ impl ConcurrencyBuilder {
         let (releases, released) = mpsc::unbounded_channel();
         let inner = Arc::new(Inner {
             max: u64::from(self.max.get()),
-            store: self
-                .store
-                .unwrap_or_else(|| MemoryStore::with_shared_clock(clock.clone()).into()),
+            store,
             keys: KeyEncoder::new(&self.namespace),
             hybrid: self.hybrid,
             policy: self.policy,

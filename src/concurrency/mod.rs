@@ -9,7 +9,9 @@
 //!
 //! - **exact**: every permit is a lease of one slot: one script call to
 //!   take it, one to release it, and the background task renews every
-//!   live permit's lease of a key in one call;
+//!   live permit's lease of a key in one call; a release Redis has not
+//!   answered for rides again in the next call on the key, ahead of its
+//!   take, so a slot dropped here is free here at once;
 //! - **hybrid**: the process holds one lease per key and hands its slots
 //!   to requests from memory; it asks for more when they run out (a batch
 //!   sized by how many it uses), renews the lease in the background, and
@@ -352,9 +354,22 @@ impl Inner {
         // The guard exists before the call: dropped mid-call, it releases
         // whatever the call may have taken.
         let mut permit = SlotPermit::new(self.clone(), key, slots.clone(), Held::Asked(id));
-        let reply = self.call(key, vec![(self.lease_name(id), 1)]).await;
+        // Leases of permits dropped here whose release may still be on
+        // its way are released first, in the same script call: a slot
+        // given up in this process is free to the next request here at
+        // once, and the store never counts both.
+        let carried = slots.lock().releases_to_carry(self.clock.now(), self.lease);
+        let mut leases: Vec<(String, u64)> = carried
+            .iter()
+            .map(|&gone| (self.lease_name(gone), 0))
+            .collect();
+        leases.push((self.lease_name(id), 1));
+        let reply = self.call(key, leases).await;
+        if reply.is_ok() {
+            slots.lock().released_applied(&carried);
+        }
         match reply {
-            Ok(replies) if replies.first().is_some_and(|r| r.held == 1) => {
+            Ok(replies) if replies.last().is_some_and(|r| r.held == 1) => {
                 slots.lock().exact.insert(id);
                 permit.set(Held::Exact(id));
                 self.metrics.in_flight.increment(1.0);
@@ -412,15 +427,18 @@ impl Inner {
                 });
             }
             waited = true;
-            if tokio::time::timeout_at(deadline, answered).await.is_err() {
+            let timed_out = tokio::time::timeout_at(deadline, answered).await.is_err();
+            if slots.lock().failed {
+                // The last call could not reach the store (and the one in
+                // flight has not answered by this call's deadline, or
+                // failed too): neither could this one.
+                let error = Error::new(crate::error::ErrorKind::Store, "the store did not answer");
+                return self.fallback(key, slots, &error);
+            }
+            if timed_out {
                 return Err(AcquireError::Full {
                     retry_after: Duration::from_millis(10),
                 });
-            }
-            if slots.lock().failed {
-                // It could not reach the store: neither could this one.
-                let error = Error::new(crate::error::ErrorKind::Store, "the store did not answer");
-                return self.fallback(key, slots, &error);
             }
             now = self.clock.now();
         };
@@ -495,7 +513,11 @@ impl Inner {
     pub(crate) fn release(&self, key: &str, slots: &KeySlots, held: Held) {
         match held {
             Held::Exact(id) => {
-                slots.lock().exact.remove(&id);
+                {
+                    let mut held = slots.lock();
+                    held.exact.remove(&id);
+                    held.released.push((id, self.clock.now()));
+                }
                 let _ = self
                     .releases
                     .send(self.release_of(key, &self.lease_name(id)));

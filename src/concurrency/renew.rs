@@ -102,17 +102,28 @@ pub(super) async fn sweep(inner: &Arc<Inner>, closing: bool) {
     }
 }
 
+/// Renews the key's live exact leases, and sends again the releases the
+/// store may not have applied yet (idempotent), so they are forgotten.
 async fn renew_exact(inner: &Inner, key: &str) {
     let Some(slots) = inner.slots.get(key).map(|s| s.clone()) else {
         return;
     };
-    let ids: Vec<u64> = slots.lock().exact.iter().copied().collect();
-    if ids.is_empty() {
+    let (ids, carried) = {
+        let mut held = slots.lock();
+        let ids: Vec<u64> = held.exact.iter().copied().collect();
+        (ids, held.releases_to_carry(inner.clock.now(), inner.lease))
+    };
+    if ids.is_empty() && carried.is_empty() {
         return;
     }
-    let leases = ids.iter().map(|id| (inner.lease_name(*id), 1)).collect();
+    let leases = ids
+        .iter()
+        .map(|id| (inner.lease_name(*id), 1))
+        .chain(carried.iter().map(|id| (inner.lease_name(*id), 0)))
+        .collect();
     if let Ok(replies) = inner.call(key, leases).await {
-        let still = slots.lock();
+        let mut still = slots.lock();
+        still.released_applied(&carried);
         let lost = ids
             .iter()
             .zip(&replies)

@@ -29,6 +29,13 @@ impl KeySlots {
 pub(crate) struct Slots {
     /// Live exact permits' lease ids (renewed together).
     pub(crate) exact: HashSet<u64>,
+    /// Exact leases whose permits dropped, and when (local clock): their
+    /// release may not have reached the store yet, so the next call on
+    /// the key from here sends it again (a release is idempotent), and a
+    /// take right after a drop finds the slot free instead of still held
+    /// by a lease this process gave up. Forgotten once a call carrying
+    /// them answers, or a lease after the drop (the lease has expired).
+    pub(crate) released: Vec<(u64, Duration)>,
     /// Slots this process's lease holds in the store (hybrid), as last
     /// answered.
     pub(crate) held: u64,
@@ -106,8 +113,13 @@ impl Slots {
             return Ask::Busy;
         }
         // Asked in vain a moment ago, or giving slots back (a call now
-        // would take them again before the others could).
-        if (now < self.quiet_until && now < self.valid_until) || self.held < self.stored {
+        // would take them again before the others could). Not after a
+        // call that did not answer: what the store holds is then unknown
+        // (a shrink that failed leaves `held` below `stored` until a call
+        // answers), and only asking can tell "full" from "unreachable".
+        if !self.failed
+            && ((now < self.quiet_until && now < self.valid_until) || self.held < self.stored)
+        {
             return Ask::Quiet;
         }
         let want = self.in_use + self.waiting.max(1);
@@ -178,9 +190,23 @@ impl Slots {
         now >= self.sent_at + REFRESH && !self.asking
     }
 
+    /// The exact leases whose release to carry in a call sent at `now`:
+    /// those released within `lease` (older ones have expired).
+    pub(crate) fn releases_to_carry(&mut self, now: Duration, lease: Duration) -> Vec<u64> {
+        self.released.retain(|&(_, at)| now < at + lease);
+        self.released.iter().map(|&(id, _)| id).collect()
+    }
+
+    /// A call carrying the releases of `carried` answered: the store has
+    /// applied them.
+    pub(crate) fn released_applied(&mut self, carried: &[u64]) {
+        self.released.retain(|(id, _)| !carried.contains(id));
+    }
+
     /// Nothing held, in use or asked for: the entry may go.
     pub(crate) fn idle(&self) -> bool {
-        self.stored == 0
+        self.released.is_empty()
+            && self.stored == 0
             && self.held == 0
             && self.in_flight() == 0
             && self.waiting == 0

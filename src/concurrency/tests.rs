@@ -99,6 +99,131 @@ async fn exact_permits_take_and_release_one_slot_each() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_exact_slot_dropped_here_is_free_here_at_once() {
+    let fleet = Fleet::new();
+    let limiter = fleet.process(3, false);
+    let other = fleet.process(3, false);
+    let first: Vec<_> = [
+        limiter.try_acquire("k").await,
+        limiter.try_acquire("k").await,
+        limiter.try_acquire("k").await,
+    ]
+    .into_iter()
+    .map(|p| p.expect("a slot"))
+    .collect();
+    drop(first);
+    // No time passes and the background task has not run: every release
+    // is still on its way, yet the next takes here find the slots free.
+    let mut again = Vec::new();
+    for _ in 0..3 {
+        again.push(limiter.try_acquire("k").await.expect("free at once"));
+    }
+    assert_eq!(fleet.held("k", &limiter), 3);
+    assert!(matches!(
+        other.try_acquire("k").await,
+        Err(AcquireError::Full { .. })
+    ));
+    // The releases the background task sends now arrive a second time:
+    // they change nothing, and the new permits keep their slots.
+    fleet.advance(Duration::from_millis(100)).await;
+    assert_eq!(fleet.held("k", &limiter), 3);
+    assert!(other.try_acquire("k").await.is_err());
+    drop(again);
+    fleet.advance(Duration::from_millis(100)).await;
+    assert_eq!(fleet.held("k", &limiter), 0);
+    // Every release has been applied and forgotten: the key goes idle.
+    fleet.advance(Duration::from_secs(2)).await;
+    assert!(
+        limiter.inner.slots.get("k").is_none(),
+        "the key was forgotten"
+    );
+    let _theirs = other.try_acquire("k").await.expect("a slot");
+}
+
+/// An outage under `FailClosed`, in both modes: the process holds no
+/// permit, so every attempt while the store cannot answer is
+/// `Unavailable` (a 503), never `Full` (a 429 saying the key is busy).
+/// The hybrid race made deterministic: the renewal that gives idle slots
+/// back fails, leaving the lease's local count below the store's; asking
+/// was then held off as "giving slots back" for the whole outage.
+#[cfg(feature = "test-support")]
+#[tokio::test(start_paused = true)]
+async fn an_outage_under_fail_closed_is_unavailable_never_full() {
+    use crate::failure::FailurePolicy;
+    use crate::store::{Faults, FaultyStore};
+    for hybrid in [false, true] {
+        let fleet = Fleet::new();
+        let store = FaultyStore::new(
+            fleet.store.clone(),
+            Faults::default(),
+            7,
+            fleet.clock.clone(),
+        );
+        let builder = ConcurrencyLimiter::builder(max(4))
+            .store(store.clone())
+            .clock(fleet.clock.clone())
+            .on_store_error(FailurePolicy::FailClosed)
+            .lease(Duration::from_secs(3))
+            .renew_every(Duration::from_secs(1));
+        let limiter = if hybrid {
+            builder.hybrid()
+        } else {
+            builder.exact()
+        }
+        .build()
+        .expect("builds");
+        let held = [
+            limiter.try_acquire("k").await.expect("a slot"),
+            limiter.try_acquire("k").await.expect("a slot"),
+        ];
+        store.set_faults(Faults {
+            lost_before: 1.0,
+            ..Faults::default()
+        });
+        drop(held);
+        // The next renewal gives the idle slots back, and fails.
+        fleet.advance(Duration::from_millis(1_100)).await;
+        for attempt in 0..50 {
+            let answer = limiter.try_acquire("k").await;
+            assert!(
+                matches!(answer, Err(AcquireError::Unavailable { .. })),
+                "hybrid {hybrid}, attempt {attempt}: {answer:?}"
+            );
+            fleet.advance(Duration::from_millis(100)).await;
+        }
+        if hybrid {
+            // A call that hangs (400 ms, then fails) is in flight when a
+            // wait of 50 ms runs out behind it: the last call failed, so
+            // the store cannot answer, not "every slot is busy".
+            let slow = store.clone().with_latency(Duration::from_millis(400));
+            // Past the breaker's backoff: the next call is let through
+            // as its probe.
+            fleet.clock.advance(Duration::from_secs(1));
+            let first = tokio::spawn({
+                let limiter = limiter.clone();
+                async move { limiter.try_acquire("k").await }
+            });
+            tokio::task::yield_now().await;
+            let behind = limiter.acquire("k", Duration::from_millis(50)).await;
+            assert!(
+                matches!(behind, Err(AcquireError::Unavailable { .. })),
+                "{behind:?}"
+            );
+            let first = first.await.expect("joins");
+            assert!(
+                matches!(first, Err(AcquireError::Unavailable { .. })),
+                "{first:?}"
+            );
+            let _ = slow.with_latency(Duration::ZERO);
+        }
+        // The store is back: the first attempt asks it, and gets a slot.
+        store.set_faults(Faults::default());
+        fleet.advance(Duration::from_secs(1)).await;
+        let _back = limiter.try_acquire("k").await.expect("a slot again");
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn two_hybrid_processes_never_hold_more_than_the_maximum() {
     let fleet = Fleet::new();
     let a = fleet.process(20, true);
@@ -227,12 +352,42 @@ fn bad_leases_are_refused() {
         (Duration::from_secs(3), Some(Duration::from_secs(2))),
         (Duration::from_secs(3), Some(Duration::ZERO)),
     ] {
-        let mut builder = ConcurrencyLimiter::builder(max(1)).lease(lease);
+        let mut builder = ConcurrencyLimiter::builder(max(1))
+            .store(MemoryStore::new())
+            .lease(lease);
         if let Some(renew) = renew {
             builder = builder.renew_every(renew);
         }
         assert!(builder.build().is_err(), "{lease:?} {renew:?}");
     }
+}
+
+#[test]
+fn a_limiter_without_a_store_is_refused_and_says_how_to_choose_one() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let _guard = runtime.enter();
+    for hybrid in [false, true] {
+        let builder = ConcurrencyLimiter::builder(max(1));
+        let builder = if hybrid {
+            builder.hybrid()
+        } else {
+            builder.exact()
+        };
+        let error = builder.build().expect_err("no store");
+        assert!(error.is_invalid_input(), "hybrid {hybrid}: {error}");
+        assert!(
+            error.to_string().contains(".store("),
+            "hybrid {hybrid}: {error}"
+        );
+    }
+    // Chosen on purpose, one process's embedded store is fine.
+    let _one = ConcurrencyLimiter::builder(max(1))
+        .store(MemoryStore::new())
+        .build()
+        .expect("builds");
 }
 
 #[tokio::test(start_paused = true)]

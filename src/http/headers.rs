@@ -25,6 +25,14 @@ pub const PROBLEM_TYPE: &str = "https://iana.org/assignments/http-problem-types#
 /// policy is to fail closed.
 pub const PROBLEM_TYPE_UNAVAILABLE: &str =
     "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
+/// The problem type of an [`InFlightLayer`](super::InFlightLayer) 429
+/// body: every slot of the key is in flight. Not a quota, so not IANA's
+/// `quota-exceeded`, and no registered type says "too many at once":
+/// the URI names this crate's own documentation of it (the
+/// [`http`](super) module's "Too many in flight" section), in the same
+/// `page#name` form.
+pub const PROBLEM_TYPE_IN_FLIGHT: &str =
+    "https://docs.rs/slicelimit/latest/slicelimit/http/index.html#too-many-in-flight";
 
 /// Whole seconds, rounded up.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
@@ -260,7 +268,7 @@ pub(crate) fn unavailable_problem<'a>(
 pub(crate) fn in_flight_problem(retry: Option<u64>) -> String {
     let retry = retry.unwrap_or(1);
     format!(
-        "{{\"type\":\"{PROBLEM_TYPE}\",\"title\":\"Too many requests in flight\",\"status\":429,\"detail\":\"every slot of this key is in use; retry in {retry} s\"}}"
+        "{{\"type\":\"{PROBLEM_TYPE_IN_FLIGHT}\",\"title\":\"Too many requests in flight\",\"status\":429,\"detail\":\"every slot of this key is in use; retry in {retry} s\"}}"
     )
 }
 
@@ -301,5 +309,20 @@ mod tests {
         let body = unavailable_problem(std::iter::empty(), None);
         assert!(body.contains("temporary-reduced-capacity"), "{body}");
         assert!(body.contains("\"status\":503"), "{body}");
+    }
+
+    #[test]
+    fn an_in_flight_refusal_has_a_problem_type_of_its_own() {
+        let body = in_flight_problem(Some(1));
+        let quota = quota_problem(std::iter::empty(), Some(1));
+        assert!(
+            body.contains(&format!("\"type\":\"{PROBLEM_TYPE_IN_FLIGHT}\"")),
+            "{body}"
+        );
+        assert!(!body.contains(PROBLEM_TYPE), "{body}");
+        assert!(quota.contains(PROBLEM_TYPE), "{quota}");
+        assert_ne!(PROBLEM_TYPE_IN_FLIGHT, PROBLEM_TYPE);
+        assert_ne!(PROBLEM_TYPE_IN_FLIGHT, PROBLEM_TYPE_UNAVAILABLE);
+        assert!(body.contains("\"status\":429"), "{body}");
     }
 }

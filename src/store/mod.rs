@@ -1,7 +1,7 @@
 //! Stores: where budgets live and are counted atomically.
 //!
 //! [`RedisStore`] runs the Lua scripts in `lua/`; [`MemoryStore`] implements
-//! the same semantics in process (the embedded default, one process only).
+//! the same semantics in process (one process only, chosen explicitly).
 //! This module owns the dispatch between them (where every call is
 //! counted once); the request and reply shapes are `algorithm::calls`.
 //! It decides nothing about policies, leases or failures.
