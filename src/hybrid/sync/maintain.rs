@@ -79,6 +79,16 @@ pub(super) fn prelease_if_active(
     if ablate.off(Ablation::THIN_PRELEASE) && books.sizing.thin() {
         return;
     }
+    // A key seen in one window only, and not busy enough to surely use
+    // the next (thick), is not leased ahead: the long tail (a million
+    // keys, each asked once or twice) cost a store call per key held at
+    // every boundary, and another when each went idle and gave its
+    // pre-lease back, and first requests of new keys were denied behind
+    // them. Its next request, if it comes, waits one round trip.
+    let thick = books.sizing.per_window().is_some_and(|n| n >= THICK_PER_WINDOW);
+    if !thick && !books.sizing.recurring() {
+        return;
+    }
     let rate = books.sizing.rate_per_us();
     // Used in this window, or within its last few usual gaps (a thin
     // holder with one request a window skips about a third of them).

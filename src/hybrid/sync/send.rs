@@ -239,9 +239,17 @@ pub(crate) async fn round(shared: &Shared) -> bool {
     }
     // What is left of the reports goes back to its queues.
     drop(unsent);
-    give_back_all(shared).await;
-    more
+    // Give-backs go a batch at a time: after a mass eviction (a long
+    // tail of keys gone idle together) they were 200,000 calls sent in
+    // one go, and every first request of a new key was denied behind
+    // them for two seconds. The last round sends them all.
+    let limit = (!last).then_some(GIVE_BACK_BATCHES_PER_ROUND);
+    more | give_back_some(shared, limit).await
 }
+
+/// Batches of give-backs a round sends before it lets waiting refills
+/// go first (see [`round`]).
+const GIVE_BACK_BATCHES_PER_ROUND: usize = 1;
 
 /// The next batch: reports first, then leases, waiters before the rest.
 pub(super) fn next_batch(
@@ -386,14 +394,23 @@ pub(super) fn settle(
 /// Sends the queued give-backs. They go last: a waiter's lease matters
 /// more than returning permits nobody is asking for yet.
 pub(crate) async fn give_back_all(shared: &Shared) {
-    let returns = std::mem::take(
-        &mut *shared
+    give_back_some(shared, None).await;
+}
+
+/// Sends up to `batches` batches of the queued give-backs (all: `None`),
+/// oldest first; `true` if some are left queued.
+async fn give_back_some(shared: &Shared, batches: Option<usize>) -> bool {
+    let batch_size = shared.config.load().batch_size;
+    let returns = {
+        let mut queued = shared
             .outbox
             .returns
             .lock()
-            .unwrap_or_else(|p| p.into_inner()),
-    );
-    for chunk in returns.chunks(shared.config.load().batch_size) {
+            .unwrap_or_else(|p| p.into_inner());
+        let take = batches.map_or(queued.len(), |b| queued.len().min(b * batch_size));
+        queued.drain(..take).collect::<Vec<_>>()
+    };
+    for chunk in returns.chunks(batch_size) {
         let (result, _) = shared
             .store
             .give_back_batch(&shared.params, chunk, &shared.counters)
@@ -419,6 +436,12 @@ pub(crate) async fn give_back_all(shared: &Shared) {
             }
         }
     }
+    !shared
+        .outbox
+        .returns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .is_empty()
 }
 
 pub(super) fn lease_call(
