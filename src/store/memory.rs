@@ -271,8 +271,14 @@ impl MemoryStore {
                 Some(back) => Ok((back + repeat, None)),
                 None => {
                     let give_back = p.algorithm.spec().give_back;
-                    let back =
-                        self.with_entry(&call.key, now, |entry| give_back(entry, p, now, call))?;
+                    let back = self.with_entry(&call.key, now, |entry| {
+                        // A key that does not exist gets nothing back,
+                        // whatever its layout (`give_back.lua`'s EXISTS).
+                        if entry.is_none() {
+                            return Ok(0);
+                        }
+                        give_back(entry, p, now, call)
+                    })?;
                     Ok((back, Some(back)))
                 }
             },
