@@ -499,19 +499,10 @@ mod tests {
         let (s, _) = store();
         let p = Params::new(&Quota::per_second(nonzero!(100)), Algorithm::FixedWindow);
         let mut call = LeaseCall {
-            key: "k".into(),
             want: 1000,
             share_cap: 0.5,
-            debt: 0,
             debt_window: 0,
-            min_window: -1,
-            need: 1,
-            patience: 1,
-            op: None,
-            holder: None,
-            ceiling: 0,
-            lease_id: 0,
-            ahead_cap: 0,
+            ..LeaseCall::nothing("k".into())
         };
         let r = s.lease(&p, &call).unwrap();
         assert_eq!((r.granted, r.remaining), (50, 50));
@@ -543,19 +534,11 @@ mod tests {
         // W+1: full from W's weight alone; the ask gets nothing.
         clock.advance(period);
         let ask = LeaseCall {
-            key: "k".into(),
             want: 1,
-            share_cap: 1.0,
-            debt: 0,
-            debt_window: -1,
-            min_window: -1,
-            need: 1,
-            patience: 1,
-            op: None,
             holder: Some("c".into()),
             ceiling: 1,
             lease_id: 1,
-            ahead_cap: 0,
+            ..LeaseCall::nothing("k".into())
         };
         assert_eq!(s.lease(&p, &ask).unwrap().granted, 0);
         // Late debt into W, whose count exists.
