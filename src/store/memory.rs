@@ -50,6 +50,23 @@ struct Shared {
     slots: Mutex<HashMap<String, HashMap<String, crate::slots::SlotLease>>>,
 }
 
+/// Runs `apply` on the holders of `key` in `keys` (none if the key is
+/// new) and forgets the key once it has none left, as Redis forgets a
+/// hash whose last field is deleted.
+fn with_holders<T, R>(
+    keys: &Mutex<HashMap<String, HashMap<String, T>>>,
+    key: &str,
+    apply: impl FnOnce(&mut HashMap<String, T>) -> R,
+) -> R {
+    let mut keys = keys.lock().unwrap_or_else(|e| e.into_inner());
+    let holders = keys.entry(key.to_owned()).or_default();
+    let out = apply(holders);
+    if holders.is_empty() {
+        keys.remove(key);
+    }
+    out
+}
+
 /// How long a report's identity is remembered (the scripts' 60 s).
 const OP_TTL_US: u64 = 60_000_000;
 
@@ -100,13 +117,9 @@ impl MemoryStore {
         call: &crate::slots::SlotsCall,
     ) -> (Vec<crate::slots::SlotsReply>, u64) {
         let now_ms = self.now() / 1_000;
-        let mut slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let leases = slots.entry(key.to_owned()).or_default();
-        let replies = crate::slots::apply(leases, call, now_ms);
-        if leases.is_empty() {
-            slots.remove(key);
-        }
-        replies
+        with_holders(&self.shared.slots, key, |leases| {
+            crate::slots::apply(leases, call, now_ms)
+        })
     }
 
     /// Slots the leases of `key` hold (expired ones included until a
@@ -137,13 +150,9 @@ impl MemoryStore {
         call: &crate::share::ShareCall,
     ) -> crate::share::ShareReply {
         let now_ms = self.now() / 1_000;
-        let mut shares = self.shared.shares.lock().unwrap_or_else(|e| e.into_inner());
-        let holders = shares.entry(key.to_owned()).or_default();
-        let reply = crate::share::apply(holders, call, now_ms);
-        if holders.is_empty() {
-            shares.remove(key);
-        }
-        reply
+        with_holders(&self.shared.shares, key, |holders| {
+            crate::share::apply(holders, call, now_ms)
+        })
     }
 
     /// Entries currently held, expired ones included until the next sweep.
