@@ -163,6 +163,16 @@ impl StoreCost {
             calls: calls as u64,
         }
     }
+
+    /// `calls` script calls sent in `round_trips` round trips (a resend
+    /// after `NOSCRIPT` is one more); none if nothing was sent (the
+    /// breaker refused them).
+    pub(crate) fn sent(round_trips: u64, calls: u64) -> Self {
+        StoreCost {
+            round_trips,
+            calls: if round_trips > 0 { calls } else { 0 },
+        }
+    }
 }
 
 /// Live counters; one per limiter, shared by its engine and sync task.

@@ -279,3 +279,52 @@ async fn a_wrong_password_is_a_clear_connection_error() {
         "the password leaked: {message}"
     );
 }
+
+/// `rediss://` to a port that serves plaintext: the error says TLS is
+/// what went wrong, not only that the connection failed, whether the
+/// server leaves the client's handshake unanswered (Redis: a timeout) or
+/// answers it in plaintext (a connection error). (A cluster client's
+/// connection error keeps only the text of its cause: it gets the hint
+/// on a timeout alone.)
+#[tokio::test]
+async fn tls_to_a_plaintext_port_says_so() {
+    let redis = RedisServer::start();
+    for (port, clusters) in [
+        (redis.port(), &[false, true][..]),
+        (plaintext_answerer(), &[false][..]),
+    ] {
+        let address = format!("127.0.0.1:{port}");
+        let url = format!("rediss://{address}/");
+        for &cluster in clusters {
+            let options = RedisOptions::default().connect_timeout(Duration::from_millis(500));
+            let err = if cluster {
+                RedisStore::connect_cluster_with(&[&url], options).await
+            } else {
+                RedisStore::connect_with(&url, options).await
+            }
+            .unwrap_err();
+            assert!(
+                matches!(err.kind(), ErrorKind::Timeout | ErrorKind::Connection),
+                "{err}"
+            );
+            let message = err.to_string();
+            let hint = format!("a TLS handshake to {address} got no TLS answer");
+            assert!(message.contains(&hint), "cluster {cluster}: {message}");
+        }
+    }
+}
+
+/// A port that answers whatever it is sent with a plaintext Redis error
+/// and closes the connection; its listener lives as long as the test.
+fn plaintext_answerer() -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("address").port();
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().flatten() {
+            let _ = stream.read(&mut [0u8; 4096]);
+            let _ = stream.write_all(b"-ERR unknown command\r\n");
+        }
+    });
+    port
+}

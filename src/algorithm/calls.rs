@@ -209,8 +209,9 @@ pub(crate) struct LeaseCall {
 }
 
 impl LeaseCall {
-    /// Asks for nothing and records nothing, in the store's current window.
-    fn nothing(key: String) -> Self {
+    /// Asks for nothing and records nothing, in the store's current window:
+    /// the base the other calls are built on, changing what they ask.
+    pub(crate) fn nothing(key: String) -> Self {
         LeaseCall {
             key,
             want: 0,

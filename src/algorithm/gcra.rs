@@ -176,9 +176,6 @@ fn give_back(
     now: u64,
     call: &GiveBackCall,
 ) -> Result<u64, Error> {
-    if entry.is_none() {
-        return Ok(0);
-    }
     let returned = call.returned as f64;
     let burst = p.burst as f64;
 

@@ -179,7 +179,9 @@ pub(crate) struct Spec {
     pub(crate) check: fn(Stored<'_>, &Params, u64, u64, &str) -> Result<AcquireReply, Error>,
     /// Mirror of the lease script.
     pub(crate) lease_mirror: fn(Stored<'_>, &Params, u64, &LeaseCall) -> Result<LeaseReply, Error>,
-    /// Mirror of the give-back script.
+    /// Mirror of the give-back script's branch for this layout, on a key
+    /// that exists (the script answers 0 for a missing one before it
+    /// branches, and so does the embedded store).
     pub(crate) give_back: fn(Stored<'_>, &Params, u64, &GiveBackCall) -> Result<u64, Error>,
     /// Which kind of lease the lease script grants.
     pub(crate) leases: LeaseKind,

@@ -401,9 +401,6 @@ pub(crate) fn give_back(
     now: u64,
     call: &GiveBackCall,
 ) -> Result<u64, Error> {
-    if entry.is_none() {
-        return Ok(0);
-    }
     let w = windows(entry, &call.key)?;
     if call.window < (now / p.period_us) as i64 {
         return Ok(0);

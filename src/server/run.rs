@@ -18,7 +18,7 @@ use crate::server::rlqs::Rlqs;
 use crate::server::service::RateLimiter;
 use crate::server::stats;
 use crate::server::table::{Mode, Settings};
-use crate::store::{MemoryStore, RedisStore, Store};
+use crate::store::{MemoryStore, RedisOptions, RedisStore, Store};
 
 /// How long a shutdown waits for calls in flight before it closes their
 /// connections, and then again for the leased permits to go back.
@@ -67,6 +67,34 @@ pub struct Options {
         default_value = "open"
     )]
     pub on_store_error: OnStoreError,
+    /// How long one Redis call may take before the failure policy
+    /// decides for it (`25ms`, `2s`). While Redis answers slowly it
+    /// stretches on its own, up to four times this.
+    #[arg(
+        long,
+        env = "SLICELIMIT_REDIS_TIMEOUT",
+        default_value = "25ms",
+        value_parser = parse_timeout
+    )]
+    pub redis_timeout: Duration,
+}
+
+/// `--redis-timeout`: a whole number of milliseconds (`ms`) or seconds
+/// (`s`).
+fn parse_timeout(text: &str) -> Result<Duration, String> {
+    let bad = || format!("{text:?} is not a timeout such as 25ms or 2s");
+    let (number, unit) = match text.strip_suffix("ms") {
+        Some(number) => (number, Duration::from_millis(1)),
+        None => (
+            text.strip_suffix('s').ok_or_else(bad)?,
+            Duration::from_secs(1),
+        ),
+    };
+    let n: u32 = number.trim().parse().map_err(|_| bad())?;
+    match unit.checked_mul(n) {
+        Some(timeout) if !timeout.is_zero() => Ok(timeout),
+        _ => Err(bad()),
+    }
 }
 
 /// `--mode`.
@@ -118,7 +146,10 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
     let exporter = crate::metrics::install_prometheus_recorder()?;
     stats::describe();
     let store: Store = match &options.redis_url {
-        Some(url) => RedisStore::connect(url).await?.into(),
+        Some(url) => {
+            let redis = RedisOptions::default().response_timeout(options.redis_timeout);
+            RedisStore::connect_with(url, redis).await?.into()
+        }
         None => {
             eprintln!(
                 "slicelimit-server: no --redis-url (REDIS_URL): counting in this process \
@@ -272,4 +303,18 @@ fn metrics_router(
                 }
             }),
         )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redis_timeouts_are_milliseconds_or_seconds() {
+        assert_eq!(parse_timeout("25ms"), Ok(Duration::from_millis(25)));
+        assert_eq!(parse_timeout("2s"), Ok(Duration::from_secs(2)));
+        for bad in ["", "25", "0ms", "1.5s", "-1s", "2m", "ms", "99999999999s"] {
+            assert!(parse_timeout(bad).is_err(), "{bad:?}");
+        }
+    }
 }

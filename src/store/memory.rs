@@ -50,6 +50,23 @@ struct Shared {
     slots: Mutex<HashMap<String, HashMap<String, crate::slots::SlotLease>>>,
 }
 
+/// Runs `apply` on the holders of `key` in `keys` (none if the key is
+/// new) and forgets the key once it has none left, as Redis forgets a
+/// hash whose last field is deleted.
+fn with_holders<T, R>(
+    keys: &Mutex<HashMap<String, HashMap<String, T>>>,
+    key: &str,
+    apply: impl FnOnce(&mut HashMap<String, T>) -> R,
+) -> R {
+    let mut keys = keys.lock().unwrap_or_else(|e| e.into_inner());
+    let holders = keys.entry(key.to_owned()).or_default();
+    let out = apply(holders);
+    if holders.is_empty() {
+        keys.remove(key);
+    }
+    out
+}
+
 /// How long a report's identity is remembered (the scripts' 60 s).
 const OP_TTL_US: u64 = 60_000_000;
 
@@ -100,13 +117,9 @@ impl MemoryStore {
         call: &crate::slots::SlotsCall,
     ) -> (Vec<crate::slots::SlotsReply>, u64) {
         let now_ms = self.now() / 1_000;
-        let mut slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
-        let leases = slots.entry(key.to_owned()).or_default();
-        let replies = crate::slots::apply(leases, call, now_ms);
-        if leases.is_empty() {
-            slots.remove(key);
-        }
-        replies
+        with_holders(&self.shared.slots, key, |leases| {
+            crate::slots::apply(leases, call, now_ms)
+        })
     }
 
     /// Slots the leases of `key` hold (expired ones included until a
@@ -137,13 +150,9 @@ impl MemoryStore {
         call: &crate::share::ShareCall,
     ) -> crate::share::ShareReply {
         let now_ms = self.now() / 1_000;
-        let mut shares = self.shared.shares.lock().unwrap_or_else(|e| e.into_inner());
-        let holders = shares.entry(key.to_owned()).or_default();
-        let reply = crate::share::apply(holders, call, now_ms);
-        if holders.is_empty() {
-            shares.remove(key);
-        }
-        reply
+        with_holders(&self.shared.shares, key, |holders| {
+            crate::share::apply(holders, call, now_ms)
+        })
     }
 
     /// Entries currently held, expired ones included until the next sweep.
@@ -271,8 +280,14 @@ impl MemoryStore {
                 Some(back) => Ok((back + repeat, None)),
                 None => {
                     let give_back = p.algorithm.spec().give_back;
-                    let back =
-                        self.with_entry(&call.key, now, |entry| give_back(entry, p, now, call))?;
+                    let back = self.with_entry(&call.key, now, |entry| {
+                        // A key that does not exist gets nothing back,
+                        // whatever its layout (`give_back.lua`'s EXISTS).
+                        if entry.is_none() {
+                            return Ok(0);
+                        }
+                        give_back(entry, p, now, call)
+                    })?;
                     Ok((back, Some(back)))
                 }
             },
@@ -493,19 +508,10 @@ mod tests {
         let (s, _) = store();
         let p = Params::new(&Quota::per_second(nonzero!(100)), Algorithm::FixedWindow);
         let mut call = LeaseCall {
-            key: "k".into(),
             want: 1000,
             share_cap: 0.5,
-            debt: 0,
             debt_window: 0,
-            min_window: -1,
-            need: 1,
-            patience: 1,
-            op: None,
-            holder: None,
-            ceiling: 0,
-            lease_id: 0,
-            ahead_cap: 0,
+            ..LeaseCall::nothing("k".into())
         };
         let r = s.lease(&p, &call).unwrap();
         assert_eq!((r.granted, r.remaining), (50, 50));
@@ -537,19 +543,11 @@ mod tests {
         // W+1: full from W's weight alone; the ask gets nothing.
         clock.advance(period);
         let ask = LeaseCall {
-            key: "k".into(),
             want: 1,
-            share_cap: 1.0,
-            debt: 0,
-            debt_window: -1,
-            min_window: -1,
-            need: 1,
-            patience: 1,
-            op: None,
             holder: Some("c".into()),
             ceiling: 1,
             lease_id: 1,
-            ahead_cap: 0,
+            ..LeaseCall::nothing("k".into())
         };
         assert_eq!(s.lease(&p, &ask).unwrap().granted, 0);
         // Late debt into W, whose count exists.

@@ -55,19 +55,13 @@ impl Drop for Server {
 
 fn call(holder: &str, want: u64, ceiling: u64, next: bool, lease_id: u64) -> LeaseCall {
     LeaseCall {
-        key: "sl:{parity}:fw".to_owned(),
         want,
         share_cap: 0.5,
-        debt: 0,
-        debt_window: -1,
         min_window: if next { i64::MAX } else { -1 },
-        need: 1,
-        patience: 1,
-        op: None,
         holder: Some(Arc::from(holder)),
         ceiling,
         lease_id,
-        ahead_cap: 0,
+        ..LeaseCall::nothing("sl:{parity}:fw".to_owned())
     }
 }
 

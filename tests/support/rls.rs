@@ -46,6 +46,11 @@ impl RlsServer {
             .args(["--metrics-addr", &format!("127.0.0.1:{metrics_port}")])
             .args(extra)
             .env_remove("REDIS_URL")
+            // Generous, as `test_options` gives the tests' own stores: on a
+            // loaded machine a call can take longer than the default 25 ms,
+            // and the failure policy would decide it (a test about timeouts
+            // passes `--redis-timeout`).
+            .env("SLICELIMIT_REDIS_TIMEOUT", "2s")
             .stdout(Stdio::null())
             .stderr(out)
             .spawn()

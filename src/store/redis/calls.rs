@@ -136,11 +136,7 @@ impl RedisStore {
             let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
             AcquireReply::from_values(&values)
         });
-        let cost = StoreCost {
-            round_trips,
-            calls: u64::from(round_trips > 0),
-        };
-        (reply, cost)
+        (reply, StoreCost::sent(round_trips, 1))
     }
 
     /// Sets leases on a key's in-flight slots (`lua/slots.lua`), through
@@ -255,11 +251,7 @@ impl RedisStore {
                 .map(AcquireReply::from_values)
                 .collect()
         });
-        let cost = StoreCost {
-            round_trips,
-            calls: u64::from(round_trips > 0),
-        };
-        (reply, cost)
+        (reply, StoreCost::sent(round_trips, 1))
     }
 
     /// One script call through `node`'s breaker (the store's when there is
@@ -359,10 +351,7 @@ impl RedisStore {
             let count = cmds.len() as u64;
             let cmds: Vec<Cmd> = cmds.into_iter().map(|(_, c)| c).collect();
             let (result, round_trips) = self.pipeline_once(lua, cmds, None, ahead).await;
-            let cost = StoreCost {
-                round_trips,
-                calls: if round_trips > 0 { count } else { 0 },
-            };
+            let cost = StoreCost::sent(round_trips, count);
             return (
                 result.map(|values| values.into_iter().map(Ok).collect()),
                 cost,

@@ -4,7 +4,9 @@
 
 #[cfg(feature = "sentinel")]
 use super::sentinel::{Sentinel, SentinelClient};
-use super::url::{check_scheme, connect_error, ensure_crypto_provider, redact};
+use super::url::{
+    check_scheme, connect_error, connect_timeout, ensure_crypto_provider, redact, tls_address,
+};
 use super::*;
 
 /// How to make a fresh connection, kept for rebuilding it.
@@ -112,15 +114,17 @@ impl RedisStore {
         options: RedisOptions,
     ) -> Result<RedisStore, Error> {
         ensure_crypto_provider();
-        let target = redact(&client.get_connection_info().addr().to_string());
+        let addr = client.get_connection_info().addr();
+        let target = redact(&addr.to_string());
+        let tls = tls_address(addr);
         let config = Self::manager_config(&options);
         let conn = tokio::time::timeout(
             options.connect_timeout,
             client.get_connection_manager_with_config(config.clone()),
         )
         .await
-        .map_err(|_| timeout_error(&format!("connecting to {target}"), options.connect_timeout))?
-        .map_err(|e| connect_error(&target, e))?;
+        .map_err(|_| connect_timeout(&target, options.connect_timeout, tls.as_deref()))?
+        .map_err(|e| connect_error(&target, e, tls.as_deref()))?;
         Ok(Self::with_rebuild(
             Self::from_parts(Conn::Single(conn), options, &target),
             Client::Single(client, config),
@@ -179,16 +183,19 @@ impl RedisStore {
         let client = builder.build().map_err(|e| {
             Error::invalid(format!("bad Redis Cluster URLs {shown:?}: {e}")).caused_by(e)
         })?;
-        let seed_host = urls
-            .first()
-            .and_then(|u| redis::Client::open(*u).ok())
-            .map(|c| match &c.get_connection_info().addr() {
-                redis::ConnectionAddr::Tcp(host, _) => host.clone(),
-                redis::ConnectionAddr::TcpTls { host, .. } => host.clone(),
-                _ => String::new(),
-            })
-            .unwrap_or_default();
-        Self::from_cluster(client, options, &shown.join(","), &seed_host).await
+        let seeds: Vec<redis::ConnectionAddr> = urls
+            .iter()
+            .filter_map(|u| redis::Client::open(*u).ok())
+            .map(|c| c.get_connection_info().addr().clone())
+            .collect();
+        let seed_host = match seeds.first() {
+            Some(redis::ConnectionAddr::Tcp(host, _)) => host.clone(),
+            Some(redis::ConnectionAddr::TcpTls { host, .. }) => host.clone(),
+            _ => String::new(),
+        };
+        let tls: Vec<String> = seeds.iter().filter_map(tls_address).collect();
+        let tls = (!tls.is_empty()).then(|| tls.join(","));
+        Self::from_cluster(client, options, &shown.join(","), &seed_host, tls).await
     }
 
     /// Connects through a [`redis::cluster::ClusterClient`] set up
@@ -204,25 +211,23 @@ impl RedisStore {
     ) -> Result<RedisStore, Error> {
         options.validate()?;
         refuse_tls_for_built(&options)?;
-        Self::from_cluster(client, options, "a Redis Cluster", seed_host).await
+        Self::from_cluster(client, options, "a Redis Cluster", seed_host, None).await
     }
 
+    /// `tls`: the seeds' addresses when they are reached over TLS.
     async fn from_cluster(
         client: redis::cluster::ClusterClient,
         options: RedisOptions,
         target: &str,
         seed_host: &str,
+        tls: Option<String>,
     ) -> Result<RedisStore, Error> {
         ensure_crypto_provider();
+        let cluster = format!("the cluster at {target}");
         let conn = tokio::time::timeout(options.connect_timeout, client.get_async_connection())
             .await
-            .map_err(|_| {
-                timeout_error(
-                    &format!("connecting to the cluster at {target}"),
-                    options.connect_timeout,
-                )
-            })?
-            .map_err(|e| connect_error(&format!("the cluster at {target}"), e))?;
+            .map_err(|_| connect_timeout(&cluster, options.connect_timeout, tls.as_deref()))?
+            .map_err(|e| connect_error(&cluster, e, tls.as_deref()))?;
         let mut store = Self::from_parts(Conn::Cluster(conn), options, target);
         if let Some(inner) = Arc::get_mut(&mut store.inner) {
             inner.topology = Some(Topology::new(
@@ -313,8 +318,8 @@ impl RedisStore {
         let limit = connect_timeout_through(&sentinels, options.connect_timeout);
         let conn = tokio::time::timeout(limit, sentinels.primary())
             .await
-            .map_err(|_| timeout_error(&format!("connecting to {target}"), limit))?
-            .map_err(|e| connect_error(&target, e))?;
+            .map_err(|_| connect_timeout(&target, limit, None))?
+            .map_err(|e| connect_error(&target, e, None))?;
         let store = Self::with_rebuild(
             Self::from_parts(Conn::Single(conn), options, &target),
             Client::Sentinel(Box::new(sentinels)),

@@ -83,7 +83,37 @@ pub(super) fn ensure_crypto_provider() {
 #[cfg(not(feature = "tls"))]
 pub(super) fn ensure_crypto_provider() {}
 
-pub(super) fn connect_error(target: &str, e: redis::RedisError) -> Error {
+/// `host:port` of `addr` when it is reached over TLS.
+pub(super) fn tls_address(addr: &redis::ConnectionAddr) -> Option<String> {
+    match addr {
+        redis::ConnectionAddr::TcpTls { host, port, .. } => Some(format!("{host}:{port}")),
+        _ => None,
+    }
+}
+
+/// The likeliest reason a TLS connection to `address` times out or fails
+/// before its handshake completes: a port that serves plaintext leaves
+/// the client's handshake unanswered, or answers it with a plaintext
+/// error. (The error alone says only "timeout" or "corrupt message".)
+fn tls_hint(address: &str) -> String {
+    format!(
+        "a TLS handshake to {address} got no TLS answer: is the server serving TLS on that port?"
+    )
+}
+
+/// A connection to `target` that did not finish within `after`; `tls` is
+/// the server's address when the connection was over TLS.
+pub(super) fn connect_timeout(target: &str, after: Duration, tls: Option<&str>) -> Error {
+    let mut message = format!("connecting to {target} did not finish within {after:?}");
+    if let Some(address) = tls {
+        message = format!("{message}: {}", tls_hint(address));
+    }
+    Error::new(ErrorKind::Timeout, message)
+}
+
+/// A connection to `target` that failed; `tls` is the server's address
+/// when the connection was over TLS.
+pub(super) fn connect_error(target: &str, e: redis::RedisError, tls: Option<&str>) -> Error {
     let kind = if e.is_timeout() {
         ErrorKind::Timeout
     } else if e.kind() == redis::ErrorKind::InvalidClientConfig {
@@ -91,5 +121,48 @@ pub(super) fn connect_error(target: &str, e: redis::RedisError) -> Error {
     } else {
         ErrorKind::Connection
     };
-    Error::new(kind, format!("cannot connect to {target}: {e}")).caused_by(e)
+    let mut message = format!("cannot connect to {target}: {e}");
+    if let Some(address) = tls.filter(|_| e.is_timeout() || handshake_unanswered(&e)) {
+        message = format!("{message}: {}", tls_hint(address));
+    }
+    Error::new(kind, message).caused_by(e)
+}
+
+/// Whether a TLS handshake failed for want of a TLS server: the reply was
+/// no TLS record, or the connection closed before one came. A certificate
+/// that does not verify, or an alert the server sent, is a TLS server's
+/// answer and gets no hint.
+#[cfg(feature = "tls")]
+fn handshake_unanswered(e: &redis::RedisError) -> bool {
+    use std::error::Error as _;
+    // redis-rs keeps an I/O error behind an `Arc` (its source is the
+    // `Arc`); tokio-rustls keeps a TLS error inside the I/O error.
+    let Some(source) = e.source() else {
+        return false;
+    };
+    let io = source.downcast_ref::<std::io::Error>().or_else(|| {
+        source
+            .downcast_ref::<Arc<dyn std::error::Error + Send + Sync>>()?
+            .downcast_ref::<std::io::Error>()
+    });
+    let Some(io) = io else {
+        return false;
+    };
+    match io
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+    {
+        Some(tls) => matches!(
+            tls,
+            rustls::Error::InvalidMessage(_)
+                | rustls::Error::InappropriateMessage { .. }
+                | rustls::Error::InappropriateHandshakeMessage { .. }
+        ),
+        None => io.kind() == std::io::ErrorKind::UnexpectedEof,
+    }
+}
+
+#[cfg(not(feature = "tls"))]
+fn handshake_unanswered(_: &redis::RedisError) -> bool {
+    false
 }
