@@ -27,7 +27,10 @@ fn flag(name: &str) -> Option<u64> {
     args.iter()
         .position(|a| a == name)
         .and_then(|i| args.get(i + 1))
-        .map(|v| v.parse().unwrap_or_else(|_| panic!("{name} takes a number")))
+        .map(|v| {
+            v.parse()
+                .unwrap_or_else(|_| panic!("{name} takes a number"))
+        })
 }
 
 /// Resident set size (MB) and CPU seconds used, from /proc.
@@ -92,7 +95,10 @@ async fn main() {
     println!(
         "{keys} keys over {seconds} s ({per_second}/s), each asked {repeat}× 1 s apart; 100/min, hybrid strict"
     );
-    println!("{:>5} {:>6} {:>8} {:>10} {:>9} {:>8} {:>7} {:>6}", "s", "new", "denied", "store", "held", "RSS MB", "CPU s", "wall");
+    println!(
+        "{:>5} {:>6} {:>8} {:>10} {:>9} {:>8} {:>7} {:>6}",
+        "s", "new", "denied", "store", "held", "RSS MB", "CPU s", "wall"
+    );
     // Keys asked again later: (due second, first key, count).
     let mut again: VecDeque<(u64, u64, u64)> = VecDeque::new();
     let mut next_key = 0u64;
@@ -164,7 +170,8 @@ async fn main() {
         .iter()
         .filter(|(s, ..)| *s >= 15 && *s < 55)
         .collect();
-    let mean = |v: &[&(u64, u64, u64)]| v.iter().map(|x| x.2).sum::<u64>() as f64 / v.len().max(1) as f64;
+    let mean =
+        |v: &[&(u64, u64, u64)]| v.iter().map(|x| x.2).sum::<u64>() as f64 / v.len().max(1) as f64;
     println!(
         "store calls per second: {:.0} near a boundary (55 s to 15 s), {:.0} elsewhere",
         mean(&near),

@@ -74,6 +74,11 @@ impl RefillQueue {
         }
     }
 
+    /// Whether a refill somebody waits for is queued.
+    pub(crate) fn has_waiting(&self) -> bool {
+        !self.waiting.is_empty()
+    }
+
     /// The next refill to send, marked in flight. A waiters' entry whose
     /// slot was last used more than `max_wait_ms` ago has nobody waiting
     /// any more (they were denied at `max_wait`): it moves behind the

@@ -360,13 +360,6 @@ impl Sizing {
         (self.spent_window != NO_WINDOW).then(|| u64::from(self.spent.max(self.spent_before)))
     }
 
-    /// Window leases: whether the key was spent here in two windows in a
-    /// row (the current one, or the last one counted, and the one before
-    /// it): its use recurs, so the next window is likely used too.
-    pub(crate) fn recurring(&self) -> bool {
-        self.spent_window != NO_WINDOW && self.spent > 0 && self.spent_before > 0
-    }
-
     /// Whether this process is a thin holder of the key: it spent fewer
     /// than [`THICK_PER_WINDOW`] permits in each of its last two windows.
     /// A thick holder's share of the next window surely gets used; a thin

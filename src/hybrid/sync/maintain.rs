@@ -39,6 +39,10 @@ pub(super) struct PreleasePlan {
     /// rounds of 1,000 thin keys held Redis for ~100 ms, and requests
     /// waiting for a refill behind them past their wait).
     pub(super) spread: u64,
+    /// A slot is looked at once a sweep (when the maintenance visits its
+    /// slice), so it is due this much earlier: the next visit may be too
+    /// late.
+    pub(super) sweep: u64,
 }
 
 pub(super) fn prelease_if_active(
@@ -53,7 +57,7 @@ pub(super) fn prelease_if_active(
         return;
     }
     let to_end = plan.end.saturating_sub(now);
-    if to_end > plan.lead + plan.spread {
+    if to_end > plan.lead + plan.spread + plan.sweep {
         return;
     }
     // A pre-lease whose window has begun with no request yet to put it
@@ -75,18 +79,15 @@ pub(super) fn prelease_if_active(
     }
     let window_start = slot.window_end().saturating_sub(shared.params.period_us);
     let idle_us = idle_ms.saturating_mul(1_000);
-    let mut books = slot.books();
-    if ablate.off(Ablation::THIN_PRELEASE) && books.sizing.thin() {
+    // A key that goes idle long enough to be evicted before the next
+    // window begins would give its pre-lease straight back: two store
+    // calls for nothing (a long tail of a million keys pre-leased every
+    // key used in the window, most of them then evicted at the boundary).
+    if idle_us.saturating_add(to_end) >= shared.config.load().idle_ttl.as_micros() as u64 {
         return;
     }
-    // A key seen in one window only, and not busy enough to surely use
-    // the next (thick), is not leased ahead: the long tail (a million
-    // keys, each asked once or twice) cost a store call per key held at
-    // every boundary, and another when each went idle and gave its
-    // pre-lease back, and first requests of new keys were denied behind
-    // them. Its next request, if it comes, waits one round trip.
-    let thick = books.sizing.per_window().is_some_and(|n| n >= THICK_PER_WINDOW);
-    if !thick && !books.sizing.recurring() {
+    let mut books = slot.books();
+    if ablate.off(Ablation::THIN_PRELEASE) && books.sizing.thin() {
         return;
     }
     let rate = books.sizing.rate_per_us();
@@ -97,6 +98,7 @@ pub(super) fn prelease_if_active(
         || (books.sizing.thin() && idle_us < THIN_ACTIVE_PERIODS * shared.params.period_us);
     let due = to_end
         <= plan.lead
+            + plan.sweep
             + if books.sizing.thin() {
                 spread_of(slot, plan.spread)
             } else {
@@ -199,12 +201,25 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
                 end,
                 lead,
                 spread: (period / 2).saturating_sub(lead).min(MAX_SPREAD_US),
+                // (A full walk, over `max_keys`, looks at every slot now.)
+                sweep: if slice.is_some() && period >= VISIT_ONCE_A_SWEEP_PERIODS * sweep_us() {
+                    sweep_us()
+                } else {
+                    0
+                },
             })
         });
     for entry in shared.slots.iter() {
         let slot = entry.value();
+        // Pre-leases too are planned at a slot's own visit, once a sweep
+        // (due a sweep early, see `PreleasePlan::sweep`): looking at every
+        // slot on every tick before a boundary took the sync task tens of
+        // milliseconds a tick with 260,000 keys held, and new keys' first
+        // requests waited behind it past `max_wait`.
+        // (Short windows, where a sweep is a good part of the window, are
+        // still looked at on every tick.)
         if slice.is_some_and(|s| slice_of(slot) != s) {
-            if let Some(plan) = &plan {
+            if let Some(plan) = plan.as_ref().filter(|p| p.sweep == 0) {
                 prelease_if_active(shared, slot, now, slot.idle_ms(now), plan);
             }
             continue;
@@ -246,4 +261,23 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
             shared.refilled(&slot).notify_waiters();
         }
     }
+    // The map's table does not shrink by itself: after a long tail went
+    // idle (420,000 keys to 60,000) it kept the size of its peak. Once a
+    // sweep (slice 0), a table four times too large is rebuilt to fit.
+    if slice.is_none_or(|s| s == 0) {
+        let capacity = shared.slots.capacity();
+        if capacity > SHRINK_ABOVE && shared.slots.len() * 4 < capacity {
+            shared.slots.shrink_to_fit();
+        }
+    }
 }
+
+/// Windows at least this many sweeps long plan their pre-leases at each
+/// slot's visit, a sweep early; shorter ones look at every slot on every
+/// tick before the boundary (a sweep early would be a good part of the
+/// window).
+const VISIT_ONCE_A_SWEEP_PERIODS: u64 = 10;
+
+/// Tables of up to this many entries are never shrunk (rebuilding them
+/// saves nothing worth the work).
+const SHRINK_ABOVE: usize = 4_096;

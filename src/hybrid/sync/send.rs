@@ -178,6 +178,14 @@ pub(crate) async fn round(shared: &Shared) -> bool {
         let now = shared.time.precise_us();
         let mut batches: Vec<Vec<Pending>> = Vec::new();
         while batches.len() < PIPELINES {
+            // Work nobody waits for (refills ahead of need, pre-leases of
+            // the next window) goes one batch at a time: a step's replies
+            // are applied when all its batches are back, and four batches
+            // of a boundary's pre-leases (a long tail of 400,000 keys) held
+            // the first requests of new keys past `max_wait`.
+            if batches.len() >= AHEAD_PIPELINES && !waiters_queued(shared) {
+                break;
+            }
             let batch = next_batch(shared, &config, &mut unsent, now);
             if batch.is_empty() {
                 break;
@@ -245,6 +253,19 @@ pub(crate) async fn round(shared: &Shared) -> bool {
     // them for two seconds. The last round sends them all.
     let limit = (!last).then_some(GIVE_BACK_BATCHES_PER_ROUND);
     more | give_back_some(shared, limit).await
+}
+
+/// Batches a step sends when nobody waits (see [`round`]).
+const AHEAD_PIPELINES: usize = 1;
+
+/// Whether a refill somebody waits for is queued.
+fn waiters_queued(shared: &Shared) -> bool {
+    shared
+        .outbox
+        .refills
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .has_waiting()
 }
 
 /// Batches of give-backs a round sends before it lets waiting refills
