@@ -12,9 +12,11 @@ use crate::several::{binding, spawn_refunds};
 /// user **and** the user's organisation, a route **and** the whole API.
 ///
 /// Each pair is decided in turn (with all of its limiter's quotas); when
-/// one denies, everything the earlier pairs took (window permits, bucket
-/// tokens, credit) is given back where it came from, and the decision is
-/// that denial, which takes nothing and is not refundable. The keys may live in
+/// one denies, the later pairs are still asked (so the decision tells the
+/// longest wait of those that deny), everything the admitting pairs took
+/// (window permits, bucket tokens, credit) is given back where it came
+/// from, and the decision is the binding denial, which takes nothing and
+/// is not refundable. The keys may live in
 /// different Redis slots, or nodes of a cluster, so there is no one atomic
 /// script: no pair ever admits past its own limit (no overshoot), and
 /// while a refund is in flight the earlier pairs hold `cost` permits fewer
@@ -59,17 +61,24 @@ pub async fn check_each(items: &[(&Limiter, &str, u64)]) -> Decision {
         items,
         taken: Vec::new(),
     };
+    let mut denied = false;
     for (i, (limiter, key, cost)) in items.iter().enumerate() {
         let decision = limiter.check(key, *cost).await;
-        if !decision.is_allowed() {
-            // What the earlier pairs took goes back in a task of its own
-            // (the guard's drop), not holding up the denial.
-            drop(guard);
-            taken.push(decision);
-            return binding_of_pairs(items, taken);
+        // After a denial the later pairs are still asked (what they admit
+        // goes back with the rest): the client is told the longest wait
+        // of those that deny, the binding one, not the first one's.
+        if decision.is_allowed() {
+            guard.taken.push((i, decision.clone()));
+        } else {
+            denied = true;
         }
-        guard.taken.push((i, decision.clone()));
         taken.push(decision);
+    }
+    if denied {
+        // What the admitting pairs took goes back in a task of its own
+        // (the guard's drop), not holding up the denial.
+        drop(guard);
+        return binding_of_pairs(items, taken);
     }
     guard.taken.clear();
     if taken.is_empty() {

@@ -471,3 +471,84 @@ async fn hint_scenario(seed: u64) -> Result<(), String> {
     }
     result
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_larger_cost_is_told_its_own_wait() {
+    // Spent at cost 1, then a request of cost 7: its hint is when 7 fit,
+    // not when the first denial's 1 did (a cached denial is shared by
+    // every cost).
+    for algorithm in [
+        Algorithm::FixedWindow,
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+    ] {
+        for mode in MODES {
+            let clock = clock();
+            let store = MemoryStore::with_clock(clock.clone());
+            let l = limiter(
+                &[Quota::per_minute(nonzero!(10))],
+                algorithm,
+                mode,
+                &clock,
+                &store,
+            );
+            spend_then_denials(&l, "k", 100).await;
+            let d = l.check("k", 7).await;
+            assert!(!d.is_allowed());
+            let hint = d.retry_after().unwrap();
+            tokio::time::sleep(hint).await;
+            let after = l.check("k", 7).await;
+            assert!(
+                after.is_allowed(),
+                "{mode:?} {algorithm:?}: cost 7 waited its hint {hint:?} and was denied: {after:?}"
+            );
+            l.shutdown().await;
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn check_all_tells_the_binding_pairs_wait() {
+    // A user's 5 per second before an organisation's 5 per hour: once
+    // the hour is spent, a denial tells the hour, whichever pair said no
+    // first.
+    for mode in MODES {
+        let clock = clock();
+        let store = MemoryStore::with_clock(clock.clone());
+        let second = limiter(
+            &[Quota::per_second(nonzero!(5))],
+            Algorithm::FixedWindow,
+            mode,
+            &clock,
+            &store,
+        );
+        let hour = {
+            let b = Limiter::builder(Quota::per_hour(nonzero!(5)))
+                .store(store.clone())
+                .clock(clock.clone())
+                .namespace("org");
+            match mode {
+                Mode::Exact => b.exact(),
+                Mode::Strict => b.hybrid(HybridConfig::strict()),
+                Mode::Optimistic => b.hybrid(HybridConfig::optimistic(2)),
+            }
+            .build()
+            .unwrap()
+        };
+        let pairs = [(&second, "alice"), (&hour, "acme")];
+        let mut admitted = 0;
+        for _ in 0..20 {
+            admitted += usize::from(slicelimit::check_all(&pairs, 1).await.is_allowed());
+        }
+        assert!(admitted <= 7, "{mode:?}: {admitted}");
+        let d = slicelimit::check_all(&pairs, 1).await;
+        assert!(!d.is_allowed());
+        let hint = d.retry_after().unwrap();
+        assert!(
+            hint > Duration::from_secs(60),
+            "{mode:?}: told {hint:?} for an hour's wait"
+        );
+        second.shutdown().await;
+        hour.shutdown().await;
+    }
+}

@@ -388,7 +388,7 @@ async fn check_all_names_the_limiter_that_denied() {
     assert!(!d.is_refundable());
 
     // A denial by the first pair names it (its namespace: no name given);
-    // the second was never asked.
+    // the second is asked too (for its wait), and what it took goes back.
     let strict = Limiter::builder(Quota::per_minute(nonzero!(1)))
         .store(store)
         .namespace("strict-user")
@@ -400,7 +400,14 @@ async fn check_all_names_the_limiter_that_denied() {
     let d = check_all(&[(&strict, "z"), (&orgs, "other")], 1).await;
     let by = d.denied_by().expect("denied");
     assert_eq!((by.index, by.name), (0, Some("strict-user")));
-    assert_eq!(d.quotas().len(), 1);
+    assert_eq!(d.quotas().len(), 2);
+    assert!(!d.is_refundable());
+    tokio::task::yield_now().await;
+    assert!(
+        orgs.check("other", 1).await.is_allowed(),
+        "the second pair's permit went back"
+    );
+    assert!(!orgs.check("other", 1).await.is_allowed());
 
     // Pairs of limiters with several quotas: a given-back pair reads its
     // parts' remaining, and an admission made only of such pairs is

@@ -145,7 +145,7 @@ impl HybridEngine {
                 }
                 let now = s.time.now_us();
                 slot.denied(now)
-                    .map(|until| s.cached_denial(slot, until, now))
+                    .map(|until| s.cached_denial(slot, until, now, cost))
             }
             // The lease ended (its permits are void): the next window's
             // may be held already.

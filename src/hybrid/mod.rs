@@ -299,7 +299,7 @@ impl HybridEngine {
                     .next_start()
                     .is_some_and(|start| start.saturating_sub(now) < left.as_micros() as u64);
                 if !next_in_time {
-                    return Ok(s.cached_denial(&slot, until, now));
+                    return Ok(s.cached_denial(&slot, until, now, cost));
                 }
                 let wait = slot
                     .next_start()

@@ -243,8 +243,19 @@ impl Shared {
     /// A denial from the slot's cache (denied until `until`, local µs):
     /// its hint is when the store said the request can succeed, not when
     /// the cache is re-checked.
-    pub(super) fn cached_denial(&self, slot: &Slot, until: u64, now: u64) -> Decision {
-        let wait = Duration::from_micros(slot.retry_at(until).saturating_sub(now));
+    pub(super) fn cached_denial(&self, slot: &Slot, until: u64, now: u64, cost: u64) -> Decision {
+        let (retry_at, for_cost) = slot.retry_at(until);
+        // A bucket refills at `limit` per `period`: a larger cost than the
+        // answer was for waits for its extra tokens too. (A window's end
+        // serves any cost the limit can hold.)
+        let extra = if self.leases.windowed() || cost <= for_cost {
+            0
+        } else {
+            ((cost - for_cost) as u128 * self.params.period_us as u128
+                / self.params.limit.max(1) as u128)
+                .min(u64::MAX as u128) as u64
+        };
+        let wait = Duration::from_micros(retry_at.saturating_add(extra).saturating_sub(now));
         let reset = self.reset_after(slot, now).max(wait);
         Decision::deny(self.params.limit, 0, reset, Some(wait), Source::DeniedCache)
     }

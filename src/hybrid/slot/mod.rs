@@ -76,6 +76,9 @@ pub(crate) struct Slot {
     /// [`Slot::deny_until_recheck`]). Milliseconds in 32 bits: 49 days, a
     /// hint's precision, and room the slot had spare.
     retry_later_ms: AtomicU32,
+    /// The cost the store's answer behind the hint was for: a bucket's
+    /// hint for a larger cost is later by the larger cost's refill.
+    hint_cost: AtomicU32,
     /// When `denied_until` is a peek's (odd: the window was found fully
     /// leased while the slot still held permits of it), it is believed
     /// only if the slot runs out before this local µs and within the
@@ -177,6 +180,7 @@ impl Slot {
             early_refill: AtomicBool::new(false),
             denied_until: AtomicU64::new(0),
             retry_later_ms: AtomicU32::new(0),
+            hint_cost: AtomicU32::new(1),
             peek_trust: AtomicU64::new(0),
             refill: AtomicU8::new(refill::Refill::Idle as u8),
             swept_ahead: AtomicBool::new(false),
@@ -543,6 +547,14 @@ impl Slot {
     /// cached only until `recheck` (no later than `retry`): the store is
     /// asked again then, for permits an idle holder may have given back.
     pub(crate) fn deny_until_recheck(&self, recheck: u64, retry: u64) {
+        self.deny_for(recheck, retry, 1);
+    }
+
+    /// [`deny_until_recheck`](Slot::deny_until_recheck), the store's
+    /// answer being for a request of `cost`.
+    pub(crate) fn deny_for(&self, recheck: u64, retry: u64, cost: u64) {
+        self.hint_cost
+            .store(cost.clamp(1, u64::from(u32::MAX)) as u32, Ordering::Release);
         let recheck = recheck.min(retry).saturating_add(1) & !1;
         let later_ms = retry.saturating_sub(recheck).div_ceil(1_000);
         // The hint first: a request that sees the denial sees its hint.
@@ -552,10 +564,12 @@ impl Slot {
     }
 
     /// What a denial cached until `until` tells the client: the local µs
-    /// from which the request can succeed, as far as the store said.
-    pub(crate) fn retry_at(&self, until: u64) -> u64 {
+    /// from which the request can succeed, as far as the store said, and
+    /// the cost that answer was for.
+    pub(crate) fn retry_at(&self, until: u64) -> (u64, u64) {
         let later = u64::from(self.retry_later_ms.load(Ordering::Acquire));
-        until.saturating_add(later * 1_000)
+        let cost = u64::from(self.hint_cost.load(Ordering::Acquire));
+        (until.saturating_add(later * 1_000), cost)
     }
 
     /// A peek's denial until `until`, believed until `trust` (see

@@ -248,7 +248,16 @@ pub(super) fn lease_answered(
                     shared.params.period_us,
                     shared.params.limit,
                 );
-                slot.deny_until(until.saturating_sub(early).max(t1 + margin));
+                let hint = until.saturating_sub(early).max(t1 + margin);
+                slot.deny_for(hint, hint, p.call.need);
+            } else if !windowed {
+                // (Its hint is for `patience` tokens, more than the need.)
+                let patience = p.call.patience.max(p.call.need);
+                slot.deny_for(
+                    until,
+                    until,
+                    patience.min(shared.params.burst.max(p.call.need)),
+                );
             } else {
                 slot.deny_until(until);
             }
