@@ -33,6 +33,8 @@
 --                       window's count, and every holder's ask stay within
 --                       this many; refused, it records nothing; 0: no such
 --                       cap
+-- ARGV[13] cost         the waiting request's cost (>= 1; default 1): a
+--                       retry_after is until that many fit
 --
 -- Returns  {granted, remaining (what the target window's load leaves after
 --          this grant), start_after_us (0, or until the target window starts),
@@ -91,6 +93,7 @@ local holder = ARGV[9]
 local ceiling = tonumber(ARGV[10] or '0')
 local lease_id = ARGV[11] or '0'
 local ahead_cap = tonumber(ARGV[12] or '0')
+local cost = math.max(1, tonumber(ARGV[13] or '1'))
 
 local w = math.floor(now / period)
 if debt_window < 0 then debt_window = w end
@@ -313,13 +316,13 @@ if start_after < 0 then start_after = 0 end
 local reset = (tw + 1) * period - now
 local retry = 0
 if granted == 0 then
-  if used + 1 + after_n > limit then
+  if used + cost + after_n > limit then
     -- No room in the target window itself: from the next one on, its
     -- count is the one that fades (window_check.lua's rule), and what
     -- the next one holds already (pre-leased) is its own count.
-    retry = wait_for(1, after_n, used, 0, tw + 1, now, period, limit)
+    retry = wait_for(cost, after_n, used, 0, tw + 1, now, period, limit)
   else
-    retry = wait_for(1, used, before_n, after_n, tw, now, period, limit)
+    retry = wait_for(cost, used, before_n, after_n, tw, now, period, limit)
   end
 end
 return {granted, math.max(0, limit - used - extra), start_after, reset, retry, now, uncovered, tw, 0, 0}

@@ -283,6 +283,19 @@ async fn a_cold_peek_reports_what_the_store_holds() {
                 1000,
                 "{mode:?} {algorithm:?}: a cold peek of an untouched key"
             );
+            // Later peeks answer from what the first learned: no store
+            // call each (the exact limiter pays one per peek).
+            let calls = l.stats().store_calls;
+            for _ in 0..10 {
+                assert_eq!(l.check("cold", 0).await.remaining(), 1000);
+            }
+            if mode != Mode::Exact {
+                assert_eq!(
+                    l.stats().store_calls,
+                    calls,
+                    "{mode:?} {algorithm:?}: peeks"
+                );
+            }
             l.shutdown().await;
         }
     }
@@ -550,5 +563,37 @@ async fn check_all_tells_the_binding_pairs_wait() {
         );
         second.shutdown().await;
         hour.shutdown().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_larger_cost_on_a_sliding_window_is_told_its_own_wait() {
+    for mode in MODES {
+        let clock = clock();
+        let store = MemoryStore::with_clock(clock.clone());
+        let l = limiter(
+            &[Quota::per_minute(nonzero!(10))],
+            Algorithm::SlidingWindow,
+            mode,
+            &clock,
+            &store,
+        );
+        // Spent at cost 1: a cost of 5 needs the window's count to fade
+        // further into the next window than a cost of 1 does.
+        spend_then_denials(&l, "k", 100).await;
+        for cost in [5, 3, 8] {
+            let d = l.check("k", cost).await;
+            if d.is_allowed() {
+                continue;
+            }
+            let hint = d.retry_after().unwrap();
+            tokio::time::sleep(hint).await;
+            let after = l.check("k", cost).await;
+            assert!(
+                after.is_allowed(),
+                "{mode:?}: cost {cost} waited its hint {hint:?} and was denied: {after:?}"
+            );
+        }
+        l.shutdown().await;
     }
 }

@@ -145,6 +145,7 @@ impl HybridEngine {
                 }
                 let now = s.time.now_us();
                 slot.denied(now)
+                    .filter(|&until| s.denial_covers(slot, until, cost))
                     .map(|until| s.cached_denial(slot, until, now, cost))
             }
             // The lease ended (its permits are void): the next window's

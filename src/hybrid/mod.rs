@@ -250,6 +250,7 @@ impl HybridEngine {
         let config = s.config.load_full();
         let give_up_at = tokio::time::Instant::now() + config.max_wait;
         let mut retried = false;
+        let mut asked_for_cost = false;
         loop {
             // The slow path reads the precise clock: it decides credit
             // windows and pre-lease starts, where a lagging clock would err.
@@ -283,8 +284,14 @@ impl HybridEngine {
             if cost == 0 {
                 if slot.window_end() == 0 && slot.denied_until() == 0 {
                     // A cold key: nothing known of it here, so what remains
-                    // is the store's to say (one call that takes nothing).
-                    return s.exact_check(key, 0).await;
+                    // is the store's to say (one call that takes nothing;
+                    // later peeks answer from it).
+                    let peek = s.exact_check(key, 0).await?;
+                    slot.note_peek(
+                        peek.remaining(),
+                        now + peek.reset_after().as_micros() as u64,
+                    );
+                    return Ok(peek);
                 }
                 return Ok(s.lease_decision(&slot, 0, now, Taken::default()));
             }
@@ -292,6 +299,16 @@ impl HybridEngine {
                 return Ok(decided);
             }
             if let Some(until) = slot.denied(now) {
+                if !asked_for_cost && !s.denial_covers(&slot, until, cost) {
+                    // The store's wait was for a smaller cost (a sliding
+                    // window's depends on it): asked once for this one.
+                    asked_for_cost = true;
+                    slot.need_at_least(cost);
+                    s.request_refill(&slot, true);
+                    let left = give_up_at.saturating_duration_since(tokio::time::Instant::now());
+                    let _ = tokio::time::timeout(left, notified).await;
+                    continue;
+                }
                 // Denied until the next window, whose pre-lease is held:
                 // worth waiting for if it starts within the wait.
                 let left = give_up_at.saturating_duration_since(tokio::time::Instant::now());

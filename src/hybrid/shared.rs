@@ -243,6 +243,14 @@ impl Shared {
     /// A denial from the slot's cache (denied until `until`, local µs):
     /// its hint is when the store said the request can succeed, not when
     /// the cache is re-checked.
+    /// Whether a cached denial can answer a request of `cost`: a sliding
+    /// window's wait depends on the cost (its carry fades over time), so
+    /// a larger cost than the store's answer was for asks the store.
+    pub(super) fn denial_covers(&self, slot: &Slot, until: u64, cost: u64) -> bool {
+        self.params.algorithm != crate::algorithm::Algorithm::SlidingWindow
+            || cost <= slot.retry_at(until).1
+    }
+
     pub(super) fn cached_denial(&self, slot: &Slot, until: u64, now: u64, cost: u64) -> Decision {
         let (retry_at, for_cost) = slot.retry_at(until);
         // A bucket refills at `limit` per `period`: a larger cost than the

@@ -287,6 +287,14 @@ impl Slot {
     }
 
     /// Records what the store last said it had not leased.
+    /// A cold key's peek answered by the store: what remains, and when
+    /// the quota is whole again (local µs). Later peeks answer from these
+    /// (as a lease's would), without a store call each.
+    pub(crate) fn note_peek(&self, remaining: u64, whole_at: u64) {
+        self.set_store_remaining(remaining);
+        self.window_end.store(whole_at.max(1), Ordering::Relaxed);
+    }
+
     pub(crate) fn set_store_remaining(&self, remaining: u64) {
         self.store_remaining
             .store(remaining.min(u64::from(u32::MAX)) as u32, Ordering::Relaxed);

@@ -235,7 +235,7 @@ pub(super) fn lease_answered(
                 // always fully spent. That re-check is not what the client
                 // is told: the window's end is.
                 let recheck = t1 + trim_delay_us(shared.params.period_us, sweep_us());
-                slot.deny_until_recheck(recheck, until);
+                slot.deny_for(recheck, until, p.call.patience);
             } else if !windowed && calm {
                 // A bucket's store answered when `patience` tokens are
                 // back (fewer round trips for a key kept over its limit);
@@ -259,7 +259,7 @@ pub(super) fn lease_answered(
                     patience.min(shared.params.burst.max(p.call.need)),
                 );
             } else {
-                slot.deny_until(until);
+                slot.deny_for(until, until, p.call.patience);
             }
         } else if now >= slot.deadline() {
             // Nothing left of the next window, which has not begun in the
