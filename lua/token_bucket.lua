@@ -51,7 +51,9 @@ local function check(KEYS, ARGV, apply)
   elseif cost > burst then
     retry = -1
   else
-    retry = math.ceil((cost - tokens) * period / limit)
+    -- One µs more than the quotient: tokens refilled over exactly that
+    -- long can fall a rounding short of the cost.
+    retry = math.ceil((cost - tokens) * period / limit) + 1
   end
 
   local reset = math.ceil((burst - tokens) * period / limit)

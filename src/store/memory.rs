@@ -457,8 +457,9 @@ mod tests {
         assert!(s.acquire("k", &p, 10).unwrap().allowed);
         let r = s.acquire("k", &p, 1).unwrap();
         assert!(!r.allowed);
-        assert_eq!(r.retry_after_us, Some(100_000));
-        clock.advance(Duration::from_millis(100));
+        // 100 ms for the token, and 1 µs against rounding.
+        assert_eq!(r.retry_after_us, Some(100_001));
+        clock.advance(Duration::from_micros(100_001));
         assert!(s.acquire("k", &p, 1).unwrap().allowed);
     }
 
