@@ -62,7 +62,25 @@ fn limiter(
     clock: &VirtualClock,
     store: &MemoryStore,
 ) -> Limiter {
-    let mut builder = Limiter::builder(quotas[0]);
+    limiter_in("hints", quotas, algorithm, mode, clock, store)
+}
+
+/// A limiter of its own store and clock.
+fn fresh(quotas: &[Quota], algorithm: Algorithm, mode: Mode) -> Limiter {
+    let clock = clock();
+    let store = MemoryStore::with_clock(clock.clone());
+    limiter(quotas, algorithm, mode, &clock, &store)
+}
+
+fn limiter_in(
+    namespace: &str,
+    quotas: &[Quota],
+    algorithm: Algorithm,
+    mode: Mode,
+    clock: &VirtualClock,
+    store: &MemoryStore,
+) -> Limiter {
+    let mut builder = Limiter::builder(quotas[0]).namespace(namespace);
     for q in &quotas[1..] {
         builder = builder.and(*q);
     }
@@ -267,15 +285,7 @@ async fn after_a_tier_change_the_new_tiers_wait_is_told() {
 async fn a_cold_peek_reports_what_the_store_holds() {
     for algorithm in ALGORITHMS {
         for mode in MODES {
-            let clock = clock();
-            let store = MemoryStore::with_clock(clock.clone());
-            let l = limiter(
-                &[Quota::per_minute(nonzero!(1000))],
-                algorithm,
-                mode,
-                &clock,
-                &store,
-            );
+            let l = fresh(&[Quota::per_minute(nonzero!(1000))], algorithm, mode);
             let peek = l.check("cold", 0).await;
             assert!(peek.is_allowed());
             assert_eq!(
@@ -305,15 +315,7 @@ async fn a_cold_peek_reports_what_the_store_holds() {
 async fn a_wait_that_cannot_succeed_returns_at_once() {
     for algorithm in ALGORITHMS {
         for mode in MODES {
-            let clock = clock();
-            let store = MemoryStore::with_clock(clock.clone());
-            let l = limiter(
-                &[Quota::per_minute(nonzero!(5))],
-                algorithm,
-                mode,
-                &clock,
-                &store,
-            );
+            let l = fresh(&[Quota::per_minute(nonzero!(5))], algorithm, mode);
             spend_then_denials(&l, "k", 100).await;
             let began = tokio::time::Instant::now();
             let d = l.acquire("k", 1, Duration::from_secs(10)).await;
@@ -487,34 +489,27 @@ async fn hint_scenario(seed: u64) -> Result<(), String> {
 
 #[tokio::test(start_paused = true)]
 async fn a_larger_cost_is_told_its_own_wait() {
-    // Spent at cost 1, then a request of cost 7: its hint is when 7 fit,
-    // not when the first denial's 1 did (a cached denial is shared by
-    // every cost).
-    for algorithm in [
-        Algorithm::FixedWindow,
-        Algorithm::TokenBucket,
-        Algorithm::Gcra,
-    ] {
+    // Spent at cost 1, then requests of larger costs: each hint is when
+    // that cost fits, not when the first denial's 1 did (a cached denial
+    // is shared by every cost; a bucket refills the extra tokens, a
+    // sliding window's count must fade further into the next window).
+    for algorithm in ALGORITHMS {
         for mode in MODES {
-            let clock = clock();
-            let store = MemoryStore::with_clock(clock.clone());
-            let l = limiter(
-                &[Quota::per_minute(nonzero!(10))],
-                algorithm,
-                mode,
-                &clock,
-                &store,
-            );
+            let l = fresh(&[Quota::per_minute(nonzero!(10))], algorithm, mode);
             spend_then_denials(&l, "k", 100).await;
-            let d = l.check("k", 7).await;
-            assert!(!d.is_allowed());
-            let hint = d.retry_after().unwrap();
-            tokio::time::sleep(hint).await;
-            let after = l.check("k", 7).await;
-            assert!(
-                after.is_allowed(),
-                "{mode:?} {algorithm:?}: cost 7 waited its hint {hint:?} and was denied: {after:?}"
-            );
+            for cost in [7, 3, 8] {
+                let d = l.check("k", cost).await;
+                if d.is_allowed() {
+                    continue;
+                }
+                let hint = d.retry_after().unwrap();
+                tokio::time::sleep(hint).await;
+                let after = l.check("k", cost).await;
+                assert!(
+                    after.is_allowed(),
+                    "{mode:?} {algorithm:?}: cost {cost} waited its hint {hint:?} and was denied: {after:?}"
+                );
+            }
             l.shutdown().await;
         }
     }
@@ -535,19 +530,14 @@ async fn check_all_tells_the_binding_pairs_wait() {
             &clock,
             &store,
         );
-        let hour = {
-            let b = Limiter::builder(Quota::per_hour(nonzero!(5)))
-                .store(store.clone())
-                .clock(clock.clone())
-                .namespace("org");
-            match mode {
-                Mode::Exact => b.exact(),
-                Mode::Strict => b.hybrid(HybridConfig::strict()),
-                Mode::Optimistic => b.hybrid(HybridConfig::optimistic(2)),
-            }
-            .build()
-            .unwrap()
-        };
+        let hour = limiter_in(
+            "org",
+            &[Quota::per_hour(nonzero!(5))],
+            Algorithm::FixedWindow,
+            mode,
+            &clock,
+            &store,
+        );
         let pairs = [(&second, "alice"), (&hour, "acme")];
         let mut admitted = 0;
         for _ in 0..20 {
@@ -563,37 +553,5 @@ async fn check_all_tells_the_binding_pairs_wait() {
         );
         second.shutdown().await;
         hour.shutdown().await;
-    }
-}
-
-#[tokio::test(start_paused = true)]
-async fn a_larger_cost_on_a_sliding_window_is_told_its_own_wait() {
-    for mode in MODES {
-        let clock = clock();
-        let store = MemoryStore::with_clock(clock.clone());
-        let l = limiter(
-            &[Quota::per_minute(nonzero!(10))],
-            Algorithm::SlidingWindow,
-            mode,
-            &clock,
-            &store,
-        );
-        // Spent at cost 1: a cost of 5 needs the window's count to fade
-        // further into the next window than a cost of 1 does.
-        spend_then_denials(&l, "k", 100).await;
-        for cost in [5, 3, 8] {
-            let d = l.check("k", cost).await;
-            if d.is_allowed() {
-                continue;
-            }
-            let hint = d.retry_after().unwrap();
-            tokio::time::sleep(hint).await;
-            let after = l.check("k", cost).await;
-            assert!(
-                after.is_allowed(),
-                "{mode:?}: cost {cost} waited its hint {hint:?} and was denied: {after:?}"
-            );
-        }
-        l.shutdown().await;
     }
 }
