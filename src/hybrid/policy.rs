@@ -146,7 +146,13 @@ pub(crate) fn prelease_lead_us(
     keys: u64,
     period_us: u64,
 ) -> u64 {
-    (tick_us + lead_us + PRELEASE_SLACK_US + PRELEASE_ROUND_TRIPS * rtt_us + keys * LEASE_COST_US)
+    // (Twice a lease's cost: the sync task rests after each batch of
+    // pre-leases as long as it took; see `rest_after_ahead`.)
+    (tick_us
+        + lead_us
+        + PRELEASE_SLACK_US
+        + PRELEASE_ROUND_TRIPS * rtt_us
+        + keys * 2 * LEASE_COST_US)
         .min(period_us / 2)
 }
 
