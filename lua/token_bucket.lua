@@ -51,9 +51,7 @@ local function check(KEYS, ARGV, apply)
   elseif cost > burst then
     retry = -1
   else
-    -- One µs more than the quotient: tokens refilled over exactly that
-    -- long can fall a rounding short of the cost.
-    retry = math.ceil((cost - tokens) * period / limit) + 1
+    retry = math.ceil((cost - tokens) * period / limit)
   end
 
   local reset = math.ceil((burst - tokens) * period / limit)

@@ -555,3 +555,27 @@ async fn check_all_tells_the_binding_pairs_wait() {
         hour.shutdown().await;
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_days_reset_is_the_windows_end_not_a_drift_allowance_more() {
+    // A lease's deadline allows 500 ppm of clock drift over the window
+    // (43 s of a day); what a client is told of the reset does not.
+    let day = Quota::new(1_000, Duration::from_secs(86_400)).unwrap();
+    // (A sliding window's exact reset is the end of the next window, when
+    // nothing counted weighs any more; the hybrid mode tells its lease's.)
+    for algorithm in [Algorithm::FixedWindow] {
+        let exact = fresh(&[day], algorithm, Mode::Exact);
+        let hybrid = fresh(&[day], algorithm, Mode::Strict);
+        for _ in 0..3 {
+            let e = exact.check("k", 1).await.reset_after();
+            let h = hybrid.check("k", 1).await.reset_after();
+            assert!(
+                h >= e && h - e < Duration::from_secs(1),
+                "{algorithm:?}: hybrid reset {h:?}, exact {e:?}"
+            );
+            tokio::time::sleep(Duration::from_secs(600)).await;
+        }
+        exact.shutdown().await;
+        hybrid.shutdown().await;
+    }
+}

@@ -95,10 +95,8 @@ fn check(
         tokens -= cost as f64;
         (true, Some(0))
     } else {
-        // One µs more than the quotient, as the script: tokens refilled
-        // over exactly that long can fall a rounding short of the cost.
         let r = ((cost as f64 - tokens) * p.period_us as f64 / p.limit as f64).ceil();
-        (false, Some(r as u64 + 1))
+        (false, Some(r as u64))
     };
     if allowed && cost > 0 {
         store_bucket(entry, p, now, tokens, gb);

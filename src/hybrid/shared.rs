@@ -237,7 +237,23 @@ impl Shared {
     }
 
     pub(super) fn reset_after(&self, slot: &Slot, now: u64) -> Duration {
-        Duration::from_micros(slot.window_end().saturating_sub(now))
+        Duration::from_micros(self.reset_after_us(slot, now))
+    }
+
+    /// µs until the slot's quota is whole again, as told to a client. A
+    /// window lease's end carries the clock-drift allowance its deadline
+    /// needs (500 ppm of the window: 43 s of a day), which is no part of
+    /// what a client should wait; what the allowance of the time still
+    /// left comes to is taken off (no more than was added, so the answer
+    /// never comes early).
+    #[inline(always)]
+    fn reset_after_us(&self, slot: &Slot, now: u64) -> u64 {
+        let left = slot.window_end().saturating_sub(now);
+        if self.leases.windowed() {
+            left - crate::clock::drift_us(left)
+        } else {
+            left
+        }
     }
 
     /// A denial from the slot's cache (denied until `until`, local µs):
@@ -319,7 +335,7 @@ impl Shared {
         Decision::leased(
             self.params.limit,
             self.lease_remaining(slot, left),
-            slot.window_end().saturating_sub(now),
+            self.reset_after_us(slot, now),
             self.params.period_us,
             taken,
             self.limiter,
