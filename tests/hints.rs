@@ -468,11 +468,13 @@ async fn hint_scenario(seed: u64) -> Result<(), String> {
             // second hint holds.
             Some(more) if more <= slack || mode == Mode::Optimistic || processes > 1 => {
                 tokio::time::sleep(more).await;
-                if probe.check("k", 1).await.is_allowed() {
+                let last = probe.check("k", 1).await;
+                if last.is_allowed() {
                     Ok(())
                 } else {
                     Err(format!(
-                        "{what}: waited {hint:?} then {more:?} more and was denied"
+                        "{what}: waited {hint:?} then {more:?} more and was denied: \
+                         {denial:?}, {after:?}, {last:?}"
                     ))
                 }
             }
