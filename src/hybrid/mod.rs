@@ -347,9 +347,13 @@ impl HybridEngine {
             // window, or denied at `max_wait` before it starts.
             let next_start = slot.next_start();
             let soon = policy::soon_us(s.rtt_us.load(Ordering::Relaxed));
-            if next_start
-                .is_none_or(|start| start > now + soon && !slot.books().used_up(slot.window()))
-            {
+            // (The store's word that the slot's window is used up stands
+            // only while that window is surely the current one: a slot
+            // whose lease ended a window ago holds a stale one, and once
+            // asked nothing, waited `max_wait` on every request and told
+            // a round trip.)
+            let used_up = now < slot.deadline() && slot.books().used_up(slot.window());
+            if next_start.is_none_or(|start| start > now + soon && !used_up) {
                 s.request_refill(&slot, true);
             }
             if slot.refill_failed() {
@@ -371,7 +375,16 @@ impl HybridEngine {
             }
             let left = give_up_at.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
-                let retry = Duration::from_micros(s.rtt_us.load(Ordering::Relaxed).max(1_000));
+                // Nothing came within the wait: permits surely exist here
+                // from the start of a pre-lease held, else a refill may
+                // land within a round trip.
+                let rtt = s.rtt_us.load(Ordering::Relaxed).max(1_000);
+                let retry = Duration::from_micros(
+                    next_start
+                        .map(|start| start.saturating_sub(now))
+                        .filter(|&until| until > 0)
+                        .unwrap_or(rtt),
+                );
                 return Ok(Decision::deny(
                     s.params.limit,
                     0,
