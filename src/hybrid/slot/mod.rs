@@ -69,12 +69,9 @@ pub(crate) struct Slot {
     /// The store said the key is exhausted until this local µs: even,
     /// an ask's answer (definitive); odd, a peek's (see `peek_trust`).
     denied_until: AtomicU64,
-    /// While `denied_until` stands: how much later (ms) the request can
-    /// succeed as far as the store said (a window's end, a bucket's
-    /// refill), which a denial tells the client. `denied_until` may come
-    /// sooner, a re-check and never a hint (see
-    /// [`Slot::deny_until_recheck`]). Milliseconds in 32 bits: 49 days, a
-    /// hint's precision, and room the slot had spare.
+    /// How much later (ms) than `denied_until` (a re-check, never a hint)
+    /// the request can succeed as far as the store said: what a denial
+    /// tells the client (see [`Slot::deny_until_recheck`]).
     retry_later_ms: AtomicU32,
     /// The cost the store's answer behind the hint was for: a bucket's
     /// hint for a larger cost is later by the larger cost's refill.

@@ -9,6 +9,7 @@
 //! never blocks the request path: slots are updated with atomics and the
 //! few locks are held only between awaits.
 
+mod give_back;
 mod maintain;
 mod reply;
 mod send;
@@ -31,14 +32,16 @@ use crate::clock::drift_us;
 use crate::error::Error;
 use crate::failure::{Report, RESEND_FOR};
 
+use give_back::*;
 use maintain::*;
 use reply::*;
 use send::*;
 use watch::*;
 
 use super::outbox::DebtReport;
+pub(crate) use give_back::give_back_all;
 pub(crate) use maintain::{maintain, SWEEP_SLICES};
-pub(crate) use send::{give_back_all, round};
+pub(crate) use send::round;
 #[cfg(test)]
 pub(crate) use watch::{note_ahead, RIDE_SCAN_ALWAYS};
 

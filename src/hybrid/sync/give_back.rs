@@ -1,0 +1,57 @@
+//! Give-backs: unused permits returned to the store, a batch at a time
+//! behind the leases somebody waits for (all of them at the last round).
+
+use super::*;
+
+/// Sends the queued give-backs. They go last: a waiter's lease matters
+/// more than returning permits nobody is asking for yet.
+pub(crate) async fn give_back_all(shared: &Shared) {
+    give_back_some(shared, None).await;
+}
+
+/// Sends up to `batches` batches of the queued give-backs (all: `None`),
+/// oldest first; `true` if some are left queued.
+pub(super) async fn give_back_some(shared: &Shared, batches: Option<usize>) -> bool {
+    let batch_size = shared.config.load().batch_size;
+    let returns = {
+        let mut queued = shared
+            .outbox
+            .returns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let take = batches.map_or(queued.len(), |b| queued.len().min(b * batch_size));
+        queued.drain(..take).collect::<Vec<_>>()
+    };
+    for chunk in returns.chunks(batch_size) {
+        let (result, _) = shared
+            .store
+            .give_back_batch(&shared.params, chunk, &shared.counters)
+            .await;
+        match result {
+            Ok(results) => {
+                for (call, result) in chunk.iter().zip(results) {
+                    match result {
+                        Ok(back) => {
+                            shared.counters.given_back.add(back);
+                            shared
+                                .counters
+                                .stranded
+                                .add(call.returned.saturating_sub(back));
+                        }
+                        Err(_) => shared.counters.stranded.add(call.returned),
+                    }
+                }
+            }
+            Err(_) => {
+                let lost: u64 = chunk.iter().map(|c| c.returned).sum();
+                shared.counters.stranded.add(lost);
+            }
+        }
+    }
+    !shared
+        .outbox
+        .returns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .is_empty()
+}
