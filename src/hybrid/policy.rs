@@ -147,7 +147,7 @@ pub(crate) fn prelease_lead_us(
     period_us: u64,
 ) -> u64 {
     // (Twice a lease's cost: the sync task rests after each batch of
-    // pre-leases as long as it took; see `rest_after_ahead`.)
+    // pre-leases; see `rest_after_ahead`.)
     (tick_us
         + lead_us
         + PRELEASE_SLACK_US
