@@ -7,8 +7,7 @@
 //! exact group). Two-thread figures are wall time per decision across both
 //! threads, i.e. the inverse of aggregate throughput.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use slicelimit_sim as support;
 
 use std::hint::black_box;
 use std::num::NonZeroU32;

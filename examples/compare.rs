@@ -44,8 +44,7 @@
 //! (e.g. per-second windows: `--keys 1000 --demand-per-key 4 --limit 100
 //! --period-ms 1000 --warm-s 5 --duration-s 20`).
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use slicelimit_sim as support;
 
 use std::collections::HashMap;
 use std::fmt::Write as _;

@@ -14,8 +14,7 @@
 //! `--repeat N` (2: requests per key, 1 s apart), `--idle-s N` (90),
 //! `--max-wait-ms N` (strict's default), `--idle-ttl-s N` (the default).
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use slicelimit_sim as support;
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};

@@ -19,8 +19,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use slicelimit_sim as support;
 
 use slicelimit::{Clock, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota};
 use support::load::ZipfKeys;

@@ -16,8 +16,7 @@
 //! denied with source `Lease`), the share that waited on the store,
 //! latency percentiles, and store round trips and leases.
 
-#[path = "../tests/support/mod.rs"]
-mod support;
+use slicelimit_sim as support;
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -61,7 +61,9 @@ pub struct Error {
 }
 
 impl Error {
-    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+    /// An error of `kind` saying `message` (for a store of your own, see
+    /// [`Backend`](crate::store::Backend), and for layers over the library).
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
         Error {
             kind,
             message: message.into(),
@@ -70,15 +72,14 @@ impl Error {
     }
 
     /// Records `source` as the cause of this error.
-    pub(crate) fn caused_by(
-        mut self,
-        source: impl std::error::Error + Send + Sync + 'static,
-    ) -> Self {
+    #[must_use]
+    pub fn caused_by(mut self, source: impl std::error::Error + Send + Sync + 'static) -> Self {
         self.source = Some(Arc::new(source));
         self
     }
 
-    pub(crate) fn invalid(message: impl Into<String>) -> Self {
+    /// An [`ErrorKind::InvalidInput`] error saying `message`.
+    pub fn invalid(message: impl Into<String>) -> Self {
         Error::new(ErrorKind::InvalidInput, message)
     }
 

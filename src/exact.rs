@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use crate::algorithm::OpIds;
-use crate::algorithm::Params;
+use crate::algorithm::{Check, GiveBack, Params};
 use crate::checked::{decision_from, refund_call, taken_by_check};
 use crate::decision::Decision;
 use crate::decision::{Origin, Source, Taken};
@@ -52,7 +52,14 @@ impl ExactEngine {
         let store_key = self.keys.store_key(key, self.params.algorithm);
         let (reply, _) = self
             .store
-            .acquire(&store_key, &self.params, cost, &self.counters)
+            .run_counted(
+                &Check {
+                    key: &store_key,
+                    params: &self.params,
+                    cost,
+                },
+                &self.counters,
+            )
             .await;
         reply.map(|reply| {
             let decision = self.decision(&reply, cost, true);
@@ -93,10 +100,10 @@ impl ExactEngine {
     pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<u64, Error> {
         let store_key = self.keys.store_key(key, self.params.algorithm);
         let call = refund_call(&self.params, store_key, &taken, &self.ops);
-        let (replies, _) = self
-            .store
-            .give_back_batch(&self.params, std::slice::from_ref(&call), &self.counters)
-            .await;
-        replies?.pop().unwrap_or(Ok(0))
+        let give_back = GiveBack {
+            params: &self.params,
+            call: &call,
+        };
+        self.store.run_counted(&give_back, &self.counters).await.0
     }
 }

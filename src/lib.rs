@@ -172,14 +172,9 @@ mod local;
 pub mod metrics;
 mod queues;
 mod quota;
-#[cfg(feature = "server")]
-pub mod server;
 mod several;
-#[cfg(feature = "server")]
-mod share;
-mod slots;
 mod stats;
-mod store;
+pub mod store;
 mod tiers;
 mod wait;
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::algorithm::Algorithm;
 use crate::algorithm::OpIds;
-use crate::algorithm::Params;
+use crate::algorithm::{Check, GiveBack, Params};
 use crate::checked::{decision_from, refund_call, taken_by_check};
 use crate::clock::Clock;
 use crate::decision::Decision;
@@ -40,7 +40,12 @@ impl LocalEngine {
     }
 
     pub(crate) fn check(&self, key: &str, cost: u64) -> Decision {
-        match self.store.acquire(key, &self.params, cost) {
+        let check = Check {
+            key,
+            params: &self.params,
+            cost,
+        };
+        match self.store.run_now(&check) {
             Ok(reply) => decision_from(&reply, self.params.limit, self.source)
                 .with_taken(taken_by_check(&self.params, &reply, cost, Origin::Local)),
             // A private store holds one layout per limiter, so this cannot
@@ -54,6 +59,10 @@ impl LocalEngine {
     /// plus the first answer).
     pub(crate) fn refund(&self, key: &str, taken: Taken) -> u64 {
         let call = refund_call(&self.params, key.to_owned(), &taken, &self.ops);
-        self.store.give_back(&self.params, &call).unwrap_or(0)
+        let give_back = GiveBack {
+            params: &self.params,
+            call: &call,
+        };
+        self.store.run_now(&give_back).unwrap_or(0)
     }
 }

@@ -393,9 +393,12 @@ async fn decide_in_one_call(
     }
     let (keys, params): (Vec<String>, Vec<_>) = engines.iter().map(|e| e.call_for(key)).unzip();
     let store = engines[0].store();
-    let (replies, _) = store
-        .acquire_all(&keys, &params, cost, &inner.counters)
-        .await;
+    let check = crate::algorithm::CheckAll {
+        keys: &keys,
+        params: &params,
+        cost,
+    };
+    let (replies, _) = store.run_counted(&check, &inner.counters).await;
     inner.counters.circuit(store.circuit_state());
     let replies = match replies {
         Ok(replies) => replies,

@@ -145,35 +145,7 @@ impl Spread {
     }
 }
 
-/// What a batch cost the store: round trips (pipelines and script loads
-/// sent; on a cluster a batch is one pipeline per hash slot) and script
-/// calls (each call of the batch once, however often it was resent). A
-/// call the circuit breaker refused costs nothing.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct StoreCost {
-    pub(crate) round_trips: u64,
-    pub(crate) calls: u64,
-}
-
-impl StoreCost {
-    /// One round trip carrying `calls` script calls.
-    pub(crate) fn one_trip(calls: usize) -> Self {
-        StoreCost {
-            round_trips: 1,
-            calls: calls as u64,
-        }
-    }
-
-    /// `calls` script calls sent in `round_trips` round trips (a resend
-    /// after `NOSCRIPT` is one more); none if nothing was sent (the
-    /// breaker refused them).
-    pub(crate) fn sent(round_trips: u64, calls: u64) -> Self {
-        StoreCost {
-            round_trips,
-            calls: if round_trips > 0 { calls } else { 0 },
-        }
-    }
-}
+pub(crate) use crate::store::StoreCost;
 
 /// Live counters; one per limiter, shared by its engine and sync task.
 pub(crate) struct Counters {

@@ -7,7 +7,7 @@
 //! four hybrid limiters of fifty waiters each on one key of 100 per
 //! second, for ten seconds.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! identity expired, a fallback counting windows on a skewed clock, a peek
 //! under fail-closed. All on a virtual clock over the embedded store.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::future::Future;
 use std::task::Poll;

@@ -3,7 +3,7 @@
 //! (the embedded store's mirror of each rule is tested beside it in
 //! `src/`). The seeded search for the next one is `tests/simulation.rs`.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::future::Future;
 use std::num::NonZeroU32;

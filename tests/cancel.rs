@@ -3,7 +3,7 @@
 //! half-changed: the breaker answers, permits are neither lost for good nor
 //! spent twice, the bound holds, shutdown returns.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::future::Future;
 use std::task::Poll;

@@ -2,7 +2,7 @@
 //! replicas): the exact race and the strict hybrid bound with keys spread
 //! over every primary, and a primary killed mid-run.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -1,6 +1,6 @@
 //! The exact limiters against real, private Redis servers.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

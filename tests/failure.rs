@@ -2,7 +2,7 @@
 //! flush and corrupt them under load, and check that every decision follows
 //! the failure policy within the configured time bound.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

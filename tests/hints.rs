@@ -16,7 +16,7 @@
 //! The real-time counterpart, through axum and a real Redis, is in
 //! `tests/http_hints.rs`.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::time::Duration;
 

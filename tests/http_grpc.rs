@@ -4,7 +4,7 @@
 //! HTTP 429 the client would report as `UNAVAILABLE`, and the client's
 //! address comes from tonic's `TcpConnectInfo`.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -7,7 +7,7 @@
 //! `set_quota`. The three cases run at once: each waits out up to a
 //! minute.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

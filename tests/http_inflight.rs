@@ -3,7 +3,7 @@
 //! client; handlers counted where they run. What an outage answers is
 //! tested on an embedded store behind a fault-injecting wrapper.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::net::SocketAddr;
 use std::num::NonZeroU32;

@@ -2,7 +2,7 @@
 //! per quota, each key's own quota in its items, refunds of failed
 //! requests, and policies that are all-or-nothing.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The hybrid limiter against real, private Redis servers: bounds on what
 //! a fleet admits, round trips, denied traffic and shutdown.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -7,7 +7,7 @@
 //! This binary is its own harness: run plainly it coordinates; with
 //! `--worker` it is one process of the fleet.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::io::{BufRead, BufReader};
 use std::num::NonZeroU32;

@@ -3,7 +3,7 @@
 //! that silently stops answering, a background task whose runtime went
 //! away. Each on private `redis-server` processes.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::time::{Duration, Instant};
 

@@ -5,7 +5,7 @@
 //! This binary is its own harness: run plainly it coordinates; with
 //! `--worker` it is one server of the fleet.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::process::{Command, Stdio};
 use std::time::Duration;

@@ -13,7 +13,7 @@
 //! (one machine): a lease's permits are spent only between its window's
 //! start and its deadline, both inside the window Redis counted them in.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -15,7 +15,7 @@
 //! bug shows as well, so that each test (waiting for a window to start
 //! included) stays under about 15 s of wall time.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

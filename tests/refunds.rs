@@ -2,7 +2,7 @@
 //! refunded again and again, on the wrong limiter, through lost replies;
 //! tiers of different periods; futures dropped while they give back.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 //! limiters decide as on a plain connection, and every wrong setting is a
 //! clear connection error, never a plaintext fallback.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::time::Duration;
 

@@ -2,7 +2,7 @@
 //! follows a failover. A primary killed mid-run: the failure policy
 //! decides meanwhile, then decisions come from the promoted replica.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::time::{Duration, Instant};
 

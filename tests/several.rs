@@ -5,7 +5,7 @@
 //! `SLICELIMIT_SEVERAL_SECS` sets how long the two-quota loads run
 //! (default 65 s: every per-minute window boundary case at least once).
 
-mod support;
+use slicelimit_sim as support;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

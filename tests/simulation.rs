@@ -48,7 +48,7 @@
 //! `SIM_REDIS_SEEDS=N` replays N of them against a real `redis-server` in
 //! real time (default 2). A failing seed prints the command that replays it.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;

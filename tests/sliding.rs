@@ -9,7 +9,7 @@
 //! `lua/carry_sliding_window.lua`); it is recomputed here from the
 //! admissions alone, in integers.
 
-mod support;
+use slicelimit_sim as support;
 
 use std::collections::HashMap;
 use std::sync::Arc;

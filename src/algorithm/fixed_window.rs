@@ -9,29 +9,29 @@ use super::{LeaseKind, Lua, Spec};
 pub(super) static SPEC: Spec = Spec {
     name: "fixed-window",
     key_suffix: "fw",
-    exact: Lua {
-        name: "fixed_window",
-        source: concat!(
+    exact: Lua::new(
+        "fixed_window",
+        concat!(
             include_str!("../../lua/carry_fixed_window.lua"),
             include_str!("../../lua/window_check.lua"),
             include_str!("../../lua/check_one.lua")
         ),
-    },
-    exact_all: Lua {
-        name: "fixed_window_all",
-        source: concat!(
+    ),
+    exact_all: Lua::new(
+        "fixed_window_all",
+        concat!(
             include_str!("../../lua/carry_fixed_window.lua"),
             include_str!("../../lua/window_check.lua"),
             include_str!("../../lua/check_all.lua")
         ),
-    },
-    lease: Lua {
-        name: "lease_fixed_window",
-        source: concat!(
+    ),
+    lease: Lua::new(
+        "lease_fixed_window",
+        concat!(
             include_str!("../../lua/carry_fixed_window.lua"),
             include_str!("../../lua/lease_window.lua")
         ),
-    },
+    ),
     exact_args: window::exact_args,
     lease_args: window::lease_args,
     give_back_args: window::give_back_args,

@@ -10,24 +10,21 @@ use crate::error::Error;
 pub(super) static SPEC: Spec = Spec {
     name: "gcra",
     key_suffix: "gc",
-    exact: Lua {
-        name: "gcra",
-        source: concat!(
+    exact: Lua::new(
+        "gcra",
+        concat!(
             include_str!("../../lua/gcra.lua"),
             include_str!("../../lua/check_one.lua")
         ),
-    },
-    exact_all: Lua {
-        name: "gcra_all",
-        source: concat!(
+    ),
+    exact_all: Lua::new(
+        "gcra_all",
+        concat!(
             include_str!("../../lua/gcra.lua"),
             include_str!("../../lua/check_all.lua")
         ),
-    },
-    lease: Lua {
-        name: "lease_gcra",
-        source: include_str!("../../lua/lease_gcra.lua"),
-    },
+    ),
+    lease: Lua::new("lease_gcra", include_str!("../../lua/lease_gcra.lua")),
     exact_args: bucket::exact_args,
     lease_args: bucket::lease_args,
     give_back_args: |p, c, args| bucket::give_back_args("gc", p, c, args),

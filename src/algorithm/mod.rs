@@ -23,6 +23,7 @@ mod bucket;
 mod calls;
 mod fixed_window;
 mod gcra;
+mod scripts;
 mod sliding_window;
 mod state;
 mod token_bucket;
@@ -32,9 +33,9 @@ pub(crate) use self::calls::{
     admission_seq, AcquireReply, GiveBackCall, LeaseCall, LeaseOrigin, LeaseReply, OpId, OpIds,
     Params, CHECK_REPLY_LEN, MAX_REPORT, REPEAT,
 };
-pub(crate) use self::state::{Entry, State};
-
-use std::borrow::Cow;
+pub(crate) use self::scripts::{count_in_window, Check, CheckAll, GiveBack, Lease};
+pub(crate) use self::state::Entry;
+pub(crate) use crate::store::{Arg, Lua};
 
 use crate::error::Error;
 use crate::quota::Quota;
@@ -96,7 +97,7 @@ impl Algorithm {
     /// # Errors
     /// An [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) error
     /// saying what to change.
-    pub(crate) fn check_quota(self, quota: &Quota) -> Result<(), Error> {
+    pub fn check_quota(self, quota: &Quota) -> Result<(), Error> {
         (self.spec().check_quota)(quota)
     }
 
@@ -129,23 +130,6 @@ impl std::fmt::Display for Algorithm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }
-}
-
-/// A script of `lua/`, by name (the Redis store loads each once).
-#[derive(Debug)]
-pub(crate) struct Lua {
-    /// A stable name, unique among the crate's scripts.
-    pub(crate) name: &'static str,
-    pub(crate) source: &'static str,
-}
-
-/// One script argument (ARGV entry), as a script's header documents it.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) enum Arg {
-    Uint(u64),
-    Int(i64),
-    Float(f64),
-    Text(Cow<'static, str>),
 }
 
 /// A stored value read as the algorithm expects it: the embedded store's
@@ -200,33 +184,8 @@ impl std::fmt::Debug for Spec {
     }
 }
 
-/// Every script of every algorithm, and the shared give-back.
-pub(crate) fn scripts() -> impl Iterator<Item = &'static Lua> {
-    Algorithm::all()
-        .into_iter()
-        .flat_map(|a| [&a.spec().exact, &a.spec().exact_all, &a.spec().lease])
-        .chain([&GIVE_BACK, &RATE_SHARE, &SLOTS])
-}
-
-/// Slots of a key's in-flight budget in leases (the concurrency limiter;
-/// see its header and `slots.rs`).
-pub(crate) static SLOTS: Lua = Lua {
-    name: "slots",
-    source: include_str!("../../lua/slots.lua"),
-};
-
-/// A holder's share of a rate (slicelimit-server's RLQS buckets; see its
-/// header and `share.rs`).
-pub(crate) static RATE_SHARE: Lua = Lua {
-    name: "rate_share",
-    source: include_str!("../../lua/rate_share.lua"),
-};
-
 /// Returns unused permits of any layout (see its header).
-pub(crate) static GIVE_BACK: Lua = Lua {
-    name: "give_back",
-    source: include_str!("../../lua/give_back.lua"),
-};
+pub(crate) static GIVE_BACK: Lua = Lua::new("give_back", include_str!("../../lua/give_back.lua"));
 
 /// How a hybrid lease lives and ends: the two lease mechanisms the hybrid
 /// limiter implements. An algorithm declares which one its lease script
@@ -331,7 +290,12 @@ mod tests {
                 assert_ne!(a.key_suffix(), b.key_suffix());
             }
         }
-        let names: Vec<&str> = scripts().map(|s| s.name).collect();
+        let names: Vec<&str> = Algorithm::all()
+            .into_iter()
+            .flat_map(|a| [&a.spec().exact, &a.spec().exact_all, &a.spec().lease])
+            .chain([&GIVE_BACK])
+            .map(|s| s.name())
+            .collect();
         for (i, n) in names.iter().enumerate() {
             assert!(!names[i + 1..].contains(n), "{n} twice");
         }

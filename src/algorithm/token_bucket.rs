@@ -11,24 +11,24 @@ use crate::error::Error;
 pub(super) static SPEC: Spec = Spec {
     name: "token-bucket",
     key_suffix: "tb",
-    exact: Lua {
-        name: "token_bucket",
-        source: concat!(
+    exact: Lua::new(
+        "token_bucket",
+        concat!(
             include_str!("../../lua/token_bucket.lua"),
             include_str!("../../lua/check_one.lua")
         ),
-    },
-    exact_all: Lua {
-        name: "token_bucket_all",
-        source: concat!(
+    ),
+    exact_all: Lua::new(
+        "token_bucket_all",
+        concat!(
             include_str!("../../lua/token_bucket.lua"),
             include_str!("../../lua/check_all.lua")
         ),
-    },
-    lease: Lua {
-        name: "lease_token_bucket",
-        source: include_str!("../../lua/lease_token_bucket.lua"),
-    },
+    ),
+    lease: Lua::new(
+        "lease_token_bucket",
+        include_str!("../../lua/lease_token_bucket.lua"),
+    ),
     exact_args: bucket::exact_args,
     lease_args: bucket::lease_args,
     give_back_args: |p, c, args| bucket::give_back_args("tb", p, c, args),

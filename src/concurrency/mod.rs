@@ -35,6 +35,7 @@ mod permit;
 mod renew;
 #[cfg(all(test, feature = "test-support"))]
 mod sim;
+mod slots;
 mod state;
 #[cfg(test)]
 mod tests;
@@ -50,11 +51,11 @@ use std::time::Duration;
 use dashmap::DashMap;
 use tokio::sync::{mpsc, Notify};
 
+use self::slots::{Slots, SlotsCall, SlotsReply};
 use crate::clock::Clock;
 use crate::error::Error;
 use crate::failure::FailurePolicy;
 use crate::key::KeyEncoder;
-use crate::slots::{SlotsCall, SlotsReply};
 use crate::store::Store;
 
 use self::permit::Held;
@@ -310,7 +311,12 @@ impl Inner {
         };
         self.metrics.store_calls.increment(1);
         self.calls.fetch_add(1, Ordering::Relaxed);
-        let replies = self.store.slots(&self.store_key(key), &call).await;
+        let store_key = self.store_key(key);
+        let slots = Slots {
+            key: &store_key,
+            call: &call,
+        };
+        let replies = self.store.run(&slots).await;
         if let Ok((_, expired)) = &replies {
             self.metrics.expired.increment(*expired);
         }

@@ -79,14 +79,18 @@ impl Releaser {
             by_key.entry(store_key).or_default().push((lease, 0));
         }
         for (store_key, leases) in by_key {
-            let call = crate::slots::SlotsCall {
+            let call = super::slots::SlotsCall {
                 max: self.max,
                 ttl_ms: self.ttl_ms,
                 waiting: false,
                 leases,
             };
             // Not answered: the leases expire instead.
-            let _ = self.store.slots(&store_key, &call).await;
+            let slots = super::slots::Slots {
+                key: &store_key,
+                call: &call,
+            };
+            let _ = self.store.run(&slots).await;
         }
     }
 }

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::algorithm::{LeaseCall, OpId, OpIds, Params};
+use crate::algorithm::{Lease, LeaseCall, OpId, OpIds, Params};
 use crate::clock::micros;
 use crate::clock::Clock;
 use crate::key::KeyEncoder;
@@ -269,7 +269,8 @@ pub(crate) async fn reconcile(
         .iter()
         .map(|r| r.call(keys, params))
         .collect();
-    let (replies, _) = store.lease_batch(params, &calls, 0, counters).await;
+    let leases: Vec<Lease<'_>> = calls.iter().map(|call| Lease { params, call }).collect();
+    let (replies, _) = store.run_batch_counted(&leases, 0, counters).await;
     let reports = guard.disarm();
     let replies = match replies {
         Ok(replies) => replies,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::algorithm::Algorithm;
-use crate::algorithm::LeaseCall;
+use crate::algorithm::{Check, GiveBack, Lease, LeaseCall};
 use crate::clock::{Clock, FakeClock};
 use crate::decision::Source;
 use crate::hybrid::slot::NextLease;
@@ -302,7 +302,13 @@ async fn optimistic_credit_is_bounded_reported_and_counted_as_overshoot() {
     let r = rig(quota, Algorithm::FixedWindow, HybridConfig::optimistic(5));
     // Another process takes the whole window first.
     let store_key = r.keys.store_key("k", Algorithm::FixedWindow);
-    r.store.acquire(&store_key, &r.params, 100).unwrap();
+    r.store
+        .run_now(&Check {
+            key: &store_key,
+            params: &r.params,
+            cost: 100,
+        })
+        .unwrap();
     r.clock.set(ORIGIN + Duration::from_millis(100));
     assert!(r.check("warm", 1).await.is_allowed());
     for _ in 0..5 {
@@ -365,7 +371,13 @@ async fn an_evicted_slot_cannot_take_its_credit_twice_in_a_window() {
         HybridConfig::optimistic(3).max_keys(1),
     );
     let store_key = r.keys.store_key("a", Algorithm::FixedWindow);
-    r.store.acquire(&store_key, &r.params, 100).unwrap();
+    r.store
+        .run_now(&Check {
+            key: &store_key,
+            params: &r.params,
+            cost: 100,
+        })
+        .unwrap();
     r.clock.set(ORIGIN + Duration::from_millis(100));
     assert!(r.check("warm", 1).await.is_allowed());
     let warm = r.slot("warm");
@@ -585,7 +597,10 @@ async fn the_lease_script_shape_is_what_the_engine_expects() {
     );
     let reply = r
         .store
-        .lease(&r.params, &raw_lease("x".into(), 10, i64::MAX))
+        .run_now(&Lease {
+            params: &r.params,
+            call: &raw_lease("x".into(), 10, i64::MAX),
+        })
         .unwrap();
     assert_eq!(reply.granted, 10);
     assert_eq!(reply.start_after_us, 1_000_000);
@@ -688,10 +703,10 @@ async fn an_exhausted_next_window_is_waited_for_not_asked_for_in_a_loop() {
     let next = (ORIGIN.as_micros() as u64 / r.params.period_us) as i64 + 1;
     let taken = r
         .store
-        .lease(
-            &r.params,
-            &raw_lease(r.keys.store_key("k", Algorithm::FixedWindow), 3, next),
-        )
+        .run_now(&Lease {
+            params: &r.params,
+            call: &raw_lease(r.keys.store_key("k", Algorithm::FixedWindow), 3, next),
+        })
         .unwrap();
     assert_eq!((taken.granted, taken.window), (3, next));
     // 1.5 ms before the boundary: this slot's window is over locally (its
@@ -878,7 +893,12 @@ async fn holders_asking_again_get_what_they_are_short_of_their_share_not_a_trick
             lease_id: id,
             ..raw_lease(key.clone(), want, -1)
         };
-        r.store.lease(&r.params, &call).unwrap()
+        r.store
+            .run_now(&Lease {
+                params: &r.params,
+                call: &call,
+            })
+            .unwrap()
     };
     // A window nobody held before: four holders' first leases of 10.
     for h in ["a", "b", "c", "d"] {
@@ -956,7 +976,10 @@ async fn a_full_peek(r: &Rig) -> String {
     let key = r.keys.store_key("k", Algorithm::FixedWindow);
     assert_eq!(
         r.store
-            .lease(&r.params, &raw_lease(key.clone(), 960, -1))
+            .run_now(&Lease {
+                params: &r.params,
+                call: &raw_lease(key.clone(), 960, -1)
+            })
             .unwrap()
             .granted,
         960
@@ -1005,7 +1028,15 @@ async fn a_peek_is_believed_only_for_a_while_so_permits_given_back_later_are_fou
         remember_us: 0,
         refund: false,
     };
-    assert_eq!(r.store.give_back(&r.params, &back).unwrap(), 500);
+    assert_eq!(
+        r.store
+            .run_now(&GiveBack {
+                params: &r.params,
+                call: &back
+            })
+            .unwrap(),
+        500
+    );
     r.clock.advance(Duration::from_millis(1_010));
     for _ in 0..28 {
         assert!(r.check("k", 1).await.is_allowed());
@@ -1141,7 +1172,13 @@ async fn a_first_lease_does_not_ride(r: Rig, held: i64) {
     assert_eq!(r.slot("b").permits(), held);
     assert_eq!(r.store_count("b"), 31);
     let key = r.keys.store_key("b", Algorithm::FixedWindow);
-    let other = r.store.lease(&r.params, &raw_lease(key, 1000, -1)).unwrap();
+    let other = r
+        .store
+        .run_now(&Lease {
+            params: &r.params,
+            call: &raw_lease(key, 1000, -1),
+        })
+        .unwrap();
     assert_eq!(other.granted, 969, "another process gets the rest");
 }
 
@@ -1247,7 +1284,10 @@ async fn a_pre_leased_window_stays_watched_while_the_current_one_is_denied() {
     r.sync().await;
     let rest = |r: &Rig, min_window: i64| {
         r.store
-            .lease(&r.params, &raw_lease(key.clone(), 1000, min_window))
+            .run_now(&Lease {
+                params: &r.params,
+                call: &raw_lease(key.clone(), 1000, min_window),
+            })
             .unwrap()
             .granted
     };
@@ -1269,7 +1309,10 @@ async fn a_pre_leased_window_stays_watched_while_the_current_one_is_denied() {
         .advance(Duration::from_micros(period - now_us(&r) % period - 60_000));
     assert_eq!(
         r.store
-            .lease(&r.params, &raw_lease(key.clone(), 950, w + 1))
+            .run_now(&Lease {
+                params: &r.params,
+                call: &raw_lease(key.clone(), 950, w + 1)
+            })
             .unwrap()
             .granted,
         950

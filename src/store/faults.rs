@@ -12,12 +12,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use super::Store;
-use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
-use crate::breaker::{CircuitBreaker, CircuitConfig};
+use std::future::Future;
+use std::pin::Pin;
+
+use super::{Backend, Call, MemoryStore, Ran, Store, StoreCost};
+use crate::breaker::{CircuitBreaker, CircuitConfig, CircuitState};
 use crate::clock::Clock;
 use crate::error::{Error, ErrorKind};
-use crate::stats::StoreCost;
 
 /// How often each fault happens, per call (probabilities in `[0, 1]`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -154,8 +155,8 @@ impl FaultyStore {
     /// persistence (embedded stores only; a no-op on Redis, which a test
     /// restarts itself).
     pub fn restart_empty(&self) {
-        if let Store::Memory(m) = &self.inner.store {
-            m.clear();
+        if let Some(m) = self.inner.store.downcast_ref::<MemoryStore>() {
+            m.flush();
         }
     }
 
@@ -178,7 +179,7 @@ impl FaultyStore {
 
     /// Runs one call through the breaker and the fault schedule. `call` is
     /// the store operation; it may run zero, one or two times.
-    async fn run<T, F, Fut>(&self, call: F) -> Result<T, Error>
+    async fn through_faults<T, F, Fut>(&self, call: F) -> Result<T, Error>
     where
         F: Fn() -> Fut,
         Fut: std::future::Future<Output = Result<T, Error>>,
@@ -236,79 +237,6 @@ impl FaultyStore {
         result
     }
 
-    pub(crate) async fn slots(
-        &self,
-        key: &str,
-        call: &crate::slots::SlotsCall,
-    ) -> Result<(Vec<crate::slots::SlotsReply>, u64), Error> {
-        self.run(|| Box::pin(self.inner().slots(key, call))).await
-    }
-
-    pub(crate) async fn acquire(
-        &self,
-        key: &str,
-        params: &Params,
-        cost: u64,
-    ) -> (Result<AcquireReply, Error>, StoreCost) {
-        let result = self
-            .run(|| async { self.inner.store.send_acquire(key, params, cost).await.0 })
-            .await;
-        let cost = Self::cost(&result, 1);
-        (result, cost)
-    }
-
-    pub(crate) async fn acquire_all(
-        &self,
-        keys: &[String],
-        params: &[Params],
-        cost: u64,
-    ) -> (Result<Vec<AcquireReply>, Error>, StoreCost) {
-        let result = self
-            .run(|| async {
-                self.inner
-                    .store
-                    .send_acquire_all(keys, params, cost)
-                    .await
-                    .0
-            })
-            .await;
-        let cost = Self::cost(&result, 1);
-        (result, cost)
-    }
-
-    pub(crate) async fn lease_batch(
-        &self,
-        params: &Params,
-        calls: &[LeaseCall],
-        ahead: usize,
-    ) -> (Result<Vec<Result<LeaseReply, Error>>, Error>, StoreCost) {
-        let result = self
-            .run(|| async {
-                self.inner
-                    .store
-                    .send_lease_batch(params, calls, ahead)
-                    .await
-                    .0
-            })
-            .await;
-        {
-            let cost = Self::cost(&result, calls.len());
-            (result, cost)
-        }
-    }
-
-    pub(crate) async fn give_back_batch(
-        &self,
-        params: &Params,
-        calls: &[GiveBackCall],
-    ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
-        let result = self
-            .run(|| async { self.inner.store.send_give_back_batch(params, calls).await.0 })
-            .await;
-        let cost = Self::cost(&result, calls.len());
-        (result, cost)
-    }
-
     /// One round trip per batch, unless the breaker refused it.
     fn cost<T>(result: &Result<T, Error>, calls: usize) -> StoreCost {
         match result {
@@ -316,16 +244,46 @@ impl FaultyStore {
             _ => StoreCost::one_trip(calls),
         }
     }
+}
 
-    pub(crate) fn retry_hint(&self) -> Option<Duration> {
+impl From<FaultyStore> for Store {
+    fn from(store: FaultyStore) -> Self {
+        Store::new(store)
+    }
+}
+
+impl Backend for FaultyStore {
+    /// The batch is one unit of the fault schedule: it is delayed, lost
+    /// or applied twice whole, as one pipeline would be.
+    fn run<'a>(
+        &'a self,
+        calls: &'a [&'a dyn Call],
+        ahead: usize,
+    ) -> Pin<Box<dyn Future<Output = Ran> + Send + 'a>> {
+        Box::pin(async move {
+            let replies = self
+                .through_faults(|| async {
+                    Backend::run(&self.inner.store, calls, ahead).await.replies
+                })
+                .await;
+            let cost = Self::cost(&replies, calls.len());
+            Ran { replies, cost }
+        })
+    }
+
+    fn retry_hint(&self, _key: Option<&str>) -> Option<Duration> {
         self.inner.breaker.retry_hint()
     }
 
-    pub(crate) fn circuit_state(&self) -> crate::breaker::CircuitState {
+    fn is_sharded(&self) -> bool {
+        self.inner.store.is_sharded()
+    }
+
+    fn circuit_state(&self) -> CircuitState {
         self.inner.breaker.state()
     }
 
-    pub(crate) fn circuit_trips(&self) -> u64 {
+    fn circuit_trips(&self) -> u64 {
         self.inner.breaker.trips()
     }
 }
@@ -333,7 +291,7 @@ impl FaultyStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::Algorithm;
+    use crate::algorithm::{Algorithm, Check, Params};
     use crate::clock::FakeClock;
     use crate::nonzero;
     use crate::quota::Quota;
@@ -346,8 +304,13 @@ mod tests {
         let slow = FaultyStore::new(memory.clone(), Faults::default(), 1, clock)
             .with_latency(Duration::from_millis(10));
         let params = Params::new(&Quota::per_second(nonzero!(5)), Algorithm::FixedWindow);
+        let check = Check {
+            key: "k",
+            params: &params,
+            cost: 1,
+        };
         let start = tokio::time::Instant::now();
-        let (reply, cost) = slow.clone().acquire("k", &params, 1).await;
+        let (reply, cost) = Store::from(slow.clone()).run_one(&check).await;
         assert!(reply.is_ok() && cost.round_trips == 1);
         let took = start.elapsed();
         assert!(
@@ -355,7 +318,7 @@ mod tests {
             "{took:?}"
         );
         let start = tokio::time::Instant::now();
-        let (reply, _) = Store::from(memory).send_acquire("k", &params, 1).await;
+        let (reply, _) = Store::from(memory).run_one(&check).await;
         assert!(reply.is_ok());
         assert_eq!(
             start.elapsed(),

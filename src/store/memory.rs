@@ -1,79 +1,148 @@
 //! The embedded, in-process store.
 //!
-//! It mirrors the Lua scripts step for step (the differential tests hold it
-//! to that), on an injected clock, so the exact and hybrid limiters run
-//! without Redis in one process and their logic is tested without sleeping.
-//! Expired entries are forgotten lazily and swept now and then; nothing
-//! lives forever. It owns no policy and performs no I/O.
+//! It runs each script's Rust mirror (see [`Call::mirror`]) where Redis
+//! would run its Lua, on an injected clock, so the exact and hybrid
+//! limiters run without Redis in one process and their logic is tested
+//! without sleeping. Keys live in shards by hash tag: a script locks its
+//! keys' shard for the whole call, as Redis runs a script alone (a call's
+//! keys share a hash tag, as Redis Cluster requires). Expired values are
+//! forgotten lazily and swept now and then; nothing lives forever. It
+//! owns no policy and performs no I/O.
 
+use std::any::Any;
+use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use dashmap::DashMap;
-
-use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
-use crate::algorithm::{Entry, State};
+use super::script::{Call, Script};
+use super::{Backend, Ran, StoreCost};
 use crate::clock::{micros, Clock, SystemClock};
 use crate::error::Error;
-use std::collections::HashMap;
-use std::sync::Mutex;
 
-/// Sweep expired entries at most once per this many operations.
+/// Sweep expired values at most once per this many calls.
 const SWEEP_EVERY: u64 = 4096;
+
+/// Shards of the key space; a power of two.
+const SHARDS: usize = 32;
 
 /// An in-process store with the same semantics as the Redis scripts.
 ///
-/// Clones share one set of counters, like connections to one Redis server.
+/// Clones share one set of values, like connections to one Redis server.
 #[derive(Clone)]
 pub struct MemoryStore {
     shared: Arc<Shared>,
 }
 
 struct Shared {
-    /// Store key → state; the same keys the Redis scripts would write.
-    entries: DashMap<String, Entry>,
+    /// Store key → value, in shards by hash tag.
+    shards: Box<[Mutex<HashMap<String, Held>>]>,
     /// The store's own clock: plays the part of Redis `TIME`.
     clock: Arc<dyn Clock>,
-    /// Operations since creation, to pace sweeps.
-    ops: AtomicU64,
-    /// Identities of reports already applied (op key → first answer,
-    /// expiry), as the scripts' identity keys. Held across the report it
-    /// guards, so a duplicate cannot slip in between check and record.
-    ops_seen: Mutex<HashMap<String, (u64, u64)>>,
-    /// Serialises checks of several quotas, as one script would be.
-    several: Mutex<()>,
-    /// Rate shares by bucket key (`share.rs`).
-    #[cfg(feature = "server")]
-    shares: Mutex<HashMap<String, HashMap<String, crate::share::Hold>>>,
-    /// In-flight slot leases by key (the concurrency limiter's).
-    slots: Mutex<HashMap<String, HashMap<String, crate::slots::SlotLease>>>,
+    /// Calls since creation, to pace sweeps.
+    calls: AtomicU64,
 }
 
-/// Runs `apply` on the holders of `key` in `keys` (none if the key is
-/// new) and forgets the key once it has none left, as Redis forgets a
-/// hash whose last field is deleted.
-fn with_holders<T, R>(
-    keys: &Mutex<HashMap<String, HashMap<String, T>>>,
-    key: &str,
-    apply: impl FnOnce(&mut HashMap<String, T>) -> R,
-) -> R {
-    let mut keys = keys.lock().unwrap_or_else(|e| e.into_inner());
-    let holders = keys.entry(key.to_owned()).or_default();
-    let out = apply(holders);
-    if holders.is_empty() {
-        keys.remove(key);
+/// One key's value and when it expires.
+struct Held {
+    /// An `Option<T>` for the value's type `T`, boxed once: a key that is
+    /// written again reuses the box.
+    value: Box<dyn Any + Send>,
+    /// Store time (µs) from which the value is as good as absent.
+    expires_us: u64,
+}
+
+/// The keys of one hash tag, locked for one script call: what a mirror
+/// reads and writes. Values are typed (a key holds one type, as a Redis
+/// key holds a hash or a string) and each has an expiry.
+pub struct Memory<'a> {
+    map: &'a mut HashMap<String, Held>,
+    now_us: u64,
+}
+
+impl fmt::Debug for Memory<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Memory")
+            .field("keys", &self.map.len())
+            .field("now_us", &self.now_us)
+            .finish()
     }
-    out
 }
 
-/// How long a report's identity is remembered (the scripts' 60 s).
-const OP_TTL_US: u64 = 60_000_000;
+impl Memory<'_> {
+    /// The store's time, µs since the Unix epoch (the script's `TIME`).
+    pub fn now_us(&self) -> u64 {
+        self.now_us
+    }
+
+    fn live<T: Any + Send>(&mut self, key: &str) -> Option<&mut Option<T>> {
+        let now = self.now_us;
+        let held = self.map.get_mut(key)?;
+        let value = held.value.downcast_mut::<Option<T>>()?;
+        if held.expires_us <= now {
+            *value = None;
+        }
+        value.as_mut()?;
+        Some(value)
+    }
+
+    /// The live value of `key`, if it holds one of type `T`.
+    pub fn get<T: Any + Send>(&mut self, key: &str) -> Option<&mut T> {
+        self.live::<T>(key).and_then(Option::as_mut)
+    }
+
+    /// Takes the live value of `key` out, leaving the key empty.
+    pub fn take<T: Any + Send>(&mut self, key: &str) -> Option<T> {
+        self.live::<T>(key).and_then(Option::take)
+    }
+
+    /// Sets `key` to `value` until store time `expires_us` (µs; a time
+    /// not after [`now_us`](Self::now_us) leaves it absent). Every value
+    /// has an expiry: nothing lives forever.
+    pub fn set<T: Any + Send>(&mut self, key: &str, value: T, expires_us: u64) {
+        if let Some(held) = self.map.get_mut(key) {
+            if let Some(slot) = held.value.downcast_mut::<Option<T>>() {
+                *slot = Some(value);
+                held.expires_us = expires_us;
+                return;
+            }
+        }
+        self.map.insert(
+            key.to_owned(),
+            Held {
+                value: Box::new(Some(value)),
+                expires_us,
+            },
+        );
+    }
+
+    /// When the live value of `key` expires, if there is one.
+    pub fn expires_us(&self, key: &str) -> Option<u64> {
+        let held = self.map.get(key)?;
+        (held.expires_us > self.now_us).then_some(held.expires_us)
+    }
+
+    /// Sets when the value of `key` expires, if it has one (`PEXPIREAT`).
+    pub fn expire_at(&mut self, key: &str, expires_us: u64) {
+        if let Some(held) = self.map.get_mut(key) {
+            if held.expires_us > self.now_us {
+                held.expires_us = expires_us;
+            }
+        }
+    }
+
+    /// Forgets `key` (`DEL`).
+    pub fn remove(&mut self, key: &str) {
+        self.map.remove(key);
+    }
+}
 
 impl fmt::Debug for MemoryStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MemoryStore")
-            .field("entries", &self.shared.entries.len())
+            .field("keys", &self.len())
             .finish()
     }
 }
@@ -82,6 +151,23 @@ impl Default for MemoryStore {
     fn default() -> Self {
         MemoryStore::new()
     }
+}
+
+/// The part of `key` that picks its shard: its hash tag, as Redis
+/// Cluster picks a slot.
+fn shard_of(key: &str) -> usize {
+    let bytes = key.as_bytes();
+    let tagged = bytes.iter().position(|&c| c == b'{').and_then(|open| {
+        let rest = &bytes[open + 1..];
+        let close = rest.iter().position(|&c| c == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    // FNV-1a: cheap, and any spread will do.
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &byte in tagged.unwrap_or(bytes) {
+        hash = (hash ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+    }
+    (hash as usize) & (SHARDS - 1)
 }
 
 impl MemoryStore {
@@ -98,253 +184,118 @@ impl MemoryStore {
     pub(crate) fn with_shared_clock(clock: Arc<dyn Clock>) -> Self {
         MemoryStore {
             shared: Arc::new(Shared {
-                entries: DashMap::new(),
+                shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
                 clock,
-                ops: AtomicU64::new(0),
-                ops_seen: Mutex::new(HashMap::new()),
-                several: Mutex::new(()),
-                #[cfg(feature = "server")]
-                shares: Mutex::new(HashMap::new()),
-                slots: Mutex::new(HashMap::new()),
+                calls: AtomicU64::new(0),
             }),
         }
     }
 
-    /// Sets leases on a key's in-flight slots, as `lua/slots.lua` does.
-    pub(crate) fn slots(
-        &self,
-        key: &str,
-        call: &crate::slots::SlotsCall,
-    ) -> (Vec<crate::slots::SlotsReply>, u64) {
-        let now_ms = self.now() / 1_000;
-        with_holders(&self.shared.slots, key, |leases| {
-            crate::slots::apply(leases, call, now_ms)
-        })
-    }
-
-    /// Slots the leases of `key` hold (expired ones included until a
-    /// call drops them).
-    #[cfg(test)]
-    pub(crate) fn slots_held(&self, key: &str) -> u64 {
-        let slots = self.shared.slots.lock().unwrap_or_else(|e| e.into_inner());
-        slots
-            .get(key)
-            .map_or(0, |l| l.values().map(|l| l.held).sum())
-    }
-
-    /// Forgets every rate share, as a Redis restarted empty would.
-    #[cfg(all(test, feature = "server"))]
-    pub(crate) fn forget_shares(&self) {
-        self.shared
-            .shares
+    fn shard(&self, i: usize) -> MutexGuard<'_, HashMap<String, Held>> {
+        self.shared.shards[i]
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+            .unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A holder's share of a rate, as `lua/rate_share.lua` does it.
-    #[cfg(feature = "server")]
-    pub(crate) fn share(
-        &self,
-        key: &str,
-        call: &crate::share::ShareCall,
-    ) -> crate::share::ShareReply {
-        let now_ms = self.now() / 1_000;
-        with_holders(&self.shared.shares, key, |holders| {
-            crate::share::apply(holders, call, now_ms)
-        })
-    }
-
-    /// Entries currently held, expired ones included until the next sweep.
+    /// Keys held, expired ones included until the next sweep.
     pub fn len(&self) -> usize {
-        self.shared.entries.len()
+        (0..SHARDS).map(|i| self.shard(i).len()).sum()
     }
 
-    /// Whether the store holds no entry.
+    /// Whether the store holds no key.
     pub fn is_empty(&self) -> bool {
-        self.shared.entries.is_empty()
+        self.len() == 0
     }
 
+    /// The store's time for the next call; sweeps now and then.
     fn now(&self) -> u64 {
-        let ops = self.shared.ops.fetch_add(1, Ordering::Relaxed);
+        let calls = self.shared.calls.fetch_add(1, Ordering::Relaxed);
         let now = micros(&*self.shared.clock);
-        if ops % SWEEP_EVERY == SWEEP_EVERY - 1 {
-            self.shared.entries.retain(|_, e| e.expires_us > now);
+        if calls % SWEEP_EVERY == SWEEP_EVERY - 1 {
+            for i in 0..SHARDS {
+                self.shard(i).retain(|_, held| held.expires_us > now);
+            }
         }
         now
     }
 
-    /// Runs `f` on the live entry for `key` (None if absent or expired).
-    fn with_entry<R>(&self, key: &str, now: u64, f: impl FnOnce(&mut Option<Entry>) -> R) -> R {
-        // get_mut first: a known key costs no allocation.
-        let mut slot = match self.shared.entries.get_mut(key) {
-            Some(slot) => slot,
-            None => self.shared.entries.entry(key.to_owned()).or_insert(Entry {
-                state: State::Window(Vec::new()),
-                expires_us: 0,
-                holders: None,
-            }),
-        };
-        let mut live = (slot.expires_us > now).then(|| slot.clone());
-        let out = f(&mut live);
-        match live {
-            Some(entry) => *slot = entry,
-            None => slot.expires_us = 0,
-        }
-        drop(slot);
-        out
-    }
-
-    pub(crate) fn acquire(&self, key: &str, p: &Params, cost: u64) -> Result<AcquireReply, Error> {
-        let now = self.now();
-        let check = p.algorithm.spec().check;
-        self.with_entry(key, now, |entry| check(entry, p, now, cost, key))
-    }
-
-    /// A copy of `key`'s live entry, to decide on without writing.
-    fn peek_entry(&self, key: &str, now: u64) -> Option<Entry> {
-        self.shared
-            .entries
-            .get(key)
-            .filter(|e| e.expires_us > now)
-            .map(|e| e.clone())
-    }
-
-    /// Several quotas of one key, all-or-nothing at one instant, as
-    /// `lua/check_all.lua`: each is decided without writing, then counted
-    /// only if every one admits.
-    pub(crate) fn acquire_all(
-        &self,
-        keys: &[String],
-        ps: &[Params],
-        cost: u64,
-    ) -> Result<Vec<AcquireReply>, Error> {
-        let _several = self
-            .shared
-            .several
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let now = self.now();
-        let mut replies = Vec::with_capacity(keys.len());
-        for (key, p) in keys.iter().zip(ps) {
-            let check = p.algorithm.spec().check;
-            replies.push(check(&mut self.peek_entry(key, now), p, now, cost, key)?);
-        }
-        let admitted = replies.iter().all(|r| r.allowed);
-        for (i, (key, p)) in keys.iter().zip(ps).enumerate() {
-            let check = p.algorithm.spec().check;
-            if admitted {
-                replies[i] = self.with_entry(key, now, |entry| check(entry, p, now, cost, key))?;
-            } else if replies[i].allowed {
-                // Nothing is taken: a quota with room reports it untouched,
-                // as a peek would.
-                replies[i] = check(&mut self.peek_entry(key, now), p, now, 0, key)?;
-            }
-        }
-        Ok(replies)
-    }
-
-    pub(crate) fn lease(&self, p: &Params, call: &LeaseCall) -> Result<LeaseReply, Error> {
-        let now = self.now();
-        let op = call
-            .op
-            .filter(|_| call.debt > 0)
-            .map(|op| op.key_for(&call.key));
-        self.once(op, now, |seen| {
-            let mut call = call.clone();
-            if seen.is_some() {
-                call.debt = 0;
-            }
-            let lease = p.algorithm.spec().lease_mirror;
-            let mut reply = self.with_entry(&call.key, now, |entry| lease(entry, p, now, &call))?;
-            if let Some(uncovered) = seen {
-                reply.uncovered = uncovered;
-            }
-            Ok((reply, (call.debt > 0).then_some(reply.uncovered)))
+    /// Runs one call's mirror, its keys locked.
+    pub(crate) fn run_call(&self, call: &dyn Call) -> Result<Vec<i64>, Error> {
+        let now_us = self.now();
+        let mut map = self.shard(shard_of(call.key()));
+        call.mirror(&mut Memory {
+            map: &mut map,
+            now_us,
         })
     }
 
-    pub(crate) fn give_back(&self, p: &Params, call: &GiveBackCall) -> Result<u64, Error> {
-        let now = self.now();
-        let remember = call.remember_us.max(OP_TTL_US);
-        let repeat = if call.refund {
-            crate::algorithm::REPEAT
-        } else {
-            0
+    /// Runs `script` now, in this thread: what [`Store::run`](super::Store::run)
+    /// does with a memory store, without a future.
+    ///
+    /// # Errors
+    /// As the script's mirror and parser raise them.
+    pub fn run_now<S: Script>(&self, script: &S) -> Result<S::Reply, Error> {
+        script.parse(self.run_call(script)?)
+    }
+
+    /// Reads the live value of `key` without a script (a test looks at
+    /// what a script left, as it would `HGETALL` a Redis key).
+    pub fn inspect<T: Any + Send, R>(&self, key: &str, read: impl FnOnce(Option<&T>) -> R) -> R {
+        let now_us = micros(&*self.shared.clock);
+        let mut map = self.shard(shard_of(key));
+        let mut memory = Memory {
+            map: &mut map,
+            now_us,
         };
-        self.once_for(
-            Some(call.op.key_for(&call.key)),
-            now,
-            remember,
-            |seen| match seen {
-                Some(back) => Ok((back + repeat, None)),
-                None => {
-                    let give_back = p.algorithm.spec().give_back;
-                    let back = self.with_entry(&call.key, now, |entry| {
-                        // A key that does not exist gets nothing back,
-                        // whatever its layout (`give_back.lua`'s EXISTS).
-                        if entry.is_none() {
-                            return Ok(0);
-                        }
-                        give_back(entry, p, now, call)
-                    })?;
-                    Ok((back, Some(back)))
-                }
-            },
-        )
+        read(memory.get::<T>(key).map(|v| &*v))
     }
 
-    /// Runs a report under its identity, as the scripts do with their
-    /// identity key: `f` learns the first answer if this is a second
-    /// delivery, and returns what to remember (if anything).
-    fn once<R>(
-        &self,
-        op: Option<String>,
-        now: u64,
-        f: impl FnOnce(Option<u64>) -> Result<(R, Option<u64>), Error>,
-    ) -> Result<R, Error> {
-        self.once_for(op, now, OP_TTL_US, f)
-    }
-
-    /// [`once`](Self::once), remembering the identity for `keep_us` µs.
-    fn once_for<R>(
-        &self,
-        op: Option<String>,
-        now: u64,
-        keep_us: u64,
-        f: impl FnOnce(Option<u64>) -> Result<(R, Option<u64>), Error>,
-    ) -> Result<R, Error> {
-        let Some(op) = op else {
-            return f(None).map(|(r, _)| r);
-        };
-        let mut ops = self
-            .shared
-            .ops_seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        // Swept each time it reaches a new power of two: amortised O(1).
-        if ops.len() >= SWEEP_EVERY as usize && ops.len().is_power_of_two() {
-            ops.retain(|_, (_, expires)| *expires > now);
-        }
-        let seen = ops.get(&op).filter(|(_, e)| *e > now).map(|(v, _)| *v);
-        let (reply, remember) = f(seen)?;
-        if let Some(value) = remember {
-            ops.insert(op, (value, now + keep_us));
-        }
-        Ok(reply)
-    }
-
-    /// The longest time to live of any entry, including report identities;
-    /// `None` if some entry would never expire (the simulation checks this
-    /// the way tests check Redis keys for a TTL).
-    #[cfg(feature = "test-support")]
+    /// The longest time to live of any value; `None` if some value would
+    /// never expire (a simulation checks this the way tests check Redis
+    /// keys for a TTL).
     pub fn longest_ttl(&self) -> Option<std::time::Duration> {
-        self.longest_ttl_us().map(std::time::Duration::from_micros)
+        let now = micros(&*self.shared.clock);
+        let mut longest = 0u64;
+        for i in 0..SHARDS {
+            for held in self.shard(i).values() {
+                if held.expires_us == u64::MAX {
+                    return None;
+                }
+                longest = longest.max(held.expires_us.saturating_sub(now));
+            }
+        }
+        Some(std::time::Duration::from_micros(longest))
     }
 
+    /// Forgets everything, like a Redis server restarted without
+    /// persistence.
+    pub fn flush(&self) {
+        for i in 0..SHARDS {
+            self.shard(i).clear();
+        }
+    }
+}
+
+impl Backend for MemoryStore {
+    fn run<'a>(
+        &'a self,
+        calls: &'a [&'a dyn Call],
+        _ahead: usize,
+    ) -> Pin<Box<dyn Future<Output = Ran> + Send + 'a>> {
+        let replies = calls.iter().map(|call| self.run_call(*call)).collect();
+        Box::pin(std::future::ready(Ran {
+            replies: Ok(replies),
+            cost: StoreCost::one_trip(calls.len()),
+        }))
+    }
+}
+
+/// What tests read of the algorithms' values, as they would `HGET` a
+/// Redis key.
+#[cfg(any(test, feature = "test-support"))]
+impl MemoryStore {
     /// Permits counted in window `window` for `key` under `namespace` by
-    /// a window algorithm, as a test would `HGET` the Redis key.
-    #[cfg(feature = "test-support")]
+    /// a window algorithm.
     pub fn window_count(
         &self,
         namespace: &str,
@@ -357,7 +308,6 @@ impl MemoryStore {
 
     /// [`window_count`](MemoryStore::window_count) for a limiter's quota
     /// at `index` (0: the first; see `Builder::and`).
-    #[cfg(feature = "test-support")]
     pub fn quota_window_count(
         &self,
         namespace: &str,
@@ -372,57 +322,25 @@ impl MemoryStore {
         self.count_in_window(&store_key, window)
     }
 
-    #[cfg(feature = "test-support")]
-    fn longest_ttl_us(&self) -> Option<u64> {
-        let now = micros(&*self.shared.clock);
-        let mut longest = 0u64;
-        for e in self.shared.entries.iter() {
-            if e.expires_us == u64::MAX {
-                return None;
-            }
-            longest = longest.max(e.expires_us.saturating_sub(now));
-        }
-        let ops = self
-            .shared
-            .ops_seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        for (_, expires) in ops.values() {
-            longest = longest.max(expires.saturating_sub(now));
-        }
-        Some(longest)
-    }
-
-    /// Forgets everything, like a Redis server restarted without
-    /// persistence.
-    #[cfg(feature = "test-support")]
-    pub(crate) fn clear(&self) {
-        self.shared.entries.clear();
-        self.shared
-            .ops_seen
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clear();
-    }
-
     /// Permits counted in a fixed window for a store key, if the key lives.
-    #[cfg(any(test, feature = "test-support"))]
     pub(crate) fn count_in_window(&self, key: &str, window: i64) -> Option<i64> {
-        let now = micros(&*self.shared.clock);
-        let entry = self.shared.entries.get(key)?;
-        if entry.expires_us <= now {
-            return None;
-        }
-        match &entry.state {
-            State::Window(w) => w.iter().find(|(i, _)| *i == window).map(|(_, c)| *c),
-            _ => None,
-        }
+        let now_us = micros(&*self.shared.clock);
+        let mut map = self.shard(shard_of(key));
+        crate::algorithm::count_in_window(
+            &mut Memory {
+                map: &mut map,
+                now_us,
+            },
+            key,
+            window,
+        )
     }
 }
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::Algorithm;
+    use crate::algorithm::{Algorithm, Check, Lease, LeaseCall, Params};
     use crate::clock::FakeClock;
     use crate::nonzero;
     use crate::quota::Quota;
@@ -438,28 +356,79 @@ mod tests {
         let (s, clock) = store();
         let p = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::FixedWindow);
         for i in 0..3 {
-            let r = s.acquire("k", &p, 1).unwrap();
+            let r = s
+                .run_now(&Check {
+                    key: "k",
+                    params: &p,
+                    cost: 1,
+                })
+                .unwrap();
             assert!(r.allowed);
             assert_eq!(r.remaining, 2 - i);
         }
-        let r = s.acquire("k", &p, 1).unwrap();
+        let r = s
+            .run_now(&Check {
+                key: "k",
+                params: &p,
+                cost: 1,
+            })
+            .unwrap();
         assert!(!r.allowed);
         assert_eq!(r.retry_after_us, Some(1_000_000));
         clock.advance(Duration::from_secs(1));
-        assert!(s.acquire("k", &p, 1).unwrap().allowed);
-        assert_eq!(s.acquire("k", &p, 4).unwrap().retry_after_us, None);
+        assert!(
+            s.run_now(&Check {
+                key: "k",
+                params: &p,
+                cost: 1
+            })
+            .unwrap()
+            .allowed
+        );
+        assert_eq!(
+            s.run_now(&Check {
+                key: "k",
+                params: &p,
+                cost: 4
+            })
+            .unwrap()
+            .retry_after_us,
+            None
+        );
     }
 
     #[test]
     fn token_bucket_refills_continuously() {
         let (s, clock) = store();
         let p = Params::new(&Quota::per_second(nonzero!(10)), Algorithm::TokenBucket);
-        assert!(s.acquire("k", &p, 10).unwrap().allowed);
-        let r = s.acquire("k", &p, 1).unwrap();
+        assert!(
+            s.run_now(&Check {
+                key: "k",
+                params: &p,
+                cost: 10
+            })
+            .unwrap()
+            .allowed
+        );
+        let r = s
+            .run_now(&Check {
+                key: "k",
+                params: &p,
+                cost: 1,
+            })
+            .unwrap();
         assert!(!r.allowed);
         assert_eq!(r.retry_after_us, Some(100_000));
         clock.advance(Duration::from_millis(100));
-        assert!(s.acquire("k", &p, 1).unwrap().allowed);
+        assert!(
+            s.run_now(&Check {
+                key: "k",
+                params: &p,
+                cost: 1
+            })
+            .unwrap()
+            .allowed
+        );
     }
 
     #[test]
@@ -470,14 +439,44 @@ mod tests {
             Algorithm::Gcra,
         );
         for _ in 0..5 {
-            assert!(s.acquire("k", &p, 1).unwrap().allowed);
+            assert!(
+                s.run_now(&Check {
+                    key: "k",
+                    params: &p,
+                    cost: 1
+                })
+                .unwrap()
+                .allowed
+            );
         }
-        let r = s.acquire("k", &p, 1).unwrap();
+        let r = s
+            .run_now(&Check {
+                key: "k",
+                params: &p,
+                cost: 1,
+            })
+            .unwrap();
         assert!(!r.allowed);
         assert_eq!(r.retry_after_us, Some(100_000));
         clock.advance(Duration::from_millis(100));
-        assert!(s.acquire("k", &p, 1).unwrap().allowed);
-        assert!(!s.acquire("k", &p, 1).unwrap().allowed);
+        assert!(
+            s.run_now(&Check {
+                key: "k",
+                params: &p,
+                cost: 1
+            })
+            .unwrap()
+            .allowed
+        );
+        assert!(
+            !s.run_now(&Check {
+                key: "k",
+                params: &p,
+                cost: 1
+            })
+            .unwrap()
+            .allowed
+        );
     }
 
     #[test]
@@ -485,11 +484,21 @@ mod tests {
         let (s, clock) = store();
         let p = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::FixedWindow);
         for i in 0..100 {
-            s.acquire(&format!("k{i}"), &p, 1).unwrap();
+            s.run_now(&Check {
+                key: &format!("k{i}"),
+                params: &p,
+                cost: 1,
+            })
+            .unwrap();
         }
         clock.advance(Duration::from_secs(5));
         for _ in 0..SWEEP_EVERY {
-            s.acquire("other", &p, 0).unwrap();
+            s.run_now(&Check {
+                key: "other",
+                params: &p,
+                cost: 0,
+            })
+            .unwrap();
         }
         assert!(s.len() <= 1, "{}", s.len());
     }
@@ -499,8 +508,20 @@ mod tests {
         let (s, _) = store();
         let fw = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::FixedWindow);
         let tb = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::TokenBucket);
-        s.acquire("k", &fw, 1).unwrap();
-        assert!(s.acquire("k", &tb, 1).unwrap_err().is_wrong_type());
+        s.run_now(&Check {
+            key: "k",
+            params: &fw,
+            cost: 1,
+        })
+        .unwrap();
+        assert!(s
+            .run_now(&Check {
+                key: "k",
+                params: &tb,
+                cost: 1
+            })
+            .unwrap_err()
+            .is_wrong_type());
     }
 
     #[test]
@@ -513,14 +534,29 @@ mod tests {
             debt_window: 0,
             ..LeaseCall::nothing("k".into())
         };
-        let r = s.lease(&p, &call).unwrap();
+        let r = s
+            .run_now(&Lease {
+                params: &p,
+                call: &call,
+            })
+            .unwrap();
         assert_eq!((r.granted, r.remaining), (50, 50));
-        let r = s.lease(&p, &call).unwrap();
+        let r = s
+            .run_now(&Lease {
+                params: &p,
+                call: &call,
+            })
+            .unwrap();
         assert_eq!((r.granted, r.remaining), (25, 25));
         call.want = 0;
         call.debt = 40;
         call.debt_window = r.window;
-        let r = s.lease(&p, &call).unwrap();
+        let r = s
+            .run_now(&Lease {
+                params: &p,
+                call: &call,
+            })
+            .unwrap();
         assert_eq!((r.granted, r.uncovered, r.remaining), (0, 15, 0));
     }
 
@@ -539,7 +575,15 @@ mod tests {
         let into = p_us - now(&clock) % p_us + 1_000;
         clock.advance(Duration::from_micros(into));
         let w = (now(&clock) / p_us) as i64;
-        assert!(s.acquire("k", &p, 3).unwrap().allowed);
+        assert!(
+            s.run_now(&Check {
+                key: "k",
+                params: &p,
+                cost: 3
+            })
+            .unwrap()
+            .allowed
+        );
         // W+1: full from W's weight alone; the ask gets nothing.
         clock.advance(period);
         let ask = LeaseCall {
@@ -549,14 +593,26 @@ mod tests {
             lease_id: 1,
             ..LeaseCall::nothing("k".into())
         };
-        assert_eq!(s.lease(&p, &ask).unwrap().granted, 0);
+        assert_eq!(
+            s.run_now(&Lease {
+                params: &p,
+                call: &ask
+            })
+            .unwrap()
+            .granted,
+            0
+        );
         // Late debt into W, whose count exists.
         let ops = crate::algorithm::OpIds::default();
         let report = LeaseCall {
             debt_window: w,
             ..LeaseCall::report("k".into(), 1, ops.next())
         };
-        s.lease(&p, &report).unwrap();
+        s.run_now(&Lease {
+            params: &p,
+            call: &report,
+        })
+        .unwrap();
         assert_eq!(s.count_in_window("k", w), Some(4));
         // (W+2)·P: gone, as in Redis.
         clock.advance(Duration::from_micros(p_us - 1_000));

@@ -1,277 +1,318 @@
 //! Stores: where budgets live and are counted atomically.
 //!
-//! [`RedisStore`] runs the Lua scripts in `lua/`; [`MemoryStore`] implements
-//! the same semantics in process (one process only, chosen explicitly).
-//! This module owns the dispatch between them (where every call is
-//! counted once); the request and reply shapes are `algorithm::calls`.
-//! It decides nothing about policies, leases or failures.
+//! A store runs scripts (see [`Script`]): [`RedisStore`] runs their Lua
+//! (`EVALSHA`, pipelined, routed by key on a cluster), [`MemoryStore`]
+//! runs their Rust mirror in process. The library's algorithms, the
+//! concurrency limiter's slots and any other package's scripts all pass
+//! through the one [`Backend`] trait, which a user can implement for a
+//! store of their own. [`Store`] is the handle a limiter holds: any
+//! backend, behind an `Arc`, with every call counted once.
+//!
+//! A store decides nothing about policies, leases or failures; layers
+//! (breakers, fault injection) wrap a backend, a backend does not know
+//! them.
 
 #[cfg(feature = "test-support")]
 pub(crate) mod faults;
 pub(crate) mod memory;
 #[cfg(test)]
-mod parity;
+pub(crate) mod parity;
 pub(crate) mod redis;
+mod script;
 pub(crate) mod topology;
 
 #[cfg(feature = "test-support")]
 pub use self::faults::{FaultCounts, Faults, FaultyStore};
-pub use self::memory::MemoryStore;
+pub use self::memory::{Memory, MemoryStore};
 #[cfg(feature = "sentinel")]
 pub use self::redis::Sentinel;
 #[cfg(feature = "tls")]
 pub use self::redis::TlsOptions;
 pub use self::redis::{RedisOptions, RedisStore};
+pub use self::script::{bad_reply, Arg, Call, Lua, Script};
 
-use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
+use std::any::Any;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::breaker::CircuitState;
 use crate::error::Error;
-use crate::stats::{Counters, StoreCost};
+use crate::stats::Counters;
 
-/// A store a limiter can count in: a [`RedisStore`] or a [`MemoryStore`].
-///
-/// Built with `From`, so [`Builder::store`](crate::Builder::store) takes
-/// either directly.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub enum Store {
-    /// A Redis server (single node or cluster).
-    Redis(RedisStore),
-    /// The in-process store.
-    Memory(MemoryStore),
-    /// A store that misbehaves on purpose, for simulations.
-    #[cfg(feature = "test-support")]
-    Faulty(Box<FaultyStore>),
+/// What a batch cost the store: round trips (pipelines and script loads
+/// sent; on a cluster a batch is one pipeline per hash slot) and script
+/// calls (each call of the batch once, however often it was resent). A
+/// call the circuit breaker refused costs nothing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreCost {
+    /// Round trips to the store.
+    pub round_trips: u64,
+    /// Script calls the store received.
+    pub calls: u64,
 }
 
-#[cfg(feature = "test-support")]
-impl From<FaultyStore> for Store {
-    fn from(store: FaultyStore) -> Self {
-        Store::Faulty(Box::new(store))
+impl StoreCost {
+    /// One round trip carrying `calls` script calls.
+    pub fn one_trip(calls: usize) -> Self {
+        StoreCost {
+            round_trips: 1,
+            calls: calls as u64,
+        }
+    }
+
+    /// `calls` script calls sent in `round_trips` round trips (a resend
+    /// after `NOSCRIPT` is one more); none if nothing was sent (the
+    /// breaker refused them).
+    pub fn sent(round_trips: u64, calls: u64) -> Self {
+        StoreCost {
+            round_trips,
+            calls: if round_trips > 0 { calls } else { 0 },
+        }
+    }
+}
+
+/// What a [`Backend`] answers for a batch: the integers each call
+/// replied (or its error), or one error for the whole batch, and what the
+/// batch cost.
+#[derive(Debug)]
+pub struct Ran {
+    /// One reply per call, in call order; `Err` when the batch failed
+    /// whole (nothing is known of any call).
+    pub replies: Result<Vec<Result<Vec<i64>, Error>>, Error>,
+    /// What it cost.
+    pub cost: StoreCost,
+}
+
+/// A store: something that runs scripts atomically.
+///
+/// Implement it for a store of your own (another client, a test double, a
+/// layer around another store); [`Store::new`] wraps it for a limiter.
+///
+/// # Contract
+/// - Each call runs atomically, alone, on its keys (all in one hash slot).
+/// - A call whose reply is lost may have been applied; a call may be
+///   applied twice (scripts are written to tolerate both).
+/// - Nothing waits past the store's own timeout.
+pub trait Backend: Any + fmt::Debug + Send + Sync {
+    /// Runs `calls` in as few round trips as the store allows, replies in
+    /// call order. `ahead`: calls the caller already has in flight on
+    /// this store (concurrent batches of one round), which a batch's
+    /// timeout may allow for.
+    fn run<'a>(
+        &'a self,
+        calls: &'a [&'a dyn Call],
+        ahead: usize,
+    ) -> Pin<Box<dyn Future<Output = Ran> + Send + 'a>>;
+
+    /// While the store refuses calls on `key` (a circuit open), when it
+    /// will next try.
+    fn retry_hint(&self, key: Option<&str>) -> Option<Duration> {
+        let _ = key;
+        None
+    }
+
+    /// Whether calls on different keys may meet different breakers (a
+    /// cluster).
+    fn is_sharded(&self) -> bool {
+        false
+    }
+
+    /// The circuit breaker's state, if the store has one.
+    fn circuit_state(&self) -> CircuitState {
+        CircuitState::Closed
+    }
+
+    /// Times the store's circuit breakers have opened.
+    fn circuit_trips(&self) -> u64 {
+        0
+    }
+}
+
+/// The store a limiter counts in: a [`RedisStore`], a [`MemoryStore`] or
+/// any [`Backend`]. Cheap to clone; clones share the backend.
+///
+/// Built with `From`, so [`Builder::store`](crate::Builder::store) takes
+/// either store directly.
+#[derive(Clone)]
+pub struct Store {
+    backend: Arc<dyn Backend>,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.backend.fmt(f)
     }
 }
 
 impl From<RedisStore> for Store {
     fn from(store: RedisStore) -> Self {
-        Store::Redis(store)
+        Store::new(store)
     }
 }
 
 impl From<MemoryStore> for Store {
     fn from(store: MemoryStore) -> Self {
-        Store::Memory(store)
+        Store::new(store)
     }
 }
 
 impl Store {
-    /// While the store refuses calls (circuit open), when it will next try.
-    pub(crate) fn retry_hint(&self) -> Option<std::time::Duration> {
-        match self {
-            Store::Redis(s) => s.retry_hint(),
-            Store::Memory(_) => None,
-            #[cfg(feature = "test-support")]
-            Store::Faulty(s) => s.retry_hint(),
+    /// A store that runs scripts on `backend`.
+    pub fn new(backend: impl Backend) -> Self {
+        Store {
+            backend: Arc::new(backend),
         }
+    }
+
+    /// The backend, if it is a `B`.
+    pub fn downcast_ref<B: Backend>(&self) -> Option<&B> {
+        let any: &dyn Any = &*self.backend;
+        any.downcast_ref::<B>()
+    }
+
+    /// Runs one script.
+    ///
+    /// # Errors
+    /// The store's (see [`Error`]), or the script's parser's.
+    pub async fn run<S: Script>(&self, script: &S) -> Result<S::Reply, Error> {
+        self.run_one(script).await.0
+    }
+
+    /// Runs scripts in as few round trips as the store allows; one reply
+    /// per script, in order.
+    ///
+    /// # Errors
+    /// One error when the batch failed whole.
+    pub async fn run_all<S: Script>(
+        &self,
+        scripts: &[S],
+    ) -> Result<Vec<Result<S::Reply, Error>>, Error> {
+        self.run_batch(scripts, 0).await.0
+    }
+
+    /// One script, and what it cost.
+    pub(crate) async fn run_one<S: Script>(
+        &self,
+        script: &S,
+    ) -> (Result<S::Reply, Error>, StoreCost) {
+        let calls: [&dyn Call; 1] = [script];
+        let ran = self.backend.run(&calls, 0).await;
+        let reply = ran
+            .replies
+            .and_then(|mut replies| match (replies.pop(), replies.is_empty()) {
+                (Some(reply), true) => reply,
+                _ => Err(bad_reply(script.lua(), &[])),
+            });
+        (reply.and_then(|values| script.parse(values)), ran.cost)
+    }
+
+    /// Scripts in one batch, and what it cost.
+    pub(crate) async fn run_batch<S: Script>(
+        &self,
+        scripts: &[S],
+        ahead: usize,
+    ) -> (Result<Vec<Result<S::Reply, Error>>, Error>, StoreCost) {
+        let calls: Vec<&dyn Call> = scripts.iter().map(|s| s as &dyn Call).collect();
+        let ran = self.backend.run(&calls, ahead).await;
+        let replies = ran.replies.and_then(|replies| {
+            if replies.len() != scripts.len() {
+                return Err(Error::new(
+                    crate::error::ErrorKind::Store,
+                    format!(
+                        "a batch of {} calls got {} replies",
+                        scripts.len(),
+                        replies.len()
+                    ),
+                ));
+            }
+            Ok(replies
+                .into_iter()
+                .zip(scripts)
+                .map(|(reply, script)| reply.and_then(|values| script.parse(values)))
+                .collect())
+        });
+        (replies, ran.cost)
+    }
+
+    /// [`run_one`](Self::run_one), recorded on `counters`.
+    pub(crate) async fn run_counted<S: Script>(
+        &self,
+        script: &S,
+        counters: &Counters,
+    ) -> (Result<S::Reply, Error>, StoreCost) {
+        let began = std::time::Instant::now();
+        let (reply, spent) = self.run_one(script).await;
+        counters.store_call(spent, began.elapsed(), reply.as_ref().err().into_iter());
+        (reply, spent)
+    }
+
+    /// [`run_batch`](Self::run_batch), recorded on `counters`.
+    pub(crate) async fn run_batch_counted<S: Script>(
+        &self,
+        scripts: &[S],
+        ahead: usize,
+        counters: &Counters,
+    ) -> (Result<Vec<Result<S::Reply, Error>>, Error>, StoreCost) {
+        let began = std::time::Instant::now();
+        let (replies, spent) = self.run_batch(scripts, ahead).await;
+        counters.store_call(spent, began.elapsed(), errors(&replies));
+        (replies, spent)
+    }
+
+    /// While the store refuses calls (circuit open), when it will next try.
+    pub(crate) fn retry_hint(&self) -> Option<Duration> {
+        self.backend.retry_hint(None)
     }
 
     /// As [`retry_hint`](Self::retry_hint), for calls on `store_key` (on a
     /// cluster, its primary's breaker).
-    pub(crate) fn retry_hint_for(&self, store_key: &str) -> Option<std::time::Duration> {
-        match self {
-            Store::Redis(s) => s.retry_hint_for(store_key),
-            _ => self.retry_hint(),
-        }
+    pub(crate) fn retry_hint_for(&self, store_key: &str) -> Option<Duration> {
+        self.backend.retry_hint(Some(store_key))
     }
 
     /// Whether calls on different keys may meet different breakers.
     pub(crate) fn is_sharded(&self) -> bool {
-        match self {
-            Store::Redis(s) => s.is_cluster(),
-            #[cfg(feature = "test-support")]
-            Store::Faulty(s) => s.inner().is_sharded(),
-            Store::Memory(_) => false,
-        }
+        self.backend.is_sharded()
     }
 
     /// The circuit breaker's state (an embedded store never trips).
-    pub(crate) fn circuit_state(&self) -> crate::breaker::CircuitState {
-        match self {
-            Store::Redis(s) => s.circuit_state(),
-            Store::Memory(_) => crate::breaker::CircuitState::Closed,
-            #[cfg(feature = "test-support")]
-            Store::Faulty(s) => s.circuit_state(),
-        }
+    pub fn circuit_state(&self) -> CircuitState {
+        self.backend.circuit_state()
     }
 
-    /// Times the store's circuit breakers have opened (see
-    /// [`RedisStore::circuit_trips`]).
-    pub(crate) fn circuit_trips(&self) -> u64 {
-        match self {
-            Store::Redis(s) => s.circuit_trips(),
-            Store::Memory(_) => 0,
-            #[cfg(feature = "test-support")]
-            Store::Faulty(s) => s.circuit_trips(),
-        }
-    }
-
-    /// Checks and counts one request; returns what that cost. Not counted
-    /// on any limiter (see [`acquire`](Self::acquire)).
-    pub(crate) async fn send_acquire(
-        &self,
-        key: &str,
-        params: &Params,
-        cost: u64,
-    ) -> (Result<AcquireReply, Error>, StoreCost) {
-        match self {
-            Store::Redis(s) => s.acquire(key, params, cost).await,
-            Store::Memory(s) => (s.acquire(key, params, cost), StoreCost::one_trip(1)),
-            #[cfg(feature = "test-support")]
-            Store::Faulty(s) => Box::pin(s.acquire(key, params, cost)).await,
-        }
-    }
-
-    /// Runs many leases in as few round trips as the store allows; one
-    /// result per call, in order, and what the batch cost.
-    ///
-    /// `ahead`: calls already in flight before these (concurrent batches
-    /// of one round), which a batch's timeout allows for.
-    pub(crate) async fn send_acquire_all(
-        &self,
-        keys: &[String],
-        params: &[Params],
-        cost: u64,
-    ) -> (Result<Vec<AcquireReply>, Error>, StoreCost) {
-        match self {
-            Store::Redis(s) => s.acquire_all(keys, params, cost).await,
-            Store::Memory(s) => (s.acquire_all(keys, params, cost), StoreCost::one_trip(1)),
-            #[cfg(feature = "test-support")]
-            Store::Faulty(s) => Box::pin(s.acquire_all(keys, params, cost)).await,
-        }
-    }
-
-    pub(crate) async fn send_lease_batch(
-        &self,
-        params: &Params,
-        calls: &[LeaseCall],
-        ahead: usize,
-    ) -> (Result<Vec<Result<LeaseReply, Error>>, Error>, StoreCost) {
-        match self {
-            Store::Redis(s) => s.lease_batch(params, calls, ahead).await,
-            Store::Memory(s) => {
-                let replies = calls.iter().map(|c| s.lease(params, c)).collect();
-                (Ok(replies), StoreCost::one_trip(calls.len()))
-            }
-            #[cfg(feature = "test-support")]
-            Store::Faulty(s) => Box::pin(s.lease_batch(params, calls, ahead)).await,
-        }
-    }
-
-    /// Gives permits back; returns how many the store took back, and what
-    /// the batch cost.
-    pub(crate) async fn send_give_back_batch(
-        &self,
-        params: &Params,
-        calls: &[GiveBackCall],
-    ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
-        match self {
-            Store::Redis(s) => s.give_back_batch(params, calls).await,
-            Store::Memory(s) => {
-                let replies = calls.iter().map(|c| s.give_back(params, c)).collect();
-                (Ok(replies), StoreCost::one_trip(calls.len()))
-            }
-            #[cfg(feature = "test-support")]
-            Store::Faulty(s) => Box::pin(s.give_back_batch(params, calls)).await,
-        }
-    }
-
-    /// Checks and counts one request, recorded on `counters`.
-    pub(crate) async fn acquire(
-        &self,
-        key: &str,
-        params: &Params,
-        cost: u64,
-        counters: &Counters,
-    ) -> (Result<AcquireReply, Error>, StoreCost) {
-        let began = std::time::Instant::now();
-        let (reply, spent) = self.send_acquire(key, params, cost).await;
-        counters.store_call(spent, began.elapsed(), reply.as_ref().err().into_iter());
-        (reply, spent)
-    }
-
-    /// Runs many leases (see [`send_lease_batch`](Self::send_lease_batch)),
-    /// recorded on `counters`.
-    /// Several quotas of one key, all-or-nothing, in one call.
-    pub(crate) async fn acquire_all(
-        &self,
-        keys: &[String],
-        params: &[Params],
-        cost: u64,
-        counters: &Counters,
-    ) -> (Result<Vec<AcquireReply>, Error>, StoreCost) {
-        let began = std::time::Instant::now();
-        let (reply, spent) = self.send_acquire_all(keys, params, cost).await;
-        counters.store_call(spent, began.elapsed(), reply.as_ref().err().into_iter());
-        (reply, spent)
-    }
-
-    pub(crate) async fn lease_batch(
-        &self,
-        params: &Params,
-        calls: &[LeaseCall],
-        ahead: usize,
-        counters: &Counters,
-    ) -> (Result<Vec<Result<LeaseReply, Error>>, Error>, StoreCost) {
-        let began = std::time::Instant::now();
-        let (replies, spent) = self.send_lease_batch(params, calls, ahead).await;
-        counters.store_call(spent, began.elapsed(), errors(&replies));
-        (replies, spent)
-    }
-
-    /// Gives permits back (see
-    /// [`send_give_back_batch`](Self::send_give_back_batch)), recorded on
-    /// `counters`.
-    pub(crate) async fn give_back_batch(
-        &self,
-        params: &Params,
-        calls: &[GiveBackCall],
-        counters: &Counters,
-    ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
-        let began = std::time::Instant::now();
-        let (replies, spent) = self.send_give_back_batch(params, calls).await;
-        counters.store_call(spent, began.elapsed(), errors(&replies));
-        (replies, spent)
+    /// Times the store's circuit breakers have opened.
+    pub fn circuit_trips(&self) -> u64 {
+        self.backend.circuit_trips()
     }
 }
 
-impl Store {
-    /// Sets leases on a key's in-flight slots (see `slots.rs`).
-    pub(crate) async fn slots(
-        &self,
-        key: &str,
-        call: &crate::slots::SlotsCall,
-    ) -> Result<(Vec<crate::slots::SlotsReply>, u64), Error> {
-        match self {
-            Store::Redis(s) => s.slots(key, call).await,
-            Store::Memory(s) => Ok(s.slots(key, call)),
-            #[cfg(feature = "test-support")]
-            Store::Faulty(s) => Box::pin(s.slots(key, call)).await,
-        }
+/// A [`Store`] is a backend too, so a layer can wrap any store.
+impl Backend for Store {
+    fn run<'a>(
+        &'a self,
+        calls: &'a [&'a dyn Call],
+        ahead: usize,
+    ) -> Pin<Box<dyn Future<Output = Ran> + Send + 'a>> {
+        self.backend.run(calls, ahead)
     }
-}
 
-#[cfg(feature = "server")]
-impl Store {
-    /// A holder's share of a rate (see `share.rs`), under `key`.
-    pub(crate) async fn share(
-        &self,
-        key: &str,
-        call: &crate::share::ShareCall,
-    ) -> Result<crate::share::ShareReply, Error> {
-        match self {
-            Store::Redis(s) => s.share(key, call).await,
-            Store::Memory(s) => Ok(s.share(key, call)),
-            #[cfg(feature = "test-support")]
-            Store::Faulty(s) => Box::pin(s.inner().share(key, call)).await,
-        }
+    fn retry_hint(&self, key: Option<&str>) -> Option<Duration> {
+        self.backend.retry_hint(key)
+    }
+
+    fn is_sharded(&self) -> bool {
+        self.backend.is_sharded()
+    }
+
+    fn circuit_state(&self) -> CircuitState {
+        self.backend.circuit_state()
+    }
+
+    fn circuit_trips(&self) -> u64 {
+        self.backend.circuit_trips()
     }
 }
 

@@ -1,6 +1,7 @@
-//! The lease script on a private `redis-server` and the embedded store's
-//! mirror of it answer the same calls alike: grants, what remains and the
-//! window leased.
+//! A script's Lua on a private `redis-server` and its mirror on the
+//! embedded store answer the same calls alike. Here the lease script
+//! (grants, what remains and the window leased), and the harness each
+//! script's own parity test uses beside it.
 
 use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
@@ -9,17 +10,17 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::{MemoryStore, RedisStore, Store};
 use crate::algorithm::Algorithm;
-use crate::algorithm::LeaseCall;
+use crate::algorithm::{Lease, LeaseCall};
 use crate::algorithm::{LeaseReply, Params};
 use crate::clock::FakeClock;
 use crate::quota::Quota;
 use crate::stats::Counters;
 
 /// A `redis-server` of this test's own, on a free port; killed on drop.
-struct Server(Child, u16);
+pub(crate) struct Server(Child, u16);
 
 impl Server {
-    fn start() -> Server {
+    pub(crate) fn start() -> Server {
         let port = TcpListener::bind("127.0.0.1:0")
             .and_then(|l| l.local_addr())
             .expect("a free port")
@@ -122,8 +123,12 @@ async fn the_lease_script_and_the_embedded_store_agree_on_shares() {
     for (n, c) in calls.iter().enumerate() {
         let mut replies = Vec::new();
         for store in [&redis, &memory] {
+            let lease = Lease {
+                params: &params,
+                call: c,
+            };
             let (result, _) = store
-                .lease_batch(&params, std::slice::from_ref(c), 1, &counters)
+                .run_batch_counted(std::slice::from_ref(&lease), 1, &counters)
                 .await;
             let reply = result.expect("answered").remove(0).expect("leased");
             let w = *first_window.get_or_insert(reply.window);
@@ -136,78 +141,28 @@ async fn the_lease_script_and_the_embedded_store_agree_on_shares() {
     }
 }
 
-/// `lua/rate_share.lua` and `share::apply` (the embedded store's) grant
-/// the same shares for the same sequence of holders' calls.
-#[cfg(feature = "server")]
-#[tokio::test]
-async fn the_rate_share_script_and_the_embedded_store_agree() {
-    use crate::share::ShareCall;
-    let (_server, redis, memory) = both_stores().await;
-    let call = |holder: &str, demand: u64, in_use: u64, ttl_ms: u64| ShareCall {
-        holder: holder.into(),
-        claims: vec![demand, demand / 3],
-        limit: 100,
-        ttl_ms,
-        tokens_ttl_ms: ttl_ms * 2,
-        claims_ttl_ms: ttl_ms / 2,
-        in_use,
-        tokens: in_use / 4,
-    };
-    let script = [
-        call("a", 90, 0, 5_000),
-        call("b", 90, 0, 5_000),
-        call("c", 30, 0, 5_000),
-        call("a", 90, 90, 5_000),
-        call("a", 90, 35, 5_000),
-        call("b", 90, 10, 5_000),
-        call("c", 30, 30, 5_000),
-        call("b", 0, 0, 0),
-        call("a", 200, 35, 5_000),
-        call("c", 5, 30, 5_000),
-    ];
-    for (i, c) in script.iter().enumerate() {
-        let from_redis = redis.share("rlqs:parity", c).await.expect("redis");
-        let from_memory = memory.share("rlqs:parity", c).await.expect("memory");
-        assert_eq!(from_redis, from_memory, "call {i}: {c:?}");
-    }
-}
-
-/// `lua/slots.lua` and `slots::apply` (the embedded store's) hold and
-/// share the same slots for the same sequence of calls.
-#[tokio::test]
-async fn the_slots_script_and_the_embedded_store_agree() {
-    use crate::slots::SlotsCall;
-    let (_server, redis, memory) = both_stores().await;
-    let call = |leases: &[(&str, u64)]| SlotsCall {
-        max: 20,
-        ttl_ms: 5_000,
-        waiting: leases.len() == 1,
-        leases: leases.iter().map(|(n, w)| ((*n).to_owned(), *w)).collect(),
-    };
-    let script = [
-        call(&[("a", 15)]),
-        call(&[("b", 15)]),
-        call(&[("b", 15)]),
-        call(&[("c:1", 1), ("c:2", 1), ("c:3", 1)]),
-        call(&[("a", 9)]),
-        call(&[("b", 30)]),
-        call(&[("c:2", 0), ("c:2", 0)]),
-        call(&[("a", 0), ("d", 4)]),
-        call(&[("b", 0), ("c:1", 0), ("c:3", 0), ("d", 0)]),
-    ];
-    for (i, c) in script.iter().enumerate() {
-        let from_redis = redis.slots("slots:parity", c).await.expect("redis");
-        let from_memory = memory.slots("slots:parity", c).await.expect("memory");
-        assert_eq!(from_redis, from_memory, "call {i}: {c:?}");
-    }
-}
-
 /// A private Redis (kept alive by the first value) and an embedded store.
-async fn both_stores() -> (Server, Store, Store) {
+pub(crate) async fn both_stores() -> (Server, Store, Store) {
     let server = Server::start();
     let redis: Store = RedisStore::connect(&format!("redis://127.0.0.1:{}", server.1))
         .await
         .expect("connect")
         .into();
     (server, redis, MemoryStore::new().into())
+}
+
+/// Runs each call on both stores; fails at the first whose replies differ.
+pub(crate) async fn assert_agree<S>(redis: &Store, memory: &Store, calls: &[S])
+where
+    S: super::Script + std::fmt::Debug,
+    S::Reply: PartialEq + std::fmt::Debug,
+{
+    for (i, c) in calls.iter().enumerate() {
+        let from_redis = redis.run(c).await.expect("redis");
+        let from_memory = memory.run(c).await.expect("memory");
+        assert_eq!(
+            from_redis, from_memory,
+            "call {i} ({c:?}): Redis (left) and the embedded store disagree"
+        );
+    }
 }

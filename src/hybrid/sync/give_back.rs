@@ -2,6 +2,7 @@
 //! behind the leases somebody waits for (all of them at the last round).
 
 use super::*;
+use crate::algorithm::GiveBack;
 
 /// Sends the queued give-backs. They go last: a waiter's lease matters
 /// more than returning permits nobody is asking for yet.
@@ -23,9 +24,16 @@ pub(super) async fn give_back_some(shared: &Shared, batches: Option<usize>) -> b
         queued.drain(..take).collect::<Vec<_>>()
     };
     for chunk in returns.chunks(batch_size) {
+        let calls: Vec<GiveBack<'_>> = chunk
+            .iter()
+            .map(|call| GiveBack {
+                params: &shared.params,
+                call,
+            })
+            .collect();
         let (result, _) = shared
             .store
-            .give_back_batch(&shared.params, chunk, &shared.counters)
+            .run_batch_counted(&calls, 0, &shared.counters)
             .await;
         match result {
             Ok(results) => {

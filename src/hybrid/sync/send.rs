@@ -3,6 +3,7 @@
 //! replies placed in time.
 
 use super::*;
+use crate::algorithm::Lease;
 
 /// What a round has taken from the queues and not yet settled. If the
 /// round's future is dropped (`shutdown` abandoned by its caller, the
@@ -207,9 +208,16 @@ pub(crate) async fn round(shared: &Shared) -> bool {
         let results = join_all(calls.iter().enumerate().map(|(i, batch)| {
             let ahead: usize = calls[..i].iter().map(Vec::len).sum();
             async move {
+                let leases: Vec<Lease<'_>> = batch
+                    .iter()
+                    .map(|call| Lease {
+                        params: &shared.params,
+                        call,
+                    })
+                    .collect();
                 let (result, cost) = shared
                     .store
-                    .lease_batch(&shared.params, batch, ahead, &shared.counters)
+                    .run_batch_counted(&leases, ahead, &shared.counters)
                     .await;
                 (result, cost, shared.time.precise_us())
             }

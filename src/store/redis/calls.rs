@@ -2,33 +2,7 @@
 //! bounded by a timeout and judged by a breaker, replies parsed.
 
 use super::*;
-
-/// A script and its source, which `SCRIPT LOAD` sends to one node.
-pub(super) struct Lua {
-    script: Script,
-    source: &'static str,
-}
-
-impl Lua {
-    pub(super) fn new(source: &'static str) -> Self {
-        Lua {
-            script: Script::new(source),
-            source,
-        }
-    }
-}
-
-/// Every script of `lua/`, by name, hashed once.
-pub(super) static SCRIPTS: LazyLock<std::collections::HashMap<&'static str, Lua>> =
-    LazyLock::new(|| {
-        algorithm::scripts()
-            .map(|s| (s.name, Lua::new(s.source)))
-            .collect()
-    });
-
-pub(super) fn script(lua: &algorithm::Lua) -> &'static Lua {
-    &SCRIPTS[lua.name]
-}
+use crate::store::{Arg, Call, Lua, Ran};
 
 /// Appends a script's arguments to a command.
 pub(super) fn with_args(cmd: &mut Cmd, args: &[Arg]) {
@@ -115,145 +89,6 @@ impl RedisStore {
         result
     }
 
-    /// One exact check-and-count through the breaker of the key's primary
-    /// (the store's on a single node); returns what it cost.
-    pub(crate) async fn acquire(
-        &self,
-        key: &str,
-        p: &Params,
-        cost: u64,
-    ) -> (Result<AcquireReply, Error>, StoreCost) {
-        let spec = p.algorithm.spec();
-        let lua = script(&spec.exact);
-        let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
-        let mut args = Vec::with_capacity(4);
-        (spec.exact_args)(p, cost, &mut args);
-        with_args(&mut cmd, &args);
-        let node = self.node_for(key);
-        let (reply, round_trips) = self.script_call(lua, node.as_deref(), cmd).await;
-        let reply = reply.and_then(|reply| {
-            let values = reply.extract_error().map_err(Error::from_redis)?;
-            let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
-            AcquireReply::from_values(&values)
-        });
-        (reply, StoreCost::sent(round_trips, 1))
-    }
-
-    /// Sets leases on a key's in-flight slots (`lua/slots.lua`), through
-    /// the breaker of the key's primary.
-    pub(crate) async fn slots(
-        &self,
-        key: &str,
-        call: &crate::slots::SlotsCall,
-    ) -> Result<(Vec<crate::slots::SlotsReply>, u64), Error> {
-        let lua = script(&algorithm::SLOTS);
-        let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
-        cmd.arg(call.max)
-            .arg(call.ttl_ms)
-            .arg(if call.waiting { 1 } else { 0 });
-        for (lease, want) in &call.leases {
-            cmd.arg(lease).arg(*want);
-        }
-        let node = self.node_for(key);
-        let (reply, _) = self.script_call(lua, node.as_deref(), cmd).await;
-        let values = reply?.extract_error().map_err(Error::from_redis)?;
-        let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
-        let Some((expired, pairs)) = values.split_last() else {
-            return Err(parse_error("slots replied nothing"));
-        };
-        if pairs.len() != call.leases.len() * 2 {
-            return Err(parse_error(format!("slots replied {values:?}")));
-        }
-        let replies = pairs
-            .chunks(2)
-            .map(|pair| crate::slots::SlotsReply {
-                held: pair[0].max(0) as u64,
-                fair: pair[1].max(0) as u64,
-            })
-            .collect();
-        Ok((replies, (*expired).max(0) as u64))
-    }
-
-    /// A holder's share of a rate (`lua/rate_share.lua`), through the
-    /// breaker of the key's primary.
-    #[cfg(feature = "server")]
-    pub(crate) async fn share(
-        &self,
-        key: &str,
-        call: &crate::share::ShareCall,
-    ) -> Result<crate::share::ShareReply, Error> {
-        let lua = script(&algorithm::RATE_SHARE);
-        let (_, mut cmd) = Self::evalsha(&lua.script, key, None);
-        cmd.arg(&call.holder)
-            .arg(call.claims_arg())
-            .arg(call.limit)
-            .arg(call.ttl_ms)
-            .arg(call.in_use)
-            .arg(call.tokens_ttl_ms)
-            .arg(call.claims_ttl_ms)
-            .arg(call.tokens);
-        let node = self.node_for(key);
-        let (reply, _) = self.script_call(lua, node.as_deref(), cmd).await;
-        let values = reply?.extract_error().map_err(Error::from_redis)?;
-        let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
-        match values.as_slice() {
-            &[grant, held, others, had] => Ok(crate::share::ShareReply {
-                grant: grant.max(0) as u64,
-                held: held.max(0) as u64,
-                others: others.max(0) as u64,
-                had: had == 1,
-            }),
-            _ => Err(parse_error(format!("rate_share replied {values:?}"))),
-        }
-    }
-
-    /// Several quotas of one key in one script call, all-or-nothing (see
-    /// `lua/check_all.lua`). Every key shares one hash tag, so one slot.
-    pub(crate) async fn acquire_all(
-        &self,
-        keys: &[String],
-        ps: &[Params],
-        cost: u64,
-    ) -> (Result<Vec<AcquireReply>, Error>, StoreCost) {
-        let spec = ps[0].algorithm.spec();
-        let lua = script(&spec.exact_all);
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(lua.script.get_hash()).arg(keys.len());
-        for key in keys {
-            cmd.arg(key);
-        }
-        let mut args = Vec::with_capacity(4 * ps.len());
-        let mut width = 0;
-        for p in ps {
-            let before = args.len();
-            (spec.exact_args)(p, cost, &mut args);
-            width = args.len() - before;
-        }
-        cmd.arg(keys.len()).arg(width);
-        with_args(&mut cmd, &args);
-        let node = self.node_for(&keys[0]);
-        let (reply, round_trips) = self.script_call(lua, node.as_deref(), cmd).await;
-        let reply = reply.and_then(|reply| {
-            let values = reply.extract_error().map_err(Error::from_redis)?;
-            let values = redis::from_redis_value::<Vec<i64>>(values).map_err(parse_error)?;
-            if values.len() != crate::algorithm::CHECK_REPLY_LEN * keys.len() {
-                return Err(Error::new(
-                    ErrorKind::Store,
-                    format!(
-                        "check_all returned {} values for {} quotas",
-                        values.len(),
-                        keys.len()
-                    ),
-                ));
-            }
-            values
-                .chunks(crate::algorithm::CHECK_REPLY_LEN)
-                .map(AcquireReply::from_values)
-                .collect()
-        });
-        (reply, StoreCost::sent(round_trips, 1))
-    }
-
     /// One script call through `node`'s breaker (the store's when there is
     /// none); on `NOSCRIPT`, loads the script where the call went (that
     /// primary alone on a cluster) and sends the call once more, all within
@@ -316,7 +151,7 @@ impl RedisStore {
         match (conn, node) {
             (Conn::Cluster(mut conn), Some(node)) => {
                 let mut cmd = redis::cmd("SCRIPT");
-                cmd.arg("LOAD").arg(lua.source);
+                cmd.arg("LOAD").arg(lua.source());
                 let fut = conn.route_command(cmd, node.route());
                 let reply = self
                     .bounded_judged("SCRIPT LOAD", Some(node), limit, fut, |_| false)
@@ -324,10 +159,13 @@ impl RedisStore {
                 reply.extract_error().map(drop).map_err(Error::from_redis)
             }
             (mut conn, _) => {
-                let fut = lua.script.load_async(&mut conn);
-                self.bounded_judged("SCRIPT LOAD", node, limit, fut, |_| false)
-                    .await
-                    .map(drop)
+                let mut cmd = redis::cmd("SCRIPT");
+                cmd.arg("LOAD").arg(lua.source());
+                let fut = async move { conn.req_packed_command(&cmd).await };
+                let reply = self
+                    .bounded_judged("SCRIPT LOAD", node, limit, fut, |_| false)
+                    .await?;
+                reply.extract_error().map(drop).map_err(Error::from_redis)
             }
         }
     }
@@ -343,24 +181,22 @@ impl RedisStore {
     /// connection (concurrent pipelines); they count toward the timeout.
     pub(super) async fn pipelined(
         &self,
-        lua: &'static Lua,
-        cmds: Vec<(String, Cmd)>,
+        cmds: Vec<Pending>,
         ahead: usize,
     ) -> (Result<Vec<Result<Value, Error>>, Error>, StoreCost) {
         if !self.is_cluster() {
             let count = cmds.len() as u64;
-            let cmds: Vec<Cmd> = cmds.into_iter().map(|(_, c)| c).collect();
-            let (result, round_trips) = self.pipeline_once(lua, cmds, None, ahead).await;
+            let (result, round_trips) = self.pipeline_once(cmds, None, ahead).await;
             let cost = StoreCost::sent(round_trips, count);
             return (
                 result.map(|values| values.into_iter().map(Ok).collect()),
                 cost,
             );
         }
-        let mut groups: Vec<(u16, Vec<usize>, Vec<Cmd>)> = Vec::new();
+        let mut groups: Vec<(u16, Vec<usize>, Vec<Pending>)> = Vec::new();
         let mut by_slot: std::collections::HashMap<u16, usize> = std::collections::HashMap::new();
-        for (i, (key, cmd)) in cmds.into_iter().enumerate() {
-            let slot = slot_of(key.as_bytes());
+        for (i, cmd) in cmds.into_iter().enumerate() {
+            let slot = slot_of(cmd.key.as_bytes());
             let g = *by_slot.entry(slot).or_insert_with(|| {
                 groups.push((slot, Vec::new(), Vec::new()));
                 groups.len() - 1
@@ -374,9 +210,7 @@ impl RedisStore {
             let store = self.clone();
             tasks.spawn(async move {
                 let node = store.node_for_slot(slot);
-                let (result, trips) = store
-                    .pipeline_once(lua, group, node.as_deref(), ahead)
-                    .await;
+                let (result, trips) = store.pipeline_once(group, node.as_deref(), ahead).await;
                 (idx, result, trips)
             });
         }
@@ -424,8 +258,7 @@ impl RedisStore {
     /// loads sent; 0 if the breaker refused it).
     pub(super) async fn pipeline_once(
         &self,
-        lua: &Lua,
-        cmds: Vec<Cmd>,
+        cmds: Vec<Pending>,
         node: Option<&Node>,
         ahead: usize,
     ) -> (Result<Vec<Value>, Error>, u64) {
@@ -434,8 +267,8 @@ impl RedisStore {
         loop {
             let mut pipe = redis::pipe();
             pipe.ignore_errors();
-            for cmd in &cmds {
-                pipe.add_command(cmd.clone());
+            for pending in &cmds {
+                pipe.add_command(pending.cmd.clone());
             }
             let mut conn = (**self.inner.conn.load()).clone();
             let (_queued, in_flight) = Queued::enter(&self.inner.queued, cmds.len());
@@ -465,95 +298,82 @@ impl RedisStore {
                 return (Ok(values), trips);
             }
             loaded = true;
-            let load = self.load_script(lua, node, self.response_timeout()).await;
-            if !matches!(&load, Err(e) if e.is_circuit_open()) {
-                trips += 1;
+            // Load each script a call found missing, once.
+            let mut missing: Vec<&'static Lua> = Vec::new();
+            for (pending, value) in cmds.iter().zip(&values) {
+                if is_noscript(value) && !missing.iter().any(|l| std::ptr::eq(*l, pending.lua)) {
+                    missing.push(pending.lua);
+                }
             }
-            if let Err(e) = load {
-                return (Err(e), trips);
+            for lua in missing {
+                let load = self.load_script(lua, node, self.response_timeout()).await;
+                if !matches!(&load, Err(e) if e.is_circuit_open()) {
+                    trips += 1;
+                }
+                if let Err(e) = load {
+                    return (Err(e), trips);
+                }
             }
         }
     }
 
-    /// An EVALSHA of `script` on `key`, with a report's identity key as
-    /// KEYS[2] when it has one (same hash slot: it extends the store key).
-    pub(super) fn evalsha(script: &Script, key: &str, op: Option<OpId>) -> (String, Cmd) {
+    /// The `EVALSHA` command of a call: its script's hash, its keys, its
+    /// arguments.
+    pub(super) fn evalsha(call: &dyn Call, keys: &mut Vec<String>, args: &mut Vec<Arg>) -> Cmd {
+        keys.clear();
+        args.clear();
+        call.more_keys(keys);
+        call.args(args);
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(script.get_hash());
-        match op {
-            Some(op) => cmd.arg(2).arg(key).arg(op.key_for(key)),
-            None => cmd.arg(1).arg(key),
-        };
-        (key.to_owned(), cmd)
+        cmd.arg(call.lua().sha())
+            .arg(1 + keys.len())
+            .arg(call.key());
+        for key in keys.iter() {
+            cmd.arg(key);
+        }
+        with_args(&mut cmd, args);
+        cmd
     }
 
-    pub(crate) async fn lease_batch(
-        &self,
-        p: &Params,
-        calls: &[LeaseCall],
-        ahead: usize,
-    ) -> (Result<Vec<Result<LeaseReply, Error>>, Error>, StoreCost) {
-        let spec = p.algorithm.spec();
-        let lua = script(&spec.lease);
-        let script = &lua.script;
-        let mut args = Vec::with_capacity(12);
+    /// Runs a batch of calls: one alone as one command through its key's
+    /// breaker, more as pipelines (see [`pipelined`](Self::pipelined)).
+    pub(super) async fn run_calls(&self, calls: &[&dyn Call], ahead: usize) -> Ran {
+        let mut keys = Vec::new();
+        let mut args = Vec::with_capacity(16);
+        if let ([call], 0) = (calls, ahead) {
+            let cmd = Self::evalsha(*call, &mut keys, &mut args);
+            let node = self.node_for(call.key());
+            let (reply, round_trips) = self.script_call(call.lua(), node.as_deref(), cmd).await;
+            return Ran {
+                replies: Ok(vec![reply.and_then(value_to_ints)]),
+                cost: StoreCost::sent(round_trips, 1),
+            };
+        }
         let cmds = calls
             .iter()
-            .map(|c| {
-                let op = c.op.filter(|_| c.debt > 0);
-                let (key, mut cmd) = Self::evalsha(script, &c.key, op);
-                args.clear();
-                (spec.lease_args)(p, c, &mut args);
-                with_args(&mut cmd, &args);
-                (key, cmd)
+            .map(|call| Pending {
+                key: call.key().to_owned(),
+                lua: call.lua(),
+                cmd: Self::evalsha(*call, &mut keys, &mut args),
             })
             .collect();
-        let (values, cost) = self.pipelined(lua, cmds, ahead).await;
+        let (values, cost) = self.pipelined(cmds, ahead).await;
         let replies = values.map(|values| {
             values
                 .into_iter()
-                .map(|v| {
-                    v.and_then(value_to_ints)
-                        .and_then(|ints| LeaseReply::from_values(&ints))
-                })
+                .map(|v| v.and_then(value_to_ints))
                 .collect()
         });
-        (replies, cost)
+        Ran { replies, cost }
     }
+}
 
-    pub(crate) async fn give_back_batch(
-        &self,
-        p: &Params,
-        calls: &[GiveBackCall],
-    ) -> (Result<Vec<Result<u64, Error>>, Error>, StoreCost) {
-        let give_back_args = p.algorithm.spec().give_back_args;
-        let lua = script(&algorithm::GIVE_BACK);
-        let script = &lua.script;
-        let mut args = Vec::with_capacity(8);
-        let cmds = calls
-            .iter()
-            .map(|c| {
-                let (key, mut cmd) = Self::evalsha(script, &c.key, Some(c.op));
-                args.clear();
-                give_back_args(p, c, &mut args);
-                with_args(&mut cmd, &args);
-                (key, cmd)
-            })
-            .collect();
-        let (values, cost) = self.pipelined(lua, cmds, 0).await;
-        let replies = values.map(|values| {
-            values
-                .into_iter()
-                .map(|v| match v? {
-                    Value::ServerError(e) => Err(Error::from_redis(redis::RedisError::from(e))),
-                    v => redis::from_redis_value::<i64>(v)
-                        .map(|n| n.max(0) as u64)
-                        .map_err(parse_error),
-                })
-                .collect()
-        });
-        (replies, cost)
-    }
+/// One call of a pipeline: where it goes, its script (loaded again if the
+/// server lost it), its command.
+pub(super) struct Pending {
+    key: String,
+    lua: &'static Lua,
+    cmd: Cmd,
 }
 
 /// A call may take this many times what answered calls take lately
@@ -573,9 +393,11 @@ pub(super) fn batch_timeout(response: Duration, calls: usize) -> Duration {
     response + (response / 4) * (calls / 128).min(28) as u32
 }
 
+/// A script's reply as integers (one integer is a list of one).
 pub(super) fn value_to_ints(v: Value) -> Result<Vec<i64>, Error> {
     match v {
         Value::ServerError(e) => Err(Error::from_redis(redis::RedisError::from(e))),
+        Value::Int(n) => Ok(vec![n]),
         v => redis::from_redis_value::<Vec<i64>>(v).map_err(parse_error),
     }
 }

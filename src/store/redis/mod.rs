@@ -13,21 +13,19 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use arc_swap::ArcSwap;
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
-use redis::{Cmd, Pipeline, RedisFuture, Script, ServerErrorKind, Value};
+use redis::{Cmd, Pipeline, RedisFuture, ServerErrorKind, Value};
 
 use super::topology::{slot_of, Node, Topology};
-use crate::algorithm::{self, Arg};
-use crate::algorithm::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, OpId, Params};
+use super::{Backend, StoreCost};
 use crate::breaker::{CircuitBreaker, CircuitConfig, CircuitState};
 use crate::clock::{Clock, SystemClock};
 use crate::error::{Error, ErrorKind};
-use crate::stats::StoreCost;
 
 mod calls;
 mod connect;
@@ -36,7 +34,7 @@ mod options;
 mod sentinel;
 mod url;
 
-use calls::*;
+use calls::batch_timeout;
 use connect::Client;
 pub use options::RedisOptions;
 #[cfg(feature = "tls")]
@@ -429,5 +427,34 @@ impl RedisStore {
     /// The options this store was connected with.
     pub fn options(&self) -> &RedisOptions {
         &self.inner.options
+    }
+}
+
+impl Backend for RedisStore {
+    fn run<'a>(
+        &'a self,
+        calls: &'a [&'a dyn super::Call],
+        ahead: usize,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = super::Ran> + Send + 'a>> {
+        Box::pin(self.run_calls(calls, ahead))
+    }
+
+    fn retry_hint(&self, key: Option<&str>) -> Option<Duration> {
+        match key {
+            Some(key) => self.retry_hint_for(key),
+            None => RedisStore::retry_hint(self),
+        }
+    }
+
+    fn is_sharded(&self) -> bool {
+        self.is_cluster()
+    }
+
+    fn circuit_state(&self) -> CircuitState {
+        RedisStore::circuit_state(self)
+    }
+
+    fn circuit_trips(&self) -> u64 {
+        RedisStore::circuit_trips(self)
     }
 }

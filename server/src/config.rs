@@ -1,0 +1,421 @@
+//! A rate limit service's configuration, in envoyproxy/ratelimit's YAML
+//! format: one `domain` and its `descriptors`, nested to any depth, each
+//! with a `key`, an optional `value` and at most one rule.
+//!
+//! ```yaml
+//! domain: api
+//! descriptors:
+//!   - key: api_key
+//!     rate_limit: { unit: minute, requests_per_unit: 100 }
+//!     descriptors:
+//!       - key: path
+//!         value: /upload
+//!         rate_limit: { unit: hour, requests_per_unit: 10 }
+//!   - key: remote_address
+//!     value: "10.0.*"
+//!     unlimited: true
+//! ```
+//!
+//! A request's descriptor (a list of key/value entries) is matched level
+//! by level: an entry takes the node with its key and its exact value,
+//! else one with its key and a `prefix*` value that matches (the longest
+//! prefix), else one with its key and no value. The node the last entry
+//! reaches decides: its rule, or none (the descriptor counts nothing).
+//! Whatever slicelimit cannot honour — another unit, a field it does not
+//! know (`replaces`, `detailed_metric` …), a bad number — is an error
+//! naming the file, the descriptor and the field, never ignored.
+
+use std::time::Duration;
+
+use yaml_serde::{Mapping, Value};
+
+use slicelimit::Algorithm;
+use slicelimit::Error;
+use slicelimit::Quota;
+
+mod rlqs;
+
+pub use self::rlqs::{BucketRule, NoMatch, RlqsConfig};
+
+/// One domain's configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    source: String,
+    domain: String,
+    descriptors: Vec<Node>,
+    rlqs: Option<RlqsConfig>,
+}
+
+/// What a descriptor that reaches a rule is limited by.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rule {
+    /// Where the rule stands: its descriptors' `key=value` (or `key`)
+    /// from the top, joined by `/`. Stable across reloads and replicas: a
+    /// rule's counters are named by it.
+    pub path: String,
+    /// The rule's `name`, if it has one.
+    pub name: Option<String>,
+    /// Its limit; `None` for an `unlimited` rule.
+    pub quota: Option<Quota>,
+    /// How its permits are counted (`slicelimit: { algorithm: … }`; a
+    /// fixed window unless chosen).
+    pub algorithm: Algorithm,
+    /// Answered OK whatever the count; a would-be denial is only counted.
+    pub shadow_mode: bool,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Node {
+    key: String,
+    value: Match,
+    rule: Option<Rule>,
+    descriptors: Vec<Node>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Match {
+    Any,
+    Exact(String),
+    Prefix(String),
+}
+
+const DESCRIPTOR_FIELDS: [&str; 8] = [
+    "key",
+    "value",
+    "rate_limit",
+    "unlimited",
+    "shadow_mode",
+    "name",
+    "descriptors",
+    "slicelimit",
+];
+
+impl Config {
+    /// Parses one file's text; `source` (its path) names it in errors.
+    ///
+    /// # Errors
+    /// An [`InvalidInput`](slicelimit::ErrorKind::InvalidInput) error naming
+    /// `source`, the descriptor and the field for anything malformed or
+    /// not supported.
+    pub fn parse(source: &str, text: &str) -> Result<Config, Error> {
+        let fail = |what: String| Error::invalid(format!("{source}: {what}"));
+        let top: Value = yaml_serde::from_str(text).map_err(|e| fail(format!("not YAML: {e}")))?;
+        let top = top
+            .as_mapping()
+            .ok_or_else(|| fail("expected a mapping with `domain` and `descriptors`".into()))?;
+        for (field, _) in top {
+            match field.as_str() {
+                Some("domain" | "descriptors" | "rlqs") => {}
+                other => return Err(fail(format!("unsupported top-level field {other:?}"))),
+            }
+        }
+        let domain = match top.get("domain").and_then(Value::as_str) {
+            Some(domain) if !domain.is_empty() => domain.to_owned(),
+            _ => return Err(fail("`domain` must be a non-empty string".into())),
+        };
+        let descriptors = nodes(top.get("descriptors"), "", &|at, what| {
+            fail(format!("descriptor {at}: {what}"))
+        })?;
+        let rlqs = match top.get("rlqs") {
+            Some(section) => Some(RlqsConfig::parse(section, &fail)?),
+            None => None,
+        };
+        Ok(Config {
+            source: source.to_owned(),
+            domain,
+            descriptors,
+            rlqs,
+        })
+    }
+
+    /// Where it was read from (as given to [`parse`](Config::parse)).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The `rlqs` section: quotas for the buckets of Envoy's
+    /// `rate_limit_quota` filter.
+    pub fn rlqs(&self) -> Option<&RlqsConfig> {
+        self.rlqs.as_ref()
+    }
+
+    /// The domain requests name to use this configuration.
+    pub fn domain(&self) -> &str {
+        &self.domain
+    }
+
+    /// The rule a request's descriptor (its entries in order) reaches, or
+    /// `None`: it matches no node, or a node without a rule.
+    pub fn rule(&self, entries: &[(&str, &str)]) -> Option<&Rule> {
+        let (first, rest) = entries.split_first()?;
+        let mut node = best(&self.descriptors, first)?;
+        for entry in rest {
+            node = best(&node.descriptors, entry)?;
+        }
+        node.rule.as_ref()
+    }
+
+    /// Every rule, depth first in file order.
+    pub fn rules(&self) -> Vec<&Rule> {
+        fn walk<'a>(nodes: &'a [Node], out: &mut Vec<&'a Rule>) {
+            for node in nodes {
+                out.extend(node.rule.as_ref());
+                walk(&node.descriptors, out);
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.descriptors, &mut out);
+        out
+    }
+}
+
+/// The node `entry` takes among `nodes`: exact value, else the longest
+/// matching prefix, else the key alone.
+fn best<'a>(nodes: &'a [Node], (key, value): &(&str, &str)) -> Option<&'a Node> {
+    let of_key = || nodes.iter().filter(move |n| n.key == *key);
+    of_key()
+        .find(|n| matches!(&n.value, Match::Exact(v) if v == value))
+        .or_else(|| {
+            of_key()
+                .filter_map(|n| match &n.value {
+                    Match::Prefix(p) if value.starts_with(p.as_str()) => Some((p.len(), n)),
+                    _ => None,
+                })
+                .max_by_key(|(len, _)| *len)
+                .map(|(_, n)| n)
+        })
+        .or_else(|| of_key().find(|n| n.value == Match::Any))
+}
+
+type Fail<'a> = &'a dyn Fn(&str, String) -> Error;
+
+fn nodes(list: Option<&Value>, parent: &str, fail: Fail<'_>) -> Result<Vec<Node>, Error> {
+    let Some(list) = list else {
+        return Ok(Vec::new());
+    };
+    let at = if parent.is_empty() { "(top)" } else { parent };
+    let list = list
+        .as_sequence()
+        .ok_or_else(|| fail(at, "`descriptors` must be a list".into()))?;
+    let mut out: Vec<Node> = Vec::with_capacity(list.len());
+    for (i, item) in list.iter().enumerate() {
+        let here = format!("{at} #{}", i + 1);
+        let map = item
+            .as_mapping()
+            .ok_or_else(|| fail(&here, "expected a mapping".into()))?;
+        let node = node(map, parent, &here, fail)?;
+        if out
+            .iter()
+            .any(|n| n.key == node.key && n.value == node.value)
+        {
+            return Err(fail(&here, format!("{} is given twice", segment(&node))));
+        }
+        out.push(node);
+    }
+    Ok(out)
+}
+
+/// A node's part of a rule's path; `%`, `/`, `=` and `*` inside keys and
+/// values are percent-encoded, so no two rules share a path.
+fn segment(node: &Node) -> String {
+    let key = escape(&node.key);
+    match &node.value {
+        Match::Any => key,
+        Match::Exact(v) => format!("{key}={}", escape(v)),
+        Match::Prefix(p) => format!("{key}={}*", escape(p)),
+    }
+}
+
+fn escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            '/' => out.push_str("%2F"),
+            '=' => out.push_str("%3D"),
+            '*' => out.push_str("%2A"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node, Error> {
+    for (field, _) in map {
+        let name = field.as_str().unwrap_or("");
+        if !DESCRIPTOR_FIELDS.contains(&name) {
+            return Err(fail(
+                here,
+                format!("unsupported field {:?}", field_name(field)),
+            ));
+        }
+    }
+    let key = match map.get("key").and_then(Value::as_str) {
+        Some(key) if !key.is_empty() => key.to_owned(),
+        _ => return Err(fail(here, "`key` must be a non-empty string".into())),
+    };
+    let value = match map.get("value") {
+        None => Match::Any,
+        Some(v) => match scalar(v) {
+            Some(v) if v.ends_with('*') => Match::Prefix(v.trim_end_matches('*').to_owned()),
+            Some(v) => Match::Exact(v),
+            None => return Err(fail(here, "`value` must be a string".into())),
+        },
+    };
+    let mut node = Node {
+        key,
+        value,
+        rule: None,
+        descriptors: Vec::new(),
+    };
+    let path = if parent.is_empty() {
+        segment(&node)
+    } else {
+        format!("{parent}/{}", segment(&node))
+    };
+    let at = path.as_str();
+    let flag = |field: &str| -> Result<bool, Error> {
+        match map.get(field) {
+            None => Ok(false),
+            Some(v) => v
+                .as_bool()
+                .ok_or_else(|| fail(at, format!("`{field}` must be true or false"))),
+        }
+    };
+    let unlimited = flag("unlimited")?;
+    let shadow_mode = flag("shadow_mode")?;
+    let name = match map.get("name") {
+        None => None,
+        Some(v) => Some(
+            v.as_str()
+                .ok_or_else(|| fail(at, "`name` must be a string".into()))?
+                .to_owned(),
+        ),
+    };
+    let algorithm = algorithm(map.get("slicelimit"), at, fail)?;
+    let quota = match (map.get("rate_limit"), unlimited) {
+        (Some(_), true) => {
+            return Err(fail(
+                at,
+                "`unlimited` and `rate_limit` exclude each other".into(),
+            ))
+        }
+        (Some(limit), false) => Some(quota(limit, at, fail)?),
+        (None, _) => None,
+    };
+    if let Some(quota) = &quota {
+        algorithm
+            .check_quota(quota)
+            .map_err(|e| fail(at, format!("`rate_limit`: {e}")))?;
+    }
+    if quota.is_some() || unlimited {
+        node.rule = Some(Rule {
+            path: path.clone(),
+            name,
+            quota,
+            algorithm,
+            shadow_mode,
+        });
+    } else if shadow_mode || name.is_some() {
+        return Err(fail(
+            at,
+            "`shadow_mode` and `name` need a rule (`rate_limit`)".into(),
+        ));
+    }
+    node.descriptors = nodes(map.get("descriptors"), &path, fail)?;
+    Ok(node)
+}
+
+/// A YAML scalar as the string a request's value would be.
+fn scalar(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        Value::Bool(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
+fn field_name(field: &Value) -> String {
+    scalar(field).unwrap_or_else(|| format!("{field:?}"))
+}
+
+fn quota(limit: &Value, at: &str, fail: Fail<'_>) -> Result<Quota, Error> {
+    let map = limit
+        .as_mapping()
+        .ok_or_else(|| fail(at, "`rate_limit` must be a mapping".into()))?;
+    for (field, _) in map {
+        match field.as_str() {
+            Some("unit" | "requests_per_unit") => {}
+            _ => {
+                return Err(fail(
+                    at,
+                    format!("`rate_limit`: unsupported field {:?}", field_name(field)),
+                ))
+            }
+        }
+    }
+    let period = match map
+        .get("unit")
+        .and_then(Value::as_str)
+        .map(str::to_ascii_lowercase)
+    {
+        Some(unit) if unit == "second" => Duration::from_secs(1),
+        Some(unit) if unit == "minute" => Duration::from_secs(60),
+        Some(unit) if unit == "hour" => Duration::from_secs(3_600),
+        Some(unit) if unit == "day" => Duration::from_secs(86_400),
+        other => {
+            return Err(fail(
+                at,
+                format!("`rate_limit.unit` {other:?}: one of second, minute, hour, day"),
+            ))
+        }
+    };
+    let requests = map
+        .get("requests_per_unit")
+        .and_then(Value::as_u64)
+        .filter(|&n| n > 0)
+        .ok_or_else(|| {
+            fail(
+                at,
+                "`rate_limit.requests_per_unit` must be a whole number of at least 1".into(),
+            )
+        })?;
+    Quota::new(requests, period).map_err(|e| fail(at, format!("`rate_limit`: {e}")))
+}
+
+fn algorithm(section: Option<&Value>, at: &str, fail: Fail<'_>) -> Result<Algorithm, Error> {
+    let Some(section) = section else {
+        return Ok(Algorithm::FixedWindow);
+    };
+    let map = section
+        .as_mapping()
+        .ok_or_else(|| fail(at, "`slicelimit` must be a mapping".into()))?;
+    for (field, _) in map {
+        if field.as_str() != Some("algorithm") {
+            return Err(fail(
+                at,
+                format!("`slicelimit`: unsupported field {:?}", field_name(field)),
+            ));
+        }
+    }
+    let name = map.get("algorithm").and_then(Value::as_str).unwrap_or("");
+    // `token_bucket` or `token-bucket`, as the algorithm's own name.
+    let wanted = name.replace('_', "-");
+    Algorithm::all()
+        .into_iter()
+        .find(|a| a.as_str() == wanted)
+        .ok_or_else(|| {
+            let known: Vec<&str> = Algorithm::all().iter().map(|a| a.as_str()).collect();
+            fail(
+                at,
+                format!(
+                    "`slicelimit.algorithm` {name:?}: one of {}",
+                    known.join(", ")
+                ),
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests;

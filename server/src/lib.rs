@@ -1,0 +1,28 @@
+//! `slicelimit-server`: Envoy's rate limit service on leased slices of
+//! Redis budgets, over the [`slicelimit`] library. The binary is the
+//! product; this library is its parts, public for the binary and the
+//! tests, not a stable API:
+//!
+//! - [`config`]: one domain's YAML, in envoyproxy/ratelimit's format;
+//! - [`files`]: the file or directory it comes from, read again as it
+//!   changes;
+//! - [`table`]: every domain's rules, one [`Limiter`](slicelimit::Limiter)
+//!   each, kept across reloads;
+//! - [`service`]: `ShouldRateLimit` on the table;
+//! - [`rlqs`]: the rate limit quota service (Envoys hold the quota;
+//!   experimental);
+//! - [`share`]: how replicas share an RLQS bucket's rate in the store
+//!   (its script, `lua/rate_share.lua`, and the script's mirror);
+//! - [`stats`]: the server's own metrics;
+//! - [`run`]: the process (flags, listeners, shutdown).
+//!
+//! `docs/envoy.md` tells how to put it behind Envoy.
+
+pub mod config;
+pub mod files;
+pub mod rlqs;
+pub mod run;
+pub mod service;
+pub mod share;
+pub mod stats;
+pub mod table;

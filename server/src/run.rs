@@ -1,0 +1,320 @@
+//! The server process: flags, the two listeners, reloads and shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::service::rate_limit_quota::v3::rate_limit_quota_service_server::RateLimitQuotaServiceServer;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+
+use crate::files;
+use crate::rlqs::Rlqs;
+use crate::service::RateLimiter;
+use crate::stats;
+use crate::table::{Mode, Settings};
+use slicelimit::metrics::PrometheusExporter;
+use slicelimit::FailurePolicy;
+use slicelimit::{Error, ErrorKind};
+use slicelimit::{MemoryStore, RedisOptions, RedisStore, Store};
+
+/// How long a shutdown waits for calls in flight before it closes their
+/// connections, and then again for the leased permits to go back.
+pub const SHUTDOWN_STEP: Duration = Duration::from_secs(5);
+
+/// The command line of `slicelimit-server`; every flag can also come
+/// from the environment variable named beside it.
+#[derive(Debug, Clone, clap::Parser)]
+#[command(
+    name = "slicelimit-server",
+    version,
+    about = "Envoy's rate limit service (envoy.service.ratelimit.v3) on leased slices of Redis budgets"
+)]
+pub struct Options {
+    /// A YAML file in envoyproxy/ratelimit's format, or a directory of
+    /// them (one domain per file). Changes apply within a second.
+    #[arg(long, env = "SLICELIMIT_CONFIG")]
+    pub config: PathBuf,
+    /// Redis (or Valkey) shared by every replica: redis://, rediss://,
+    /// redis+sentinel:// … Without it, counts in this process alone.
+    #[arg(long, env = "REDIS_URL")]
+    pub redis_url: Option<String>,
+    /// The rate limit service and grpc.health.v1.
+    #[arg(long, env = "SLICELIMIT_GRPC_ADDR", default_value = "127.0.0.1:8081")]
+    pub grpc_addr: SocketAddr,
+    /// GET /metrics (Prometheus) and GET /healthz.
+    #[arg(
+        long,
+        env = "SLICELIMIT_METRICS_ADDR",
+        default_value = "127.0.0.1:9090"
+    )]
+    pub metrics_addr: SocketAddr,
+    /// How to count.
+    #[arg(
+        long,
+        env = "SLICELIMIT_MODE",
+        value_enum,
+        default_value = "hybrid-strict"
+    )]
+    pub mode: ModeFlag,
+    /// What to answer while Redis cannot: admit (open) or deny (closed).
+    #[arg(
+        long,
+        env = "SLICELIMIT_ON_STORE_ERROR",
+        value_enum,
+        default_value = "open"
+    )]
+    pub on_store_error: OnStoreError,
+    /// How long one Redis call may take before the failure policy
+    /// decides for it (`25ms`, `2s`). While Redis answers slowly it
+    /// stretches on its own, up to four times this.
+    #[arg(
+        long,
+        env = "SLICELIMIT_REDIS_TIMEOUT",
+        default_value = "25ms",
+        value_parser = parse_timeout
+    )]
+    pub redis_timeout: Duration,
+}
+
+/// `--redis-timeout`: a whole number of milliseconds (`ms`) or seconds
+/// (`s`).
+fn parse_timeout(text: &str) -> Result<Duration, String> {
+    let bad = || format!("{text:?} is not a timeout such as 25ms or 2s");
+    let (number, unit) = match text.strip_suffix("ms") {
+        Some(number) => (number, Duration::from_millis(1)),
+        None => (
+            text.strip_suffix('s').ok_or_else(bad)?,
+            Duration::from_secs(1),
+        ),
+    };
+    let n: u32 = number.trim().parse().map_err(|_| bad())?;
+    match unit.checked_mul(n) {
+        Some(timeout) if !timeout.is_zero() => Ok(timeout),
+        _ => Err(bad()),
+    }
+}
+
+/// `--mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModeFlag {
+    /// [`Mode::HybridStrict`].
+    HybridStrict,
+    /// [`Mode::HybridOptimistic`].
+    HybridOptimistic,
+    /// [`Mode::Exact`].
+    Exact,
+}
+
+/// `--on-store-error`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OnStoreError {
+    /// Admit every request the store could not decide.
+    Open,
+    /// Deny every request the store could not decide.
+    Closed,
+}
+
+impl Options {
+    fn mode(&self) -> Mode {
+        match self.mode {
+            ModeFlag::HybridStrict => Mode::HybridStrict,
+            ModeFlag::HybridOptimistic => Mode::HybridOptimistic,
+            ModeFlag::Exact => Mode::Exact,
+        }
+    }
+
+    fn policy(&self) -> FailurePolicy {
+        match self.on_store_error {
+            OnStoreError::Open => FailurePolicy::FailOpen,
+            OnStoreError::Closed => FailurePolicy::FailClosed,
+        }
+    }
+}
+
+/// Runs the server until `shutdown` completes, then stops accepting,
+/// lets calls in flight finish (at most [`SHUTDOWN_STEP`]) and gives
+/// every leased permit back (at most [`SHUTDOWN_STEP`] again).
+///
+/// # Errors
+/// A configuration that does not load, a Redis that cannot be reached at
+/// start, an address that cannot be bound, a metrics recorder already
+/// installed in this process.
+pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+    let exporter = slicelimit::metrics::install_prometheus_recorder()?;
+    stats::describe();
+    let store: Store = match &options.redis_url {
+        Some(url) => {
+            let redis = RedisOptions::default().response_timeout(options.redis_timeout);
+            RedisStore::connect_with(url, redis).await?.into()
+        }
+        None => {
+            eprintln!(
+                "slicelimit-server: no --redis-url (REDIS_URL): counting in this process \
+                 alone; run a single replica, or give every replica the same Redis"
+            );
+            MemoryStore::new().into()
+        }
+    };
+    let settings = Settings {
+        store,
+        mode: options.mode(),
+        on_store_error: options.policy(),
+    };
+    let (first, seen) = files::load(&options.config, &settings)?;
+    eprintln!(
+        "slicelimit-server: {} rules from {}; gRPC on {}, metrics on {}, mode {:?}, on store error {:?}",
+        first.rules(),
+        options.config.display(),
+        options.grpc_addr,
+        options.metrics_addr,
+        options.mode,
+        options.on_store_error,
+    );
+    let table = Arc::new(ArcSwap::from_pointee(first));
+    let service = RateLimiter::new(table.clone(), settings.clone());
+    let rlqs = Rlqs::new(
+        table.clone(),
+        settings.store.clone(),
+        settings.on_store_error,
+    );
+    let renewer = tokio::spawn(rlqs.clone().run());
+
+    let bind_error = |what: &str, addr: SocketAddr, e: std::io::Error| {
+        Error::new(ErrorKind::Io, format!("cannot serve {what} on {addr}: {e}")).caused_by(e)
+    };
+    let grpc = tokio::net::TcpListener::bind(options.grpc_addr)
+        .await
+        .map_err(|e| bind_error("gRPC", options.grpc_addr, e))?;
+    let http = tokio::net::TcpListener::bind(options.metrics_addr)
+        .await
+        .map_err(|e| bind_error("metrics", options.metrics_addr, e))?;
+
+    let (health, health_service) = tonic_health::server::health_reporter();
+    health
+        .set_serving::<RateLimitServiceServer<RateLimiter>>()
+        .await;
+
+    let watcher = tokio::spawn(files::watch(
+        options.config.clone(),
+        table.clone(),
+        settings,
+        seen,
+    ));
+    let upkeep = {
+        let exporter = exporter.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                tick.tick().await;
+                exporter.run_upkeep();
+            }
+        })
+    };
+
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    };
+    let metrics_server = tokio::spawn(std::future::IntoFuture::into_future(axum::serve(
+        http,
+        metrics_router(exporter, stop_rx.clone()),
+    )));
+    let grpc_server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(health_service)
+            .add_service(RateLimitServiceServer::new(service))
+            .add_service(RateLimitQuotaServiceServer::new(rlqs.clone()))
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
+                stopped(stop_rx.clone()),
+            ),
+    );
+
+    shutdown.await;
+    eprintln!("slicelimit-server: shutting down");
+    health
+        .set_not_serving::<RateLimitServiceServer<RateLimiter>>()
+        .await;
+    let _ = stop_tx.send(true);
+    watcher.abort();
+    renewer.abort();
+    if tokio::time::timeout(SHUTDOWN_STEP, rlqs.close())
+        .await
+        .is_err()
+    {
+        eprintln!("slicelimit-server: RLQS claims not all let go after {SHUTDOWN_STEP:?}");
+    }
+    // Calls in flight finish; connections that stay open past the step
+    // are closed with the process.
+    if tokio::time::timeout(SHUTDOWN_STEP, grpc_server)
+        .await
+        .is_err()
+    {
+        eprintln!("slicelimit-server: calls still in flight after {SHUTDOWN_STEP:?}; closing");
+    }
+    let limiters = table.load().limiters();
+    let give_back = futures_util::future::join_all(limiters.iter().map(|l| l.shutdown()));
+    if tokio::time::timeout(SHUTDOWN_STEP, give_back)
+        .await
+        .is_err()
+    {
+        eprintln!("slicelimit-server: leases not all given back after {SHUTDOWN_STEP:?}");
+    }
+    upkeep.abort();
+    metrics_server.abort();
+    eprintln!("slicelimit-server: stopped");
+    Ok(())
+}
+
+/// `/metrics` and `/healthz` (503 once shutting down, so a load balancer
+/// stops sending first).
+fn metrics_router(
+    exporter: PrometheusExporter,
+    stopping: tokio::sync::watch::Receiver<bool>,
+) -> axum::Router {
+    use axum::http::StatusCode;
+    use axum::routing::get;
+    axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let exporter = exporter.clone();
+                async move {
+                    (
+                        [("content-type", "text/plain; version=0.0.4")],
+                        exporter.render(),
+                    )
+                }
+            }),
+        )
+        .route(
+            "/healthz",
+            get(move || {
+                let stopping = *stopping.borrow();
+                async move {
+                    if stopping {
+                        (StatusCode::SERVICE_UNAVAILABLE, "stopping")
+                    } else {
+                        (StatusCode::OK, "ok")
+                    }
+                }
+            }),
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redis_timeouts_are_milliseconds_or_seconds() {
+        assert_eq!(parse_timeout("25ms"), Ok(Duration::from_millis(25)));
+        assert_eq!(parse_timeout("2s"), Ok(Duration::from_secs(2)));
+        for bad in ["", "25", "0ms", "1.5s", "-1s", "2m", "ms", "99999999999s"] {
+            assert!(parse_timeout(bad).is_err(), "{bad:?}");
+        }
+    }
+}

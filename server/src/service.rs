@@ -1,0 +1,314 @@
+//! `envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit` on the
+//! rule table.
+//!
+//! A request's descriptors are matched to rules, each one's cost is its
+//! own `hits_addend`, else the request's (0 there means 1), and:
+//! - the enforced descriptors (rules not in shadow mode) are decided
+//!   **all-or-nothing** with [`check_each`]: a request one of them
+//!   denies counts against none of them (envoyproxy/ratelimit counts it
+//!   against every descriptor, so a client over one limit also spends the
+//!   others);
+//! - each shadow rule is decided on its own and always answered OK; the
+//!   hits it would have denied are counted;
+//! - a descriptor that reaches no rule, or an `unlimited` one, is OK and
+//!   counts nothing; so does every descriptor of a domain not configured.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    rate_limit::Unit, Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use tonic::{Request, Response, Status};
+
+use crate::table::{RuleLimiter, Settings, Table};
+use slicelimit::check_each;
+use slicelimit::Limiter;
+use slicelimit::Quota;
+use slicelimit::{Decision, Source};
+
+/// The most descriptors one request may carry.
+pub const MAX_DESCRIPTORS: usize = 64;
+/// The most entries one descriptor may carry.
+pub const MAX_ENTRIES: usize = 16;
+
+/// The rate limit service: answers from whatever table is current.
+#[derive(Debug, Clone)]
+pub struct RateLimiter {
+    table: Arc<ArcSwap<Table>>,
+    settings: Arc<Settings>,
+}
+
+impl RateLimiter {
+    /// A service answering from `table`, which a reload may swap;
+    /// `settings` builds the limiters of `limit` overrides.
+    pub fn new(table: Arc<ArcSwap<Table>>, settings: Settings) -> RateLimiter {
+        RateLimiter {
+            table,
+            settings: Arc::new(settings),
+        }
+    }
+
+    /// Answers one request, as `ShouldRateLimit` does.
+    ///
+    /// # Errors
+    /// `INVALID_ARGUMENT` for an empty domain, no descriptors, too many
+    /// descriptors or entries, or a `limit` override that cannot be a quota.
+    pub async fn decide(&self, request: RateLimitRequest) -> Result<RateLimitResponse, Status> {
+        let result = self.decide_inner(request).await;
+        let label = match &result {
+            Ok(r) if r.overall_code == Code::OverLimit as i32 => "over_limit",
+            Ok(_) => "ok",
+            Err(_) => "error",
+        };
+        metrics::counter!(crate::stats::CALLS, "result" => label).increment(1);
+        result
+    }
+
+    async fn decide_inner(&self, request: RateLimitRequest) -> Result<RateLimitResponse, Status> {
+        if request.domain.is_empty() {
+            return Err(Status::invalid_argument("the domain must not be empty"));
+        }
+        if request.descriptors.is_empty() {
+            return Err(Status::invalid_argument(
+                "a request needs at least one descriptor",
+            ));
+        }
+        if request.descriptors.len() > MAX_DESCRIPTORS {
+            return Err(Status::invalid_argument(format!(
+                "{} descriptors; at most {MAX_DESCRIPTORS}",
+                request.descriptors.len()
+            )));
+        }
+        let table = self.table.load_full();
+        let default_cost = u64::from(request.hits_addend.max(1));
+        let mut plans = Vec::with_capacity(request.descriptors.len());
+        for (i, descriptor) in request.descriptors.iter().enumerate() {
+            plans.push(self.plan(&table, &request.domain, descriptor, default_cost, i)?);
+        }
+
+        let enforced: Vec<(&Limiter, &str, u64)> = plans
+            .iter()
+            .filter_map(Plan::counted)
+            .filter(|p| !p.rule.rule.shadow_mode)
+            .map(|p| (&p.limiter, p.key.as_str(), p.cost))
+            .collect();
+        let together = check_each(&enforced).await;
+        let mut decided = together.quotas().iter();
+        let mut statuses = Vec::with_capacity(plans.len());
+        let mut over = false;
+        for plan in &plans {
+            let Some(p) = plan.counted() else {
+                statuses.push(DescriptorStatus {
+                    code: Code::Ok as i32,
+                    ..Default::default()
+                });
+                continue;
+            };
+            let stats = &p.rule.stats;
+            // Hits as counted: a cost past any limit counts as one past
+            // u32::MAX (Envoy's own hits_addend is a u32), so a client
+            // cannot wrap the counters.
+            let hits = p.cost.min(u64::from(u32::MAX) + 1);
+            stats.total_hits.increment(hits);
+            let mut peeked = false;
+            let decision = if p.rule.rule.shadow_mode {
+                let decision = p.limiter.check(&p.key, p.cost).await;
+                if !decision.is_allowed() {
+                    stats.shadow_mode.increment(hits);
+                }
+                decision
+            } else {
+                match decided.next() {
+                    Some(decision) => decision.clone(),
+                    // Past the denying descriptor: nothing was asked of
+                    // this one; what it has left, without taking any.
+                    None => {
+                        peeked = true;
+                        p.limiter.check(&p.key, 0).await
+                    }
+                }
+            };
+            // A descriptor whose permits went back because another
+            // denied reads `GivenBack`: it was within its limit.
+            let given_back = decision.source() == Source::GivenBack;
+            let denied = !decision.is_allowed() && !given_back && !p.rule.rule.shadow_mode;
+            if denied {
+                over = true;
+                stats.over_limit.increment(hits);
+            } else if decision.is_allowed() && !peeked {
+                // Admitted and kept (not given back because another
+                // descriptor denied, not merely peeked at).
+                stats.within_limit.increment(hits);
+                let used = decision.limit().saturating_sub(decision.remaining());
+                if used.saturating_mul(5) > decision.limit().saturating_mul(4) {
+                    stats.near_limit.increment(hits);
+                }
+            }
+            statuses.push(status(p, &decision, denied));
+        }
+        Ok(RateLimitResponse {
+            overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
+            statuses,
+            ..Default::default()
+        })
+    }
+
+    /// What to do for one descriptor.
+    fn plan(
+        &self,
+        table: &Table,
+        domain: &str,
+        descriptor: &RateLimitDescriptor,
+        default_cost: u64,
+        index: usize,
+    ) -> Result<Plan, Status> {
+        if descriptor.entries.len() > MAX_ENTRIES {
+            return Err(Status::invalid_argument(format!(
+                "descriptor {index} has {} entries; at most {MAX_ENTRIES}",
+                descriptor.entries.len()
+            )));
+        }
+        let Some(domain) = table.domain(domain) else {
+            return Ok(Plan::Nothing);
+        };
+        let entries: Vec<(&str, &str)> = descriptor
+            .entries
+            .iter()
+            .map(|e| (e.key.as_str(), e.value.as_str()))
+            .collect();
+        let Some(rule) = domain.rule(&entries) else {
+            return Ok(Plan::Nothing);
+        };
+        let limit = match &descriptor.limit {
+            Some(limit) => Some(override_quota(limit.requests_per_unit, limit.unit).map_err(
+                |e| Status::invalid_argument(format!("descriptor {index}: `limit`: {e}")),
+            )?),
+            None => None,
+        };
+        let limiter = rule
+            .limiter(limit, &self.settings)
+            .map_err(|e| Status::invalid_argument(format!("descriptor {index}: {e}")))?;
+        let Some(limiter) = limiter else {
+            return Ok(Plan::Nothing);
+        };
+        let cost = descriptor
+            .hits_addend
+            .as_ref()
+            .map_or(default_cost, |h| h.value);
+        Ok(Plan::Counted(Counted {
+            rule: rule.clone(),
+            limiter,
+            key: key_of(&entries),
+            cost,
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RateLimiter {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        self.decide(request.into_inner()).await.map(Response::new)
+    }
+}
+
+enum Plan {
+    /// Counts nothing: no rule, an unlimited one, an unknown domain.
+    Nothing,
+    Counted(Counted),
+}
+
+struct Counted {
+    rule: Arc<RuleLimiter>,
+    limiter: Limiter,
+    key: String,
+    cost: u64,
+}
+
+impl Plan {
+    fn counted(&self) -> Option<&Counted> {
+        match self {
+            Plan::Nothing => None,
+            Plan::Counted(c) => Some(c),
+        }
+    }
+}
+
+/// The limiter key of a descriptor: its values, each prefixed with its
+/// length so that no two descriptors of one rule share a key (the keys of
+/// the entries are the rule's own, the same for all).
+fn key_of(entries: &[(&str, &str)]) -> String {
+    let mut key = String::new();
+    for (_, value) in entries {
+        key.push_str(&value.len().to_string());
+        key.push(':');
+        key.push_str(value);
+        key.push(';');
+    }
+    key
+}
+
+/// The quota of a descriptor's own `limit`.
+fn override_quota(requests: u32, unit: i32) -> Result<Quota, slicelimit::Error> {
+    use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
+    let period = match RateLimitUnit::try_from(unit) {
+        Ok(RateLimitUnit::Second) => 1,
+        Ok(RateLimitUnit::Minute) => 60,
+        Ok(RateLimitUnit::Hour) => 3_600,
+        Ok(RateLimitUnit::Day) => 86_400,
+        _ => {
+            return Err(slicelimit::Error::invalid(format!(
+                "unit {unit}: one of SECOND, MINUTE, HOUR, DAY"
+            )))
+        }
+    };
+    if requests == 0 {
+        return Err(slicelimit::Error::invalid(
+            "requests_per_unit must be at least 1",
+        ));
+    }
+    Quota::new(u64::from(requests), Duration::from_secs(period))
+}
+
+fn unit_of(period: Duration) -> Unit {
+    match period.as_secs() {
+        1 => Unit::Second,
+        60 => Unit::Minute,
+        3_600 => Unit::Hour,
+        86_400 => Unit::Day,
+        _ => Unit::Unknown,
+    }
+}
+
+/// A descriptor's status: its limit, what is left and when it resets, so
+/// Envoy's `x-ratelimit-*` headers tell what happened.
+fn status(plan: &Counted, decision: &Decision, denied: bool) -> DescriptorStatus {
+    let reset = decision.reset_after();
+    let limiter_quota = plan.limiter.quota();
+    DescriptorStatus {
+        code: if denied { Code::OverLimit } else { Code::Ok } as i32,
+        current_limit: Some(RateLimit {
+            name: plan.rule.rule.name.clone().unwrap_or_default(),
+            requests_per_unit: u32::try_from(limiter_quota.limit()).unwrap_or(u32::MAX),
+            unit: unit_of(limiter_quota.period()) as i32,
+        }),
+        limit_remaining: u32::try_from(decision.remaining()).unwrap_or(u32::MAX),
+        // Whole seconds, rounded up: Envoy's `x-ratelimit-reset` header
+        // drops the fraction, and a client told 0 in a window's last
+        // second would be denied again if it came back at once.
+        duration_until_reset: Some(ProtoDuration {
+            seconds: i64::try_from(reset.as_secs() + u64::from(reset.subsec_nanos() > 0))
+                .unwrap_or(i64::MAX),
+            nanos: 0,
+        }),
+        quota: None,
+    }
+}

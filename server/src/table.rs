@@ -1,0 +1,335 @@
+//! The rule table: every domain's configuration, with one [`Limiter`]
+//! per rule. A reload builds a new table from the old one, keeping the
+//! limiter (and so the counters and leases) of every rule that is still
+//! there, with [`Limiter::set_quota`] where its limit changed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use metrics::Counter;
+use sha2::{Digest, Sha256};
+
+use crate::config::{Config, Rule};
+use slicelimit::Error;
+use slicelimit::FailurePolicy;
+use slicelimit::HybridConfig;
+use slicelimit::Limiter;
+use slicelimit::Quota;
+use slicelimit::Store;
+
+/// How the server counts: the limiter mode of every rule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Leased slices, waiting for a refill rather than admitting past
+    /// the limit (the default).
+    HybridStrict,
+    /// Leased slices, admitting a little on credit while a refill is in
+    /// flight ([`HybridConfig::optimistic`] with
+    /// [`OPTIMISTIC_MAX_DEBT`]).
+    HybridOptimistic,
+    /// One store call per descriptor.
+    Exact,
+}
+
+/// The debt each key may run up per process in
+/// [`Mode::HybridOptimistic`].
+pub const OPTIMISTIC_MAX_DEBT: u64 = 5;
+
+/// How long a hybrid rule waits for a refill before it answers. Longer
+/// than the store's longest response timeout (4 × 25 ms), so a stalled
+/// Redis ends in a store error, which `--on-store-error` decides, not in a
+/// denial; shorter than the 250 ms Envoy timeout `docs/envoy.md` advises.
+pub const MAX_WAIT: Duration = Duration::from_millis(150);
+
+/// The most distinct `limit` overrides one rule keeps limiters for; a
+/// request bringing another one is refused.
+pub const MAX_OVERRIDES: usize = 64;
+
+/// What every rule's limiter is built with.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Where budgets are shared.
+    pub store: Store,
+    /// How to count.
+    pub mode: Mode,
+    /// What to decide when the store cannot answer.
+    pub on_store_error: FailurePolicy,
+}
+
+/// Every domain, by name.
+#[derive(Debug, Default)]
+pub struct Table {
+    domains: HashMap<String, Domain>,
+}
+
+#[derive(Debug)]
+pub(crate) struct Domain {
+    pub(crate) config: Config,
+    rules: HashMap<String, Arc<RuleLimiter>>,
+}
+
+/// One rule and what counts for it.
+pub(crate) struct RuleLimiter {
+    pub(crate) rule: Rule,
+    pub(crate) domain: String,
+    /// `None` for an `unlimited` rule.
+    limiter: Option<Limiter>,
+    /// Limiters for requests that bring a `limit` of their own, by
+    /// quota; shared with the next table while the rule's algorithm stays.
+    overrides: Arc<Mutex<HashMap<Quota, Limiter>>>,
+    namespace: String,
+    pub(crate) stats: RuleStats,
+}
+
+impl std::fmt::Debug for RuleLimiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RuleLimiter")
+            .field("rule", &self.rule)
+            .field("namespace", &self.namespace)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A rule's counters, in the style of envoyproxy/ratelimit's stats: hits
+/// (permits asked for), and of them those over the limit, those within
+/// it but past 80 % of it, and those a shadow rule would have denied.
+#[derive(Debug)]
+pub(crate) struct RuleStats {
+    pub(crate) total_hits: Counter,
+    pub(crate) over_limit: Counter,
+    pub(crate) near_limit: Counter,
+    pub(crate) within_limit: Counter,
+    pub(crate) shadow_mode: Counter,
+}
+
+impl RuleStats {
+    fn new(domain: &str, rule: &Rule) -> RuleStats {
+        let counter = |name: &'static str| metrics::counter!(name, "domain" => domain.to_owned(), "rule" => rule.path.clone());
+        RuleStats {
+            total_hits: counter(crate::stats::TOTAL_HITS),
+            over_limit: counter(crate::stats::OVER_LIMIT),
+            near_limit: counter(crate::stats::NEAR_LIMIT),
+            within_limit: counter(crate::stats::WITHIN_LIMIT),
+            shadow_mode: counter(crate::stats::SHADOW_MODE),
+        }
+    }
+}
+
+impl Table {
+    /// The table for `configs` (one per domain), keeping what `previous`
+    /// had for rules that are still there. Returns the table and the
+    /// limiters of the rules it dropped, to be shut down once no request
+    /// uses the previous table any more.
+    ///
+    /// # Errors
+    /// Two configurations for one domain; a limiter that cannot be built.
+    pub fn build(
+        configs: Vec<Config>,
+        settings: &Settings,
+        previous: Option<&Table>,
+    ) -> Result<(Table, Vec<Limiter>), Error> {
+        let mut names: Vec<(&str, &str)> =
+            configs.iter().map(|c| (c.domain(), c.source())).collect();
+        names.sort_unstable();
+        if let Some(twice) = names.windows(2).find(|w| w[0].0 == w[1].0) {
+            return Err(Error::invalid(format!(
+                "domain {:?} is configured twice: in {} and in {}",
+                twice[0].0, twice[0].1, twice[1].1
+            )));
+        }
+        let mut domains: HashMap<String, Domain> = HashMap::new();
+        // The old rules carried over, by address: a set, so a reload of
+        // many rules stays linear.
+        let mut kept: std::collections::HashSet<*const RuleLimiter> = Default::default();
+        // Quotas change in place only once every rule is built: a table
+        // that fails to build changes nothing.
+        let mut changes: Vec<(Limiter, Quota)> = Vec::new();
+        for config in configs {
+            let name = config.domain().to_owned();
+            let mut rules = HashMap::new();
+            for rule in config.rules() {
+                let old = previous
+                    .and_then(|t| t.domains.get(&name))
+                    .and_then(|d| d.rules.get(&rule.path));
+                let entry = match old {
+                    Some(old) if old.can_become(rule) => {
+                        kept.insert(Arc::as_ptr(old));
+                        if let (Some(limiter), Some(quota)) = (&old.limiter, rule.quota) {
+                            if limiter.quota() != quota {
+                                changes.push((limiter.clone(), quota));
+                            }
+                        }
+                        old.become_(rule)
+                    }
+                    _ => RuleLimiter::new(&name, rule, settings)?,
+                };
+                rules.insert(rule.path.clone(), Arc::new(entry));
+            }
+            domains.insert(name, Domain { config, rules });
+        }
+        for (limiter, quota) in changes {
+            limiter.set_quota(quota)?;
+        }
+        let mut retired = Vec::new();
+        if let Some(previous) = previous {
+            for domain in previous.domains.values() {
+                for old in domain.rules.values() {
+                    if kept.contains(&Arc::as_ptr(old)) {
+                        continue;
+                    }
+                    retired.extend(old.limiter.clone());
+                    let overrides = old.overrides.lock().unwrap_or_else(|e| e.into_inner());
+                    retired.extend(overrides.values().cloned());
+                }
+            }
+        }
+        Ok((Table { domains }, retired))
+    }
+
+    /// The domain requests name `domain`.
+    pub(crate) fn domain(&self, domain: &str) -> Option<&Domain> {
+        self.domains.get(domain)
+    }
+
+    /// How many rules the table holds.
+    pub fn rules(&self) -> usize {
+        self.domains.values().map(|d| d.rules.len()).sum()
+    }
+
+    /// Every limiter of the table, for shutdown.
+    pub fn limiters(&self) -> Vec<Limiter> {
+        let mut out = Vec::new();
+        for domain in self.domains.values() {
+            for rule in domain.rules.values() {
+                out.extend(rule.limiter.clone());
+                let overrides = rule.overrides.lock().unwrap_or_else(|e| e.into_inner());
+                out.extend(overrides.values().cloned());
+            }
+        }
+        out
+    }
+}
+
+impl Domain {
+    /// The rule a descriptor's entries reach.
+    pub(crate) fn rule(&self, entries: &[(&str, &str)]) -> Option<&Arc<RuleLimiter>> {
+        let rule = self.config.rule(entries)?;
+        self.rules.get(&rule.path)
+    }
+}
+
+impl RuleLimiter {
+    fn new(domain: &str, rule: &Rule, settings: &Settings) -> Result<RuleLimiter, Error> {
+        let namespace = namespace(domain, &rule.path);
+        let limiter = match rule.quota {
+            Some(quota) => Some(build(domain, rule, quota, &namespace, settings)?),
+            None => None,
+        };
+        Ok(RuleLimiter {
+            rule: rule.clone(),
+            domain: domain.to_owned(),
+            limiter,
+            overrides: Arc::default(),
+            namespace,
+            stats: RuleStats::new(domain, rule),
+        })
+    }
+
+    /// Whether this rule's limiter can serve `rule`, a new version of it:
+    /// the same algorithm, and limited both times (or unlimited both).
+    fn can_become(&self, rule: &Rule) -> bool {
+        self.rule.algorithm == rule.algorithm && self.rule.quota.is_some() == rule.quota.is_some()
+    }
+
+    /// This rule's limiter serving `rule`, its counters and leases kept
+    /// (the caller changes its quota).
+    fn become_(&self, rule: &Rule) -> RuleLimiter {
+        RuleLimiter {
+            rule: rule.clone(),
+            domain: self.domain.clone(),
+            limiter: self.limiter.clone(),
+            overrides: self.overrides.clone(),
+            namespace: self.namespace.clone(),
+            stats: RuleStats::new(&self.domain, rule),
+        }
+    }
+
+    /// The limiter for a request of this rule: the rule's own, or, for a
+    /// request that brings its own `limit`, one for that quota.
+    ///
+    /// # Errors
+    /// More than [`MAX_OVERRIDES`] distinct overrides on this rule.
+    pub(crate) fn limiter(
+        &self,
+        limit: Option<Quota>,
+        settings: &Settings,
+    ) -> Result<Option<Limiter>, Error> {
+        let (Some(own), Some(quota)) = (&self.limiter, limit) else {
+            return Ok(self.limiter.clone());
+        };
+        if own.quota() == quota {
+            return Ok(Some(own.clone()));
+        }
+        let mut overrides = self.overrides.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(limiter) = overrides.get(&quota) {
+            return Ok(Some(limiter.clone()));
+        }
+        if overrides.len() >= MAX_OVERRIDES {
+            return Err(Error::invalid(format!(
+                "rule {} already has {MAX_OVERRIDES} distinct limit overrides",
+                self.rule.path
+            )));
+        }
+        self.rule.algorithm.check_quota(&quota)?;
+        let namespace = format!(
+            "{}#{}/{}ms",
+            self.namespace,
+            quota.limit(),
+            quota.period().as_millis()
+        );
+        let limiter = build(&self.domain, &self.rule, quota, &namespace, settings)?;
+        overrides.insert(quota, limiter.clone());
+        Ok(Some(limiter))
+    }
+}
+
+fn build(
+    domain: &str,
+    rule: &Rule,
+    quota: Quota,
+    namespace: &str,
+    settings: &Settings,
+) -> Result<Limiter, Error> {
+    let builder = Limiter::builder(quota)
+        .name(&format!("{domain}:{}", rule.path))
+        .namespace(namespace)
+        .algorithm(rule.algorithm)
+        .store(settings.store.clone())
+        .on_store_error(settings.on_store_error);
+    match settings.mode {
+        Mode::Exact => builder.exact(),
+        Mode::HybridStrict => builder.hybrid(HybridConfig::strict().max_wait(MAX_WAIT)),
+        Mode::HybridOptimistic => {
+            builder.hybrid(HybridConfig::optimistic(OPTIMISTIC_MAX_DEBT).max_wait(MAX_WAIT))
+        }
+    }
+    .build()
+}
+
+/// The store namespace of a rule: the same on every replica, from the
+/// domain and the rule's place in the file; hashed when long.
+fn namespace(domain: &str, path: &str) -> String {
+    // The domain's length first: no domain and path can read as another.
+    let plain = format!("rls:{}:{domain}:{path}", domain.len());
+    if plain.len() <= 128 {
+        return plain;
+    }
+    let digest = Sha256::digest(plain.as_bytes());
+    let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+    format!("rls:{hex}")
+}
+
+/// How long [`Table::build`]'s retired limiters are left running, so that
+/// requests still holding the previous table finish on them.
+pub const RETIRE_AFTER: Duration = Duration::from_secs(5);

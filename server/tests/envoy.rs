@@ -1,0 +1,128 @@
+//! slicelimit-server behind real Envoys: two Envoys, each with both
+//! servers in its rate limit cluster, two servers on one private Redis,
+//! and HTTP driven through the Envoys.
+
+use slicelimit_sim::envoy;
+mod rls;
+use slicelimit_sim as support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use envoy::{Envoy, Reply};
+use rls::{scratch, write_config, RlsServer};
+use support::RedisServer;
+
+const RULE: &str = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: { unit: minute, requests_per_unit: 100 }\n";
+
+/// `n` requests for `user`, spread over `envoys` by 8 clients at once.
+fn drive(envoys: &[Envoy], user: &str, n: usize) -> Vec<Reply> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let replies = Arc::new(Mutex::new(Vec::new()));
+    std::thread::scope(|scope| {
+        for _ in 0..8 {
+            let next = next.clone();
+            let replies = replies.clone();
+            scope.spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                let reply = envoys[i % envoys.len()].get(user);
+                replies.lock().unwrap().push(reply);
+            });
+        }
+    });
+    Arc::try_unwrap(replies).unwrap().into_inner().unwrap()
+}
+
+fn number(reply: &Reply, header: &str) -> u64 {
+    reply
+        .header(header)
+        .unwrap_or_else(|| panic!("no {header}: {reply:?}"))
+        .parse()
+        .unwrap_or_else(|_| panic!("{header} is not a number: {reply:?}"))
+}
+
+#[test]
+fn through_two_envoys_exactly_100_of_400_pass_and_the_headers_agree() {
+    let redis = RedisServer::start();
+    let dir = scratch("envoy-exact");
+    let config = dir.join("api.yaml");
+    write_config(&config, RULE);
+    for mode in ["hybrid-strict", "exact"] {
+        let flags = ["--redis-url", &redis.url(), "--mode", mode];
+        let servers = [
+            RlsServer::start(&config, &flags),
+            RlsServer::start(&config, &flags),
+        ];
+        let ports: Vec<u16> = servers.iter().map(|s| s.grpc_port).collect();
+        let envoys = [Envoy::start(&ports, false), Envoy::start(&ports, false)];
+
+        let replies = drive(&envoys, &format!("alice-{mode}"), 400);
+        let passed: Vec<&Reply> = replies.iter().filter(|r| r.status == 200).collect();
+        let denied: Vec<&Reply> = replies.iter().filter(|r| r.status != 200).collect();
+        assert_eq!(passed.len(), 100, "{mode}");
+        for reply in &denied {
+            assert_eq!(reply.status, 429, "{mode}: {reply:?}");
+            assert_eq!(reply.header("x-envoy-ratelimited"), Some("true"), "{mode}");
+            assert_eq!(number(reply, "x-ratelimit-remaining"), 0, "{mode}");
+        }
+        for reply in replies.iter() {
+            let limit = reply
+                .header("x-ratelimit-limit")
+                .expect("x-ratelimit-limit");
+            assert_eq!(limit, "100, 100;w=60", "{mode}");
+            let reset = number(reply, "x-ratelimit-reset");
+            assert!((1..=60).contains(&reset), "{mode}: reset {reset}");
+        }
+        let mut remaining: Vec<u64> = passed
+            .iter()
+            .map(|r| number(r, "x-ratelimit-remaining"))
+            .collect();
+        remaining.sort_unstable();
+        if mode == "exact" {
+            // Each admission was the store's own count: 99 down to 0, once each.
+            assert_eq!(remaining, (0..100).collect::<Vec<u64>>(), "{mode}");
+        } else {
+            // A leased decision tells what its replica holds plus what the
+            // store last said was unleased (Decision::remaining): after
+            // admitting, never the whole limit.
+            assert!(remaining.iter().all(|&r| r < 100), "{mode}: {remaining:?}");
+        }
+        let over: f64 = servers
+            .iter()
+            .map(|s| {
+                s.metric(
+                    "slicelimit_server_over_limit_total",
+                    "{domain=\"api\",rule=\"user\"}",
+                )
+            })
+            .sum();
+        assert_eq!(over, 300.0, "{mode}");
+    }
+}
+
+#[test]
+fn with_the_servers_gone_envoys_failure_mode_deny_decides() {
+    let dir = scratch("envoy-failure");
+    let config = dir.join("api.yaml");
+    write_config(&config, RULE);
+    let mut server = RlsServer::start(&config, &[]);
+    let lenient = Envoy::start(&[server.grpc_port], false);
+    let strict = Envoy::start(&[server.grpc_port], true);
+    assert_eq!(lenient.get("bob").status, 200);
+    assert_eq!(strict.get("bob").status, 200);
+
+    server.kill();
+    for i in 0..5 {
+        assert_eq!(
+            lenient.get("bob").status,
+            200,
+            "failure_mode_deny: false, {i}"
+        );
+        let reply = strict.get("bob");
+        assert_eq!(reply.status, 500, "failure_mode_deny: true, {i}: {reply:?}");
+        assert_eq!(reply.header("x-envoy-ratelimited"), None);
+    }
+}

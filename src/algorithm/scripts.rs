@@ -1,0 +1,333 @@
+//! The algorithms' scripts as [`Script`]s: an exact check, a check of
+//! several quotas at once, a hybrid lease and a give-back. Each names its
+//! Lua (by the algorithm's [`Spec`](super::Spec)), its arguments, its
+//! reply and its mirror over the memory store's [`Entry`] values; the
+//! arithmetic of each mirror lives in the algorithm's own file.
+
+use super::calls::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params, REPEAT};
+use super::state::{Entry, State};
+use super::{Arg, GIVE_BACK};
+use crate::error::Error;
+use crate::store::{bad_reply, Call, Lua, Memory, Script};
+
+/// How long a report's identity is remembered (the scripts' 60 s).
+const OP_TTL_US: u64 = 60_000_000;
+
+/// Runs `f` on the live entry of `key` (None if absent or expired) and
+/// writes back what it leaves.
+fn with_entry<R>(memory: &mut Memory<'_>, key: &str, f: impl FnOnce(&mut Option<Entry>) -> R) -> R {
+    let mut live = memory.take::<Entry>(key);
+    let out = f(&mut live);
+    if let Some(entry) = live {
+        let expires = entry.expires_us;
+        memory.set(key, entry, expires);
+    }
+    out
+}
+
+/// A copy of `key`'s live entry, to decide on without writing.
+fn peek_entry(memory: &mut Memory<'_>, key: &str) -> Option<Entry> {
+    memory.get::<Entry>(key).map(|e| e.clone())
+}
+
+/// Runs a report under its identity key, as the scripts do: `f` learns
+/// the first answer if this is a second delivery, and returns what to
+/// remember (if anything) for `keep_us` µs.
+fn once<R>(
+    memory: &mut Memory<'_>,
+    op: Option<String>,
+    keep_us: u64,
+    f: impl FnOnce(&mut Memory<'_>, Option<u64>) -> Result<(R, Option<u64>), Error>,
+) -> Result<R, Error> {
+    let Some(op) = op else {
+        return f(memory, None).map(|(r, _)| r);
+    };
+    let seen = memory.get::<u64>(&op).copied();
+    let (reply, remember) = f(memory, seen)?;
+    if let Some(value) = remember {
+        let until = memory.now_us() + keep_us;
+        memory.set(&op, value, until);
+    }
+    Ok(reply)
+}
+
+impl AcquireReply {
+    /// The integers the check script replies.
+    pub(crate) fn to_values(self) -> Vec<i64> {
+        vec![
+            i64::from(self.allowed),
+            self.remaining as i64,
+            self.reset_after_us as i64,
+            self.retry_after_us.map_or(-1, |r| r as i64),
+            self.now_us as i64,
+            self.level as i64,
+            self.given_back as i64,
+        ]
+    }
+}
+
+impl LeaseReply {
+    /// The integers the lease script replies.
+    pub(crate) fn to_values(self) -> Vec<i64> {
+        vec![
+            self.granted as i64,
+            self.remaining as i64,
+            self.start_after_us as i64,
+            self.reset_after_us as i64,
+            self.retry_after_us as i64,
+            self.now_us as i64,
+            self.uncovered as i64,
+            self.window,
+            self.level as i64,
+            self.given_back as i64,
+        ]
+    }
+}
+
+/// One exact check-and-count of a request of `cost` on `key`.
+#[derive(Debug)]
+pub(crate) struct Check<'a> {
+    pub(crate) key: &'a str,
+    pub(crate) params: &'a Params,
+    pub(crate) cost: u64,
+}
+
+impl Call for Check<'_> {
+    fn lua(&self) -> &'static Lua {
+        &self.params.algorithm.spec().exact
+    }
+
+    fn key(&self) -> &str {
+        self.key
+    }
+
+    fn args(&self, args: &mut Vec<Arg>) {
+        (self.params.algorithm.spec().exact_args)(self.params, self.cost, args);
+    }
+
+    fn mirror(&self, memory: &mut Memory<'_>) -> Result<Vec<i64>, Error> {
+        let check = self.params.algorithm.spec().check;
+        let now = memory.now_us();
+        with_entry(memory, self.key, |entry| {
+            check(entry, self.params, now, self.cost, self.key)
+        })
+        .map(AcquireReply::to_values)
+    }
+}
+
+impl Script for Check<'_> {
+    type Reply = AcquireReply;
+
+    fn parse(&self, values: Vec<i64>) -> Result<AcquireReply, Error> {
+        AcquireReply::from_values(&values)
+    }
+}
+
+/// Several quotas of one key, all-or-nothing, in one call (see
+/// `lua/check_all.lua`). Every key shares one hash tag.
+#[derive(Debug)]
+pub(crate) struct CheckAll<'a> {
+    pub(crate) keys: &'a [String],
+    pub(crate) params: &'a [Params],
+    pub(crate) cost: u64,
+}
+
+impl Call for CheckAll<'_> {
+    fn lua(&self) -> &'static Lua {
+        &self.params[0].algorithm.spec().exact_all
+    }
+
+    fn key(&self) -> &str {
+        &self.keys[0]
+    }
+
+    fn more_keys(&self, keys: &mut Vec<String>) {
+        keys.extend(self.keys[1..].iter().cloned());
+    }
+
+    fn args(&self, args: &mut Vec<Arg>) {
+        let spec = self.params[0].algorithm.spec();
+        let mut each = Vec::with_capacity(4 * self.params.len());
+        let mut width = 0;
+        for p in self.params {
+            let before = each.len();
+            (spec.exact_args)(p, self.cost, &mut each);
+            width = each.len() - before;
+        }
+        args.push(Arg::Uint(self.keys.len() as u64));
+        args.push(Arg::Uint(width as u64));
+        args.extend(each);
+    }
+
+    /// Each quota is decided without writing, then counted only if every
+    /// one admits.
+    fn mirror(&self, memory: &mut Memory<'_>) -> Result<Vec<i64>, Error> {
+        let now = memory.now_us();
+        let mut replies = Vec::with_capacity(self.keys.len());
+        for (key, p) in self.keys.iter().zip(self.params) {
+            let check = p.algorithm.spec().check;
+            replies.push(check(&mut peek_entry(memory, key), p, now, self.cost, key)?);
+        }
+        let admitted = replies.iter().all(|r| r.allowed);
+        for (i, (key, p)) in self.keys.iter().zip(self.params).enumerate() {
+            let check = p.algorithm.spec().check;
+            if admitted {
+                replies[i] = with_entry(memory, key, |entry| check(entry, p, now, self.cost, key))?;
+            } else if replies[i].allowed {
+                // Nothing is taken: a quota with room reports it untouched,
+                // as a peek would.
+                replies[i] = check(&mut peek_entry(memory, key), p, now, 0, key)?;
+            }
+        }
+        Ok(replies
+            .into_iter()
+            .flat_map(AcquireReply::to_values)
+            .collect())
+    }
+}
+
+impl Script for CheckAll<'_> {
+    type Reply = Vec<AcquireReply>;
+
+    fn parse(&self, values: Vec<i64>) -> Result<Vec<AcquireReply>, Error> {
+        if values.len() != super::CHECK_REPLY_LEN * self.keys.len() {
+            return Err(bad_reply(self.lua(), &values));
+        }
+        values
+            .chunks(super::CHECK_REPLY_LEN)
+            .map(AcquireReply::from_values)
+            .collect()
+    }
+}
+
+/// A hybrid lease (and debt report) on a key.
+#[derive(Debug)]
+pub(crate) struct Lease<'a> {
+    pub(crate) params: &'a Params,
+    pub(crate) call: &'a LeaseCall,
+}
+
+impl Lease<'_> {
+    /// The debt report's identity key, when the call reports debt.
+    fn op_key(&self) -> Option<String> {
+        self.call
+            .op
+            .filter(|_| self.call.debt > 0)
+            .map(|op| op.key_for(&self.call.key))
+    }
+}
+
+impl Call for Lease<'_> {
+    fn lua(&self) -> &'static Lua {
+        &self.params.algorithm.spec().lease
+    }
+
+    fn key(&self) -> &str {
+        &self.call.key
+    }
+
+    fn more_keys(&self, keys: &mut Vec<String>) {
+        keys.extend(self.op_key());
+    }
+
+    fn args(&self, args: &mut Vec<Arg>) {
+        (self.params.algorithm.spec().lease_args)(self.params, self.call, args);
+    }
+
+    fn mirror(&self, memory: &mut Memory<'_>) -> Result<Vec<i64>, Error> {
+        let now = memory.now_us();
+        let lease = self.params.algorithm.spec().lease_mirror;
+        let reply = once(memory, self.op_key(), OP_TTL_US, |memory, seen| {
+            let mut call = self.call.clone();
+            if seen.is_some() {
+                call.debt = 0;
+            }
+            let mut reply = with_entry(memory, &call.key, |entry| {
+                lease(entry, self.params, now, &call)
+            })?;
+            if let Some(uncovered) = seen {
+                reply.uncovered = uncovered;
+            }
+            Ok((reply, (call.debt > 0).then_some(reply.uncovered)))
+        })?;
+        Ok(reply.to_values())
+    }
+}
+
+impl Script for Lease<'_> {
+    type Reply = LeaseReply;
+
+    fn parse(&self, values: Vec<i64>) -> Result<LeaseReply, Error> {
+        LeaseReply::from_values(&values)
+    }
+}
+
+/// Unused permits given back (`lua/give_back.lua`, one script for every
+/// layout); replies the permits the store took back.
+#[derive(Debug)]
+pub(crate) struct GiveBack<'a> {
+    pub(crate) params: &'a Params,
+    pub(crate) call: &'a GiveBackCall,
+}
+
+impl Call for GiveBack<'_> {
+    fn lua(&self) -> &'static Lua {
+        &GIVE_BACK
+    }
+
+    fn key(&self) -> &str {
+        &self.call.key
+    }
+
+    fn more_keys(&self, keys: &mut Vec<String>) {
+        keys.push(self.call.op.key_for(&self.call.key));
+    }
+
+    fn args(&self, args: &mut Vec<Arg>) {
+        (self.params.algorithm.spec().give_back_args)(self.params, self.call, args);
+    }
+
+    fn mirror(&self, memory: &mut Memory<'_>) -> Result<Vec<i64>, Error> {
+        let now = memory.now_us();
+        let call = self.call;
+        let remember = call.remember_us.max(OP_TTL_US);
+        let repeat = if call.refund { REPEAT } else { 0 };
+        let op = Some(call.op.key_for(&call.key));
+        let back = once(memory, op, remember, |memory, seen| match seen {
+            Some(back) => Ok((back + repeat, None)),
+            None => {
+                let give_back = self.params.algorithm.spec().give_back;
+                let back = with_entry(memory, &call.key, |entry| {
+                    // A key that does not exist gets nothing back,
+                    // whatever its layout (`give_back.lua`'s EXISTS).
+                    if entry.is_none() {
+                        return Ok(0);
+                    }
+                    give_back(entry, self.params, now, call)
+                })?;
+                Ok((back, Some(back)))
+            }
+        })?;
+        Ok(vec![back as i64])
+    }
+}
+
+impl Script for GiveBack<'_> {
+    type Reply = u64;
+
+    fn parse(&self, values: Vec<i64>) -> Result<u64, Error> {
+        match values.as_slice() {
+            &[n] => Ok(n.max(0) as u64),
+            _ => Err(bad_reply(self.lua(), &values)),
+        }
+    }
+}
+
+/// Permits counted in window `window` of a window algorithm's `key`, if
+/// the key lives (what a test would `HGET` of the Redis hash).
+pub(crate) fn count_in_window(memory: &mut Memory<'_>, key: &str, window: i64) -> Option<i64> {
+    match &memory.get::<Entry>(key)?.state {
+        State::Window(w) => w.iter().find(|(i, _)| *i == window).map(|(_, c)| *c),
+        _ => None,
+    }
+}
