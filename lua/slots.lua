@@ -1,5 +1,5 @@
 -- Slots of a key's in-flight budget, held in leases under an expiry: how
--- the concurrency limiter's holders share at most N in flight (src/slots.rs
+-- the concurrency limiter's holders share at most N in flight (src/concurrency/slots.rs
 -- mirrors the arithmetic; a parity test holds them together).
 --
 -- KEYS[1]  the key's leases: a hash, lease -> "slots expires_ms want"

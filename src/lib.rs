@@ -78,11 +78,12 @@
 //! hybrid                slots, lease sizing, the sync task
 //! failure               the failure policy and its ledger
 //! exact, local          one store call per decision, or none
-//! store, queues         Redis and the embedded store; waiters per key
+//! queues                waiters per key
 //! stats                 counters a limiter keeps
 //! metrics, checked      metric names; what a store's check answered
 //! decision, key         the answer; store-key encoding
-//! algorithm             scripts, their arguments, the embedded mirror
+//! algorithm             its scripts, their arguments, their mirrors
+//! store                 the open store: Backend, Script; Redis, memory
 //! quota, breaker        quotas; the circuit breaker
 //! error, clock          the error type; injected time
 //! ```
@@ -102,10 +103,13 @@
 //!   invariants).
 //! - **Redis is touched** only in `store::redis`: every script call goes
 //!   through a node's circuit breaker (`breaker`) under the response
-//!   timeout. The store's dispatch (`store::Store`) is where round trips,
-//!   script calls, latency and errors are counted, once, for
-//!   [`Limiter::stats`] and the metrics alike. The embedded
-//!   [`MemoryStore`] answers the same calls in process.
+//!   timeout. A script is a type ([`store::Script`]: its Lua, its
+//!   arguments, its reply, its Rust mirror); any [`store::Backend`] runs
+//!   it, and [`Store`] is where round trips, script calls, latency and
+//!   errors are counted, once, for [`Limiter::stats`] and the metrics
+//!   alike. The embedded [`MemoryStore`] runs each script's mirror in
+//!   process. Other packages (slicelimit-server's rate shares) add
+//!   scripts of their own the same way.
 //! - **An algorithm** lives in one file of `algorithm/`: its Lua scripts,
 //!   their typed arguments, the embedded store's mirror of them (pure
 //!   state transitions) and the kind of lease it grants. `Algorithm::spec`
@@ -134,9 +138,9 @@
 //! - `breaker`: the circuit breaker, on an injected clock;
 //! - `stats`, `metrics`: counters readable with [`Limiter::stats`], and
 //!   their metric names;
-//! - `store`: the Redis store (on a cluster, a slot map and a breaker per
-//!   primary), the embedded [`MemoryStore`] with the same semantics, and
-//!   the dispatch between them;
+//! - `store`: the open store ([`store::Backend`], [`store::Script`]), the
+//!   Redis store (on a cluster, a slot map and a breaker per primary) and
+//!   the embedded [`MemoryStore`], which runs each script's mirror;
 //! - `failure`: the failure policy and the ledger of what its fallback
 //!   admitted;
 //! - `checked`: what a store's check answered (decision, take, refund);
@@ -149,7 +153,12 @@
 //! - `all`: [`check_all`] and [`refund_all`], across limiters;
 //! - `wait`: [`Limiter::acquire`], waiting out a denial instead of
 //!   returning it; `queues`: its waiters per key, in arrival order;
+//! - `concurrency`: the fleet-wide in-flight limit and its slots script;
 //! - `http`: the tower layer (429, `Retry-After`, `RateLimit` headers).
+//!
+//! Envoy's rate limit service is the package `slicelimit-server`, in
+//! `server/` of the repository; the test harness every package's tests
+//! share is the unpublished `slicelimit-sim`, in `sim/`.
 
 mod algorithm;
 mod all;

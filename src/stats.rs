@@ -239,24 +239,6 @@ impl Counters {
         self.meters.store_latency.record(micros as f64 / 1e6);
     }
 
-    /// One store call (a check, a batch): what it cost, how long it took,
-    /// and the errors it returned. The one place store calls are counted.
-    /// A call the breaker refused never left the process: it is neither a
-    /// round trip nor a latency sample, but its error counts.
-    pub(crate) fn store_call<'a>(
-        &self,
-        cost: StoreCost,
-        took: std::time::Duration,
-        errors: impl Iterator<Item = &'a crate::error::Error>,
-    ) {
-        if cost.round_trips > 0 {
-            self.round_trip(cost, took.as_micros() as u64);
-        }
-        for e in errors {
-            self.store_error(e.kind());
-        }
-    }
-
     pub(crate) fn lease_granted(&self, permits: u64) {
         self.leases.add(1);
         self.permits_leased.add(permits);
@@ -380,6 +362,27 @@ pub struct Stats {
     /// out anyway, because by its rate the key would have asked within a
     /// fraction of its window (a round trip of its own saved).
     pub rides: u64,
+}
+
+/// The one place store calls are counted.
+impl crate::store::Recorder for Counters {
+    /// One store call (a check, a batch): what it cost, how long it took,
+    /// and the errors it returned. A call the breaker refused never left
+    /// the process: it is neither a round trip nor a latency sample, but
+    /// its error counts.
+    fn store_call<'a>(
+        &self,
+        cost: StoreCost,
+        took: std::time::Duration,
+        errors: impl Iterator<Item = &'a crate::error::Error>,
+    ) {
+        if cost.round_trips > 0 {
+            self.round_trip(cost, took.as_micros() as u64);
+        }
+        for e in errors {
+            self.store_error(e.kind());
+        }
+    }
 }
 
 #[cfg(test)]

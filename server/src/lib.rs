@@ -16,7 +16,7 @@
 //! - [`stats`]: the server's own metrics;
 //! - [`run`]: the process (flags, listeners, shutdown).
 //!
-//! `docs/envoy.md` tells how to put it behind Envoy.
+//! [`guide`] (`docs/envoy.md`) tells how to put it behind Envoy.
 
 pub mod config;
 pub mod files;
@@ -26,3 +26,7 @@ pub mod service;
 pub mod share;
 pub mod stats;
 pub mod table;
+
+/// How to run slicelimit-server behind Envoy (`docs/envoy.md`).
+#[doc = include_str!("../docs/envoy.md")]
+pub mod guide {}

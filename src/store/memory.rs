@@ -56,7 +56,10 @@ struct Held {
 
 /// The keys of one hash tag, locked for one script call: what a mirror
 /// reads and writes. Values are typed (a key holds one type, as a Redis
-/// key holds a hash or a string) and each has an expiry.
+/// key holds a hash or a string) and each has an expiry. A value of
+/// another type reads as absent and is replaced by [`set`](Memory::set):
+/// a mirror that must answer as Redis' `WRONGTYPE` does keeps one type
+/// per key and checks inside it.
 pub struct Memory<'a> {
     map: &'a mut HashMap<String, Held>,
     now_us: u64,
@@ -222,7 +225,21 @@ impl MemoryStore {
     /// Runs one call's mirror, its keys locked.
     pub(crate) fn run_call(&self, call: &dyn Call) -> Result<Vec<i64>, Error> {
         let now_us = self.now();
-        let mut map = self.shard(shard_of(call.key()));
+        let shard = shard_of(call.key());
+        if cfg!(debug_assertions) {
+            let mut more = Vec::new();
+            call.more_keys(&mut more);
+            for key in &more {
+                debug_assert_eq!(
+                    shard_of(key),
+                    shard,
+                    "{}: {key} is not in {}'s hash tag",
+                    call.lua().name(),
+                    call.key()
+                );
+            }
+        }
+        let mut map = self.shard(shard);
         call.mirror(&mut Memory {
             map: &mut map,
             now_us,

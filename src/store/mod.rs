@@ -6,11 +6,14 @@
 //! concurrency limiter's slots and any other package's scripts all pass
 //! through the one [`Backend`] trait, which a user can implement for a
 //! store of their own. [`Store`] is the handle a limiter holds: any
-//! backend, behind an `Arc`, with every call counted once.
+//! backend, behind an `Arc`; a limiter counts each of its calls once in
+//! its statistics and metrics.
 //!
 //! A store decides nothing about policies, leases or failures; layers
 //! (breakers, fault injection) wrap a backend, a backend does not know
-//! them.
+//! them. It is the bottom of the crate: it imports nothing above it (the
+//! algorithms' scripts, the limiters' counters through `Recorder`),
+//! test hooks of the feature `test-support` aside.
 
 #[cfg(feature = "test-support")]
 pub(crate) mod faults;
@@ -40,7 +43,19 @@ use std::time::Duration;
 
 use crate::breaker::CircuitState;
 use crate::error::Error;
-use crate::stats::Counters;
+
+/// Where a limiter records what its store calls did (its counters): the
+/// store reports to it without knowing what keeps the numbers.
+pub(crate) trait Recorder {
+    /// A call (or batch) that cost `cost`, took `took` and failed with
+    /// `errors` (none when it succeeded).
+    fn store_call<'a>(
+        &self,
+        cost: StoreCost,
+        took: Duration,
+        errors: impl Iterator<Item = &'a Error>,
+    );
+}
 
 /// What a batch cost the store: round trips (pipelines and script loads
 /// sent; on a cluster a batch is one pipeline per hash slot) and script
@@ -74,6 +89,17 @@ impl StoreCost {
     }
 }
 
+impl<R: Recorder> Recorder for Arc<R> {
+    fn store_call<'a>(
+        &self,
+        cost: StoreCost,
+        took: Duration,
+        errors: impl Iterator<Item = &'a Error>,
+    ) {
+        (**self).store_call(cost, took, errors);
+    }
+}
+
 /// What a [`Backend`] answers for a batch: the integers each call
 /// replied (or its error), or one error for the whole batch, and what the
 /// batch cost.
@@ -90,17 +116,32 @@ pub struct Ran {
 ///
 /// Implement it for a store of your own (another client, a test double, a
 /// layer around another store); [`Store::new`] wraps it for a limiter.
+/// A backend that speaks the Redis protocol sends each call as `EVALSHA`
+/// of [`Call::lua`]'s [`sha`](Lua::sha) (loading its
+/// [`source`](Lua::source) on `NOSCRIPT`) with [`Call::key`] and
+/// [`Call::more_keys`] as KEYS and [`Call::args`] as ARGV; any other
+/// backend can hand the calls to a [`MemoryStore`] (its `run`), which
+/// runs each script's mirror. A layer wraps a [`Store`], itself a
+/// `Backend`.
 ///
 /// # Contract
-/// - Each call runs atomically, alone, on its keys (all in one hash slot).
-/// - A call whose reply is lost may have been applied; a call may be
-///   applied twice (scripts are written to tolerate both).
-/// - Nothing waits past the store's own timeout.
+/// - Each call runs atomically, alone, on its keys, which share one hash
+///   tag (`{…}`), as Redis Cluster requires of a script's keys.
+/// - A reply is an integer or a flat list of integers, one per call, in
+///   call order.
+/// - A call whose reply is lost may have been applied, and a call may be
+///   applied twice: every script tolerates both.
+/// - Nothing waits past the store's own timeout. An error of kind
+///   [`Timeout`](crate::ErrorKind::Timeout),
+///   [`Connection`](crate::ErrorKind::Connection) or
+///   [`CircuitOpen`](crate::ErrorKind::CircuitOpen) means the store is
+///   unavailable (the failure policy decides); any other means it
+///   answered wrongly.
 pub trait Backend: Any + fmt::Debug + Send + Sync {
     /// Runs `calls` in as few round trips as the store allows, replies in
     /// call order. `ahead`: calls the caller already has in flight on
-    /// this store (concurrent batches of one round), which a batch's
-    /// timeout may allow for.
+    /// this store (concurrent batches of one round); only a hint, which a
+    /// batch's timeout may allow for, and which a backend may ignore.
     fn run<'a>(
         &'a self,
         calls: &'a [&'a dyn Call],
@@ -114,8 +155,12 @@ pub trait Backend: Any + fmt::Debug + Send + Sync {
         None
     }
 
-    /// Whether calls on different keys may meet different breakers (a
-    /// cluster).
+    /// Whether calls on different keys may run on different servers (a
+    /// cluster): then they meet different breakers, read different
+    /// clocks and do not run in one order. `false` promises one server,
+    /// one clock, calls run in the order sent, which the hybrid engine
+    /// relies on to narrow what a round's replies tell it; a backend of
+    /// several nodes must say `true`.
     fn is_sharded(&self) -> bool {
         false
     }
@@ -241,7 +286,7 @@ impl Store {
     pub(crate) async fn run_counted<S: Script>(
         &self,
         script: &S,
-        counters: &Counters,
+        counters: &impl Recorder,
     ) -> (Result<S::Reply, Error>, StoreCost) {
         let began = std::time::Instant::now();
         let (reply, spent) = self.run_one(script).await;
@@ -254,7 +299,7 @@ impl Store {
         &self,
         scripts: &[S],
         ahead: usize,
-        counters: &Counters,
+        counters: &impl Recorder,
     ) -> (Result<Vec<Result<S::Reply, Error>>, Error>, StoreCost) {
         let began = std::time::Instant::now();
         let (replies, spent) = self.run_batch(scripts, ahead).await;
