@@ -1181,14 +1181,7 @@ fn the_grafana_dashboard_prompts_for_a_data_source_and_charts_the_layer() {
         .any(|i| i["type"] == "datasource" && i["pluginId"] == "prometheus"));
     let name = inputs[0]["name"].as_str().unwrap();
     assert!(text.contains(&format!("${{{name}}}")), "the prompt is used");
-    let exprs: Vec<&str> = dashboard["panels"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["type"] != "row")
-        .flat_map(|p| p["targets"].as_array().unwrap())
-        .map(|t| t["expr"].as_str().unwrap())
-        .collect();
+    let exprs = support::dashboard_queries();
     use slicelimit::concurrency::stats as inflight;
     for metric in [
         inflight::IN_FLIGHT,

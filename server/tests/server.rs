@@ -603,20 +603,7 @@ async fn a_token_bucket_keeps_its_tokens_when_another_descriptor_denies() {
 /// own series beside the library's.
 #[test]
 fn the_grafana_dashboard_charts_the_server() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../examples/grafana/slicelimit.json"
-    );
-    let text = std::fs::read_to_string(path).unwrap();
-    let dashboard: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let exprs: Vec<&str> = dashboard["panels"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["type"] != "row")
-        .flat_map(|p| p["targets"].as_array().unwrap())
-        .map(|t| t["expr"].as_str().unwrap())
-        .collect();
+    let exprs = slicelimit_sim::dashboard_queries();
     use slicelimit_server::stats::{
         CALLS, CONFIG_FAILING, NEAR_LIMIT, OVER_LIMIT, SHADOW_MODE, WITHIN_LIMIT,
     };

@@ -311,6 +311,26 @@ impl slicelimit::Clock for VirtualClock {
     }
 }
 
+/// The PromQL queries of every panel of the Grafana dashboard
+/// (`examples/grafana/slicelimit.json`), for tests that check a metric is
+/// charted.
+pub fn dashboard_queries() -> Vec<String> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/grafana/slicelimit.json"
+    );
+    let text = std::fs::read_to_string(path).expect("the dashboard");
+    let dashboard: serde_json::Value = serde_json::from_str(&text).expect("the dashboard's JSON");
+    dashboard["panels"]
+        .as_array()
+        .expect("panels")
+        .iter()
+        .filter(|p| p["type"] != "row")
+        .flat_map(|p| p["targets"].as_array().expect("targets"))
+        .map(|t| t["expr"].as_str().expect("an expr").to_owned())
+        .collect()
+}
+
 pub mod cluster;
 pub mod envoy;
 pub mod http;
