@@ -68,7 +68,7 @@ impl ExactEngine {
     }
 
     /// The store key and parameters of `key`'s check (several quotas are
-    /// checked together in one call, see `several`).
+    /// checked together in one call, see `limiter::quotas`).
     pub(crate) fn call_for(&self, key: &str) -> (String, Params) {
         (self.keys.store_key(key, self.params.algorithm), self.params)
     }

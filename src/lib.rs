@@ -69,12 +69,11 @@
 //!
 //! ```text
 //! http                  the tower layer
-//! wait, all             acquire; check_all and refund_all
-//! limiter               the front door and its builder
-//! several               a limiter's quotas, all-or-nothing
-//! lanes                 a limiter's quotas as lanes
-//! tiers                 a lane per quota a key may be given
-//! lane                  one quota's engine and failure layer
+//! wait                  acquire
+//! limiter/              the front door, its builder; check_all (all.rs)
+//!   quotas              one decision path: one or several quotas
+//!   tiers               the lane of a key's quota, at any position
+//!   lane                one quota's engine and failure layer
 //! hybrid                slots, lease sizing, the sync task
 //! failure               the failure policy and its ledger
 //! exact, local          one store call per decision, or none
@@ -146,11 +145,11 @@
 //! - `checked`: what a store's check answered (decision, take, refund);
 //! - `exact`, `local`: one store call per decision, or none;
 //! - `hybrid`: slots, lease sizing, the sync task;
-//! - `lane`: one quota's engine and failure layer; `tiers`: a lane per
-//!   quota a key may be given; `lanes`: a limiter's quotas as lanes;
-//! - `several`: a limiter's quotas decided all-or-nothing;
-//! - `limiter`: the [`Limiter`] front door and its [`Builder`];
-//! - `all`: [`check_all`] and [`refund_all`], across limiters;
+//! - `limiter`: the [`Limiter`] front door and its [`Builder`], and the
+//!   one decision path under it: `quotas` (one or several quotas,
+//!   all-or-nothing, one undo guard), `tiers` (the lane of a key's quota),
+//!   `lane` (one quota's engine and failure layer), `all` ([`check_all`]
+//!   and [`refund_all`], across limiters);
 //! - `wait`: [`Limiter::acquire`], waiting out a denial instead of
 //!   returning it; `queues`: its waiters per key, in arrival order;
 //! - `concurrency`: the fleet-wide in-flight limit and its slots script;
@@ -161,7 +160,6 @@
 //! share is the unpublished `slicelimit-sim`, in `sim/`.
 
 mod algorithm;
-mod all;
 mod breaker;
 mod checked;
 mod clock;
@@ -174,21 +172,16 @@ mod failure;
 pub mod http;
 mod hybrid;
 mod key;
-mod lane;
-mod lanes;
 mod limiter;
 mod local;
 pub mod metrics;
 mod queues;
 mod quota;
-mod several;
 mod stats;
 pub mod store;
-mod tiers;
 mod wait;
 
 pub use algorithm::Algorithm;
-pub use all::{check_all, check_each, refund_all};
 pub use breaker::{CircuitConfig, CircuitState};
 pub use clock::{Clock, FakeClock, SystemClock};
 pub use concurrency::{AcquireError, ConcurrencyBuilder, ConcurrencyLimiter, SlotPermit};
@@ -196,7 +189,7 @@ pub use decision::{Decision, DeniedBy, Source};
 pub use error::{Error, ErrorKind};
 pub use failure::FailurePolicy;
 pub use hybrid::{Consistency, HybridConfig};
-pub use limiter::{Builder, Check, Limiter, MAX_QUOTAS};
+pub use limiter::{check_all, check_each, refund_all, Builder, Check, Limiter, MAX_QUOTAS};
 pub use quota::{Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};
 pub use stats::Stats;
 #[cfg(feature = "sentinel")]

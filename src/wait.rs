@@ -131,9 +131,9 @@ impl Limiter {
     /// Whether `cost` is above what one of `key`'s quotas can ever admit.
     fn never_admits(&self, key: &str, cost: u64) -> bool {
         let algorithm = self.algorithm();
-        let first = self.quota_of(key);
-        std::iter::once(first)
-            .chain(self.inner.also.iter().map(|lane| lane.quota))
+        let key = crate::key::local_key(key);
+        (0..self.inner.tiers.len())
+            .map(|index| self.inner.lane(&key, index).quota)
             .any(|quota| cost > algorithm.max_cost(&quota))
     }
 

@@ -262,6 +262,47 @@ async fn tiers_hold_each_key_to_its_own_quota_and_change_at_run_time() {
     }
 }
 
+/// Tiers on a later quota (`and_for`): 100 a second for everyone and a
+/// per-minute quota by plan; the binding quota is the key's own, and a
+/// paid key's minute is not a free key's.
+#[tokio::test]
+async fn a_later_quota_has_tiers_of_its_own() {
+    for hybrid in [false, true] {
+        let clock = clock();
+        let builder = Limiter::builder(Quota::per_second(nonzero!(100)))
+            .and_for(Quota::per_minute(nonzero!(3)), |key| {
+                key.starts_with("paid")
+                    .then(|| Quota::per_minute(nonzero!(30)))
+            })
+            .namespace("t2")
+            .store(MemoryStore::with_clock(clock.clone()))
+            .clock(clock.clone());
+        let limiter = if hybrid {
+            builder.hybrid(HybridConfig::strict()).build().unwrap()
+        } else {
+            builder.build().unwrap()
+        };
+        let mut admitted = HashMap::new();
+        for key in ["free-1", "paid-1"] {
+            let mut n = 0;
+            for _ in 0..60 {
+                let d = limiter.check(key, 1).await;
+                if d.is_allowed() {
+                    n += 1;
+                    assert_eq!(d.quotas().len(), 2);
+                } else {
+                    let by = d.denied_by().expect("a denial names its quota");
+                    assert_eq!(by.index, 1, "hybrid {hybrid}: {d:?}");
+                }
+            }
+            admitted.insert(key, n);
+        }
+        assert_eq!(admitted["free-1"], 3, "hybrid {hybrid}");
+        assert_eq!(admitted["paid-1"], 30, "hybrid {hybrid}");
+        limiter.shutdown().await;
+    }
+}
+
 #[tokio::test]
 async fn raising_the_quota_mid_window_admits_the_difference_at_once() {
     let clock = clock();

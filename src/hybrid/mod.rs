@@ -70,7 +70,7 @@ impl Drop for StopGuard {
 
 /// What a hybrid engine is built from, besides its configuration.
 pub(crate) struct Wiring {
-    /// The limiter deciding through this engine (`Lanes::id`).
+    /// The limiter deciding through this engine (`Quotas::id`).
     pub(crate) limiter: u32,
     pub(crate) store: Store,
     pub(crate) keys: KeyEncoder,

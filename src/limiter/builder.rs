@@ -1,13 +1,31 @@
 //! [`Builder`]: a limiter's quotas, store, algorithm, mode and policy,
 //! checked once at `build`.
 
-use super::*;
+use std::sync::Arc;
+
+use super::lane::{Lane, Mode, Recipe};
+use super::quotas::{Quotas, NEXT_ID};
+use super::tiers::{Resolver, Tiers};
+use super::{Limiter, MAX_QUOTAS};
+use crate::algorithm::Algorithm;
+use crate::clock::{Clock, SystemClock};
+use crate::error::Error;
+use crate::failure::FailurePolicy;
+use crate::hybrid::HybridConfig;
+use crate::key::KeyEncoder;
+use crate::quota::Quota;
+use crate::stats::Counters;
+use crate::store::Store;
+
+/// The longest namespace accepted.
+const MAX_NAMESPACE_LEN: usize = 256;
 
 /// Configures a [`Limiter`]; see [`Limiter::builder`].
 #[must_use]
 pub struct Builder {
     quota: Quota,
-    also: Vec<Quota>,
+    /// Those added with `and` or `and_for`, each with its resolver.
+    also: Vec<(Quota, Option<Box<Resolver>>)>,
     tiers: Option<Box<Resolver>>,
     store: Option<Store>,
     algorithm: Algorithm,
@@ -63,7 +81,38 @@ impl Builder {
     /// Every quota of a key lives in the same Redis hash slot. At most
     /// [`MAX_QUOTAS`] in all.
     pub fn and(mut self, quota: Quota) -> Self {
-        self.also.push(quota);
+        self.also.push((quota, None));
+        self
+    }
+
+    /// One more quota, as [`and`](Builder::and), whose quota for a key
+    /// `resolver` gives (`None`: `quota`), as
+    /// [`quota_for`](Builder::quota_for) does for the first: 10 a second
+    /// for everyone **and** a daily quota by plan.
+    ///
+    /// ```
+    /// # async fn demo() -> Result<(), slicelimit::Error> {
+    /// use std::time::Duration;
+    /// use slicelimit::{nonzero, Limiter, MemoryStore, Quota};
+    ///
+    /// let day = Duration::from_secs(86_400);
+    /// let limiter = Limiter::builder(Quota::per_second(nonzero!(10)))
+    ///     .store(MemoryStore::new())
+    ///     .and_for(Quota::new(1_000, day)?, move |key| {
+    ///         key.starts_with("paid:").then(|| Quota::new(100_000, day).unwrap())
+    ///     })
+    ///     .build()?;
+    /// let decision = limiter.check("paid:7", 1).await;
+    /// assert_eq!(decision.quotas()[1].limit(), 100_000);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn and_for(
+        mut self,
+        quota: Quota,
+        resolver: impl Fn(&str) -> Option<Quota> + Send + Sync + 'static,
+    ) -> Self {
+        self.also.push((quota, Some(Box::new(resolver))));
         self
     }
 
@@ -201,7 +250,7 @@ impl Builder {
             )));
         }
         self.algorithm.check_quota(&self.quota)?;
-        for quota in &self.also {
+        for (quota, _) in &self.also {
             self.algorithm.check_quota(quota)?;
         }
         if let FailurePolicy::LocalFallback(fallback) = &self.policy {
@@ -253,42 +302,26 @@ impl Builder {
             counters: counters.clone(),
             local_refunds: Default::default(),
         };
-        let trips_at_build = recipe.store.as_ref().map_or(0, Store::circuit_trips);
         let keys = KeyEncoder::new(&namespace);
-        let first = Lane::build(&recipe, self.quota, keys.for_quota(0), config.clone())?;
-        let also = self
-            .also
-            .iter()
+        let first = std::iter::once((self.quota, self.tiers));
+        let tiers = first
+            .chain(self.also)
             .enumerate()
-            .map(|(i, quota)| Lane::build(&recipe, *quota, keys.for_quota(i + 1), config.clone()))
-            .collect::<Result<Box<[Lane]>, Error>>()?;
-        let stripes = if also.is_empty() { 0 } else { STRIPES };
+            .map(|(i, (quota, resolver))| {
+                let lane = Lane::build(&recipe, quota, keys.for_quota(i), config.clone())?;
+                Ok(Tiers::new(lane, resolver))
+            })
+            .collect::<Result<Vec<Tiers>, Error>>()?;
         Ok(Limiter {
-            inner: Arc::new(Lanes {
-                first: Tiers::new(first, self.tiers),
-                also,
-                stripes: (0..stripes).map(|_| Mutex::new(())).collect(),
-                config: Mutex::new(config),
-                counters,
-                algorithm: self.algorithm,
-                keys,
-                name,
-                waiters: Default::default(),
-                recipe,
-                id,
-                period: self.quota.period(),
-                trips_at_build,
-            }),
+            inner: Arc::new(Quotas::new(recipe, tiers, config, keys, name)),
         })
     }
 }
 
-/// The namespace of a limiter built without one: distinct for distinct
-/// quotas, so differently limited routes never share a counter.
-fn default_namespace(quota: &Quota, also: &[Quota]) -> String {
+fn default_namespace(quota: &Quota, also: &[(Quota, Option<Box<Resolver>>)]) -> String {
     let one = |q: &Quota| format!("q{}.{}ms.b{}", q.limit(), q.period().as_millis(), q.burst());
     let mut namespace = one(quota);
-    for q in also {
+    for (q, _) in also {
         namespace.push('+');
         namespace.push_str(&one(q));
     }

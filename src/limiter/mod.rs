@@ -1,48 +1,44 @@
-//! The front door: [`Limiter`] and its [`Builder`].
+//! The front door: [`Limiter`], its [`Builder`], and deciding.
 //!
-//! Validates input, dispatches a key to its lanes (`lanes`: one per
-//! quota, each with its engine and failure layer, built in `lane`) or,
-//! with several quotas, to `several`, and counts every decision. Engines
-//! decide; this module makes sure every call ends in a [`Decision`].
+//! A key goes `Limiter` → `quotas` (one path for one or several quotas:
+//! all-or-nothing, counted once) → `tiers` (the lane of the key's quota)
+//! → `lane` (that quota's engine and failure layer) → the engine.
+//! `all` decides across limiters (`check_all`) through the same undo
+//! guard. Engines decide; this module makes sure every call ends in a
+//! [`Decision`].
 
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use crate::algorithm::Algorithm;
-use crate::clock::{Clock, SystemClock};
 use crate::decision::Decision;
 use crate::error::Error;
-use crate::failure::FailurePolicy;
 use crate::hybrid::HybridConfig;
-use crate::key::{local_key, KeyEncoder, MAX_LOCAL_KEY_LEN};
-use crate::lane::{Lane, Mode, Recipe};
-use crate::lanes::{Lanes, NEXT_ID};
+use crate::key::{local_key, MAX_LOCAL_KEY_LEN};
 use crate::quota::Quota;
-use crate::several;
 use crate::stats::{Counters, Stats};
 use crate::store::Store;
-use crate::tiers::{Resolver, Tiers};
 
+mod all;
 mod builder;
+mod lane;
+mod quotas;
+mod tiers;
 
+pub use all::{check_all, check_each, refund_all};
 pub use builder::Builder;
-
-/// The longest namespace accepted.
-const MAX_NAMESPACE_LEN: usize = 256;
+use quotas::Quotas;
 
 /// The most quotas one limiter enforces on a key (see [`Builder::and`]).
 pub const MAX_QUOTAS: usize = 8;
 
-/// Stripes serialising the local takes of a limiter with several quotas.
-const STRIPES: usize = 64;
-
 /// A rate limiter. Cheap to clone; clones share one limit.
 #[derive(Clone)]
 pub struct Limiter {
-    pub(crate) inner: Arc<Lanes>,
+    pub(crate) inner: Arc<Quotas>,
 }
 
 /// The future returned by [`Limiter::check`]: already resolved when the
@@ -83,7 +79,7 @@ impl fmt::Debug for Check<'_> {
 
 impl fmt::Debug for Limiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let first = self.inner.first.default_lane();
+        let first = self.inner.tiers[0].default_lane();
         f.debug_struct("Limiter")
             .field("quotas", &self.quotas())
             .field("algorithm", &self.inner.algorithm)
@@ -162,33 +158,11 @@ impl Limiter {
     /// one hot key, that wait was a tenth of the decision's cost).
     #[inline(always)]
     fn check_local_key(&self, key: &str, cost: u64, decided: &mut Option<Decision>) {
-        let inner = &*self.inner;
-        if inner.several() {
-            *decided = several::check_now(&self.inner, key, cost);
-        } else {
-            inner.first_lane(key).check_now_into(key, cost, decided);
-        }
-        if let Some(decision) = decided {
-            inner.count(decision);
-        }
+        self.inner.check_now_into(key, cost, decided);
     }
 
     async fn check_slow(&self, key: &str, cost: u64) -> Decision {
-        let inner = &*self.inner;
-        inner.release_elsewhere(key, true).await;
-        let mut decision = if inner.several() {
-            several::decide(&self.inner, key, cost).await
-        } else {
-            inner.first_lane(key).decide(key, cost).await
-        };
-        // The key's tier changed while it was decided: the lane it was
-        // decided by must not keep what it leased meanwhile. Without
-        // waiting for the give-back: the decision is made, and a round
-        // trip here would return it in a later window than the one its
-        // permits were counted in.
-        inner.release_elsewhere(key, false).await;
-        inner.count(&mut decision);
-        decision
+        self.inner.decide(key, cost).await
     }
 
     /// Like [`check`](Limiter::check), but returns the store's error instead
@@ -197,15 +171,7 @@ impl Limiter {
     /// # Errors
     /// The store's error, classified (see [`Error::kind`]).
     pub async fn try_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
-        let key = &*local_key(key);
-        self.inner.release_elsewhere(key, true).await;
-        let mut decision = if self.inner.several() {
-            several::try_decide(&self.inner, key, cost).await
-        } else {
-            self.inner.first_lane(key).try_decide(key, cost).await
-        }?;
-        decision.limiter = self.inner.id;
-        Ok(decision)
+        self.inner.try_decide(&local_key(key), cost).await
     }
 
     /// Gives an admitted request's permits back to where they were taken
@@ -239,38 +205,17 @@ impl Limiter {
         if !decision.is_allowed() {
             return 0;
         }
-        let parts = decision.quotas();
-        if decision.limiter != self.inner.id || parts.len() != 1 + self.inner.also.len() {
-            let taken: u64 = parts.iter().map(|d| d.taken.cost).sum();
-            self.inner.counters.refunds_ignored.add(taken);
-            return 0;
-        }
-        let mut back = 0;
-        for (index, part) in parts.iter().enumerate() {
-            // A key moved to a tier of another period since: its window
-            // indices count other windows, so the refund has nowhere to go.
-            let moved = self
-                .inner
-                .lane(key, index)
-                .is_some_and(|lane| lane.quota.period() != part.period());
-            if moved {
-                self.inner.counters.refunds_ignored.add(part.taken.cost);
-                continue;
-            }
-            back += self.inner.refund_taken(key, index, part.taken).await;
-        }
-        back
+        self.inner.refund(key, decision).await
     }
 
     /// Stops background work and gives unused leased permits back to the
     /// store (hybrid). Decisions after shutdown are still answered, by one
     /// store call each.
     pub async fn shutdown(&self) {
-        for lane in self.inner.first.all() {
-            lane.shutdown().await;
-        }
-        for lane in self.inner.also.iter() {
-            lane.shutdown().await;
+        for tiers in self.inner.tiers.iter() {
+            for lane in tiers.all() {
+                lane.shutdown().await;
+            }
         }
     }
 
@@ -283,11 +228,10 @@ impl Limiter {
     /// limiter is not hybrid.
     pub fn reconfigure(&self, config: HybridConfig) -> Result<(), Error> {
         let inner = &*self.inner;
-        for lane in inner.first.all() {
-            lane.reconfigure(config.clone())?;
-        }
-        for lane in inner.also.iter() {
-            lane.reconfigure(config.clone())?;
+        for tiers in inner.tiers.iter() {
+            for lane in tiers.all() {
+                lane.reconfigure(config.clone())?;
+            }
         }
         *inner.config.lock().unwrap_or_else(|p| p.into_inner()) = Some(config);
         Ok(())
@@ -311,7 +255,7 @@ impl Limiter {
     /// limiter changed outside a Tokio runtime.
     pub fn set_quota(&self, quota: Quota) -> Result<(), Error> {
         let lane = self.inner.build_lane(quota, 0)?;
-        self.inner.first.set_default(lane);
+        self.inner.tiers[0].set_default(lane);
         Ok(())
     }
 
@@ -320,34 +264,32 @@ impl Limiter {
     /// As with [`set_quota`](Limiter::set_quota), a key's new quota applies
     /// to what its window already counted.
     pub fn set_quota_for(&self, resolver: impl Fn(&str) -> Option<Quota> + Send + Sync + 'static) {
-        self.inner.first.set_resolver(Some(Box::new(resolver)));
+        self.inner.tiers[0].set_resolver(Some(Box::new(resolver)));
     }
 
     /// Keys this process tracks locally (hybrid), over every quota; 0 for
     /// other modes.
     pub fn local_keys(&self) -> usize {
-        let first: usize = self.inner.first.all().iter().map(|l| l.local_keys()).sum();
-        first + self.inner.also.iter().map(Lane::local_keys).sum::<usize>()
+        let tiers = self.inner.tiers.iter();
+        tiers.flat_map(|t| t.all()).map(|l| l.local_keys()).sum()
     }
 
     /// The default quota (the first one given, or the latest
     /// [`set_quota`](Limiter::set_quota)).
     pub fn quota(&self) -> Quota {
-        self.inner.first.default_quota()
+        self.inner.tiers[0].default_quota()
     }
 
     /// The quota `key` is held to first: its own (see
     /// [`Builder::quota_for`]) or the default.
     pub fn quota_of(&self, key: &str) -> Quota {
-        self.inner.first_lane(&local_key(key)).quota
+        self.inner.lane(&local_key(key), 0).quota
     }
 
     /// Every quota this limiter enforces on a key without one of its own,
     /// in order: the default, then those added with [`Builder::and`].
     pub fn quotas(&self) -> Vec<Quota> {
-        let mut quotas = vec![self.quota()];
-        quotas.extend(self.inner.also.iter().map(|l| l.quota));
-        quotas
+        self.inner.tiers.iter().map(|t| t.default_quota()).collect()
     }
 
     /// How this limiter counts.

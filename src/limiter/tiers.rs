@@ -1,9 +1,9 @@
 //! Per-key quotas (tiers) and live quota changes.
 //!
-//! A limiter's first quota may depend on the key: a resolver maps a key to
-//! its quota (`None`: the default). Every quota in use gets a lane of its
+//! Each of a limiter's quotas may depend on the key: a resolver maps a key
+//! to its quota (`None`: the default). Every quota in use gets a lane of its
 //! own, built on first use, and every lane counts in the limiter's one
-//! namespace: a key that changes tier keeps what its window already
+//! namespace (its position's keys): a key that changes tier keeps what its window already
 //! counted, and the new limit applies to it. (A quota of another period
 //! than the limiter's first counts in keys of its own: windows of
 //! different lengths cannot share one count.) Resolvers and the default
@@ -16,7 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use arc_swap::{ArcSwap, ArcSwapOption};
 
-use crate::lane::Lane;
+use super::lane::Lane;
 use crate::quota::Quota;
 
 /// A key's quota, or `None` for the default.
@@ -27,6 +27,8 @@ pub(crate) type Resolver = dyn Fn(&str) -> Option<Quota> + Send + Sync;
 /// more gets the default quota for the rest.
 pub(crate) const MAX_TIERS: usize = 64;
 
+/// One of a limiter's quotas: its default lane and, with a resolver,
+/// the lanes of per-key quotas.
 pub(crate) struct Tiers {
     /// The quota of keys the resolver leaves alone, and its lane.
     default: ArcSwap<Lane>,
@@ -46,7 +48,7 @@ pub(crate) struct Tiers {
 
 /// The lane a key is decided by.
 pub(crate) enum LaneRef<'a> {
-    Built(&'a Lane),
+    Built(&'a Arc<Lane>),
     Default(arc_swap::Guard<Arc<Lane>>),
     Tier(Arc<Lane>),
 }
@@ -64,6 +66,18 @@ impl std::ops::Deref for LaneRef<'_> {
     }
 }
 
+impl LaneRef<'_> {
+    /// The lane, held without borrowing its map (for a decision that
+    /// waits on the store).
+    pub(crate) fn to_arc(&self) -> Arc<Lane> {
+        match self {
+            LaneRef::Built(lane) => Arc::clone(lane),
+            LaneRef::Default(lane) => Arc::clone(lane),
+            LaneRef::Tier(lane) => Arc::clone(lane),
+        }
+    }
+}
+
 impl Tiers {
     pub(crate) fn new(default: Lane, resolver: Option<Box<Resolver>>) -> Self {
         let built = Arc::new(default);
@@ -76,6 +90,17 @@ impl Tiers {
             lanes: ArcSwap::from_pointee(Vec::new()),
             building: Mutex::new(()),
         }
+    }
+
+    /// The period of the quota this position was built with: its store
+    /// keys count windows of this length.
+    pub(crate) fn built_period(&self) -> std::time::Duration {
+        self.built.quota.period()
+    }
+
+    /// Whether keys may have quotas of their own here.
+    pub(crate) fn has_resolver(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
     }
 
     /// The default quota.
@@ -150,18 +175,14 @@ impl Tiers {
         Some(lane)
     }
 
-    /// `key` is decided by `lane` now: every other lane gives up what it
-    /// holds for the key, so a key moved to a lower tier does not spend
+    /// `key` is decided by `current` now: every other lane gives up what
+    /// it holds for the key, so a key moved to a lower tier does not spend
     /// a lease granted under a higher one (and the count it left behind
-    /// in the store is what the new limit is held against).
-    /// (`lane`: the address of the lane that decides `key`; `wait`: for
+    /// in the store is what the new limit is held against). (`wait`: for
     /// what they give back to reach the store, see `HybridEngine::release`.)
-    pub(crate) async fn release_elsewhere(&self, key: &str, lane: usize, wait: bool) {
-        if !self.on.load(Ordering::Relaxed) {
-            return;
-        }
+    pub(crate) async fn release_elsewhere(&self, key: &str, current: &Arc<Lane>, wait: bool) {
         for other in self.all() {
-            if &*other as *const Lane as usize != lane {
+            if !Arc::ptr_eq(&other, current) {
                 other.release(key, wait).await;
             }
         }

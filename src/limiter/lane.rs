@@ -38,7 +38,7 @@ pub(crate) enum Mode {
 /// Everything a lane is built from but its quota and keys: what every
 /// lane of one limiter shares.
 pub(crate) struct Recipe {
-    /// The limiter's identity (`Lanes::id`), stamped on its decisions.
+    /// The limiter's identity (`Quotas::id`), stamped on its decisions.
     pub(crate) limiter: u32,
     pub(crate) mode: Mode,
     pub(crate) store: Option<Store>,

@@ -1,12 +1,12 @@
 //! Several limiters and keys in one decision: [`check_all`] (or
-//! [`check_each`], a cost per pair) and [`refund_all`], all-or-nothing across limiters whose keys may live in
-//! different Redis slots or nodes.
+//! [`check_each`], a cost per pair) and [`refund_all`], all-or-nothing
+//! across limiters whose keys may live in different Redis slots or nodes.
 
-use crate::decision::Decision;
-use crate::decision::Taken;
-use crate::key::local_key;
-use crate::limiter::Limiter;
-use crate::several::{binding, spawn_refunds};
+use std::sync::Arc;
+
+use super::quotas::Undo;
+use super::Limiter;
+use crate::decision::{binding, Decision, Source};
 
 /// Decides `cost` for every `(limiter, key)` pair, all-or-nothing: a
 /// user **and** the user's organisation, a route **and** the whole API.
@@ -56,40 +56,27 @@ pub async fn check_all(pairs: &[(&Limiter, &str)], cost: u64) -> Decision {
 /// all-or-nothing in the same way, in order. Envoy's rate limit
 /// requests carry a cost per descriptor.
 pub async fn check_each(items: &[(&Limiter, &str, u64)]) -> Decision {
-    let mut taken: Vec<Decision> = Vec::with_capacity(items.len());
-    let mut guard = AllUndo {
-        items,
-        taken: Vec::new(),
-    };
-    let mut denied = false;
-    for (i, (limiter, key, cost)) in items.iter().enumerate() {
+    let mut decisions: Vec<Decision> = Vec::with_capacity(items.len());
+    // What the admitting pairs took goes back, in a task of its own, if a
+    // pair denies or this future is dropped midway.
+    let undo = Undo::new();
+    for (limiter, key, cost) in items {
         let decision = limiter.check(key, *cost).await;
         // After a denial the later pairs are still asked (what they admit
         // goes back with the rest): the client is told the longest wait
         // of those that deny, the binding one, not the first one's.
         if decision.is_allowed() {
-            guard.taken.push((i, decision.clone()));
-        } else {
-            denied = true;
+            undo.record_all(&limiter.inner, key, &decision);
         }
-        taken.push(decision);
+        decisions.push(decision);
     }
-    if denied {
-        // What the admitting pairs took goes back in a task of its own
-        // (the guard's drop), not holding up the denial.
-        drop(guard);
-        return binding_of_pairs(items, taken);
+    if decisions.is_empty() {
+        return Decision::allow(0, 0, std::time::Duration::ZERO, Source::Local);
     }
-    guard.taken.clear();
-    if taken.is_empty() {
-        return Decision::allow(
-            0,
-            0,
-            std::time::Duration::ZERO,
-            crate::decision::Source::Local,
-        );
+    if decisions.iter().all(Decision::is_allowed) {
+        undo.keep();
     }
-    binding_of_pairs(items, taken)
+    binding_of_pairs(items, decisions)
 }
 
 /// The binding decision over pairs, each of which may itself hold parts.
@@ -99,37 +86,14 @@ fn binding_of_pairs(items: &[(&Limiter, &str, u64)], parts: Vec<Decision>) -> De
         .iter()
         .flat_map(|d| d.quotas().iter().cloned())
         .collect();
-    let mut decision = binding(flat);
+    let mut decision = binding(flat, Vec::new());
     decision.parts = None;
-    let names = items
+    let names: Vec<Arc<str>> = items
         .iter()
         .take(parts.len())
         .map(|(limiter, _, _)| limiter.inner.name.clone())
         .collect();
     decision.with_parts(parts, names)
-}
-
-/// What [`check_all`] took so far, given back if it is dropped midway.
-struct AllUndo<'a> {
-    items: &'a [(&'a Limiter, &'a str, u64)],
-    taken: Vec<(usize, Decision)>,
-}
-
-impl Drop for AllUndo<'_> {
-    fn drop(&mut self) {
-        for (j, decision) in std::mem::take(&mut self.taken) {
-            let (limiter, key, _) = self.items[j];
-            let key = local_key(key).into_owned();
-            let parts: Vec<(usize, Taken)> = decision
-                .quotas()
-                .iter()
-                .enumerate()
-                .map(|(i, d)| (i, d.taken))
-                .filter(|(_, t)| t.refundable())
-                .collect();
-            spawn_refunds(limiter.inner.clone(), key, parts);
-        }
-    }
 }
 
 /// Gives a [`check_all`] admission back, pair by pair (see
