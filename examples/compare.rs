@@ -54,7 +54,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 use slicelimit::{
-    Algorithm, HybridConfig, Limiter, MemoryStore, Quota, RedisOptions, RedisStore, Store,
+    store::RedisOptions, Algorithm, HybridConfig, Limiter, MemoryStore, Quota, RedisStore, Store,
 };
 use support::load::{key_name, wall_us, Pacer, ZipfKeys};
 

@@ -19,7 +19,7 @@ use slicelimit_sim as support;
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use slicelimit::{HybridConfig, Limiter, Quota, RedisOptions, RedisStore};
+use slicelimit::{store::RedisOptions, HybridConfig, Limiter, Quota, RedisStore};
 
 fn flag(name: &str) -> Option<u64> {
     let args: Vec<String> = std::env::args().collect();

@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use slicelimit_sim as support;
 
-use slicelimit::{Clock, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota};
+use slicelimit::{clock::Clock, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota};
 use support::load::ZipfKeys;
 use support::VirtualClock;
 

@@ -74,7 +74,7 @@ impl CircuitState {
 ///
 /// ```
 /// use std::time::Duration;
-/// use slicelimit::{CircuitConfig, RedisOptions};
+/// use slicelimit::{store::CircuitConfig, store::RedisOptions};
 ///
 /// let options = RedisOptions::default().circuit_breaker(
 ///     CircuitConfig::default()

@@ -149,7 +149,7 @@
 //!   one decision path under it: `quotas` (one or several quotas,
 //!   all-or-nothing, one undo guard), `tiers` (the lane of a key's quota),
 //!   `lane` (one quota's engine and failure layer), `all` ([`check_all`]
-//!   and [`refund_all`], across limiters);
+//!   and [`refund_all`](limiter::refund_all), across limiters);
 //! - `wait`: [`Limiter::acquire`], waiting out a denial instead of
 //!   returning it; `queues`: its waiters per key, in arrival order;
 //! - `concurrency`: the fleet-wide in-flight limit and its slots script;
@@ -162,7 +162,7 @@
 mod algorithm;
 mod breaker;
 mod checked;
-mod clock;
+pub mod clock;
 pub mod concurrency;
 mod decision;
 mod error;
@@ -172,7 +172,7 @@ mod failure;
 pub mod http;
 mod hybrid;
 mod key;
-mod limiter;
+pub mod limiter;
 mod local;
 pub mod metrics;
 mod queues;
@@ -182,23 +182,17 @@ pub mod store;
 mod wait;
 
 pub use algorithm::Algorithm;
-pub use breaker::{CircuitConfig, CircuitState};
-pub use clock::{Clock, FakeClock, SystemClock};
-pub use concurrency::{AcquireError, ConcurrencyBuilder, ConcurrencyLimiter, SlotPermit};
+pub use concurrency::ConcurrencyLimiter;
 pub use decision::{Decision, DeniedBy, Source};
 pub use error::{Error, ErrorKind};
 pub use failure::FailurePolicy;
 pub use hybrid::{Consistency, HybridConfig};
-pub use limiter::{check_all, check_each, refund_all, Builder, Check, Limiter, MAX_QUOTAS};
-pub use quota::{Quota, MAX_LIMIT, MAX_PERIOD, MIN_PERIOD};
+pub use limiter::{check_all, Builder, Check, Limiter};
+pub use quota::Quota;
 pub use stats::Stats;
-#[cfg(feature = "sentinel")]
-pub use store::Sentinel;
-#[cfg(feature = "tls")]
-pub use store::TlsOptions;
 #[cfg(feature = "test-support")]
 pub use store::{FaultCounts, Faults, FaultyStore};
-pub use store::{MemoryStore, RedisOptions, RedisStore, Store};
+pub use store::{MemoryStore, RedisStore, Store};
 
 /// The README's code blocks, compiled as doctests so they cannot rot.
 #[cfg(doctest)]

@@ -40,19 +40,19 @@ macro_rules! nonzero {
     };
 }
 
-/// The largest limit or burst accepted. Scripts count in Lua numbers
-/// (doubles), which are exact to 2^53; this leaves ample headroom.
-pub const MAX_LIMIT: u64 = 1_000_000_000_000;
+/// See [`Quota::MAX_LIMIT`].
+pub(crate) const MAX_LIMIT: u64 = Quota::MAX_LIMIT;
 
-/// The longest period accepted.
-pub const MAX_PERIOD: Duration = Duration::from_secs(366 * 24 * 3600);
+/// See [`Quota::MAX_PERIOD`].
+pub(crate) const MAX_PERIOD: Duration = Quota::MAX_PERIOD;
 
-/// The shortest period accepted.
-pub const MIN_PERIOD: Duration = Duration::from_millis(1);
+/// See [`Quota::MIN_PERIOD`].
+pub(crate) const MIN_PERIOD: Duration = Quota::MIN_PERIOD;
 
 /// `limit` permits per `period`, with an optional burst for token bucket
 /// and GCRA. Every `Quota` is in range: `limit` and `burst` in
-/// `1..=`[`MAX_LIMIT`], `period` in [`MIN_PERIOD`]`..=`[`MAX_PERIOD`].
+/// `1..=`[`MAX_LIMIT`](Quota::MAX_LIMIT)(Quota::MAX_LIMIT), `period` in
+/// [`MIN_PERIOD`](Quota::MIN_PERIOD)`..=`[`MAX_PERIOD`](Quota::MAX_PERIOD).
 ///
 /// ```
 /// use std::num::NonZeroU32;
@@ -74,12 +74,22 @@ pub struct Quota {
 }
 
 impl Quota {
+    /// The largest limit or burst accepted. Scripts count in Lua numbers
+    /// (doubles), which are exact to 2^53; this leaves ample headroom.
+    pub const MAX_LIMIT: u64 = 1_000_000_000_000;
+
+    /// The longest period accepted.
+    pub const MAX_PERIOD: Duration = Duration::from_secs(366 * 24 * 3600);
+
+    /// The shortest period accepted.
+    pub const MIN_PERIOD: Duration = Duration::from_millis(1);
+
     /// `limit` permits per `period`.
     ///
     /// # Errors
     /// An [`ErrorKind::InvalidInput`](crate::ErrorKind::InvalidInput) error if
-    /// the limit is zero or above [`MAX_LIMIT`], or the period is below
-    /// [`MIN_PERIOD`] or above [`MAX_PERIOD`].
+    /// the limit is zero or above [`MAX_LIMIT`](Quota::MAX_LIMIT), or the period is below
+    /// [`MIN_PERIOD`](Quota::MIN_PERIOD) or above [`MAX_PERIOD`](Quota::MAX_PERIOD).
     pub fn new(limit: u64, period: Duration) -> Result<Quota, Error> {
         let quota = Quota {
             limit,

@@ -10,8 +10,8 @@ use std::task::Poll;
 use std::time::Duration;
 
 use slicelimit::{
-    Algorithm, Clock, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore,
-    Quota, Source,
+    clock::Clock, Algorithm, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter,
+    MemoryStore, Quota, Source,
 };
 use support::VirtualClock;
 

@@ -11,8 +11,8 @@ use std::task::Poll;
 use std::time::Duration;
 
 use slicelimit::{
-    nonzero, Algorithm, CircuitConfig, FailurePolicy, HybridConfig, Limiter, MemoryStore, Quota,
-    RedisOptions, RedisStore, Source,
+    nonzero, store::CircuitConfig, store::RedisOptions, Algorithm, FailurePolicy, HybridConfig,
+    Limiter, MemoryStore, Quota, RedisStore, Source,
 };
 use support::{store, RedisServer};
 
@@ -56,7 +56,7 @@ async fn a_dropped_probe_does_not_wedge_the_circuit_breaker() {
     for _ in 0..5 {
         assert_eq!(limiter.check("k", 1).await.source(), Source::FailClosed);
     }
-    assert_eq!(redis.circuit_state(), slicelimit::CircuitState::Open);
+    assert_eq!(redis.circuit_state(), slicelimit::store::CircuitState::Open);
     tokio::time::sleep(Duration::from_millis(250)).await;
     // The probe: polled once (it is sent and waits), then dropped, as a
     // client hanging up or a caller's timeout would.
@@ -436,7 +436,7 @@ async fn absurd_durations_are_refused_at_build() {
 /// counts them; it never loses one silently.
 #[tokio::test(start_paused = true)]
 async fn a_dropped_reconciliation_counts_what_it_drops() {
-    use slicelimit::{FakeClock, Faults, FaultyStore};
+    use slicelimit::{clock::FakeClock, Faults, FaultyStore};
     let clock = FakeClock::new(Duration::from_secs(1_700_000_000));
     let memory = MemoryStore::with_clock(clock.clone());
     let down = Faults {

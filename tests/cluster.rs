@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use slicelimit::{
-    nonzero, CircuitState, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore,
-    Source,
+    nonzero, store::CircuitState, store::RedisOptions, FailurePolicy, HybridConfig, Limiter, Quota,
+    RedisStore, Source,
 };
 use support::cluster::RedisCluster;
 use support::load::{drive, wall_us, LoadSpec, Tally};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use slicelimit::{
-    nonzero, Algorithm, FailurePolicy, FakeClock, Limiter, MemoryStore, Quota, Source,
+    clock::FakeClock, nonzero, Algorithm, FailurePolicy, Limiter, MemoryStore, Quota, Source,
 };
 use support::{store, RedisServer};
 
@@ -340,7 +340,7 @@ async fn sliding_window_decides_alike_on_both_stores_across_time_steps() {
 /// apart by the step; this test compares window arithmetic, not clocks.
 struct WallClock;
 
-impl slicelimit::Clock for WallClock {
+impl slicelimit::clock::Clock for WallClock {
     fn now(&self) -> Duration {
         Duration::from_micros(support::load::wall_us())
     }

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use slicelimit::{
-    nonzero, CircuitConfig, CircuitState, FailurePolicy, FakeClock, HybridConfig, Limiter, Quota,
-    RedisOptions, RedisStore, Source,
+    clock::FakeClock, nonzero, store::CircuitConfig, store::CircuitState, store::RedisOptions,
+    FailurePolicy, HybridConfig, Limiter, Quota, RedisStore, Source,
 };
 use support::RedisServer;
 

@@ -21,7 +21,7 @@ use slicelimit::http::{
     RejectionKind,
 };
 use slicelimit::{
-    nonzero, Algorithm, FailurePolicy, FakeClock, HybridConfig, Limiter, MemoryStore, Quota,
+    clock::FakeClock, nonzero, Algorithm, FailurePolicy, HybridConfig, Limiter, MemoryStore, Quota,
 };
 use tower::{Layer, Service, ServiceExt};
 

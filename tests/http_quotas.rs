@@ -10,7 +10,7 @@ use axum::routing::get;
 use axum::Router;
 use http::{Request, StatusCode};
 use slicelimit::http::RateLimitLayer;
-use slicelimit::{nonzero, FakeClock, Limiter, MemoryStore, Quota};
+use slicelimit::{clock::FakeClock, nonzero, Limiter, MemoryStore, Quota};
 use tower::ServiceExt;
 
 use support::http::{sf_items, Item, ORIGIN};

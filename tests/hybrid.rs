@@ -372,7 +372,7 @@ async fn local_clocks_30_s_apart_agree_on_windows() {
 /// disagrees with everyone else's.
 struct OffsetClock(Duration);
 
-impl slicelimit::Clock for OffsetClock {
+impl slicelimit::clock::Clock for OffsetClock {
     fn now(&self) -> Duration {
         static BASE: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
         BASE.get_or_init(std::time::Instant::now).elapsed() + self.0

@@ -405,7 +405,10 @@ fn store_down() {
         let began = Instant::now();
         let refused = closed.try_acquire("k").await;
         assert!(
-            matches!(refused, Err(slicelimit::AcquireError::Unavailable { .. })),
+            matches!(
+                refused,
+                Err(slicelimit::concurrency::AcquireError::Unavailable { .. })
+            ),
             "{refused:?}"
         );
         let mut admitted = Vec::new();

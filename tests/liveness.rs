@@ -7,11 +7,11 @@ use slicelimit_sim as support;
 
 use std::time::{Duration, Instant};
 
+use slicelimit::{clock::SystemClock, Faults, FaultyStore};
 use slicelimit::{
-    nonzero, CircuitConfig, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore,
-    Source,
+    nonzero, store::CircuitConfig, store::RedisOptions, FailurePolicy, HybridConfig, Limiter,
+    Quota, RedisStore, Source,
 };
-use slicelimit::{Faults, FaultyStore, SystemClock};
 use support::proxy::Proxy;
 use support::{store, RedisServer};
 

@@ -6,7 +6,7 @@ use std::time::Duration;
 use metrics::{SharedString, Unit};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use metrics_util::CompositeKey;
-use slicelimit::{nonzero, FakeClock, HybridConfig, Limiter, MemoryStore, Quota, Source};
+use slicelimit::{clock::FakeClock, nonzero, HybridConfig, Limiter, MemoryStore, Quota, Source};
 
 type Snapshot = Vec<(CompositeKey, Option<Unit>, Option<SharedString>, DebugValue)>;
 

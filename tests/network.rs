@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use slicelimit::{Algorithm, HybridConfig, Limiter, Quota, RedisOptions, RedisStore, Stats};
+use slicelimit::{store::RedisOptions, Algorithm, HybridConfig, Limiter, Quota, RedisStore, Stats};
 use support::load::wall_us;
 use support::proxy::{Delay, Proxy};
 use support::RedisServer;

@@ -7,8 +7,8 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use slicelimit::{
-    check_all, nonzero, refund_all, Algorithm, FakeClock, HybridConfig, Limiter, MemoryStore,
-    Quota, Source,
+    check_all, clock::FakeClock, limiter::refund_all, nonzero, Algorithm, HybridConfig, Limiter,
+    MemoryStore, Quota, Source,
 };
 
 const START: Duration = Duration::from_secs(1_000_000);
@@ -26,7 +26,7 @@ fn window(clock_us: u64, period: Duration) -> i64 {
 }
 
 fn now_us(clock: &FakeClock) -> u64 {
-    use slicelimit::Clock;
+    use slicelimit::clock::Clock;
     clock.now().as_micros() as u64
 }
 
@@ -335,7 +335,7 @@ async fn raising_the_quota_mid_window_admits_the_difference_at_once() {
     // A bucket that would take longer than MAX_PERIOD to fill is refused.
     assert!(bucket
         .set_quota(
-            Quota::new(1, slicelimit::MAX_PERIOD)
+            Quota::new(1, slicelimit::Quota::MAX_PERIOD)
                 .unwrap()
                 .with_burst(nonzero!(1_000_000))
         )

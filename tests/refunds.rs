@@ -12,7 +12,8 @@ use axum::routing::get;
 use axum::Router;
 use slicelimit::http::RateLimitLayer;
 use slicelimit::{
-    check_all, nonzero, FakeClock, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota,
+    check_all, clock::FakeClock, nonzero, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore,
+    Quota,
 };
 use support::load::wall_us;
 use support::{store, RedisServer, VirtualClock};

@@ -8,8 +8,8 @@ use slicelimit_sim as support;
 use std::time::Duration;
 
 use slicelimit::{
-    check_all, nonzero, Algorithm, ErrorKind, HybridConfig, Limiter, Quota, RedisOptions,
-    RedisStore, TlsOptions,
+    check_all, nonzero, store::RedisOptions, store::TlsOptions, Algorithm, ErrorKind, HybridConfig,
+    Limiter, Quota, RedisStore,
 };
 use support::tls::{Certs, TlsCluster, TlsServer};
 use support::RedisServer;

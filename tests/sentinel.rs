@@ -7,8 +7,8 @@ use slicelimit_sim as support;
 use std::time::{Duration, Instant};
 
 use slicelimit::{
-    nonzero, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore, Sentinel,
-    Source,
+    nonzero, store::RedisOptions, store::Sentinel, FailurePolicy, HybridConfig, Limiter, Quota,
+    RedisStore, Source,
 };
 use support::sentinel::{SentinelSetup, SERVICE};
 
@@ -171,7 +171,7 @@ async fn a_planned_failover_is_followed_without_an_error() {
 /// TLS settings cannot apply to a Sentinel store: refused, not ignored.
 #[tokio::test]
 async fn tls_settings_for_a_sentinel_store_are_refused() {
-    let with_tls = options().tls(slicelimit::TlsOptions::new());
+    let with_tls = options().tls(slicelimit::store::TlsOptions::new());
     let err =
         RedisStore::connect_sentinel(Sentinel::new(&["redis://127.0.0.1:1/"], SERVICE), with_tls)
             .await

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use slicelimit::{
-    check_all, nonzero, Decision, HybridConfig, Limiter, Quota, RedisOptions, RedisStore,
+    check_all, nonzero, store::RedisOptions, Decision, HybridConfig, Limiter, Quota, RedisStore,
 };
 use support::cluster::RedisCluster;
 use support::load::{wall_us, ZipfKeys};

@@ -57,8 +57,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use slicelimit::{
-    check_all, refund_all, Algorithm, Clock, Decision, FailurePolicy, Faults, FaultyStore,
-    HybridConfig, Limiter, MemoryStore, Quota, Source, Store,
+    check_all, clock::Clock, limiter::refund_all, Algorithm, Decision, FailurePolicy, Faults,
+    FaultyStore, HybridConfig, Limiter, MemoryStore, Quota, Source, Store,
 };
 use support::VirtualClock;
 
@@ -812,7 +812,7 @@ async fn build_fleet(
     for p in 0..s.processes {
         let breaker_clock: Arc<dyn Clock> = match &clock {
             Some(c) => Arc::new(c.clone()),
-            None => Arc::new(slicelimit::SystemClock::new()),
+            None => Arc::new(slicelimit::clock::SystemClock::new()),
         };
         let faulty = FaultyStore::new(
             backing.clone(),
@@ -1321,7 +1321,7 @@ async fn run(
     let fleet = Arc::new(build_fleet(s, seed, backing, clock.clone()).await);
     let time: Arc<dyn Clock> = match &clock {
         Some(c) => Arc::new(c.clone()),
-        None => Arc::new(slicelimit::SystemClock::new()),
+        None => Arc::new(slicelimit::clock::SystemClock::new()),
     };
     let log = Arc::new(Mutex::new(Log {
         tier_states: vec![(0, TierRule::Flag, true)],

@@ -17,8 +17,8 @@ use crate::stats;
 use crate::table::{Mode, Settings};
 use slicelimit::metrics::PrometheusExporter;
 use slicelimit::FailurePolicy;
+use slicelimit::{store::RedisOptions, MemoryStore, RedisStore, Store};
 use slicelimit::{Error, ErrorKind};
-use slicelimit::{MemoryStore, RedisOptions, RedisStore, Store};
 
 /// How long a shutdown waits for calls in flight before it closes their
 /// connections, and then again for the leased permits to go back.

@@ -27,7 +27,7 @@ use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tonic::{Request, Response, Status};
 
 use crate::table::{RuleLimiter, Settings, Table};
-use slicelimit::check_each;
+use slicelimit::limiter::check_each;
 use slicelimit::Limiter;
 use slicelimit::Quota;
 use slicelimit::{Decision, Source};

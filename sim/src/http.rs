@@ -8,7 +8,7 @@ use std::time::Duration;
 use sfv::{BareItem, ListEntry, Parser};
 
 use slicelimit::{
-    nonzero, FailurePolicy, FakeClock, Faults, FaultyStore, Limiter, MemoryStore, Quota,
+    clock::FakeClock, nonzero, FailurePolicy, Faults, FaultyStore, Limiter, MemoryStore, Quota,
 };
 
 /// A whole minute, so per-minute windows start here.

@@ -284,8 +284,8 @@ pub fn try_query<T: redis::FromRedisValue>(url: &str, args: &[&str]) -> Option<T
 
 /// Options for test stores: generous timeouts, since test machines are
 /// shared and loaded; tests that are about timeouts set their own.
-pub fn test_options() -> slicelimit::RedisOptions {
-    slicelimit::RedisOptions::default()
+pub fn test_options() -> slicelimit::store::RedisOptions {
+    slicelimit::store::RedisOptions::default()
         .response_timeout(Duration::from_secs(2))
         .connect_timeout(Duration::from_secs(2))
 }
@@ -305,7 +305,7 @@ pub struct VirtualClock {
     pub start: tokio::time::Instant,
 }
 
-impl slicelimit::Clock for VirtualClock {
+impl slicelimit::clock::Clock for VirtualClock {
     fn now(&self) -> Duration {
         self.origin + self.start.elapsed()
     }

@@ -119,7 +119,7 @@ impl ConcurrencyBuilder {
     }
 
     /// The local clock leases are timed on (tests use a
-    /// [`FakeClock`](crate::FakeClock)).
+    /// [`FakeClock`](crate::clock::FakeClock)).
     pub fn clock(mut self, clock: impl Clock) -> Self {
         self.clock = Some(Arc::new(clock));
         self

@@ -10,8 +10,8 @@ use std::collections::HashMap;
 use super::slots::SlotLease;
 use super::{AcquireError, ConcurrencyLimiter};
 use crate::clock::Clock;
+use crate::clock::FakeClock;
 use crate::store::MemoryStore;
-use crate::FakeClock;
 
 fn max(n: u32) -> NonZeroU32 {
     NonZeroU32::new(n).expect("not zero")

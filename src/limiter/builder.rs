@@ -239,7 +239,7 @@ impl Builder {
     /// or hybrid mode without a [`store`](Builder::store), an invalid
     /// hybrid configuration or namespace, more than [`MAX_QUOTAS`]
     /// quotas, or a bucket quota (or fallback quota) that would take more
-    /// than [`MAX_PERIOD`](crate::MAX_PERIOD) to fill; an
+    /// than [`MAX_PERIOD`](crate::Quota::MAX_PERIOD) to fill; an
     /// [`Unsupported`](crate::ErrorKind::Unsupported) error for a hybrid limiter
     /// built outside a Tokio runtime.
     pub fn build(self) -> Result<Limiter, Error> {

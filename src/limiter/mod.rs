@@ -299,7 +299,7 @@ impl Limiter {
 
     /// This limiter's name: [`Builder::name`], else its namespace. It
     /// labels the limiter's metrics and names it in
-    /// [`Decision::denied_by`] after [`check_all`](crate::check_all).
+    /// [`Decision::denied_by`] after [`check_all`].
     pub fn name(&self) -> &str {
         &self.inner.name
     }

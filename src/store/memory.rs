@@ -179,7 +179,7 @@ impl MemoryStore {
         MemoryStore::with_clock(SystemClock::new())
     }
 
-    /// A store on the given clock (a [`FakeClock`](crate::FakeClock) in tests).
+    /// A store on the given clock (a [`FakeClock`](crate::clock::FakeClock) in tests).
     pub fn with_clock(clock: impl Clock) -> Self {
         MemoryStore::with_shared_clock(Arc::new(clock))
     }

@@ -33,6 +33,7 @@ pub use self::redis::Sentinel;
 pub use self::redis::TlsOptions;
 pub use self::redis::{RedisOptions, RedisStore};
 pub use self::script::{bad_reply, Arg, Call, Lua, Script};
+pub use crate::breaker::{CircuitConfig, CircuitState};
 
 use std::any::Any;
 use std::fmt;
@@ -41,7 +42,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::breaker::CircuitState;
 use crate::error::Error;
 
 /// Where a limiter records what its store calls did (its counters): the

@@ -27,8 +27,8 @@ use tonic::Status;
 use super::{Rlqs, DELIVERY, RENEW};
 use crate::config::Config;
 use crate::table::{Mode, Settings, Table};
+use slicelimit::clock::FakeClock;
 use slicelimit::FailurePolicy;
-use slicelimit::FakeClock;
 use slicelimit::MemoryStore;
 
 type Inbox = mpsc::Receiver<Result<RateLimitQuotaResponse, Status>>;

@@ -19,8 +19,8 @@ use super::bucket::Given;
 use super::{Inner, Rlqs, ASSIGNMENT_TTL, DELIVERY, RENEW, SILENT};
 use crate::config::Config;
 use crate::table::{Mode, Settings, Table};
+use slicelimit::clock::FakeClock;
 use slicelimit::FailurePolicy;
-use slicelimit::FakeClock;
 use slicelimit::MemoryStore;
 
 type Inbox = mpsc::Receiver<Result<RateLimitQuotaResponse, Status>>;

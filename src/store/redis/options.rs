@@ -104,7 +104,7 @@ impl RedisOptions {
     ///
     /// ```no_run
     /// # async fn demo() -> Result<(), slicelimit::Error> {
-    /// use slicelimit::{RedisOptions, RedisStore, TlsOptions};
+    /// use slicelimit::{store::RedisOptions, RedisStore, store::TlsOptions};
     ///
     /// let tls = TlsOptions::new()
     ///     .root_ca_pem(std::fs::read("ca.pem").unwrap())

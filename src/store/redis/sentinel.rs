@@ -11,7 +11,7 @@ use super::*;
 /// See [`RedisStore::connect_sentinel`].
 ///
 /// ```
-/// use slicelimit::Sentinel;
+/// use slicelimit::store::Sentinel;
 ///
 /// let sentinel = Sentinel::new(
 ///     &["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"],
