@@ -22,6 +22,9 @@
 -- lease's max-min share of N by every live lease's want, which a holder
 -- above it gives back as its requests finish; then the slots of expired
 -- leases this call dropped (leaked by a holder that stopped renewing).
+-- Complexity: O(pairs × leases), and O(leases log leases) for the fair level.
+--
+-- Sent with lua/fair_level.lua in front of it, which defines fair_level.
 local n = tonumber(ARGV[1])
 local ttl = tonumber(ARGV[2])
 local keep_waiting = ARGV[3] == '1'
@@ -55,24 +58,6 @@ local function total()
   return sum
 end
 
--- The max-min level of N by the live wants (whole slots, rounded down).
-local function level()
-  local sorted = {}
-  for _, want in pairs(wants) do
-    sorted[#sorted + 1] = want
-  end
-  table.sort(sorted)
-  local left = n
-  for i = 1, #sorted do
-    local share = math.floor(left / (#sorted - i + 1))
-    if sorted[i] > share then
-      return share
-    end
-    left = left - sorted[i]
-  end
-  return n
-end
-
 local out = {}
 for i = 4, #ARGV, 2 do
   local lease = ARGV[i]
@@ -99,7 +84,7 @@ for i = 4, #ARGV, 2 do
   end
   out[#out + 1] = new
 end
-local lvl = level()
+local lvl = fair_level(n, wants)
 local reply = {}
 for i = 4, #ARGV, 2 do
   local want = wants[ARGV[i]] or 0

@@ -22,6 +22,11 @@
 -- max(grant, in use), so the holds never sum past the limit. A second
 -- delivery of the same call finds the same holders and grants the same.
 -- Returns {grant, held, other holders, 1 if it still had its hold}.
+-- Complexity: O(holders + claims), and O(claims log claims) for the fair
+-- level.
+--
+-- Sent with the library's lua/fair_level.lua in front of it
+-- (slicelimit::store::fair::LUA), which defines fair_level.
 local holder = ARGV[1]
 local limit = tonumber(ARGV[3])
 local ttl = tonumber(ARGV[4])
@@ -67,26 +72,12 @@ if ttl <= 0 then
   return {0, 0, others, had}
 end
 
--- The max-min level: claims at or under it are met in full, the rest
--- share what is left equally (whole requests, rounded down).
-table.sort(claims)
-local left = limit
-local level = -1
-for i = 1, #claims do
-  local share = math.floor(left / (#claims - i + 1))
-  if claims[i] > share then
-    level = share
-    break
-  end
-  left = left - claims[i]
-end
+-- Every counted claim's max-min share of the limit; this holder's target
+-- is its own clients' shares.
+local level = fair_level(limit, claims)
 local target = 0
 for i = 1, #own do
-  if level >= 0 and level < own[i] then
-    target = target + level
-  else
-    target = target + own[i]
-  end
+  target = target + math.min(own[i], level)
 end
 local grant = math.min(target, limit - others_held)
 if grant < 0 then

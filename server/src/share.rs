@@ -2,15 +2,22 @@
 //! slicelimit-server divide an RLQS bucket's rate among themselves (in
 //! the store, `lua/rate_share.lua`), and how each divides its share among
 //! the Envoys connected to it. Pure arithmetic; the store applies
-//! [`ShareCall`] atomically, as the [`RateShare`] script.
+//! [`ShareCall`] atomically, as the [`RateShare`] script. The max-min
+//! level itself, in Lua and in Rust, is the library's
+//! [`slicelimit::store::fair`].
 
 use std::collections::HashMap;
 
+use slicelimit::store::fair;
 use slicelimit::store::{bad_reply, Arg, Call, Lua, Memory, Script};
 use slicelimit::Error;
 
-/// The script (see its header).
-pub static RATE_SHARE: Lua = Lua::new("rate_share", include_str!("../lua/rate_share.lua"));
+/// The script (see its header), with the library's fair level in front
+/// of it.
+pub static RATE_SHARE: Lua = Lua::joined(
+    "rate_share",
+    &[fair::LUA, include_str!("../lua/rate_share.lua")],
+);
 
 /// One holder's call on the shares of the bucket under `key`.
 #[derive(Debug)]
@@ -88,29 +95,6 @@ impl Script for RateShare<'_> {
             _ => Err(bad_reply(&RATE_SHARE, &values)),
         }
     }
-}
-
-/// Max-min fair division of `capacity` among `demands` (whole requests):
-/// a demand at or under the level is met in full, the others get the
-/// level, which is what is left shared equally, rounded down.
-pub(crate) fn fair(capacity: u64, demands: &[u64]) -> Vec<u64> {
-    let level = level(capacity, demands);
-    demands.iter().map(|&d| d.min(level)).collect()
-}
-
-/// The max-min level for `demands` (`u64::MAX` when every demand fits).
-pub(crate) fn level(capacity: u64, demands: &[u64]) -> u64 {
-    let mut sorted = demands.to_vec();
-    sorted.sort_unstable();
-    let mut left = capacity;
-    for (i, &d) in sorted.iter().enumerate() {
-        let share = left / (sorted.len() - i) as u64;
-        if d > share {
-            return share;
-        }
-        left -= d;
-    }
-    u64::MAX
 }
 
 /// One holder's call on a bucket's shares (the script's arguments).
@@ -217,7 +201,7 @@ pub(crate) fn apply(
             claims.extend(&hold.claims);
         }
     }
-    let level = level(call.limit, &claims);
+    let level = fair::level(call.limit, &claims);
     let target: u64 = call.claims.iter().map(|&c| c.min(level)).sum();
     let grant = target.min(call.limit.saturating_sub(others_held));
     let held = grant.max(call.in_use);
@@ -245,15 +229,6 @@ mod tests {
     use super::*;
 
     use std::collections::HashMap;
-
-    #[test]
-    fn max_min_meets_small_demands_and_splits_the_rest() {
-        assert_eq!(fair(100, &[30, 90, 180]), [30, 35, 35]);
-        assert_eq!(fair(100, &[10, 20]), [10, 20]);
-        assert_eq!(fair(100, &[0, 0]), [0, 0]);
-        assert_eq!(fair(10, &[5, 5, 5]), [3, 3, 3]);
-        assert_eq!(fair(0, &[5]), [0]);
-    }
 
     fn call(holder: &str, demand: u64, in_use: u64) -> ShareCall {
         ShareCall {

@@ -5,10 +5,17 @@
 use std::collections::HashMap;
 
 use crate::error::Error;
+use crate::store::fair;
 use crate::store::{bad_reply, Arg, Call, Lua, Memory, Script};
 
-/// The script (see its header).
-pub(crate) static SLOTS: Lua = Lua::new("slots", include_str!("../../lua/slots.lua"));
+/// The script (see its header), with the fair level in front of it.
+pub(crate) static SLOTS: Lua = Lua::new(
+    "slots",
+    concat!(
+        include_str!("../../lua/fair_level.lua"),
+        include_str!("../../lua/slots.lua")
+    ),
+);
 
 /// One call of [`SLOTS`] on the leases under `key`.
 #[derive(Debug)]
@@ -161,7 +168,7 @@ pub(crate) fn apply(
         held_now.push(new);
     }
     let wants: Vec<u64> = leases.values().map(|l| l.want).collect();
-    let level = level(call.max, &wants);
+    let level = fair::level(call.max, &wants);
     let replies = call
         .leases
         .iter()
@@ -172,22 +179,6 @@ pub(crate) fn apply(
         })
         .collect();
     (replies, expired)
-}
-
-/// The max-min level of `capacity` for `wants` (`capacity` when every
-/// want fits).
-fn level(capacity: u64, wants: &[u64]) -> u64 {
-    let mut sorted = wants.to_vec();
-    sorted.sort_unstable();
-    let mut left = capacity;
-    for (i, &want) in sorted.iter().enumerate() {
-        let share = left / (sorted.len() - i) as u64;
-        if want > share {
-            return share;
-        }
-        left -= want;
-    }
-    capacity
 }
 
 #[cfg(test)]

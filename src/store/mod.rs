@@ -9,12 +9,16 @@
 //! backend, behind an `Arc`; a limiter counts each of its calls once in
 //! its statistics and metrics.
 //!
+//! [`fair`] is a building block for scripts that share a capacity among
+//! claimants: the max-min fair level, in Lua and in Rust.
+//!
 //! A store decides nothing about policies, leases or failures; layers
 //! (breakers, fault injection) wrap a backend, a backend does not know
 //! them. It is the bottom of the crate: it imports nothing above it (the
 //! algorithms' scripts, the limiters' counters through `Recorder`),
 //! test hooks of the feature `test-support` aside.
 
+pub mod fair;
 #[cfg(feature = "test-support")]
 pub(crate) mod faults;
 pub(crate) mod memory;

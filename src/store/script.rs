@@ -28,9 +28,18 @@ use super::memory::Memory;
 #[derive(Debug)]
 pub struct Lua {
     name: &'static str,
-    source: &'static str,
+    source: Source,
     /// The SHA1 `EVALSHA` names it by, computed on first use.
     sha: OnceLock<String>,
+}
+
+/// A script's text: whole, or parts joined on first use (another
+/// package's building blocks in front of its own text, which `concat!`
+/// cannot join: it takes literals only).
+#[derive(Debug)]
+enum Source {
+    Whole(&'static str),
+    Joined(&'static [&'static str], OnceLock<String>),
 }
 
 impl Lua {
@@ -39,7 +48,19 @@ impl Lua {
     pub const fn new(name: &'static str, source: &'static str) -> Self {
         Lua {
             name,
-            source,
+            source: Source::Whole(source),
+            sha: OnceLock::new(),
+        }
+    }
+
+    /// A script called `name` whose source is `parts` joined in order:
+    /// building blocks such as [`fair::LUA`](super::fair::LUA) that define
+    /// functions, then the script that calls them. Redis sees one script
+    /// (its [`sha`](Lua::sha) is the joined text's).
+    pub const fn joined(name: &'static str, parts: &'static [&'static str]) -> Self {
+        Lua {
+            name,
+            source: Source::Joined(parts, OnceLock::new()),
             sha: OnceLock::new(),
         }
     }
@@ -50,14 +71,17 @@ impl Lua {
     }
 
     /// Its source, which `SCRIPT LOAD` sends.
-    pub fn source(&self) -> &'static str {
-        self.source
+    pub fn source(&self) -> &str {
+        match &self.source {
+            Source::Whole(source) => source,
+            Source::Joined(parts, joined) => joined.get_or_init(|| parts.concat()),
+        }
     }
 
     /// The hex SHA1 of its source.
     pub fn sha(&self) -> &str {
         self.sha
-            .get_or_init(|| redis::Script::new(self.source).get_hash().to_owned())
+            .get_or_init(|| redis::Script::new(self.source()).get_hash().to_owned())
     }
 }
 

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use envoy_types::pb::envoy::service::rate_limit_quota::v3::BucketId;
 
 use crate::config::NoMatch;
-use crate::share::fair;
 use crate::table::Table;
+use slicelimit::store::fair;
 use slicelimit::Quota;
 
 use super::{ASSIGNMENT_TTL, DELIVERY, RESERVE};
@@ -261,7 +261,7 @@ impl Bucket {
         let mut room = give.saturating_sub(self.in_use(now));
         let mut raises = Vec::new();
         let mut out = Vec::new();
-        for ((&envoy, seat), reach) in seats.iter().zip(fair(give, &claims)) {
+        for ((&envoy, seat), reach) in seats.iter().zip(fair::shares(give, &claims)) {
             let cost = seat.cost(Given::of(reach), now, period);
             // A raise waits for room below; meanwhile what it has is
             // renewed.

@@ -22,9 +22,12 @@ use crate::share::{RateShare, ShareCall};
 type Key = (String, String);
 
 impl Inner {
-    /// The call that ends this replica's hold on a bucket.
-    fn letting_go(&self) -> ShareCall {
-        ShareCall {
+    /// Lets go of this replica's hold under `store_key`: all of it, or,
+    /// with `keep` (a renewal without claims, while its Envoys may still
+    /// use part of the hold), all but what is in use. The answer is not
+    /// needed: a hold not let go of lapses on its own.
+    async fn let_go_of(&self, store_key: &str, keep: Option<ShareCall>) {
+        let call = keep.filter(|c| c.in_use > 0).unwrap_or_else(|| ShareCall {
             holder: self.holder.clone(),
             claims: Vec::new(),
             limit: 0,
@@ -33,7 +36,14 @@ impl Inner {
             claims_ttl_ms: 0,
             in_use: 0,
             tokens: 0,
-        }
+        });
+        let _ = self
+            .store
+            .run(&RateShare {
+                key: store_key,
+                call: &call,
+            })
+            .await;
     }
 
     /// The call renewing the hold on bucket `key` at `now` (`claims`:
@@ -119,14 +129,7 @@ impl Inner {
             buckets.keys().cloned().collect()
         };
         for store_key in gone {
-            let call = self.letting_go();
-            let _ = self
-                .store
-                .run(&RateShare {
-                    key: &store_key,
-                    call: &call,
-                })
-                .await;
+            self.let_go_of(&store_key, None).await;
         }
         let mut calls = Vec::new();
         for key in keys {
@@ -268,18 +271,7 @@ impl Inner {
             let Some(store_key) = self.lock().buckets.get(&key).map(|b| b.store_key.clone()) else {
                 continue;
             };
-            let call = if call.in_use == 0 {
-                self.letting_go()
-            } else {
-                call
-            };
-            let _ = self
-                .store
-                .run(&RateShare {
-                    key: &store_key,
-                    call: &call,
-                })
-                .await;
+            self.let_go_of(&store_key, Some(call)).await;
         }
     }
 }

@@ -18,6 +18,7 @@ use tonic::Status;
 use super::bucket::Given;
 use super::{Inner, Rlqs, ASSIGNMENT_TTL, DELIVERY, RENEW, SILENT};
 use crate::config::Config;
+use crate::share::{RateShare, ShareCall};
 use crate::table::{Mode, Settings, Table};
 use slicelimit::clock::FakeClock;
 use slicelimit::FailurePolicy;
@@ -444,4 +445,75 @@ async fn a_bucket_id_too_big_to_serve_gets_a_blanket_and_no_state() {
     assert!(replica.inner().lock().buckets.is_empty());
     // The failure policy's answer (closed here): a blanket denial.
     assert_eq!(strategy(received(&mut inbox).last().unwrap()), (0, 0, 0));
+}
+
+/// What another holder of the bucket under `key` is granted of a limit
+/// of 100 when it claims all of it.
+async fn left_for_another(replica: &Replica, key: &str) -> u64 {
+    let call = ShareCall {
+        holder: "another".into(),
+        claims: vec![100],
+        limit: 100,
+        ttl_ms: 1,
+        tokens_ttl_ms: 1,
+        claims_ttl_ms: 1,
+        in_use: 0,
+        tokens: 0,
+    };
+    let share = RateShare { key, call: &call };
+    replica
+        .settings
+        .store
+        .run(&share)
+        .await
+        .expect("runs")
+        .grant
+}
+
+#[tokio::test]
+async fn letting_go_keeps_of_the_hold_only_what_its_envoys_may_use() {
+    let limit = "unit: second, requests_per_unit: 100";
+    let mut replica = Replica::new(limit);
+    let (envoy, _inbox) = replica.connect(64);
+    replica.report(envoy, 1, 0);
+    replica.round().await;
+    // Its Envoy wants less: the hold shrinks at the next renewal, once
+    // the lower assignment is delivered. Letting go (at shutdown) before
+    // that keeps only what is in use.
+    replica.advance(Duration::from_secs(1));
+    replica.report(envoy, 30, 0);
+    replica.round().await;
+    replica.advance(DELIVERY + RENEW);
+    let (key, held, in_use) = {
+        let state = replica.inner().lock();
+        let bucket = state.buckets.values().next().expect("a bucket");
+        (
+            bucket.store_key.clone(),
+            bucket.held,
+            bucket.in_use(replica.now()),
+        )
+    };
+    assert!(in_use > 0 && in_use < held, "{in_use} of {held}");
+    assert_eq!(left_for_another(&replica, &key).await, 100 - held);
+    replica.inner().let_go(replica.now()).await;
+    assert_eq!(left_for_another(&replica, &key).await, 100 - in_use);
+
+    // Its Envoy was sent nothing (its queue full): nothing is in use,
+    // and letting go frees all of it, before the hold would expire.
+    let replica = Replica::new(limit);
+    let (envoy, _inbox) = replica.connect(1);
+    replica.report(envoy, 1, 0);
+    replica.inner().lock().envoys[&envoy]
+        .try_send(Err(Status::unavailable("filler")))
+        .expect("room for one");
+    replica.round().await;
+    let key = {
+        let state = replica.inner().lock();
+        let bucket = state.buckets.values().next().expect("a bucket");
+        assert_eq!((bucket.held, bucket.in_use(replica.now())), (100, 0));
+        bucket.store_key.clone()
+    };
+    assert_eq!(left_for_another(&replica, &key).await, 0);
+    replica.inner().let_go(replica.now()).await;
+    assert_eq!(left_for_another(&replica, &key).await, 100);
 }
