@@ -21,6 +21,18 @@ fn per_minute_50() -> Quota {
     Quota::new(50, Duration::from_secs(60)).unwrap()
 }
 
+/// `builder` on an embedded store and `clock`, exact or strict hybrid.
+fn on_clock(builder: slicelimit::Builder, clock: &FakeClock, hybrid: bool) -> Limiter {
+    let builder = builder
+        .store(MemoryStore::with_clock(clock.clone()))
+        .clock(clock.clone());
+    if hybrid {
+        builder.hybrid(HybridConfig::strict()).build().unwrap()
+    } else {
+        builder.build().unwrap()
+    }
+}
+
 fn window(clock_us: u64, period: Duration) -> i64 {
     (clock_us / period.as_micros() as u64) as i64
 }
@@ -221,19 +233,11 @@ async fn refunds_never_let_a_window_admit_past_its_limit() {
 async fn tiers_hold_each_key_to_its_own_quota_and_change_at_run_time() {
     for hybrid in [false, true] {
         let clock = clock();
-        let builder = Limiter::builder(Quota::per_second(nonzero!(5)))
-            .quota_for(|key| {
-                key.starts_with("paid")
-                    .then(|| Quota::per_second(nonzero!(50)))
-            })
-            .namespace("t")
-            .store(MemoryStore::with_clock(clock.clone()))
-            .clock(clock.clone());
-        let limiter = if hybrid {
-            builder.hybrid(HybridConfig::strict()).build().unwrap()
-        } else {
-            builder.build().unwrap()
-        };
+        let builder = Limiter::builder(Quota::per_second(nonzero!(5))).quota_for(|key| {
+            key.starts_with("paid")
+                .then(|| Quota::per_second(nonzero!(50)))
+        });
+        let limiter = on_clock(builder.namespace("t"), &clock, hybrid);
         let admit_all = |key: &'static str| {
             let limiter = limiter.clone();
             async move {
@@ -269,19 +273,14 @@ async fn tiers_hold_each_key_to_its_own_quota_and_change_at_run_time() {
 async fn a_later_quota_has_tiers_of_its_own() {
     for hybrid in [false, true] {
         let clock = clock();
-        let builder = Limiter::builder(Quota::per_second(nonzero!(100)))
-            .and_for(Quota::per_minute(nonzero!(3)), |key| {
+        let builder = Limiter::builder(Quota::per_second(nonzero!(100))).and_for(
+            Quota::per_minute(nonzero!(3)),
+            |key| {
                 key.starts_with("paid")
                     .then(|| Quota::per_minute(nonzero!(30)))
-            })
-            .namespace("t2")
-            .store(MemoryStore::with_clock(clock.clone()))
-            .clock(clock.clone());
-        let limiter = if hybrid {
-            builder.hybrid(HybridConfig::strict()).build().unwrap()
-        } else {
-            builder.build().unwrap()
-        };
+            },
+        );
+        let limiter = on_clock(builder.namespace("t2"), &clock, hybrid);
         let mut admitted = HashMap::new();
         for key in ["free-1", "paid-1"] {
             let mut n = 0;
