@@ -7,8 +7,8 @@
 //! Runs on the embedded `MemoryStore` unless `REDIS_URL` is set:
 //!
 //! ```text
-//! cargo run --release --example four_servers
-//! REDIS_URL=redis://127.0.0.1:6379 cargo run --release --example four_servers
+//! cargo run --release -p slicelimit-examples --example four_servers
+//! REDIS_URL=redis://127.0.0.1:6379 cargo run --release -p slicelimit-examples --example four_servers
 //! ```
 
 use std::time::{Duration, Instant};
