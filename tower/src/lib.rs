@@ -1,4 +1,4 @@
-//! Tower layers for [slicelimit](slicelimit): HTTP and gRPC rate limits
+//! Tower layers for [slicelimit]: HTTP and gRPC rate limits
 //! and in-flight limits for axum, hyper and tonic services.
 //!
 //! ```no_run
