@@ -232,6 +232,8 @@ impl Prepared {
             let limiter = &policies[i].limiter;
             let key = keys[i].as_str();
             let decision = match n {
+                // Its denial was just seen: no need to ask before the
+                // retry time it names.
                 0 => {
                     limiter
                         .wait_out(key, cost, decisions[i].clone(), deadline)
@@ -240,6 +242,8 @@ impl Prepared {
                 // Past the budget, no policy is asked again: the request
                 // is answered within the budget and one decision.
                 _ if Instant::now() >= deadline => return,
+                // Its first denial is stale by now: asked afresh, then
+                // waited out within what is left of the budget.
                 _ => limiter.acquire_until(key, cost, deadline).await,
             };
             let admitted = decision.is_allowed();
