@@ -1,7 +1,7 @@
 //! The answer to "may this request proceed?", with what HTTP headers need.
 //!
 //! Times are exact to the microsecond here; rounding to whole seconds is the
-//! HTTP layer's business.
+//! business of whoever writes HTTP headers (slicelimit-tower's layer).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,8 +31,9 @@ pub enum Source {
     Fallback,
     /// Admitted by its own quota (or, from [`check_all`](crate::check_all),
     /// its own limiter), then given back because another denied: not an
-    /// admission. Found only among a denial's
-    /// [`quotas`](Decision::quotas).
+    /// admission. Found among a denial's [`quotas`](Decision::quotas),
+    /// and on an admission passed through
+    /// [`given_back`](Decision::given_back).
     GivenBack,
 }
 
@@ -490,11 +491,19 @@ impl Decision {
                 .is_some_and(|parts| parts.list.iter().any(Decision::took_something))
     }
 
-    /// This admission as it reads once another policy denied the request
-    /// and its permits went back: [`Source::GivenBack`], its permits
-    /// counted as remaining again (the HTTP layer's headers).
-    #[cfg(feature = "tower")]
-    pub(crate) fn given_back(mut self) -> Decision {
+    /// This admission as it reads once what it took went back, because
+    /// another limiter denied the same request (all-or-nothing) and the
+    /// admission was [refunded](crate::Limiter::refund): a denial from
+    /// [`Source::GivenBack`], without a retry time, its permits counted
+    /// as remaining again, its quotas given back too. For what a refused
+    /// request is told about a policy that had admitted it (the
+    /// `RateLimit` headers of slicelimit-tower's layer). A denial is
+    /// returned as it is.
+    ///
+    /// It only changes how the decision reads; giving the permits back is
+    /// [`Limiter::refund`](crate::Limiter::refund)'s job.
+    #[must_use]
+    pub fn given_back(mut self) -> Decision {
         self.mark_given_back();
         self
     }

@@ -63,12 +63,10 @@
 //!
 //! Where things happen, top to bottom: each layer imports only from the
 //! layers below it, no file imports one on its own layer or above (no
-//! circle of imports outside `http`), and within the crate a type is
-//! named by the path of the module that defines it, not through these
-//! re-exports:
+//! circle of imports), and within the crate a type is named by the path
+//! of the module that defines it, not through these re-exports:
 //!
 //! ```text
-//! http                  the tower layer
 //! wait                  acquire
 //! limiter/              the front door, its builder; check_all (all.rs)
 //!   quotas              one decision path: one or several quotas
@@ -152,12 +150,13 @@
 //!   and [`refund_all`](limiter::refund_all), across limiters);
 //! - `wait`: [`Limiter::acquire`], waiting out a denial instead of
 //!   returning it; `queues`: its waiters per key, in arrival order;
-//! - `concurrency`: the fleet-wide in-flight limit and its slots script;
-//! - `http`: the tower layer (429, `Retry-After`, `RateLimit` headers).
+//! - `concurrency`: the fleet-wide in-flight limit and its slots script.
 //!
-//! Envoy's rate limit service is the package `slicelimit-server`, in
-//! `server/` of the repository; the test harness every package's tests
-//! share is the unpublished `slicelimit-sim`, in `sim/`.
+//! The tower layers (429, `Retry-After`, `RateLimit` headers; in-flight
+//! limits) are the package `slicelimit-tower`, in `tower/` of the
+//! repository; Envoy's rate limit service is the package
+//! `slicelimit-server`, in `server/`; the test harness every package's
+//! tests share is the unpublished `slicelimit-sim`, in `sim/`.
 
 mod algorithm;
 mod breaker;
@@ -168,8 +167,6 @@ mod decision;
 mod error;
 mod exact;
 mod failure;
-#[cfg(feature = "tower")]
-pub mod http;
 mod hybrid;
 mod key;
 pub mod limiter;
@@ -203,11 +200,6 @@ pub struct ReadmeDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/usage.md")]
 pub struct UsageDoctests;
-
-/// The code blocks of `docs/http.md`, compiled as doctests.
-#[cfg(doctest)]
-#[doc = include_str!("../docs/http.md")]
-pub struct HttpDoctests;
 
 /// The code blocks of `docs/concurrency.md`, compiled as doctests.
 #[cfg(doctest)]

@@ -332,7 +332,9 @@ pub struct Stats {
     /// Times the hybrid limiter's background task was found gone (its
     /// runtime dropped, a panic) and started again on a caller's runtime.
     pub sync_restarts: u64,
-    /// Denials the HTTP layer let through in shadow (dry-run) mode.
+    /// Denials let through in shadow (dry-run) mode, as counted by
+    /// [`Limiter::record_shadow_denial`](crate::Limiter::record_shadow_denial)
+    /// (slicelimit-tower's layer counts each one).
     pub shadow_denials: u64,
     /// Permits given back by [`Limiter::refund`](crate::Limiter::refund)
     /// (and by the undoing of a take that another quota or key denied) to
@@ -341,11 +343,12 @@ pub struct Stats {
     /// Permits a refund could not give back: their window had ended, or
     /// the decision took nothing refundable.
     pub refunds_ignored: u64,
-    /// Sleeps [`Limiter::acquire`](crate::Limiter::acquire) (or the HTTP
-    /// layer's `wait_up_to`) took before asking again.
+    /// Sleeps [`Limiter::acquire`](crate::Limiter::acquire) (or
+    /// `acquire_until`, `wait_out`: slicelimit-tower's `wait_up_to`) took
+    /// before asking again.
     pub acquire_waits: u64,
-    /// Waits that ran out: `acquire` calls (and requests held by the
-    /// HTTP layer) that slept and were still denied when the retry fell
+    /// Waits that ran out: `acquire` calls (and `acquire_until`,
+    /// `wait_out`) that slept and were still denied when the retry fell
     /// beyond what was left of the wait. A denial returned without
     /// sleeping (it can never pass, or its retry lies beyond the whole
     /// wait) is not a wait and is not counted.

@@ -74,12 +74,43 @@ impl Limiter {
     /// # }
     /// ```
     pub async fn acquire(&self, key: &str, cost: u64, max_wait: Duration) -> Decision {
-        // No wait, or a cost no window can ever admit: one check, now,
-        // whoever waits.
-        if max_wait.is_zero() || self.never_admits(key, cost) {
+        // No wait: one check, now, whoever waits.
+        if max_wait.is_zero() {
             return self.check(key, cost).await;
         }
-        let deadline = deadline_after(max_wait);
+        self.acquire_until(key, cost, deadline_after(max_wait))
+            .await
+    }
+
+    /// [`acquire`](Limiter::acquire) with a deadline instead of a
+    /// duration: several waits can share one budget, e.g. a request
+    /// counted against a user's and an organisation's limiter that may
+    /// wait 2 s in all. Everything else is as `acquire` says (in arrival
+    /// order, bounded by `deadline`, jittered, cancel-safe, counted in
+    /// the same [`Stats`](crate::Stats)). With `deadline` already past it
+    /// checks once, or answers with the last denial of a waiter ahead of
+    /// it on this key.
+    ///
+    /// `deadline` is tokio's [`Instant`], so a test runtime's paused clock
+    /// moves it.
+    ///
+    /// ```no_run
+    /// # async fn demo(user: slicelimit::Limiter, org: slicelimit::Limiter) {
+    /// use std::time::Duration;
+    /// use tokio::time::Instant;
+    ///
+    /// // One budget of 2 s for both waits, not 2 s each.
+    /// let deadline = Instant::now() + Duration::from_secs(2);
+    /// let by_user = user.acquire_until("alice", 1, deadline).await;
+    /// let by_org = org.acquire_until("acme", 1, deadline).await;
+    /// # let _ = (by_user, by_org);
+    /// # }
+    /// ```
+    pub async fn acquire_until(&self, key: &str, cost: u64, deadline: Instant) -> Decision {
+        // A cost no window can ever admit: one check, now, whoever waits.
+        if self.never_admits(key, cost) {
+            return self.check(key, cost).await;
+        }
         let turn = match self.turn(key, deadline).await {
             Ok(turn) => turn,
             Err(Some(denial)) => return denial,
@@ -93,26 +124,32 @@ impl Limiter {
             .await
     }
 
-    /// [`acquire`](Limiter::acquire) from a decision already made, with
-    /// the deadline of a wait already begun (the HTTP layer's budget,
-    /// shared by its policies).
-    #[cfg(feature = "tower")]
-    pub(crate) async fn retry_until(
+    /// Waits out `denial`, the decision a [`check`](Limiter::check) of
+    /// `key` and `cost` just returned, until `deadline`:
+    /// [`acquire_until`](Limiter::acquire_until) for a caller that has
+    /// asked once already and need not ask again before the retry time
+    /// its denial names. An admission, or a denial that can never pass
+    /// (no [`retry_after`](Decision::retry_after)), is returned as it is.
+    ///
+    /// A retry is waited for only while one more check still fits before
+    /// `deadline`, as in [`acquire`](Limiter::acquire); the check behind
+    /// `denial` was not timed here, so the first retry is judged as if
+    /// checks took no time.
+    pub async fn wait_out(
         &self,
         key: &str,
         cost: u64,
-        decision: Decision,
+        denial: Decision,
         deadline: Instant,
-        first_took: Duration,
     ) -> Decision {
-        if decision.is_allowed() || decision.retry_after().is_none() {
-            return decision;
+        if denial.is_allowed() || denial.retry_after().is_none() {
+            return denial;
         }
         let turn = match self.turn(key, deadline).await {
             Ok(turn) => turn,
-            Err(last) => return last.unwrap_or(decision),
+            Err(last) => return last.unwrap_or(denial),
         };
-        self.retry_in_turn(key, cost, decision, deadline, first_took, &turn)
+        self.retry_in_turn(key, cost, denial, deadline, Duration::ZERO, &turn)
             .await
     }
 
@@ -182,16 +219,11 @@ impl Limiter {
     }
 }
 
-/// The deadline of a wait of `max_wait` from now.
+/// The deadline of a wait of `max_wait` from now. No retry is further
+/// away than the longest period, so a longer wait is that long: an absurd
+/// `max_wait` (`Duration::MAX`) cannot overflow the clock.
 fn deadline_after(max_wait: Duration) -> Instant {
-    deadline_from(Instant::now(), max_wait)
-}
-
-/// The deadline of a wait of `max_wait` begun at `began`. No retry is
-/// further away than the longest period, so a longer wait is that long:
-/// an absurd `max_wait` (`Duration::MAX`) cannot overflow the clock.
-pub(crate) fn deadline_from(began: Instant, max_wait: Duration) -> Instant {
-    began + max_wait.min(MAX_PERIOD)
+    Instant::now() + max_wait.min(MAX_PERIOD)
 }
 
 /// How long after a retry time of `retry` to wake: uniform in

@@ -14,7 +14,7 @@
 //!   never a shorter re-check horizon.
 //!
 //! The real-time counterpart, through axum and a real Redis, is in
-//! `tests/http_hints.rs`.
+//! slicelimit-tower's `tests/http_hints.rs`.
 
 use slicelimit_sim as support;
 

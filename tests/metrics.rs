@@ -1,5 +1,6 @@
 //! Metrics through a local recorder: overshoot and decision counts in an
-//! optimistic scenario, with fixed label sets.
+//! optimistic scenario, with fixed label sets; the Grafana dashboard
+//! charts them.
 
 use std::time::Duration;
 
@@ -141,4 +142,51 @@ async fn optimistic_overshoot_and_decisions_are_counted() {
     }
     let stats = limiter.stats();
     assert_eq!((stats.overshoot, stats.credit_admitted), (5, 5));
+}
+
+/// `examples/grafana/slicelimit.json` asks for its data source on import
+/// and charts the limiters' and the in-flight limits' metrics.
+#[test]
+fn the_grafana_dashboard_prompts_for_a_data_source_and_charts_the_limiters() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/examples/grafana/slicelimit.json"
+    );
+    let text = std::fs::read_to_string(path).unwrap();
+    let dashboard: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let inputs = dashboard["__inputs"].as_array().expect("an __inputs list");
+    assert!(inputs
+        .iter()
+        .any(|i| i["type"] == "datasource" && i["pluginId"] == "prometheus"));
+    let name = inputs[0]["name"].as_str().unwrap();
+    assert!(text.contains(&format!("${{{name}}}")), "the prompt is used");
+    let exprs = slicelimit_sim::dashboard_queries();
+    use slicelimit::concurrency::stats as inflight;
+    for metric in [
+        inflight::IN_FLIGHT,
+        inflight::LEASED,
+        inflight::EXPIRED,
+        inflight::LOST,
+        inflight::WAITED,
+        inflight::DENIED,
+    ] {
+        assert!(
+            exprs.iter().any(|e| e.contains(metric)),
+            "{metric} is charted"
+        );
+    }
+    use slicelimit::metrics::*;
+    for metric in [
+        DECISIONS,
+        CREDIT,
+        RECONCILED,
+        REPORTS_DROPPED,
+        SHADOW_DENIALS,
+        FALLBACK_ADMISSIONS,
+    ] {
+        assert!(
+            exprs.iter().any(|e| e.contains(metric)),
+            "{metric} is charted"
+        );
+    }
 }

@@ -1,8 +1,9 @@
 //! Regression tests for four promises the hybrid limiter broke, each
 //! through the public API against a private `redis-server`:
 //!
-//! 1. a denial gives nothing back (refunding one, or the HTTP layer doing
-//!    so, must not lift a quota past its limit);
+//! 1. a denial gives nothing back (refunding one must not lift a quota
+//!    past its limit; the tower layer's case is in slicelimit-tower's
+//!    `tests/http_quotas.rs`);
 //! 2. a key demoted to a smaller tier mid-window gets nothing past the new
 //!    limit when its window already counted that much;
 //! 3. a short burst does not lease the whole window to one process and
@@ -21,14 +22,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::routing::get;
-use axum::Router;
-use http::StatusCode;
-use slicelimit::http::RateLimitLayer;
 use slicelimit::{check_all, Algorithm, HybridConfig, Limiter, Quota};
 use support::load::wall_us;
 use support::{store, RedisServer};
-use tower::ServiceExt;
 
 // ---------------------------------------------------------------------
 // Redis' clock.
@@ -204,53 +200,6 @@ async fn refunding_a_denial_gives_nothing_back() {
         "{refundable} of {denied} denials report is_refundable()"
     );
     assert!(admitted >= 3, "the quota was used: {admitted}");
-}
-
-/// The same limiter behind the tower layer, with no refund configured:
-/// at most quota 0's limit of responses 200 in one of its windows.
-///
-/// On HEAD the layer gives every refundable decision of a denied request
-/// back (its policies are all-or-nothing), and a denial's is refundable:
-/// the same double give-back as above, with no refund asked for.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_http_layer_admits_no_more_than_the_limit_with_two_quotas() {
-    let server = RedisServer::start();
-    let clock = RedisClock::of(&server);
-    let ns = "refund-layer";
-    let limiter = refund_limiter(&server, ns).await;
-    let app = Router::new()
-        .route("/ok", get(|| async { "ok" }))
-        .layer(RateLimitLayer::new(limiter.clone()));
-    let start = clock.enter_window(REFUND_PERIOD, ms(50)).await;
-    let stop = start + REFUND_PERIOD.as_micros() as u64 - 150_000;
-    let (mut ok, mut too_many, mut other) = (0u64, 0u64, 0u64);
-    let mut tick = ticker(ms(20));
-    while clock.now_us() < stop {
-        tick.tick().await;
-        let request = http::Request::get("/ok")
-            .header("x-api-key", "k")
-            .body(axum::body::Body::empty())
-            .unwrap();
-        match app.clone().oneshot(request).await.unwrap().status() {
-            StatusCode::OK => ok += 1,
-            StatusCode::TOO_MANY_REQUESTS => too_many += 1,
-            _ => other += 1,
-        }
-    }
-    let stats = limiter.stats();
-    limiter.shutdown().await;
-    println!(
-        "layer: {ok} responses 200, {too_many} 429, {other} other in one window of quota 0 \
-         (limit {REFUND_LIMIT}); stats refunded {}",
-        stats.refunded
-    );
-    assert_eq!(other, 0);
-    assert!(
-        ok <= REFUND_LIMIT,
-        "{ok} responses 200 > {REFUND_LIMIT} in one window of quota 0 (stats refunded {})",
-        stats.refunded
-    );
-    assert!(ok >= 3, "the quota was used: {ok}");
 }
 
 // ---------------------------------------------------------------------

@@ -321,10 +321,11 @@ impl Limiter {
         self.namespace() == other.namespace() && self.algorithm() == other.algorithm()
     }
 
-    /// A denial the HTTP layer let through in shadow mode, counted with
-    /// this limiter's other counters.
-    #[cfg(feature = "tower")]
-    pub(crate) fn shadow_denial(&self) {
+    /// Counts a denial that was let through anyway, in shadow (dry-run)
+    /// mode: in [`Stats::shadow_denials`] and its metric. For middleware
+    /// that decides without enforcing, such as slicelimit-tower's shadow
+    /// mode; a `check` alone does not know whether its denial was obeyed.
+    pub fn record_shadow_denial(&self) {
         self.inner.counters.shadow_denials.add(1);
     }
 

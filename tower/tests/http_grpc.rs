@@ -9,8 +9,8 @@ use slicelimit_sim as support;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use slicelimit::http::{KeyExtractor, RateLimitLayer};
 use slicelimit::{FailurePolicy, Limiter};
+use slicelimit_tower::{KeyExtractor, RateLimitLayer};
 use support::http::{per_minute, sf_items, unavailable};
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Channel, Server};

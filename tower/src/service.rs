@@ -5,16 +5,16 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response};
+use slicelimit::{Decision, Source};
 use tower::Service;
 
-use super::body::RateLimitBody;
-use super::future::{Admitted, ResponseFuture};
-use super::key::{MissingKey, RequestView};
-use super::prepared::Prepared;
-use super::reject::{Rejection, RejectionKind};
-use crate::decision::{Decision, Source};
+use crate::body::RateLimitBody;
+use crate::future::{Admitted, ResponseFuture};
+use crate::key::{MissingKey, RequestView};
+use crate::prepared::Prepared;
+use crate::reject::{Rejection, RejectionKind};
 
-/// A service rate-limited by a [`RateLimitLayer`](super::RateLimitLayer).
+/// A service rate-limited by a [`RateLimitLayer`](crate::RateLimitLayer).
 #[derive(Clone)]
 pub struct RateLimit<S> {
     inner: S,
@@ -57,7 +57,7 @@ pub(crate) enum Verdict {
 }
 
 /// Whether a request is gRPC, so it gets a gRPC status, not an HTTP one.
-pub(super) fn is_grpc(headers: &HeaderMap) -> bool {
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
@@ -76,7 +76,7 @@ pub(crate) fn conclude(
     if config.shadow {
         for (policy, decision) in config.policies(route).zip(&decisions) {
             if !decision.is_allowed() {
-                policy.limiter.shadow_denial();
+                policy.limiter.record_shadow_denial();
             }
         }
         return Verdict::Admit(None);
@@ -179,7 +179,7 @@ where
             (Err(missing), _) if config.shadow => {
                 for (index, policy) in config.policies(route).enumerate() {
                     if missing.is_none_or(|i| i == index) {
-                        policy.limiter.shadow_denial();
+                        policy.limiter.record_shadow_denial();
                     }
                 }
                 return ResponseFuture::inner(self.inner.call(request), None);

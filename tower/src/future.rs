@@ -1,4 +1,4 @@
-//! The response future of [`RateLimit`](super::RateLimit).
+//! The response future of [`RateLimit`](crate::RateLimit).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -7,10 +7,10 @@ use std::task::{ready, Context, Poll};
 
 use http::Response;
 use pin_project_lite::pin_project;
+use slicelimit::Decision;
 
-use super::body::RateLimitBody;
-use super::prepared::Prepared;
-use crate::decision::Decision;
+use crate::body::RateLimitBody;
+use crate::prepared::Prepared;
 
 type Boxed<B, E> = Pin<Box<dyn Future<Output = Result<Response<RateLimitBody<B>>, E>> + Send>>;
 

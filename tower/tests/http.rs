@@ -16,12 +16,12 @@ use hyper::body::Bytes;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use slicelimit::http::{
-    Cidr, ClientIp, KeyExtractor, MissingKey, PolicyHeaders, ProxyHeader, RateLimitLayer,
-    RejectionKind,
-};
 use slicelimit::{
     clock::FakeClock, nonzero, Algorithm, FailurePolicy, HybridConfig, Limiter, MemoryStore, Quota,
+};
+use slicelimit_tower::{
+    Cidr, ClientIp, KeyExtractor, MissingKey, PolicyHeaders, ProxyHeader, RateLimitLayer,
+    RejectionKind,
 };
 use tower::{Layer, Service, ServiceExt};
 
@@ -538,7 +538,7 @@ async fn header_sized_keys_are_distinct_budgets_of_bounded_size() {
 
 // 5. Cost 0.
 
-fn cost_from_header(r: &slicelimit::http::RequestView<'_>) -> u64 {
+fn cost_from_header(r: &slicelimit_tower::RequestView<'_>) -> u64 {
     r.headers
         .get("x-cost")
         .and_then(|v| v.to_str().ok()?.parse().ok())
@@ -1165,51 +1165,6 @@ async fn a_hybrid_limiter_behind_the_layer() {
         }
     }
     assert_eq!((ok, limited), (5, 3));
-}
-
-#[test]
-fn the_grafana_dashboard_prompts_for_a_data_source_and_charts_the_layer() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/examples/grafana/slicelimit.json"
-    );
-    let text = std::fs::read_to_string(path).unwrap();
-    let dashboard: serde_json::Value = serde_json::from_str(&text).unwrap();
-    let inputs = dashboard["__inputs"].as_array().expect("an __inputs list");
-    assert!(inputs
-        .iter()
-        .any(|i| i["type"] == "datasource" && i["pluginId"] == "prometheus"));
-    let name = inputs[0]["name"].as_str().unwrap();
-    assert!(text.contains(&format!("${{{name}}}")), "the prompt is used");
-    let exprs = support::dashboard_queries();
-    use slicelimit::concurrency::stats as inflight;
-    for metric in [
-        inflight::IN_FLIGHT,
-        inflight::LEASED,
-        inflight::EXPIRED,
-        inflight::LOST,
-        inflight::WAITED,
-        inflight::DENIED,
-    ] {
-        assert!(
-            exprs.iter().any(|e| e.contains(metric)),
-            "{metric} is charted"
-        );
-    }
-    use slicelimit::metrics::*;
-    for metric in [
-        DECISIONS,
-        CREDIT,
-        RECONCILED,
-        REPORTS_DROPPED,
-        SHADOW_DENIALS,
-        FALLBACK_ADMISSIONS,
-    ] {
-        assert!(
-            exprs.iter().any(|e| e.contains(metric)),
-            "{metric} is charted"
-        );
-    }
 }
 
 /// A user policy keyed by the API key beside an organisation policy keyed

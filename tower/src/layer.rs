@@ -7,20 +7,20 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Response};
+use slicelimit::{Limiter, Quota};
 use tower::Layer;
 
-use super::headers::PolicyHeaders;
-use super::key::{KeyExtractor, MissingKey, RequestView};
-use super::prepared::{CostFn, ExemptFn, Policy, Prepared, RefundFn, RejectFn, Route};
-use super::reject::Rejection;
-use super::service::RateLimit;
-use crate::limiter::Limiter;
+use crate::headers::PolicyHeaders;
+use crate::key::{KeyExtractor, MissingKey, RequestView};
+use crate::prepared::{CostFn, ExemptFn, Policy, Prepared, RefundFn, RejectFn, Route};
+use crate::reject::Rejection;
+use crate::service::RateLimit;
 
 /// Rate-limits HTTP (and gRPC) requests with one or more [`Limiter`]s.
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), slicelimit::Error> {
-/// use slicelimit::http::{KeyExtractor, MissingKey, RateLimitLayer};
+/// use slicelimit_tower::{KeyExtractor, MissingKey, RateLimitLayer};
 /// use slicelimit::{nonzero, HybridConfig, Limiter, Quota, RedisStore};
 ///
 /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
@@ -46,7 +46,7 @@ use crate::limiter::Limiter;
 /// Every limiter of one layer counts in its own store keys: adding a
 /// limiter built separately with the same namespace and algorithm as one
 /// already in the layer panics, since the two would silently count the
-/// same requests (give each its own [`namespace`](crate::Builder::namespace),
+/// same requests (give each its own [`namespace`](slicelimit::Builder::namespace),
 /// or pass clones of one limiter to share a budget on purpose).
 #[derive(Clone)]
 #[must_use]
@@ -234,7 +234,7 @@ impl RateLimitLayer {
     /// handled as [`on_missing_key`](RateLimitLayer::on_missing_key) says.
     ///
     /// ```
-    /// use slicelimit::http::{KeyExtractor, RateLimitLayer};
+    /// use slicelimit_tower::{KeyExtractor, RateLimitLayer};
     /// use slicelimit::{nonzero, Limiter, MemoryStore, Quota};
     ///
     /// let store = MemoryStore::new();
@@ -304,7 +304,7 @@ impl RateLimitLayer {
     /// Lets a denied request wait up to `max` to be admitted instead of
     /// being answered 429 at once (default: no wait). When every policy
     /// that denied it says the request could pass within `max`
-    /// ([`Decision::retry_after`](crate::Decision::retry_after)), the request waits as
+    /// ([`Decision::retry_after`](slicelimit::Decision::retry_after)), the request waits as
     /// [`Limiter::acquire`] does (jittered, asking again at each retry
     /// time) and proceeds if admitted; otherwise, or when the wait runs
     /// out, it gets the 429 (or 503) it would have got, at once and never
@@ -315,7 +315,10 @@ impl RateLimitLayer {
     /// there can be (a concurrency limit in front of this layer) when
     /// `max` is long.
     pub fn wait_up_to(mut self, max: Duration) -> Self {
-        self.wait = max;
+        // No retry is further away than the longest period, so a longer
+        // wait is that long, and an absurd `max` (`Duration::MAX`) cannot
+        // overflow the clock when a deadline is taken from it.
+        self.wait = max.min(Quota::MAX_PERIOD);
         self
     }
 
@@ -324,7 +327,7 @@ impl RateLimitLayer {
     /// a request that failed on the server need not cost the client its
     /// quota. The refund goes to the window the permits came from and is
     /// ignored once that window ended (see
-    /// [`Limiter::refund`](crate::Limiter::refund)); it is sent in the
+    /// [`Limiter::refund`](slicelimit::Limiter::refund)); it is sent in the
     /// background, after the response. HTTP status only: a gRPC error
     /// travels in `grpc-status` trailers and is not seen here.
     pub fn refund_on(

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use http::{Extensions, HeaderMap, Method, Uri};
 
-use super::ip::ClientIp;
+use crate::ip::ClientIp;
 
 /// The parts of a request an extractor may look at.
 #[derive(Debug, Clone, Copy)]
@@ -66,11 +66,11 @@ impl KeyExtractor {
     /// time.
     ///
     /// # Errors
-    /// An [`InvalidInput`](crate::ErrorKind::InvalidInput) error if `name`
+    /// An [`InvalidInput`](slicelimit::ErrorKind::InvalidInput) error if `name`
     /// is not a valid header name.
-    pub fn try_header(name: &str) -> Result<Self, crate::error::Error> {
+    pub fn try_header(name: &str) -> Result<Self, slicelimit::Error> {
         let name = http::HeaderName::from_bytes(name.trim().as_bytes()).map_err(|_| {
-            crate::error::Error::invalid(format!("{name:?} is not a valid HTTP header name"))
+            slicelimit::Error::invalid(format!("{name:?} is not a valid HTTP header name"))
         })?;
         let read = name.clone();
         Ok(KeyExtractor {

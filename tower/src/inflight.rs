@@ -14,13 +14,13 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use slicelimit::{concurrency::AcquireError, concurrency::SlotPermit, ConcurrencyLimiter};
 use tower::{Layer, Service};
 
-use super::body::RateLimitBody;
-use super::headers::ceil_secs;
-use super::key::{KeyExtractor, MissingKey, RequestView};
-use super::reject::{Rejection, RejectionKind};
-use crate::concurrency::{AcquireError, ConcurrencyLimiter, SlotPermit};
+use crate::body::RateLimitBody;
+use crate::headers::ceil_secs;
+use crate::key::{KeyExtractor, MissingKey, RequestView};
+use crate::reject::{Rejection, RejectionKind};
 
 /// Limits requests in flight per key (see the module).
 #[derive(Debug, Clone)]
@@ -123,7 +123,7 @@ where
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let config = self.config.clone();
-        let grpc = super::service::is_grpc(request.headers());
+        let grpc = crate::service::is_grpc(request.headers());
         let key = match (
             config.key.extract(&RequestView::new(&request)),
             &config.missing,

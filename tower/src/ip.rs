@@ -15,9 +15,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::str::FromStr;
 
 use http::{Extensions, HeaderMap};
+use slicelimit::Error;
 
-use super::key::RequestView;
-use crate::error::Error;
+use crate::key::RequestView;
 
 /// An IP network: an address and a prefix length, such as `10.0.0.0/8`.
 ///
@@ -33,7 +33,7 @@ impl Cidr {
     /// cleared.
     ///
     /// # Errors
-    /// [`InvalidInput`](crate::ErrorKind::InvalidInput) if `prefix` is
+    /// [`InvalidInput`](slicelimit::ErrorKind::InvalidInput) if `prefix` is
     /// longer than the address (32 bits for IPv4, 128 for IPv6).
     pub fn new(addr: IpAddr, prefix: u8) -> Result<Cidr, Error> {
         let addr = addr.to_canonical();
@@ -54,7 +54,7 @@ impl Cidr {
     /// an empty list.
     ///
     /// # Errors
-    /// [`InvalidInput`](crate::ErrorKind::InvalidInput) naming the first
+    /// [`InvalidInput`](slicelimit::ErrorKind::InvalidInput) naming the first
     /// entry that is not a network.
     pub fn parse_list(list: &str) -> Result<Vec<Cidr>, Error> {
         list.split(',')
@@ -151,7 +151,7 @@ enum Trust {
 /// How a request's client IP address is found and turned into a key.
 ///
 /// ```
-/// use slicelimit::http::{Cidr, ClientIp, KeyExtractor, ProxyHeader};
+/// use slicelimit_tower::{Cidr, ClientIp, KeyExtractor, ProxyHeader};
 ///
 /// # fn demo() -> Result<(), slicelimit::Error> {
 /// // Behind a load balancer in 10.0.0.0/8 that appends to `Forwarded`:

@@ -18,8 +18,8 @@ use http::StatusCode;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use slicelimit::http::{InFlightLayer, KeyExtractor};
 use slicelimit::{ConcurrencyLimiter, MemoryStore};
+use slicelimit_tower::{InFlightLayer, KeyExtractor};
 use support::RedisServer;
 
 const MAX: u32 = 20;
@@ -197,8 +197,8 @@ async fn the_slot_is_held_until_the_response_body_is_sent() {
 /// slot is answered as such (each 429 says which limit).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rate_and_in_flight_limits_stack() {
-    use slicelimit::http::{RateLimitLayer, PROBLEM_TYPE, PROBLEM_TYPE_IN_FLIGHT};
     use slicelimit::{nonzero, Limiter, Quota};
+    use slicelimit_tower::{RateLimitLayer, PROBLEM_TYPE, PROBLEM_TYPE_IN_FLIGHT};
     let redis = RedisServer::start();
     let rate = Limiter::builder(Quota::per_minute(nonzero!(6)))
         .store(support::store(&redis).await)
@@ -271,8 +271,8 @@ async fn rate_and_in_flight_limits_stack() {
 /// is busy (nothing is in flight).
 #[tokio::test]
 async fn an_outage_under_fail_closed_is_a_503() {
-    use slicelimit::http::PROBLEM_TYPE_UNAVAILABLE;
     use slicelimit::{clock::FakeClock, FailurePolicy, Faults, FaultyStore};
+    use slicelimit_tower::PROBLEM_TYPE_UNAVAILABLE;
     use tower::ServiceExt;
     let clock = FakeClock::new(Duration::from_secs(1_000));
     let down = Faults {

@@ -11,9 +11,7 @@
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue};
-
-use crate::decision::{Decision, Source};
-use crate::quota::Quota;
+use slicelimit::{Decision, Quota, Source};
 
 /// `RateLimit-Policy`.
 pub const RATELIMIT_POLICY: &str = "ratelimit-policy";
@@ -25,14 +23,13 @@ pub const PROBLEM_TYPE: &str = "https://iana.org/assignments/http-problem-types#
 /// policy is to fail closed.
 pub const PROBLEM_TYPE_UNAVAILABLE: &str =
     "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
-/// The problem type of an [`InFlightLayer`](super::InFlightLayer) 429
+/// The problem type of an [`InFlightLayer`](crate::InFlightLayer) 429
 /// body: every slot of the key is in flight. Not a quota, so not IANA's
 /// `quota-exceeded`, and no registered type says "too many at once":
-/// the URI names this crate's own documentation of it (the
-/// [`http`](super) module's "Too many in flight" section), in the same
-/// `page#name` form.
+/// the URI names this crate's own documentation of it (the crate
+/// root's "Too many in flight" section), in the same `page#name` form.
 pub const PROBLEM_TYPE_IN_FLIGHT: &str =
-    "https://docs.rs/slicelimit/latest/slicelimit/http/index.html#too-many-in-flight";
+    "https://docs.rs/slicelimit-tower/latest/slicelimit_tower/index.html#too-many-in-flight";
 
 /// Whole seconds, rounded up.
 pub(crate) fn ceil_secs(d: Duration) -> u64 {
@@ -69,12 +66,12 @@ pub(crate) fn retry_secs(decision: &Decision) -> Option<u64> {
 /// once, then one call per decision.
 ///
 /// The layer uses this for every response; use it to send the same
-/// headers when you call [`Limiter::check`](crate::Limiter::check)
+/// headers when you call [`Limiter::check`](slicelimit::Limiter::check)
 /// yourself:
 ///
 /// ```
 /// # async fn demo() {
-/// use slicelimit::http::PolicyHeaders;
+/// use slicelimit_tower::PolicyHeaders;
 /// use slicelimit::{nonzero, Limiter, MemoryStore, Quota};
 ///
 /// let limiter = Limiter::builder(Quota::per_minute(nonzero!(10)))

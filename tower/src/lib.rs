@@ -1,6 +1,25 @@
-//! HTTP and gRPC integration: a tower [`Layer`](tower::Layer) that
-//! rate-limits requests and always returns a response (a denial is a
-//! response, never an error):
+//! Tower layers for [slicelimit]: HTTP and gRPC rate limits
+//! and in-flight limits for axum, hyper and tonic services.
+//!
+//! ```no_run
+//! use slicelimit::{nonzero, HybridConfig, Limiter, Quota, RedisStore};
+//! use slicelimit_tower::{KeyExtractor, RateLimitLayer};
+//!
+//! # async fn demo() -> Result<(), slicelimit::Error> {
+//! let limiter = Limiter::builder(Quota::per_minute(nonzero!(100)))
+//!     .store(RedisStore::connect("redis://127.0.0.1:6379").await?)
+//!     .hybrid(HybridConfig::strict())
+//!     .build()?;
+//! let layer = RateLimitLayer::new(limiter).key(KeyExtractor::header("x-api-key"));
+//! // axum: Router::new().route(..).layer(layer)
+//! # let _ = layer;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! [`RateLimitLayer`] is a tower [`Layer`](tower::Layer) that rate-limits
+//! requests with one or more [`Limiter`](slicelimit::Limiter)s and always
+//! returns a response (a denial is a response, never an error):
 //!
 //! - over quota: `429 Too Many Requests` with `Retry-After`, the IETF
 //!   `RateLimit-Policy` / `RateLimit` headers and a problem+json body
@@ -14,7 +33,7 @@
 //!   default), or a shared key.
 //!
 //! [`InFlightLayer`] limits requests *in flight* per key instead, with a
-//! [`ConcurrencyLimiter`](crate::ConcurrencyLimiter): `429` with
+//! [`ConcurrencyLimiter`](slicelimit::ConcurrencyLimiter): `429` with
 //! `Retry-After` and a problem type of its own when every slot is taken
 //! (after a bounded wait, if configured), `503` when the store cannot
 //! answer under fail-closed; the slot is held until the response body is
@@ -45,11 +64,29 @@
 //! flight", "status": 429, "detail": "every slot of this key is in use;
 //! retry in N s"}`.
 //!
-//! Files: `layer` (configuration, shared by every clone through an `Arc`),
-//! `service` (the per-request path), `future` (its response future),
-//! `body` (the response body), `reject` (the layer's own answers),
+//! # Features
+//!
+//! - `axum`: [`KeyExtractor::client_ip`] reads the peer address axum
+//!   records (`ConnectInfo<SocketAddr>`);
+//! - `tonic`: the same for tonic (`TcpConnectInfo`).
+//!
+//! Without them, the peer address is read from a `SocketAddr` or `IpAddr`
+//! request extension that your server inserts.
+//!
+//! # Layout
+//!
+//! `layer` (the builder, whose configuration every clone shares through
+//! an `Arc`), `prepared` (what its services share: routes, policies and
+//! their keys, waiting out denials), `service` (the per-request path),
+//! `future` (its response future), `body` (the response body), `reject`
+//! (the layer's own answers: 429, 503, missing key; gRPC statuses),
 //! `headers` (header and body formatting), `key` (key and cost
-//! extraction), `ip` (client addresses and trusted proxies).
+//! extraction), `ip` (client addresses and trusted proxies), `inflight`
+//! ([`InFlightLayer`]). The layers reach the limiters through
+//! slicelimit's public API alone.
+//!
+//! The guide to keys, trusted proxies, headers, gRPC and security is
+//! `docs/http.md` in this package.
 
 mod body;
 mod future;
@@ -74,3 +111,13 @@ pub use self::key::{KeyExtractor, MissingKey, RequestView};
 pub use self::layer::RateLimitLayer;
 pub use self::reject::{Rejection, RejectionKind};
 pub use self::service::RateLimit;
+
+/// The README's code blocks, compiled as doctests so they cannot rot.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+
+/// The code blocks of `docs/http.md`, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/http.md")]
+pub struct HttpDoctests;

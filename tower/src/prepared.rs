@@ -7,32 +7,31 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Response};
+use slicelimit::{Decision, Limiter};
 use tokio::time::Instant;
 
-use super::headers::PolicyHeaders;
-use super::key::{KeyExtractor, MissingKey, RequestView};
-use super::reject::Rejection;
-use crate::decision::Decision;
-use crate::limiter::Limiter;
+use crate::headers::PolicyHeaders;
+use crate::key::{KeyExtractor, MissingKey, RequestView};
+use crate::reject::Rejection;
 
-pub(super) type CostFn = dyn Fn(&RequestView<'_>) -> u64 + Send + Sync;
-pub(super) type ExemptFn = dyn Fn(&RequestView<'_>) -> bool + Send + Sync;
-pub(super) type RejectFn = dyn Fn(&Rejection, Response<Bytes>) -> Response<Bytes> + Send + Sync;
-pub(super) type RefundFn = dyn Fn(http::StatusCode) -> bool + Send + Sync;
+pub(crate) type CostFn = dyn Fn(&RequestView<'_>) -> u64 + Send + Sync;
+pub(crate) type ExemptFn = dyn Fn(&RequestView<'_>) -> bool + Send + Sync;
+pub(crate) type RejectFn = dyn Fn(&Rejection, Response<Bytes>) -> Response<Bytes> + Send + Sync;
+pub(crate) type RefundFn = dyn Fn(http::StatusCode) -> bool + Send + Sync;
 
 /// A limiter with its headers formatted.
 pub(crate) struct Policy {
     pub(crate) limiter: Limiter,
     pub(crate) headers: PolicyHeaders,
     /// `None`: the layer's key.
-    pub(super) key: Option<KeyExtractor>,
+    pub(crate) key: Option<KeyExtractor>,
 }
 
 /// A route: which requests, and the policy they count against.
 pub(crate) struct Route {
-    pub(super) prefix: String,
-    pub(super) methods: Option<Vec<Method>>,
-    pub(super) policy: Policy,
+    pub(crate) prefix: String,
+    pub(crate) methods: Option<Vec<Method>>,
+    pub(crate) policy: Policy,
 }
 
 impl Route {
@@ -61,19 +60,19 @@ fn listed(methods: &[Method], method: &Method) -> bool {
 /// What every service built by one `layer()` call shares.
 pub(crate) struct Prepared {
     /// Most specific first; the default route (matching everything) last.
-    pub(super) routes: Vec<Route>,
-    pub(super) also: Vec<Policy>,
+    pub(crate) routes: Vec<Route>,
+    pub(crate) also: Vec<Policy>,
     pub(crate) key: KeyExtractor,
     pub(crate) missing: MissingKey,
-    pub(super) cost: Arc<CostFn>,
-    pub(super) allow_zero_cost: bool,
-    pub(super) methods: Option<Vec<Method>>,
-    pub(super) exempt: Option<Arc<ExemptFn>>,
-    pub(super) on_reject: Option<Arc<RejectFn>>,
+    pub(crate) cost: Arc<CostFn>,
+    pub(crate) allow_zero_cost: bool,
+    pub(crate) methods: Option<Vec<Method>>,
+    pub(crate) exempt: Option<Arc<ExemptFn>>,
+    pub(crate) on_reject: Option<Arc<RejectFn>>,
     pub(crate) challenge: HeaderValue,
     pub(crate) shadow: bool,
-    pub(super) wait: Duration,
-    pub(super) refund_on: Option<Arc<RefundFn>>,
+    pub(crate) wait: Duration,
+    pub(crate) refund_on: Option<Arc<RefundFn>>,
 }
 
 impl Prepared {
@@ -223,7 +222,7 @@ impl Prepared {
         began: Instant,
         decisions: &mut [Decision],
     ) {
-        let deadline = crate::wait::deadline_from(began, self.wait);
+        let deadline = began + self.wait;
         let policies: Vec<&Policy> = self.policies(route).collect();
         let mut denied: Vec<usize> = (0..decisions.len())
             .filter(|&i| !decisions[i].is_allowed())
@@ -232,20 +231,21 @@ impl Prepared {
         for (n, i) in denied.into_iter().enumerate() {
             let limiter = &policies[i].limiter;
             let key = keys[i].as_str();
-            let asked = Instant::now();
-            let first = match n {
-                0 => decisions[i].clone(),
+            let decision = match n {
+                // Its denial was just seen: no need to ask before the
+                // retry time it names.
+                0 => {
+                    limiter
+                        .wait_out(key, cost, decisions[i].clone(), deadline)
+                        .await
+                }
                 // Past the budget, no policy is asked again: the request
                 // is answered within the budget and one decision.
-                _ if asked >= deadline => return,
-                _ => limiter.check(key, cost).await,
+                _ if Instant::now() >= deadline => return,
+                // Its first denial is stale by now: asked afresh, then
+                // waited out within what is left of the budget.
+                _ => limiter.acquire_until(key, cost, deadline).await,
             };
-            let took = if n == 0 {
-                Duration::ZERO
-            } else {
-                asked.elapsed()
-            };
-            let decision = limiter.retry_until(key, cost, first, deadline, took).await;
             let admitted = decision.is_allowed();
             decisions[i] = decision;
             if !admitted {

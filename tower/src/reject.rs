@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 
-use super::headers::{in_flight_problem, missing_key_problem, quota_problem, unavailable_problem};
+use crate::headers::{in_flight_problem, missing_key_problem, quota_problem, unavailable_problem};
 
 /// Why the layer answered a request itself.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,13 +23,13 @@ pub enum RejectionKind {
     /// this status (gRPC: `UNAUTHENTICATED` for 401, `PERMISSION_DENIED`
     /// for 403, `INVALID_ARGUMENT` for 400).
     MissingKey(StatusCode),
-    /// Every slot of the key is in flight ([`InFlightLayer`](super::InFlightLayer)):
+    /// Every slot of the key is in flight ([`InFlightLayer`](crate::InFlightLayer)):
     /// 429, gRPC `RESOURCE_EXHAUSTED`.
     TooManyInFlight,
 }
 
 /// What the layer knows about a request it answers itself; handed to the
-/// hook set with [`RateLimitLayer::on_reject`](super::RateLimitLayer::on_reject).
+/// hook set with [`RateLimitLayer::on_reject`](crate::RateLimitLayer::on_reject).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Rejection {
@@ -71,7 +71,7 @@ impl Rejection {
 
     fn retry_secs(&self) -> Option<u64> {
         self.retry_after
-            .map(|wait| super::headers::ceil_secs(wait).max(1))
+            .map(|wait| crate::headers::ceil_secs(wait).max(1))
     }
 
     fn message(&self) -> String {

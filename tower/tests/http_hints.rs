@@ -19,8 +19,8 @@ use http::StatusCode;
 use http_body_util::Empty;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use slicelimit::http::{KeyExtractor, RateLimitLayer};
 use slicelimit::{nonzero, HybridConfig, Limiter, Quota};
+use slicelimit_tower::{KeyExtractor, RateLimitLayer};
 use support::http::sf_items;
 use support::RedisServer;
 

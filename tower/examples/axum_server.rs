@@ -1,7 +1,7 @@
 //! A coupon-redemption API rate-limited per `x-api-key` or per client IP.
 //!
 //! ```text
-//! cargo run --release --example axum_server -- --port 3000 --metrics-port 9000 --mode hybrid
+//! cargo run --release -p slicelimit-tower --features axum --example axum_server -- --port 3000 --metrics-port 9000 --mode hybrid
 //! curl -i -H 'x-api-key: alice' localhost:3000/coupons/redeem
 //! curl -s localhost:9000/metrics | grep slicelimit_
 //! ```
@@ -11,12 +11,12 @@
 //! the proxy did not vouch for is the client; IPv6 clients count per /64):
 //!
 //! ```text
-//! cargo run --release --example axum_server -- --key-by ip --trusted-proxies 127.0.0.1/32,::1/128
+//! cargo run --release -p slicelimit-tower --features axum --example axum_server -- --key-by ip --trusted-proxies 127.0.0.1/32,::1/128
 //! curl -i -H 'x-forwarded-for: 1.2.3.4, 203.0.113.9' localhost:3000/coupons/redeem
 //! ```
 //!
 //! Four copies on four ports sharing one Redis (`--redis` or `REDIS_URL`)
-//! are the "four servers" of the README; without Redis it runs on the
+//! are the "four servers" of slicelimit's README; without Redis it runs on the
 //! embedded store.
 //!
 //! Flags: `--port`, `--metrics-port`, `--mode exact|hybrid|hybrid-optimistic|local`,
@@ -32,10 +32,10 @@ use std::time::Duration;
 
 use axum::routing::get;
 use axum::Router;
-use slicelimit::http::{Cidr, ClientIp, KeyExtractor, MissingKey, RateLimitLayer};
 use slicelimit::{
     Algorithm, FailurePolicy, HybridConfig, Limiter, MemoryStore, Quota, RedisStore, Store,
 };
+use slicelimit_tower::{Cidr, ClientIp, KeyExtractor, MissingKey, RateLimitLayer};
 
 struct Args {
     port: u16,
