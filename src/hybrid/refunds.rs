@@ -135,7 +135,7 @@ impl HybridEngine {
         if back > 0 && back < crate::algorithm::REPEAT {
             // The store has room again: a key known exhausted asks anew.
             if let Some(slot) = self.shared.slots.get(key) {
-                slot.deny_until(0);
+                slot.forget_denial();
             }
         }
         Ok(back)
