@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use super::HybridEngine;
+use crate::algorithm::Refunded;
 use crate::decision::{Origin, Taken};
 use crate::error::Error;
 
@@ -95,8 +96,8 @@ impl HybridEngine {
     /// window to go to: they go back into the lease while it lasts, and
     /// credit into the debt not yet reported (else, for a window, to its
     /// count), each admission once (remembered here). Returns the permits
-    /// taken back (`REPEAT` or more: refunded before).
-    pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<u64, Error> {
+    /// taken back, or that the admission was refunded before.
+    pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<Refunded, Error> {
         let s = &*self.shared;
         let windowed = s.leases.windowed();
         let local = match taken.origin {
@@ -107,7 +108,7 @@ impl HybridEngine {
         // Taken by another engine (a lane of another tier): nothing of it
         // is here to go back into.
         if local && taken.engine != s.tag && (taken.origin != Origin::Credit || !windowed) {
-            return Ok(0);
+            return Ok(Refunded::Now(0));
         }
         if local {
             let now = s.time.precise_us();
@@ -116,23 +117,24 @@ impl HybridEngine {
                 now + config.lease_ttl.as_micros() as u64 + 2 * s.params.period_us + 1_000_000;
             let mut refunds = self.local_refunds.lock().unwrap_or_else(|p| p.into_inner());
             match refunds.route(taken.seq, now, until, Went::Local) {
-                Some(Went::Local) => return Ok(crate::algorithm::REPEAT),
+                // (What the first took back is not kept: none is told.)
+                Some(Went::Local) => return Ok(Refunded::Already(0)),
                 Some(Went::Store) => {}
                 None => {
                     if self.untake(key, taken) {
-                        return Ok(taken.cost);
+                        return Ok(Refunded::Now(taken.cost));
                     }
                     // Credit already reported counts in its window; the
                     // rest has nowhere to go.
                     if taken.origin != Origin::Credit || !windowed {
-                        return Ok(0);
+                        return Ok(Refunded::Now(0));
                     }
                     refunds.set(taken.seq, Went::Store);
                 }
             }
         }
         let back = s.exact.refund(key, taken).await?;
-        if back > 0 && back < crate::algorithm::REPEAT {
+        if back.now() > 0 {
             // The store has room again: a key known exhausted asks anew.
             if let Some(slot) = self.shared.slots.get(key) {
                 slot.forget_denial();

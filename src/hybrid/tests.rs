@@ -1042,7 +1042,7 @@ async fn a_peek_is_believed_only_for_a_while_so_permits_given_back_later_are_fou
                 call: &back
             })
             .unwrap(),
-        500
+        crate::algorithm::Refunded::Now(500)
     );
     r.clock.advance(Duration::from_millis(1_010));
     for _ in 0..28 {
