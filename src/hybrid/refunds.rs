@@ -70,19 +70,23 @@ impl HybridEngine {
             return false;
         };
         match taken.origin {
-            Origin::Lease if s.leases.windowed() => {
-                slot.untake(taken.window, taken.cost, s.time.precise_us())
-            }
+            Origin::Lease if s.leases.windowed() => taken
+                .window()
+                .is_some_and(|window| slot.untake(window, taken.cost, s.time.precise_us())),
             // A bucket's permits go back only into the lease they were
             // taken from: one applied after the take was granted with the
             // bucket's level then, and a take from an earlier lease going
             // into it would be a permit the bucket never had.
             Origin::Lease => {
-                let taken_at = taken.window.max(0) as u64;
+                let Some(taken_at) = taken.leased_at_us() else {
+                    return false;
+                };
                 slot.books().sizing.applied_at() <= taken_at
                     && slot.untake(0, taken.cost, s.time.precise_us())
             }
-            Origin::Credit => slot.untake_credit(taken.window, taken.cost),
+            Origin::Credit => taken
+                .window()
+                .is_some_and(|window| slot.untake_credit(window, taken.cost)),
             _ => false,
         }
     }

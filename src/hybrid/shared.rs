@@ -293,17 +293,11 @@ impl Shared {
         // A bucket lease has no window: its take records when it was
         // made (local µs), so it goes back only into a lease in place by
         // then (see `untake`).
-        let window = if self.leases.windowed() {
-            window
-        } else {
-            window.map(|_| now as i64)
+        let taken = match window {
+            Some(_) if !self.leases.windowed() => Taken::leased_at(cost, now),
+            _ => Taken::new(Origin::Lease, cost, window),
         };
-        self.lease_decision(
-            slot,
-            left,
-            now,
-            Taken::new(Origin::Lease, cost, window).by(self.tag),
-        )
+        self.lease_decision(slot, left, now, taken.by(self.tag))
     }
 
     /// What a lease decision reports as remaining: what the slot holds

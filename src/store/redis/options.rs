@@ -9,7 +9,7 @@ use crate::breaker::CircuitConfig;
 use crate::clock::{Clock, SystemClock};
 use crate::error::Error;
 
-/// Connection settings for a [`RedisStore`].
+/// Connection settings for a [`RedisStore`](super::RedisStore).
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct RedisOptions {

@@ -15,7 +15,7 @@ use super::url::{check_scheme, is_tls, redact};
 
 /// A Redis Sentinel deployment: where its Sentinels are, which monitored
 /// service holds the budgets, and how to log in to that service's primary.
-/// See [`RedisStore::connect_sentinel`].
+/// See [`RedisStore::connect_sentinel`](super::RedisStore::connect_sentinel).
 ///
 /// ```
 /// use slicelimit::Sentinel;
