@@ -56,7 +56,11 @@ pub(crate) fn refund_call(
     GiveBackCall {
         key: store_key,
         returned: taken.cost,
-        window: if windowed { taken.window } else { 0 },
+        window: if windowed {
+            taken.window().unwrap_or(0)
+        } else {
+            0
+        },
         origin: if windowed {
             LeaseOrigin::default()
         } else {

@@ -9,6 +9,12 @@ use std::time::Duration;
 use crate::algorithm::LeaseOrigin;
 
 /// Where a [`Decision`] came from, so callers and metrics can tell.
+///
+/// It says who answered, allowed or denied (a cached denial, a failure
+/// policy). Where an admission's permits came from, which is where a
+/// refund goes, is the crate's own business (its `Origin`): a `Lease`
+/// admission of a bucket may be refunded into the lease or to the store,
+/// and a `FailOpen` one took nothing to give back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Source {
@@ -147,6 +153,11 @@ fn micros(d: Duration) -> u64 {
 }
 
 /// Where a decision's permits came from: where giving them back goes.
+///
+/// Not [`Source`], which says who answered, for callers and metrics:
+/// every denial and every failure policy's decision here is `None`
+/// (nothing taken), and `Fallback` is the one failure policy that took
+/// permits (recorded, to be reported to the store).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) enum Origin {
     /// Nothing was taken: a denial, a peek, a failure policy's decision.
@@ -174,9 +185,10 @@ pub(crate) enum Origin {
 #[repr(C)]
 pub(crate) struct Taken {
     pub(crate) cost: u64,
-    /// Window algorithms: the window index. Buckets: the store's time of
-    /// the take (µs; `Origin::Store` and `Local`), 0 for a lease's.
-    pub(crate) window: i64,
+    /// Where in time the take lies, as `at_kind` says: read through
+    /// [`window`](Taken::window), [`leased_at_us`](Taken::leased_at_us)
+    /// and [`bucket_origin`](Taken::bucket_origin) alone.
+    at: i64,
     /// The admission's identity (with this process's nonce): its refund
     /// counts once.
     pub(crate) seq: u64,
@@ -191,6 +203,22 @@ pub(crate) struct Taken {
     /// goes back only where it came from.
     pub(crate) engine: u16,
     pub(crate) origin: Origin,
+    /// What `at` is. (A tag of its own rather than an enum around `at`:
+    /// it fits in the padding, and a `Taken` travels inside every
+    /// decision the request path returns by value.)
+    at_kind: TakenAt,
+}
+
+/// What a [`Taken`]'s time word is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+enum TakenAt {
+    /// Window algorithms (and credit): the window index (buckets' credit: 0).
+    #[default]
+    Window,
+    /// Buckets taken by the store: the store's clock at the take, µs.
+    StoreUs,
+    /// Bucket leases: the local clock at the take, µs.
+    LocalUs,
 }
 
 impl Taken {
@@ -202,14 +230,40 @@ impl Taken {
             Some(window) if cost > 0 => Taken {
                 origin,
                 cost,
-                window,
+                at: window,
                 given_back: 0,
                 aux: 0,
                 engine: 0,
                 seq: crate::algorithm::admission_seq(),
+                at_kind: TakenAt::Window,
             },
             _ => Taken::default(),
         }
+    }
+
+    /// `cost` permits of a bucket lease, spent at local µs `now`: they go
+    /// back only into a lease in place by then.
+    #[inline]
+    pub(crate) fn leased_at(cost: u64, now: u64) -> Taken {
+        if cost == 0 {
+            return Taken::default();
+        }
+        Taken {
+            at: i64::try_from(now).unwrap_or(i64::MAX),
+            at_kind: TakenAt::LocalUs,
+            ..Taken::new(Origin::Lease, cost, Some(0))
+        }
+    }
+
+    /// The window the permits were taken in (window algorithms, and
+    /// credit), if this take has one.
+    pub(crate) fn window(&self) -> Option<i64> {
+        (self.at_kind == TakenAt::Window).then_some(self.at)
+    }
+
+    /// The local µs a bucket lease's permits were spent at, if they were.
+    pub(crate) fn leased_at_us(&self) -> Option<u64> {
+        (self.at_kind == TakenAt::LocalUs).then_some(self.at.max(0) as u64)
     }
 
     /// The same, taken by hybrid engine `tag`.
@@ -226,18 +280,19 @@ impl Taken {
         Taken {
             origin,
             cost,
-            window: i64::try_from(from.at_us).unwrap_or(i64::MAX),
+            at: i64::try_from(from.at_us).unwrap_or(i64::MAX),
             seq: crate::algorithm::admission_seq(),
             given_back: from.given_back,
             aux: u32::try_from(from.level).unwrap_or(u32::MAX),
             engine: 0,
+            at_kind: TakenAt::StoreUs,
         }
     }
 
     /// Where a bucket take by the store started from (for its give-back).
     pub(crate) fn bucket_origin(&self) -> LeaseOrigin {
         LeaseOrigin {
-            at_us: self.window.max(0) as u64,
+            at_us: self.at.max(0) as u64,
             // Unknown: as full as a bucket can be, so nothing goes back.
             level: if self.aux == u32::MAX {
                 u64::MAX >> 11

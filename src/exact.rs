@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use crate::algorithm::OpIds;
-use crate::algorithm::{Check, GiveBack, Params};
+use crate::algorithm::{Check, GiveBack, Params, Refunded};
 use crate::checked::{decision_from, refund_call, taken_by_check};
 use crate::decision::Decision;
 use crate::decision::{Origin, Source, Taken};
@@ -97,7 +97,7 @@ impl ExactEngine {
     /// Gives `taken` back to the store: to its window's count while that
     /// window lasts, or to its bucket as far as the bucket could have
     /// held it had it never been taken. Returns the permits it took back.
-    pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<u64, Error> {
+    pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<Refunded, Error> {
         let store_key = self.keys.store_key(key, self.params.algorithm);
         let call = refund_call(&self.params, store_key, &taken, &self.ops);
         let give_back = GiveBack {

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::algorithm::Algorithm;
 use crate::algorithm::OpIds;
-use crate::algorithm::{Check, GiveBack, Params};
+use crate::algorithm::{Check, GiveBack, Params, Refunded};
 use crate::checked::{decision_from, refund_call, taken_by_check};
 use crate::clock::Clock;
 use crate::decision::Decision;
@@ -55,14 +55,14 @@ impl LocalEngine {
     }
 
     /// Gives `taken` back to its window while that window lasts, or to
-    /// its bucket; returns the permits taken back (a repeat: `REPEAT`
-    /// plus the first answer).
-    pub(crate) fn refund(&self, key: &str, taken: Taken) -> u64 {
+    /// its bucket; returns the permits taken back (a repeat: nothing, and
+    /// what the first took back).
+    pub(crate) fn refund(&self, key: &str, taken: Taken) -> Refunded {
         let call = refund_call(&self.params, key.to_owned(), &taken, &self.ops);
         let give_back = GiveBack {
             params: &self.params,
             call: &call,
         };
-        self.store.run_now(&give_back).unwrap_or(0)
+        self.store.run_now(&give_back).unwrap_or(Refunded::Now(0))
     }
 }

@@ -346,9 +346,36 @@ pub(crate) struct GiveBackCall {
     /// refund's lasts its window, so it is given back once however often
     /// it is sent.
     pub(crate) remember_us: u64,
-    /// A refund: a repeat answers [`REPEAT`] plus the first answer.
+    /// A refund: a repeat answers [`Refunded::Already`], not the first
+    /// answer again.
     pub(crate) refund: bool,
 }
 
-/// Added to the first answer when a refund's identity was seen before.
-pub(crate) const REPEAT: u64 = 1 << 52;
+/// What the store did with a give-back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refunded {
+    /// This many permits were taken back by this delivery (or, for a
+    /// give-back that is no refund, whose repeats are not told apart, by
+    /// its first).
+    Now(u64),
+    /// A refund whose identity the store had seen: nothing taken back
+    /// now; its first delivery took back this many.
+    Already(u64),
+}
+
+impl Refunded {
+    /// Permits taken back by whichever delivery landed first.
+    pub(crate) fn permits(self) -> u64 {
+        match self {
+            Refunded::Now(n) | Refunded::Already(n) => n,
+        }
+    }
+
+    /// Permits taken back by this delivery (none for a repeat).
+    pub(crate) fn now(self) -> u64 {
+        match self {
+            Refunded::Now(n) => n,
+            Refunded::Already(_) => 0,
+        }
+    }
+}

@@ -31,7 +31,7 @@ mod window;
 
 pub(crate) use self::calls::{
     admission_seq, AcquireReply, GiveBackCall, LeaseCall, LeaseOrigin, LeaseReply, OpId, OpIds,
-    Params, CHECK_REPLY_LEN, MAX_REPORT, REPEAT,
+    Params, Refunded, CHECK_REPLY_LEN, MAX_REPORT,
 };
 pub(crate) use self::scripts::{count_in_window, Check, CheckAll, GiveBack, Lease};
 pub(crate) use self::state::Entry;

@@ -4,7 +4,7 @@
 //! reply and its mirror over the memory store's [`Entry`] values; the
 //! arithmetic of each mirror lives in the algorithm's own file.
 
-use super::calls::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params, REPEAT};
+use super::calls::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params, Refunded};
 use super::state::{Entry, State};
 use super::{Arg, GIVE_BACK};
 use crate::error::Error;
@@ -262,6 +262,10 @@ impl Script for Lease<'_> {
     }
 }
 
+/// Added by `lua/give_back.lua` to the first answer when a refund's
+/// identity was seen before; decoded by [`GiveBack`]'s `parse` alone.
+const REPEAT: i64 = 1 << 52;
+
 /// Unused permits given back (`lua/give_back.lua`, one script for every
 /// layout); replies the permits the store took back.
 #[derive(Debug)]
@@ -294,7 +298,7 @@ impl Call for GiveBack<'_> {
         let repeat = if call.refund { REPEAT } else { 0 };
         let op = Some(call.op.key_for(&call.key));
         let back = once(memory, op, remember, |memory, seen| match seen {
-            Some(back) => Ok((back + repeat, None)),
+            Some(back) => Ok((back + repeat as u64, None)),
             None => {
                 let give_back = self.params.algorithm.spec().give_back;
                 let back = with_entry(memory, &call.key, |entry| {
@@ -313,11 +317,12 @@ impl Call for GiveBack<'_> {
 }
 
 impl Script for GiveBack<'_> {
-    type Reply = u64;
+    type Reply = Refunded;
 
-    fn parse(&self, values: Vec<i64>) -> Result<u64, Error> {
+    fn parse(&self, values: Vec<i64>) -> Result<Refunded, Error> {
         match values.as_slice() {
-            &[n] => Ok(n.max(0) as u64),
+            [n] if self.call.refund && *n >= REPEAT => Ok(Refunded::Already((n - REPEAT) as u64)),
+            [n] => Ok(Refunded::Now((*n).max(0) as u64)),
             _ => Err(bad_reply(self.lua(), &values)),
         }
     }

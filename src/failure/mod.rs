@@ -135,8 +135,8 @@ impl FailureLayer {
         };
         let mut local = taken;
         local.origin = Origin::Local;
-        let back = fallback.refund(key, local);
-        if back == 0 || back >= crate::algorithm::REPEAT {
+        let back = fallback.refund(key, local).now();
+        if back == 0 {
             return 0;
         }
         self.reconciler.unrecord(key, back);

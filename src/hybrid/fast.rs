@@ -3,7 +3,14 @@
 //! (`Limiter::check_now`). Whatever it cannot answer goes to the slow
 //! path (`HybridEngine::check`, in `mod.rs`).
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::slot::{Slot, Spare, Take};
+use super::thread_cache;
+use super::HybridEngine;
+use crate::decision::Decision;
 
 impl HybridEngine {
     /// [`fast_into`](HybridEngine::fast_into), returned.
@@ -84,24 +91,32 @@ impl HybridEngine {
             stock.set(thread_cache::Stock::NONE);
         }
         match slot.take_spare(cost, &s.time, thread_cache::stock_for) {
-            (Take::Taken(left, now, contended, window), spare, deadline) => {
+            (
+                Take::Taken {
+                    left,
+                    now,
+                    contended,
+                    window,
+                },
+                Spare { permits, deadline },
+            ) => {
                 if contended && !s.contended.load(Ordering::Relaxed) {
                     s.contended.store(true, Ordering::Relaxed);
                 }
                 stock.set(thread_cache::Stock {
-                    permits: spare,
+                    permits,
                     window,
                     deadline,
                 });
                 slot.touch(now);
-                Some(s.spent(slot, left + spare, now, cost, window))
+                Some(s.spent(slot, left + permits, now, cost, window))
             }
-            (Take::Late(lost, _), ..) => {
+            (Take::Late { lost, .. }, _) => {
                 s.expired(slot, lost as u64);
                 None
             }
             // A pre-lease to promote, or a denial to answer: the common way.
-            (Take::Empty, ..) => {
+            (Take::Empty, _) => {
                 let mut decided = None;
                 self.fast_on(slot, cost, &mut decided);
                 decided
@@ -115,7 +130,12 @@ impl HybridEngine {
     fn fast_on(&self, slot: &Arc<Slot>, cost: u64, decided: &mut Option<Decision>) {
         let s = &*self.shared;
         match slot.take(cost, &s.time) {
-            Take::Taken(left, now, contended, window) => {
+            Take::Taken {
+                left,
+                now,
+                contended,
+                window,
+            } => {
                 if contended && s.stocks && !s.contended.load(Ordering::Relaxed) {
                     s.contended.store(true, Ordering::Relaxed);
                 }
@@ -133,14 +153,14 @@ impl HybridEngine {
     fn fast_missed(&self, slot: &Arc<Slot>, cost: u64, missed: Take) -> Option<Decision> {
         let s = &*self.shared;
         match missed {
-            Take::Taken(..) => None,
+            Take::Taken { .. } => None,
             Take::Empty => {
                 if let Some(decided) = self.promoted(slot, cost, None) {
                     return Some(decided);
                 }
                 // Known exhausted: answer from the denied-until time. The
                 // coarse clock may lag, which only lengthens the denial.
-                if cost == 0 || slot.denied_until() == 0 {
+                if cost == 0 || slot.denied_until().is_none() {
                     return None;
                 }
                 let now = s.time.now_us();
@@ -150,9 +170,9 @@ impl HybridEngine {
             }
             // The lease ended (its permits are void): the next window's
             // may be held already.
-            Take::Late(lost, window) => {
+            late @ Take::Late { lost, .. } => {
                 s.expired(slot, lost as u64);
-                self.promoted(slot, cost, Take::paid(lost, window, cost))
+                self.promoted(slot, cost, late.paid(cost))
             }
         }
     }
@@ -173,7 +193,9 @@ impl HybridEngine {
         };
         s.counters.stranded.add(replaced as u64);
         match slot.take(cost, &s.time) {
-            Take::Taken(left, now, _, window) => {
+            Take::Taken {
+                left, now, window, ..
+            } => {
                 slot.touch(now);
                 Some(s.spent(slot, left, now, cost, window))
             }

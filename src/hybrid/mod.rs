@@ -271,18 +271,18 @@ impl HybridEngine {
             }
             let mut paid = None;
             match slot.take(cost, &s.time) {
-                Take::Taken(left, _, _, window) => {
+                Take::Taken { left, window, .. } => {
                     return Ok(s.spent(&slot, left, now, cost, window))
                 }
-                Take::Late(lost, window) => {
+                late @ Take::Late { lost, .. } => {
                     s.expired(&slot, lost as u64);
-                    paid = Take::paid(lost, window, cost);
+                    paid = late.paid(cost);
                 }
                 Take::Empty => {}
             }
             // A peek is always answered, never denied: it takes nothing.
             if cost == 0 {
-                if slot.window_end() == 0 && slot.denied_until() == 0 {
+                if slot.window_end() == 0 && slot.denied_until().is_none() {
                     // A cold key: nothing known of it here, so what remains
                     // is the store's to say (one call that takes nothing;
                     // later peeks answer from it).
@@ -352,7 +352,10 @@ impl HybridEngine {
             // whose lease ended a window ago holds a stale one, and once
             // asked nothing, waited `max_wait` on every request and told
             // a round trip.)
-            let used_up = now < slot.deadline() && slot.books().used_up(slot.window());
+            let used_up = now < slot.deadline()
+                && slot
+                    .window()
+                    .is_some_and(|window| slot.books().used_up(window));
             if next_start.is_none_or(|start| start > now + soon && !used_up) {
                 s.request_refill(&slot, true);
             }
@@ -424,7 +427,7 @@ impl HybridEngine {
     /// next request.
     pub(crate) fn forget_denials(&self) {
         for entry in self.shared.slots.iter() {
-            entry.value().deny_until(0);
+            entry.value().forget_denial();
         }
     }
 

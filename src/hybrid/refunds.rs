@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use super::HybridEngine;
+use crate::algorithm::Refunded;
 use crate::decision::{Origin, Taken};
 use crate::error::Error;
 
@@ -69,19 +70,23 @@ impl HybridEngine {
             return false;
         };
         match taken.origin {
-            Origin::Lease if s.leases.windowed() => {
-                slot.untake(taken.window, taken.cost, s.time.precise_us())
-            }
+            Origin::Lease if s.leases.windowed() => taken
+                .window()
+                .is_some_and(|window| slot.untake(window, taken.cost, s.time.precise_us())),
             // A bucket's permits go back only into the lease they were
             // taken from: one applied after the take was granted with the
             // bucket's level then, and a take from an earlier lease going
             // into it would be a permit the bucket never had.
             Origin::Lease => {
-                let taken_at = taken.window.max(0) as u64;
+                let Some(taken_at) = taken.leased_at_us() else {
+                    return false;
+                };
                 slot.books().sizing.applied_at() <= taken_at
                     && slot.untake(0, taken.cost, s.time.precise_us())
             }
-            Origin::Credit => slot.untake_credit(taken.window, taken.cost),
+            Origin::Credit => taken
+                .window()
+                .is_some_and(|window| slot.untake_credit(window, taken.cost)),
             _ => false,
         }
     }
@@ -95,8 +100,8 @@ impl HybridEngine {
     /// window to go to: they go back into the lease while it lasts, and
     /// credit into the debt not yet reported (else, for a window, to its
     /// count), each admission once (remembered here). Returns the permits
-    /// taken back (`REPEAT` or more: refunded before).
-    pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<u64, Error> {
+    /// taken back, or that the admission was refunded before.
+    pub(crate) async fn refund(&self, key: &str, taken: Taken) -> Result<Refunded, Error> {
         let s = &*self.shared;
         let windowed = s.leases.windowed();
         let local = match taken.origin {
@@ -107,7 +112,7 @@ impl HybridEngine {
         // Taken by another engine (a lane of another tier): nothing of it
         // is here to go back into.
         if local && taken.engine != s.tag && (taken.origin != Origin::Credit || !windowed) {
-            return Ok(0);
+            return Ok(Refunded::Now(0));
         }
         if local {
             let now = s.time.precise_us();
@@ -116,26 +121,27 @@ impl HybridEngine {
                 now + config.lease_ttl.as_micros() as u64 + 2 * s.params.period_us + 1_000_000;
             let mut refunds = self.local_refunds.lock().unwrap_or_else(|p| p.into_inner());
             match refunds.route(taken.seq, now, until, Went::Local) {
-                Some(Went::Local) => return Ok(crate::algorithm::REPEAT),
+                // (What the first took back is not kept: none is told.)
+                Some(Went::Local) => return Ok(Refunded::Already(0)),
                 Some(Went::Store) => {}
                 None => {
                     if self.untake(key, taken) {
-                        return Ok(taken.cost);
+                        return Ok(Refunded::Now(taken.cost));
                     }
                     // Credit already reported counts in its window; the
                     // rest has nowhere to go.
                     if taken.origin != Origin::Credit || !windowed {
-                        return Ok(0);
+                        return Ok(Refunded::Now(0));
                     }
                     refunds.set(taken.seq, Went::Store);
                 }
             }
         }
         let back = s.exact.refund(key, taken).await?;
-        if back > 0 && back < crate::algorithm::REPEAT {
+        if back.now() > 0 {
             // The store has room again: a key known exhausted asks anew.
             if let Some(slot) = self.shared.slots.get(key) {
-                slot.deny_until(0);
+                slot.forget_denial();
             }
         }
         Ok(back)

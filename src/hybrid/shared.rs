@@ -11,7 +11,7 @@ use tokio::sync::Notify;
 
 use super::config::{Ablation, HybridConfig};
 use super::outbox::{DebtReport, Outbox};
-use super::slot::{Retired, Slot, UNKNOWN_WINDOW};
+use super::slot::{Retired, RetryHint, Slot, WindowAt};
 use super::watchlist::Watch;
 use crate::algorithm::{GiveBackCall, LeaseKind, LeaseOrigin, OpIds, Params};
 use crate::clock::{StoreClock, TimeSource};
@@ -121,30 +121,19 @@ pub(crate) struct Life {
 pub(super) type BeforeWait = Box<dyn FnOnce(&Shared, &Arc<Slot>) + Send>;
 
 /// Credit of a key's retired slots; see `Shared::outstanding`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct KeyLedger {
     /// Debt queued for reporting or in flight.
     pub(super) pending: u64,
-    /// Fixed window: the window `used` counts.
-    pub(super) window: i64,
+    /// Fixed window: the window `used` counts (`None`: none yet).
+    pub(super) window: Option<i64>,
     /// Fixed window: credit retired slots took in `window`.
     pub(super) used: u64,
-    /// Fixed window: no credit in this window or earlier.
-    pub(super) closed_through: i64,
+    /// Fixed window: no credit in this window or earlier (`None`: none
+    /// closed).
+    pub(super) closed_through: Option<i64>,
     /// Local µs of the last retirement.
     pub(super) at_us: u64,
-}
-
-impl Default for KeyLedger {
-    fn default() -> Self {
-        KeyLedger {
-            pending: 0,
-            window: i64::MIN,
-            used: 0,
-            closed_through: i64::MIN,
-            at_us: 0,
-        }
-    }
 }
 
 /// How long a store clock reading is trusted for first-touch credit.
@@ -264,11 +253,14 @@ impl Shared {
     /// a larger cost than the store's answer was for asks the store.
     pub(super) fn denial_covers(&self, slot: &Slot, until: u64, cost: u64) -> bool {
         self.params.algorithm != crate::algorithm::Algorithm::SlidingWindow
-            || cost <= slot.retry_at(until).1
+            || cost <= slot.retry_hint(until).cost
     }
 
     pub(super) fn cached_denial(&self, slot: &Slot, until: u64, now: u64, cost: u64) -> Decision {
-        let (retry_at, for_cost) = slot.retry_at(until);
+        let RetryHint {
+            at: retry_at,
+            cost: for_cost,
+        } = slot.retry_hint(until);
         // A bucket refills at `limit` per `period`: a larger cost than the
         // answer was for waits for its extra tokens too. (A window's end
         // serves any cost the limit can hold.)
@@ -301,17 +293,11 @@ impl Shared {
         // A bucket lease has no window: its take records when it was
         // made (local µs), so it goes back only into a lease in place by
         // then (see `untake`).
-        let window = if self.leases.windowed() {
-            window
-        } else {
-            window.map(|_| now as i64)
+        let taken = match window {
+            Some(_) if !self.leases.windowed() => Taken::leased_at(cost, now),
+            _ => Taken::new(Origin::Lease, cost, window),
         };
-        self.lease_decision(
-            slot,
-            left,
-            now,
-            Taken::new(Origin::Lease, cost, window).by(self.tag),
-        )
+        self.lease_decision(slot, left, now, taken.by(self.tag))
     }
 
     /// What a lease decision reports as remaining: what the slot holds
@@ -382,9 +368,9 @@ impl Shared {
         let windowed = self.leases.windowed();
         let window = if windowed {
             match slot.window_at(now, self.params.period_us) {
-                Some(UNKNOWN_WINDOW) => self.store_window(now)?,
-                Some(window) => window,
-                None => return None,
+                WindowAt::Unknown => self.store_window(now)?,
+                WindowAt::In(window) => window,
+                WindowAt::Boundary => return None,
             }
         } else {
             0
@@ -394,7 +380,7 @@ impl Shared {
         // would be overshoot for certain, and the request waits for the
         // refill's answer instead.
         let mut room = max_debt;
-        if windowed && window == slot.window() {
+        if windowed && Some(window) == slot.window() {
             let left = slot.store_remaining();
             let asked = slot.books().sizing.last_want();
             room = room.min(left.saturating_sub(asked));
@@ -405,8 +391,8 @@ impl Shared {
             match self.outstanding.get(&self.store_key(slot)) {
                 None => 0,
                 Some(ledger) if !windowed => ledger.pending,
-                Some(ledger) if window <= ledger.closed_through => return None,
-                Some(ledger) if window == ledger.window => ledger.used,
+                Some(ledger) if ledger.closed_through.is_some_and(|c| window <= c) => return None,
+                Some(ledger) if Some(window) == ledger.window => ledger.used,
                 Some(_) => 0,
             }
         };
@@ -432,14 +418,14 @@ impl Shared {
         let valid = now < deadline;
         let permits = permits as u64;
         let store_key = self.store_key(slot);
-        if credit.debt > 0 || credit.in_flight > 0 || closed != i64::MIN {
+        if credit.debt > 0 || credit.in_flight > 0 || closed.is_some() {
             let mut ledger = self.outstanding.entry(store_key.clone()).or_default();
-            if credit.window > ledger.window {
-                ledger.window = credit.window;
+            if Some(credit.window) > ledger.window {
+                ledger.window = Some(credit.window);
                 ledger.used = 0;
             }
             // Queued debt is added by `queue_report` below.
-            if credit.window == ledger.window {
+            if Some(credit.window) == ledger.window {
                 ledger.used += u64::from(credit.in_flight);
             }
             ledger.closed_through = ledger.closed_through.max(closed);
@@ -453,7 +439,8 @@ impl Shared {
             }
         }
         if let Some(next) = next {
-            self.give_back(&store_key, next.permits.max(0) as u64, next.window, origin);
+            let permits = next.permits.max(0) as u64;
+            self.give_back(&store_key, permits, Some(next.window), origin);
         }
         if credit.debt > 0 {
             let op = self.ops.next();
@@ -486,11 +473,11 @@ impl Shared {
             let mut ledger = self.outstanding.entry(report.key.clone()).or_default();
             ledger.pending += report.debt;
             if self.leases.windowed() {
-                if report.window > ledger.window {
-                    ledger.window = report.window;
+                if Some(report.window) > ledger.window {
+                    ledger.window = Some(report.window);
                     ledger.used = 0;
                 }
-                if report.window == ledger.window {
+                if Some(report.window) == ledger.window {
                     ledger.used += report.debt;
                 }
                 ledger.at_us = self.time.precise_us();
@@ -544,19 +531,27 @@ impl Shared {
             LeaseKind::Window => self.counters.stranded.add(permits),
             LeaseKind::Bucket => {
                 let origin = slot.books().origin();
-                self.give_back(&self.store_key(slot), permits, 0, origin);
+                self.give_back(&self.store_key(slot), permits, None, origin);
             }
         }
     }
 
+    /// Queues a give-back of `permits` to `store_key`: of `window` (window
+    /// algorithms; `None`: none known, so nothing goes back), or of the
+    /// bucket lease from `origin` (buckets, which have no window).
     pub(super) fn give_back(
         &self,
         store_key: &str,
         permits: u64,
-        window: i64,
+        window: Option<i64>,
         origin: LeaseOrigin,
     ) {
-        if permits == 0 || (window == UNKNOWN_WINDOW && self.leases.windowed()) {
+        let window = match window {
+            Some(window) => window,
+            None if self.leases.windowed() => return,
+            None => 0,
+        };
+        if permits == 0 {
             return;
         }
         let call = GiveBackCall {

@@ -10,7 +10,7 @@ use crate::algorithm::Algorithm;
 use crate::algorithm::{Check, GiveBack, Lease, LeaseCall};
 use crate::clock::{Clock, FakeClock};
 use crate::decision::Source;
-use crate::hybrid::slot::NextLease;
+use crate::hybrid::slot::{Grant, NextLease};
 use crate::nonzero;
 use crate::quota::Quota;
 use crate::store::MemoryStore;
@@ -204,7 +204,7 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
     assert!(r.check("k", 1).await.is_allowed());
     let slot = r.slot("k");
     assert_eq!(slot.permits(), 49);
-    let window_0 = slot.window();
+    let window_0 = slot.window().expect("a lease is in place");
     // 3 ms margin and 500 ppm of drift over the 1 s left: from 996.5 ms
     // on, window 0's permits are void.
     r.clock.set(ORIGIN + Duration::from_micros(996_499));
@@ -231,12 +231,12 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
         assert_eq!(d.source(), Source::Lease);
     }
     assert_eq!(slot.next_permits(), 48);
-    assert_eq!(slot.window(), window_0, "not yet in place");
+    assert_eq!(slot.window(), Some(window_0), "not yet in place");
     r.clock.set(ORIGIN + Duration::from_micros(1_003_502));
     let d = r.check("k", 1).await;
     assert!(d.is_allowed());
     assert_eq!(d.source(), Source::Lease);
-    assert_eq!(slot.window(), window_0 + 1);
+    assert_eq!(slot.window(), Some(window_0 + 1));
     assert_eq!(slot.permits(), 47);
     // Window 0: 50 leased, 2 spent before it ended, 48 stranded (three
     // taken too late, two of them paying for admissions paired with
@@ -732,7 +732,14 @@ async fn a_refill_landing_between_the_try_and_the_wait_is_used_not_asked_for_aga
         let now = s.time.precise_us();
         let window = (now / period) as i64;
         let end = (window as u64 + 1) * period;
-        slot.install(5, window, end, end, now, false);
+        let grant = Grant {
+            permits: 5,
+            window,
+            deadline: end,
+            window_end: end,
+            renew: false,
+        };
+        slot.install(grant, now);
         s.refilled(slot).notify_waiters();
     }));
     let d = r.check("k", 1).await;
@@ -1035,7 +1042,7 @@ async fn a_peek_is_believed_only_for_a_while_so_permits_given_back_later_are_fou
                 call: &back
             })
             .unwrap(),
-        500
+        crate::algorithm::Refunded::Now(500)
     );
     r.clock.advance(Duration::from_millis(1_010));
     for _ in 0..28 {

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use crate::algorithm::Algorithm;
 use crate::algorithm::Params;
-use crate::algorithm::REPEAT;
+use crate::algorithm::Refunded;
 use crate::clock::Clock;
 use crate::decision::Decision;
 use crate::decision::{Origin, Source, Taken};
@@ -236,7 +236,9 @@ impl Lane {
     pub(crate) fn untake(&self, key: &str, taken: Taken) -> bool {
         match (&self.engine, taken.origin) {
             (Engine::Hybrid(hybrid), Origin::Lease | Origin::Credit) => hybrid.untake(key, taken),
-            (Engine::Local(local), Origin::Local) => local.refund(key, taken) == taken.cost,
+            (Engine::Local(local), Origin::Local) => {
+                local.refund(key, taken) == Refunded::Now(taken.cost)
+            }
             (_, Origin::Fallback) => self.failure.untake(key, taken) > 0,
             _ => false,
         }
@@ -253,22 +255,21 @@ impl Lane {
     /// store knows its identity (for as long as its window lasts).
     pub(crate) async fn refund(&self, key: &str, taken: Taken) -> u64 {
         match self.refund_once(key, taken).await {
-            // Refunded before, by an earlier call.
-            Ok(back) if back >= REPEAT => 0,
-            Ok(back) => back,
+            // Refunded before, by an earlier call: nothing now.
+            Ok(back) => back.now(),
             // A repeat now is this call's own first send landing.
             Err(_) => self
                 .refund_once(key, taken)
                 .await
-                .map_or(0, |back| back % REPEAT),
+                .map_or(0, Refunded::permits),
         }
     }
 
-    async fn refund_once(&self, key: &str, taken: Taken) -> Result<u64, Error> {
+    async fn refund_once(&self, key: &str, taken: Taken) -> Result<Refunded, Error> {
         match (&self.engine, taken.origin) {
-            (_, Origin::None) => Ok(0),
+            (_, Origin::None) => Ok(Refunded::Now(0)),
             (Engine::Local(local), Origin::Local) => Ok(local.refund(key, taken)),
-            (_, Origin::Fallback) => Ok(self.failure.untake(key, taken)),
+            (_, Origin::Fallback) => Ok(Refunded::Now(self.failure.untake(key, taken))),
             (Engine::Hybrid(hybrid), Origin::Lease | Origin::Store | Origin::Credit) => {
                 hybrid.refund(key, taken).await
             }
@@ -276,7 +277,7 @@ impl Lane {
             // A decision of another engine (a lane rebuilt in another
             // mode cannot happen; a decision of another limiter is refused
             // before it gets here).
-            _ => Ok(0),
+            _ => Ok(Refunded::Now(0)),
         }
     }
 

@@ -2,7 +2,10 @@
 //! closed to credit, sizing, a bucket lease's origin, a lost lease's
 //! identity, and the once-per-window marks. Each change is a method.
 
-use super::*;
+use super::credit::Credit;
+use super::MaybeWindow;
+use crate::algorithm::LeaseOrigin;
+use crate::hybrid::policy::Sizing;
 
 /// A slot's slow-path bookkeeping.
 #[derive(Debug)]
@@ -12,7 +15,8 @@ pub(crate) struct Books {
     /// Fixed window: no credit in this window or earlier. Set once the
     /// store reports debt it could not cover, so each process overshoots a
     /// window by at most `max_debt`, whatever else the reply granted.
-    pub(super) credit_closed: i64,
+    /// (None: no window closed yet.)
+    pub(super) credit_closed: MaybeWindow,
     /// Lease sizing: the policy's state of the key (its rate, what it
     /// spent), updated by the sync task and by a promotion.
     pub(crate) sizing: Sizing,
@@ -51,7 +55,8 @@ impl Books {
     /// No credit in `window` or earlier: the store reported debt there it
     /// could not cover.
     pub(crate) fn close_credit_through(&mut self, window: i64) {
-        self.credit_closed = self.credit_closed.max(window);
+        let closed = self.credit_closed.get().map_or(window, |c| c.max(window));
+        self.credit_closed = MaybeWindow::of(closed);
     }
 
     /// A lease call's reply was lost: the next lease goes under its

@@ -1,13 +1,16 @@
 //! Optimistic credit: permits admitted before the store granted them,
 //! counted until a lease call reports them.
 
-use super::*;
+use super::atomics::Ordering;
+use super::Slot;
 
 /// Permits admitted on credit and not yet reported.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct Credit {
     /// At most `max_debt`, which configuration keeps within `u32`.
     pub(crate) debt: u32,
+    /// The window the debt was admitted in (buckets: 0); read only while
+    /// there is debt.
     pub(crate) window: i64,
     /// Debt sent in a lease call whose reply has not arrived: it still
     /// counts against `max_debt`, or credit could be taken twice in one
@@ -30,7 +33,11 @@ impl Slot {
         if self.evicted.load(Ordering::Acquire) {
             return false;
         }
-        if window != UNKNOWN_WINDOW && window <= books.credit_closed {
+        if books
+            .credit_closed
+            .get()
+            .is_some_and(|closed| window <= closed)
+        {
             return false;
         }
         let credit = &mut books.credit;

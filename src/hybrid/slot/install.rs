@@ -2,7 +2,61 @@
 //! install (added or replacing), a trim of an idle holder's surplus, an
 //! expiry; and which window the slot's clock places a time in.
 
-use super::*;
+use super::atomics::Ordering;
+use super::Slot;
+
+/// A lease granted by the store, placed in local time: what an install
+/// puts in the slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grant {
+    /// Permits granted.
+    pub(crate) permits: i64,
+    /// Window algorithms: the window index they belong to. Buckets: 0
+    /// (one lease at a time, told apart by its deadline).
+    pub(crate) window: i64,
+    /// Local µs at which they become void.
+    pub(crate) deadline: u64,
+    /// Window algorithms: local µs by which the window has surely ended.
+    /// Buckets: local µs at which the bucket is full again.
+    pub(crate) window_end: u64,
+    /// A renewal (or a promotion): it replaces the permits held even of
+    /// the same window, instead of adding to them.
+    pub(crate) renew: bool,
+}
+
+/// What installing a lease did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Installed {
+    /// Added to the permits of the lease in force (same window, its
+    /// deadline unchanged): nothing was replaced.
+    Added,
+    /// In place of the lease before; this many of its permits (expired
+    /// or superseded) were replaced, possibly none.
+    Replaced(i64),
+    /// The grant is for a window older than the one the slot already
+    /// serves (a late reply): not installed, these permits are stranded.
+    Stale(i64),
+}
+
+/// Where the slot's clock places a time (see [`Slot::window_at`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WindowAt {
+    /// No lease yet: the slot cannot tell.
+    Unknown,
+    /// Close to a boundary: the store may be on either side of it.
+    Boundary,
+    /// Surely this window.
+    In(i64),
+}
+
+/// Permits trimmed off an idle holder's lease, to be given back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Trimmed {
+    pub(crate) permits: i64,
+    /// Their window (`None`: none known, so there is nowhere to give
+    /// them back to).
+    pub(crate) window: Option<i64>,
+}
 
 impl Slot {
     /// Installs a lease. If the current permits are still valid and belong
@@ -15,37 +69,29 @@ impl Slot {
     ///
     /// Installs are serialised by the `next` lock (the sync task installs
     /// replies, a request may promote a pre-lease at the same moment).
-    pub(crate) fn install(
-        &self,
-        granted: i64,
-        window: i64,
-        deadline: u64,
-        window_end: u64,
-        now: u64,
-        renew: bool,
-    ) -> Installed {
-        let _serial = self.next.lock().unwrap_or_else(|p| p.into_inner());
-        self.install_locked(granted, window, deadline, window_end, now, renew)
+    pub(crate) fn install(&self, grant: Grant, now: u64) -> Installed {
+        let _serial = self.next_lock();
+        self.install_locked(grant, now)
     }
 
-    pub(super) fn install_locked(
-        &self,
-        granted: i64,
-        window: i64,
-        deadline: u64,
-        window_end: u64,
-        now: u64,
-        renew: bool,
-    ) -> Installed {
+    /// [`install`](Slot::install), the `next` lock held by the caller.
+    pub(super) fn install_locked(&self, grant: Grant, now: u64) -> Installed {
+        let Grant {
+            permits: granted,
+            window,
+            deadline,
+            window_end,
+            renew,
+        } = grant;
         let current_deadline = self.deadline.load(Ordering::Acquire);
-        let current_window = self.window.load(Ordering::Acquire);
+        let current_window = self.window.load(Ordering::Acquire).get();
         if !renew && now < current_deadline {
-            if current_window == window {
+            if current_window == Some(window) {
                 self.early_refill.store(true, Ordering::Relaxed);
                 self.permits.fetch_add(granted, Ordering::AcqRel);
                 return Installed::Added;
             }
-            if window < current_window {
+            if current_window.is_some_and(|current| window < current) {
                 return Installed::Stale(granted);
             }
         }
@@ -64,7 +110,7 @@ impl Slot {
     /// `now`, to be given back; returns them and their window (`None`:
     /// nothing above `keep`, or no valid lease). Under the `next` lock,
     /// which serialises installs, so the window is the permits' own.
-    pub(crate) fn trim(&self, keep: i64, now: u64) -> Option<(i64, i64)> {
+    pub(crate) fn trim(&self, keep: i64, now: u64) -> Option<Trimmed> {
         let _serial = self.next_lock();
         if self.evicted.load(Ordering::Acquire) || now >= self.deadline.load(Ordering::Acquire) {
             return None;
@@ -77,7 +123,10 @@ impl Slot {
             .ok()?;
         let trimmed = before - keep;
         self.books().sizing.moved(0, trimmed);
-        Some((trimmed, self.window.load(Ordering::Acquire)))
+        Some(Trimmed {
+            permits: trimmed,
+            window: self.window.load(Ordering::Acquire).get(),
+        })
     }
 
     /// Voids permits whose deadline has passed; returns how many there were.
@@ -92,33 +141,30 @@ impl Slot {
         voided
     }
 
-    /// Local estimate of the fixed window in force at `now`: `Some(index)`
-    /// when certain, `UNKNOWN_WINDOW` before the first lease, `None` close
-    /// to a boundary, where the store may be on either side of it. The
-    /// current window surely lasts until `deadline` (its earliest possible
-    /// end, minus the margin) and surely ended at `window_end` (its latest
+    /// Local estimate of the fixed window in force at `now`. The current
+    /// window surely lasts until `deadline` (its earliest possible end,
+    /// minus the margin) and surely ended at `window_end` (its latest
     /// possible end, plus the margin); later boundaries repeat every period.
-    pub(crate) fn window_at(&self, now: u64, period_us: u64) -> Option<i64> {
-        let window = self.window.load(Ordering::Acquire);
-        if window == UNKNOWN_WINDOW {
-            return Some(UNKNOWN_WINDOW);
-        }
+    pub(crate) fn window_at(&self, now: u64, period_us: u64) -> WindowAt {
+        let Some(window) = self.window.load(Ordering::Acquire).get() else {
+            return WindowAt::Unknown;
+        };
         let early = self.deadline.load(Ordering::Acquire);
         let late = self.window_end.load(Ordering::Acquire);
         if early == 0 {
-            return None;
+            return WindowAt::Boundary;
         }
         if now < early {
-            return Some(window);
+            return WindowAt::In(window);
         }
         let period = period_us.max(1);
         let width = late.saturating_sub(early);
         let since = now - early;
         let k = since / period;
         if since - k * period < width {
-            None
+            WindowAt::Boundary
         } else {
-            Some(window + 1 + k as i64)
+            WindowAt::In(window + 1 + k as i64)
         }
     }
 }

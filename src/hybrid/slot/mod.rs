@@ -7,42 +7,100 @@
 //! before `books` where both are held, and are never held across an
 //! await. A slot never talks to the store.
 
-// Under `--cfg loom` (see the `model` tests below) the slot's atomics and
-// locks are loom's, so every interleaving of its methods can be explored.
-#[cfg(loom)]
-use loom::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering};
-#[cfg(loom)]
-use loom::sync::{Mutex, MutexGuard};
-#[cfg(not(loom))]
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering};
-#[cfg(not(loom))]
-use std::sync::{Mutex, MutexGuard};
-
 use std::sync::Arc;
 
-use super::policy::Sizing;
+use self::atomics::{
+    AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Mutex, MutexGuard, Ordering,
+};
+use self::denial::DenialCell;
 use crate::algorithm::LeaseOrigin;
-use crate::clock::TimeSource;
+use crate::hybrid::policy::Sizing;
+
+mod books;
+mod credit;
+mod denial;
+mod install;
+mod next;
+mod refill;
+mod take;
+
+pub(crate) use self::books::Books;
+pub(crate) use self::credit::Credit;
+pub(crate) use self::denial::RetryHint;
+pub(crate) use self::install::{Grant, Installed, Trimmed, WindowAt};
+#[cfg(test)]
+use self::next::Across;
+pub(crate) use self::next::NextLease;
+pub(crate) use self::take::{Spare, Take};
+
+/// The slot's atomics and locks: loom's under `--cfg loom` (see the
+/// `model` tests below), so every interleaving of its methods can be
+/// explored; the standard library's otherwise.
+mod atomics {
+    #[cfg(loom)]
+    pub(super) use loom::sync::atomic::{
+        AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering,
+    };
+    #[cfg(loom)]
+    pub(super) use loom::sync::{Mutex, MutexGuard};
+    #[cfg(not(loom))]
+    pub(super) use std::sync::atomic::{
+        AtomicBool, AtomicI64, AtomicU32, AtomicU64, AtomicU8, Ordering,
+    };
+    #[cfg(not(loom))]
+    pub(super) use std::sync::{Mutex, MutexGuard};
+}
 
 /// Local µs as wrapping milliseconds (idle times are far below 49 days).
 fn millis(us: u64) -> u32 {
     (us / 1_000) as u32
 }
 
-/// "No window known yet": the store charges such debt to its current window.
-pub(crate) const UNKNOWN_WINDOW: i64 = -1;
+/// A window index, or none, in one word: what the slot's window cell
+/// holds (one atomic load on the request path) and its books' window
+/// closed to credit (a slot's size is part of the bytes-per-key budget,
+/// and an `Option<i64>` takes two words). Window indices are never
+/// negative (`floor(store µs / period)`; buckets use 0), so a negative
+/// word is none; it is made and read here alone, through
+/// [`of`](MaybeWindow::of) and [`get`](MaybeWindow::get).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct MaybeWindow(i64);
 
-mod books;
-mod credit;
-mod install;
-mod next;
-mod refill;
+impl MaybeWindow {
+    const NONE: MaybeWindow = MaybeWindow(-1);
 
-pub(crate) use books::Books;
-pub(crate) use credit::Credit;
-#[cfg(test)]
-use next::Across;
-pub(crate) use next::NextLease;
+    /// `window` (a negative one is none).
+    fn of(window: i64) -> MaybeWindow {
+        MaybeWindow(window.max(Self::NONE.0))
+    }
+
+    /// The window, if any.
+    #[inline]
+    fn get(self) -> Option<i64> {
+        (self.0 >= 0).then_some(self.0)
+    }
+}
+
+/// The window the slot's permits belong to (see [`MaybeWindow`]).
+#[derive(Debug)]
+struct WindowCell(AtomicI64);
+
+impl WindowCell {
+    fn new() -> Self {
+        WindowCell(AtomicI64::new(MaybeWindow::NONE.0))
+    }
+
+    /// The word as read: compared as such (an install published in
+    /// between changes it), decoded by [`MaybeWindow::get`].
+    #[inline]
+    fn load(&self, order: Ordering) -> MaybeWindow {
+        MaybeWindow(self.0.load(order))
+    }
+
+    fn store(&self, window: i64, order: Ordering) {
+        self.0.store(MaybeWindow::of(window).0, order);
+    }
+}
 
 pub(crate) struct Slot {
     /// The user key, shared with the map's key (no second copy).
@@ -52,8 +110,9 @@ pub(crate) struct Slot {
     /// Local µs at which the permits become void (window end or lease
     /// horizon, minus the margin).
     deadline: AtomicU64,
-    /// Fixed window: the window index the permits belong to.
-    window: AtomicI64,
+    /// The window index the permits belong to (buckets: 0), or none
+    /// before the first lease.
+    window: WindowCell,
     /// Fixed window: local µs by which `window` has surely ended (its
     /// latest possible end plus the margin). Token bucket and GCRA: local
     /// µs at which the bucket is full again, per the store. Either way,
@@ -66,17 +125,17 @@ pub(crate) struct Slot {
     /// is requested even above the low-water mark. Off after the store
     /// had nothing to give, until the next lease.
     early_refill: AtomicBool,
-    /// The store said the key is exhausted until this local µs: even,
-    /// an ask's answer (definitive); odd, a peek's (see `peek_trust`).
-    denied_until: AtomicU64,
+    /// The store said the key is exhausted until this local µs, by an
+    /// ask's answer (definitive) or a peek's (see `peek_trust`).
+    denied_until: DenialCell,
     /// How much later (ms) than `denied_until` (a re-check, never a hint)
     /// the request can succeed as far as the store said: what a denial
-    /// tells the client (see [`Slot::deny_until_recheck`]).
+    /// tells the client (see [`Slot::deny_for`]).
     retry_later_ms: AtomicU32,
     /// The cost the store's answer behind the hint was for: a bucket's
     /// hint for a larger cost is later by the larger cost's refill.
     hint_cost: AtomicU32,
-    /// When `denied_until` is a peek's (odd: the window was found fully
+    /// When `denied_until` is a peek's (the window was found fully
     /// leased while the slot still held permits of it), it is believed
     /// only if the slot runs out before this local µs and within the
     /// window's lease; then it stands as an ask's would (made even).
@@ -110,59 +169,20 @@ pub(crate) struct Slot {
     books: Mutex<Books>,
 }
 
-/// The result of trying to spend local permits.
-pub(crate) enum Take {
-    /// Spent; this many remain locally, at this local time (µs); `true`
-    /// if another thread's swap got in the way (the key is contended);
-    /// the window the permits surely came from (`None` when a lease of
-    /// another window was installed meanwhile, or for buckets).
-    Taken(i64, u64, bool, Option<i64>),
-    /// No valid permits (empty, expired or not yet leased).
-    Empty,
-    /// The deadline passed while the permits were being taken (a thread
-    /// preempted between its check and its compare-and-swap): they are
-    /// void, and this many are lost (stranded). Treat as `Empty`, except
-    /// that they were taken from the window named (`None`: unsure), which
-    /// a take across the boundary counts as paid (see
-    /// [`Slot::take_across`]).
-    Late(i64, Option<i64>),
-}
-
-impl Take {
-    /// A late take's window, if it took at least `cost` of it: that
-    /// window's side of a take across is paid (see [`Slot::take_across`]).
-    pub(crate) fn paid(lost: i64, window: Option<i64>, cost: u64) -> Option<i64> {
-        window.filter(|_| lost as u64 >= cost)
-    }
-}
-
 /// What a retired slot leaves behind: its unreported credit, the last
 /// window closed to credit, and the origin of its bucket lease.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Retired {
     pub(crate) credit: Credit,
-    pub(crate) closed: i64,
+    /// The last window closed to credit, if any.
+    pub(crate) closed: Option<i64>,
     pub(crate) origin: LeaseOrigin,
-    /// The permits held, their window and deadline.
+    /// The permits held, their window (if any) and deadline.
     pub(crate) permits: i64,
-    pub(crate) window: i64,
+    pub(crate) window: Option<i64>,
     pub(crate) deadline: u64,
     /// A pre-leased slice of the next window, if any.
     pub(crate) next: Option<NextLease>,
-}
-
-/// What installing a lease did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Installed {
-    /// Added to the permits of the lease in force (same window, its
-    /// deadline unchanged): nothing was replaced.
-    Added,
-    /// In place of the lease before; this many of its permits (expired
-    /// or superseded) were replaced, possibly none.
-    Replaced(i64),
-    /// The grant is for a window older than the one the slot already
-    /// serves (a late reply): not installed, these permits are stranded.
-    Stale(i64),
 }
 
 impl Slot {
@@ -171,11 +191,11 @@ impl Slot {
             key,
             permits: AtomicI64::new(0),
             deadline: AtomicU64::new(0),
-            window: AtomicI64::new(UNKNOWN_WINDOW),
+            window: WindowCell::new(),
             window_end: AtomicU64::new(0),
             low_water: AtomicU32::new(0),
             early_refill: AtomicBool::new(false),
-            denied_until: AtomicU64::new(0),
+            denied_until: DenialCell::new(),
             retry_later_ms: AtomicU32::new(0),
             hint_cost: AtomicU32::new(1),
             peek_trust: AtomicU64::new(0),
@@ -190,7 +210,7 @@ impl Slot {
             next: Mutex::new(None),
             books: Mutex::new(Books {
                 credit: Credit::default(),
-                credit_closed: i64::MIN,
+                credit_closed: MaybeWindow::NONE,
                 sizing: Sizing::default(),
                 origin: LeaseOrigin::default(),
                 lost_lease: 0,
@@ -217,9 +237,10 @@ impl Slot {
         self.deadline.load(Ordering::Acquire)
     }
 
-    /// The window the permits held belong to (buckets: the lease's).
-    pub(crate) fn window(&self) -> i64 {
-        self.window.load(Ordering::Acquire)
+    /// The window the permits held belong to (buckets: 0), if a lease
+    /// was ever installed.
+    pub(crate) fn window(&self) -> Option<i64> {
+        self.window.load(Ordering::Acquire).get()
     }
 
     /// The local time the current window ends, as the last reply placed it.
@@ -250,11 +271,6 @@ impl Slot {
         self.early_refill.store(false, Ordering::Relaxed);
     }
 
-    /// Until when the key is known exhausted (local µs; 0: not known).
-    pub(crate) fn denied_until(&self) -> u64 {
-        self.denied_until.load(Ordering::Acquire)
-    }
-
     /// Whether the slot has left the map: nothing may be installed in it.
     #[inline]
     pub(crate) fn is_evicted(&self) -> bool {
@@ -283,7 +299,6 @@ impl Slot {
         u64::from(self.store_remaining.load(Ordering::Relaxed))
     }
 
-    /// Records what the store last said it had not leased.
     /// A cold key's peek answered by the store: what remains, and when
     /// the quota is whole again (local µs). Later peeks answer from these
     /// (as a lease's would), without a store call each.
@@ -292,6 +307,7 @@ impl Slot {
         self.window_end.store(whole_at.max(1), Ordering::Relaxed);
     }
 
+    /// Records what the store last said it had not leased.
     pub(crate) fn set_store_remaining(&self, remaining: u64) {
         self.store_remaining
             .store(remaining.min(u64::from(u32::MAX)) as u32, Ordering::Relaxed);
@@ -318,136 +334,6 @@ impl Slot {
         self.swept_ahead.swap(false, Ordering::AcqRel)
     }
 
-    /// Spends `cost` local permits if they are valid now.
-    ///
-    /// The clock is read once, after the compare-and-swap that takes the
-    /// permits, against the deadline read before it: a thread preempted
-    /// anywhere before its decision is judged by the time it decides, so
-    /// no permit is spent after its deadline (permits taken too late are
-    /// void: [`Take::Late`]). `time` may read a coarse clock; within its
-    /// guard of the deadline it reads the precise one
-    /// ([`TimeSource::valid_until`]). `cost` is at most the quota's
-    /// largest cost (callers check).
-    #[inline]
-    pub(crate) fn take(&self, cost: u64, time: &TimeSource) -> Take {
-        self.take_spare(cost, time, |_| 0).0
-    }
-
-    /// [`take`](Slot::take), taking besides `cost` a spare share of what
-    /// the slot holds: `spare(left after cost)` permits more, if there are
-    /// that many. Returns the spare permits taken (0 unless `Taken`) and
-    /// the deadline they are valid until: a thread's own stock (see
-    /// `thread_cache`), spent without touching the slot.
-    #[inline]
-    pub(crate) fn take_spare(
-        &self,
-        cost: u64,
-        time: &TimeSource,
-        spare: impl Fn(i64) -> i64,
-    ) -> (Take, i64, u64) {
-        // Read before the deadline and again after the swap: an install
-        // publishes its window after its permits, so an unchanged window
-        // means the permits are that window's (for refunds).
-        let window = self.window.load(Ordering::Acquire);
-        let deadline = self.deadline.load(Ordering::Acquire);
-        if deadline == 0 {
-            return (Take::Empty, 0, 0);
-        }
-        let cost = cost.min(i64::MAX as u64) as i64;
-        let mut current = self.permits.load(Ordering::Acquire);
-        let mut contended = false;
-        loop {
-            if current < cost {
-                return (Take::Empty, 0, 0);
-            }
-            let extra = spare(current - cost).clamp(0, current - cost);
-            match self.permits.compare_exchange_weak(
-                current,
-                current - cost - extra,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => {
-                    // A lease installed between the read and the swap (a
-                    // bucket renewal keeps the window) may end sooner: the
-                    // permits taken are valid until the earlier deadline.
-                    // (0: an install is publishing its deadline; the one
-                    // read before stands, as for any take.)
-                    let after = self.deadline.load(Ordering::Acquire);
-                    let deadline = if after == 0 {
-                        deadline
-                    } else {
-                        deadline.min(after)
-                    };
-                    return match time.valid_until(deadline) {
-                        Some(now) => {
-                            let same = self.window.load(Ordering::Acquire) == window;
-                            let window = (same && window != UNKNOWN_WINDOW).then_some(window);
-                            let left = current - cost - extra;
-                            (Take::Taken(left, now, contended, window), extra, deadline)
-                        }
-                        None if cost + extra > 0 => {
-                            let same = self.window.load(Ordering::Acquire) == window;
-                            let window = (same && window != UNKNOWN_WINDOW).then_some(window);
-                            (Take::Late(cost + extra, window), 0, 0)
-                        }
-                        None => (Take::Empty, 0, 0),
-                    };
-                }
-                Err(actual) => {
-                    contended = true;
-                    current = actual;
-                }
-            }
-        }
-    }
-
-    /// Puts back a thread's spare permits, taken from the lease of
-    /// `window` valid until `deadline`, if the slot still holds that very
-    /// lease and it is still valid; `false` otherwise (they are stranded).
-    pub(crate) fn restore(
-        &self,
-        window: Option<i64>,
-        deadline: u64,
-        permits: i64,
-        now: u64,
-    ) -> bool {
-        permits > 0
-            && self.put_back(
-                window.unwrap_or(UNKNOWN_WINDOW),
-                Some(deadline),
-                permits,
-                now,
-            )
-    }
-
-    /// Puts back `cost` permits spent from `window`'s lease (a refund, or
-    /// the undoing of one quota's take when another denied), if the slot
-    /// still holds a valid lease of that window; `false` otherwise (the
-    /// caller returns them to the store, which takes them only while the
-    /// window lasts).
-    pub(crate) fn untake(&self, window: i64, cost: u64, now: u64) -> bool {
-        self.put_back(window, None, cost.min(i64::MAX as u64) as i64, now)
-    }
-
-    /// Adds `permits` if the slot holds a lease of `window` (with this
-    /// `deadline`, when given) valid at `now`. Under the `next` lock, which
-    /// serialises installs: a lease of another window cannot slip in
-    /// between the check and the add.
-    fn put_back(&self, window: i64, deadline: Option<u64>, permits: i64, now: u64) -> bool {
-        let _serial = self.next_lock();
-        let current = self.deadline.load(Ordering::Acquire);
-        if self.evicted.load(Ordering::Acquire)
-            || self.window.load(Ordering::Acquire) != window
-            || deadline.is_some_and(|d| d != current)
-            || now >= current
-        {
-            return false;
-        }
-        self.permits.fetch_add(permits, Ordering::AcqRel);
-        true
-    }
-
     /// Takes the slot out of service: marks it evicted, then collects its
     /// unreported credit (see [`take_credit`](Slot::take_credit)).
     ///
@@ -458,9 +344,9 @@ impl Slot {
     pub(crate) fn retire(&self) -> Retired {
         self.evicted.store(true, Ordering::Release);
         let (permits, window, deadline, next) = {
-            let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+            let mut next = self.next_lock();
             let permits = self.permits.swap(0, Ordering::AcqRel).max(0);
-            let window = self.window.load(Ordering::Acquire);
+            let window = self.window.load(Ordering::Acquire).get();
             let deadline = self.deadline.load(Ordering::Acquire);
             self.has_next.store(false, Ordering::Release);
             (permits, window, deadline, next.take().map(|n| *n))
@@ -474,7 +360,7 @@ impl Slot {
                 in_flight: books.credit.in_flight,
                 recalled: books.credit.recalled,
             },
-            closed: books.credit_closed,
+            closed: books.credit_closed.get(),
             origin: books.origin,
             permits,
             window,
@@ -511,81 +397,6 @@ impl Slot {
         self.books.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Until when (local µs) the key is known exhausted, if it is at `now`:
-    /// the store's answer to an ask that got nothing, or a peek's that
-    /// found the window full, if the slot ran out soon enough after it
-    /// (see `peek_trust`). A peek too old to deny on is forgotten, so the
-    /// slot asks: permits given back meanwhile are found. (An ask's denial
-    /// is even, a peek's odd: forgetting a peek never erases an ask's
-    /// answer stored meanwhile, whatever its value.)
-    pub(crate) fn denied(&self, now: u64) -> Option<u64> {
-        let until = self.denied_until.load(Ordering::Acquire);
-        if now >= until {
-            return None;
-        }
-        if until & 1 == 0 {
-            return Some(until);
-        }
-        let trust = self.peek_trust.load(Ordering::Acquire);
-        if now < trust && now < self.deadline.load(Ordering::Acquire) {
-            // Run out while the peek is fresh: as good as an ask now.
-            let _ = self.denied_until.compare_exchange(
-                until,
-                until + 1,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            );
-            return Some(until + 1);
-        }
-        let _ = self
-            .denied_until
-            .compare_exchange(until, 0, Ordering::AcqRel, Ordering::Acquire);
-        None
-    }
-
-    /// A definitive denial (an ask's answer) until `until`, or none (0).
-    pub(crate) fn deny_until(&self, until: u64) {
-        self.deny_until_recheck(until, until);
-    }
-
-    /// An ask's denial that holds until `retry` (what the client is told),
-    /// cached only until `recheck` (no later than `retry`): the store is
-    /// asked again then, for permits an idle holder may have given back.
-    pub(crate) fn deny_until_recheck(&self, recheck: u64, retry: u64) {
-        self.deny_for(recheck, retry, 1);
-    }
-
-    /// [`deny_until_recheck`](Slot::deny_until_recheck), the store's
-    /// answer being for a request of `cost`.
-    pub(crate) fn deny_for(&self, recheck: u64, retry: u64, cost: u64) {
-        self.hint_cost
-            .store(cost.clamp(1, u64::from(u32::MAX)) as u32, Ordering::Release);
-        let recheck = recheck.min(retry).saturating_add(1) & !1;
-        let later_ms = retry.saturating_sub(recheck).div_ceil(1_000);
-        // The hint first: a request that sees the denial sees its hint.
-        self.retry_later_ms
-            .store(later_ms.min(u64::from(u32::MAX)) as u32, Ordering::Release);
-        self.denied_until.store(recheck, Ordering::Release);
-    }
-
-    /// What a denial cached until `until` tells the client: the local µs
-    /// from which the request can succeed, as far as the store said, and
-    /// the cost that answer was for.
-    pub(crate) fn retry_at(&self, until: u64) -> (u64, u64) {
-        let later = u64::from(self.retry_later_ms.load(Ordering::Acquire));
-        let cost = u64::from(self.hint_cost.load(Ordering::Acquire));
-        (until.saturating_add(later * 1_000), cost)
-    }
-
-    /// A peek's denial until `until`, believed until `trust` (see
-    /// `denied`).
-    pub(crate) fn deny_on_peek(&self, until: u64, trust: u64) {
-        // The trust first: a request that sees the denial sees its trust.
-        self.peek_trust.store(trust, Ordering::Release);
-        self.retry_later_ms.store(0, Ordering::Release);
-        self.denied_until.store(until | 1, Ordering::Release);
-    }
-
     /// Within `lead` of the current lease's deadline, with early refills on.
     #[inline]
     pub(crate) fn near_end(&self, now: u64, lead: u64) -> bool {
@@ -598,6 +409,27 @@ impl Slot {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clock::TimeSource;
+
+    /// A grant of `permits` of `window`, void at `deadline`, the window
+    /// surely ended at `window_end`.
+    pub(super) fn lease(permits: i64, window: i64, deadline: u64, window_end: u64) -> Grant {
+        Grant {
+            permits,
+            window,
+            deadline,
+            window_end,
+            renew: false,
+        }
+    }
+
+    /// The same, as a renewal: it replaces what is held.
+    pub(super) fn renewal(permits: i64, window: i64, deadline: u64, window_end: u64) -> Grant {
+        Grant {
+            renew: true,
+            ..lease(permits, window, deadline, window_end)
+        }
+    }
 
     use crate::clock::FakeClock;
     use std::sync::Arc;
@@ -632,7 +464,7 @@ mod tests {
     #[test]
     fn a_peeks_denial_is_believed_only_while_fresh_and_never_erases_an_asks() {
         let slot = Slot::new("k".into(), 0);
-        slot.install(5, 7, 100, 103, 10, false);
+        slot.install(lease(5, 7, 100, 103), 10);
         // Fresh (before the trust and the deadline): it stands, and from
         // then on as an ask's would.
         slot.deny_on_peek(1_000, 50);
@@ -641,7 +473,7 @@ mod tests {
         // Stale: forgotten, so the slot asks.
         slot.deny_on_peek(1_000, 50);
         assert_eq!(slot.denied(60), None);
-        assert_eq!(slot.denied_until.load(Ordering::Acquire), 0);
+        assert_eq!(slot.denied_until(), None);
         // Past the window's lease: forgotten too.
         slot.deny_on_peek(1_000, 500);
         assert_eq!(slot.denied(100), None);
@@ -657,12 +489,12 @@ mod tests {
     fn permits_are_spent_only_before_the_deadline() {
         let slot = Slot::new("k".into(), 0);
         assert!(matches!(slot.take(1, &at(10)), Take::Empty));
-        slot.install(3, 7, 100, 103, 10, false);
-        assert!(matches!(slot.take(2, &at(50)), Take::Taken(1, ..)));
+        slot.install(lease(3, 7, 100, 103), 10);
+        assert!(matches!(slot.take(2, &at(50)), Take::Taken { left: 1, .. }));
         assert!(matches!(slot.take(2, &at(50)), Take::Empty));
         // Past the deadline the last permit is void: taken and lost.
         assert!(
-            matches!(slot.take(1, &at(100)), Take::Late(1, _)),
+            matches!(slot.take(1, &at(100)), Take::Late { lost: 1, .. }),
             "deadline passed"
         );
         assert_eq!(slot.expire(100), 0);
@@ -673,11 +505,11 @@ mod tests {
         // The fast clock reads 40 µs behind the precise one, within the
         // 50 µs guard: near the deadline the precise clock decides.
         let slot = Slot::new("k".into(), 0);
-        slot.install(3, 7, 100, 103, 10, false);
+        slot.install(lease(3, 7, 100, 103), 10);
         let fast = Arc::new(FakeClock::new(Duration::from_micros(70)));
         let precise = Arc::new(FakeClock::new(Duration::from_micros(110)));
         let time = TimeSource::split(fast, precise, Duration::from_micros(50));
-        assert!(!matches!(slot.take(1, &time), Take::Taken(..)));
+        assert!(!matches!(slot.take(1, &time), Take::Taken { .. }));
     }
 
     #[test]
@@ -692,11 +524,11 @@ mod tests {
             }
         }
         let slot = Slot::new("k".into(), 0);
-        slot.install(3, 7, 100, 103, 10, false);
+        slot.install(lease(3, 7, 100, 103), 10);
         // The clock is read after the swap: the thread decides at 110 µs,
         // past the 100 µs deadline it read before being preempted.
         let time = TimeSource::Precise(Arc::new(Ticking(Arc::new(110.into()))));
-        assert!(matches!(slot.take(1, &time), Take::Late(1, _)));
+        assert!(matches!(slot.take(1, &time), Take::Late { lost: 1, .. }));
         assert_eq!(
             slot.permits.load(Ordering::Acquire),
             2,
@@ -715,16 +547,19 @@ mod tests {
     #[test]
     fn a_grant_for_the_same_window_adds_and_a_new_window_replaces() {
         let slot = Slot::new("k".into(), 0);
-        slot.install(3, 7, 100, 103, 10, false);
-        assert_eq!(slot.install(2, 7, 200, 203, 20, false), Installed::Added);
-        assert!(matches!(slot.take(5, &at(30)), Take::Taken(0, ..)));
-        slot.install(3, 7, 100, 103, 40, false);
+        slot.install(lease(3, 7, 100, 103), 10);
+        assert_eq!(slot.install(lease(2, 7, 200, 203), 20), Installed::Added);
+        assert!(matches!(slot.take(5, &at(30)), Take::Taken { left: 0, .. }));
+        slot.install(lease(3, 7, 100, 103), 40);
         // window 8 replaces window 7's leftovers, which are handed back
         assert_eq!(
-            slot.install(4, 8, 200, 203, 150, false),
+            slot.install(lease(4, 8, 200, 203), 150),
             Installed::Replaced(3)
         );
-        assert!(matches!(slot.take(4, &at(160)), Take::Taken(0, ..)));
+        assert!(matches!(
+            slot.take(4, &at(160)),
+            Take::Taken { left: 0, .. }
+        ));
     }
 
     #[test]
@@ -732,21 +567,24 @@ mod tests {
         // Window 8 is promoted; a reply for window 7 (asked before the
         // promotion) lands afterwards: refused, window 8 untouched.
         let slot = Slot::new("k".into(), 0);
-        slot.install(5, 8, 200, 203, 110, true);
+        slot.install(renewal(5, 8, 200, 203), 110);
         assert_eq!(
-            slot.install(4, 7, 100, 103, 120, false),
+            slot.install(lease(4, 7, 100, 103), 120),
             Installed::Stale(4)
         );
-        assert_eq!(slot.window.load(Ordering::Acquire), 8);
+        assert_eq!(slot.window(), Some(8));
         assert_eq!(slot.deadline.load(Ordering::Acquire), 200);
-        assert!(matches!(slot.take(5, &at(130)), Take::Taken(0, ..)));
+        assert!(matches!(
+            slot.take(5, &at(130)),
+            Take::Taken { left: 0, .. }
+        ));
     }
 
     fn with_next(current: i64, next: i64) -> Slot {
         // Window 7 surely runs until 100 and has surely ended at 103;
         // window 8's slice may be spent alone from 106.
         let slot = Slot::new("k".into(), 0);
-        slot.install(current, 7, 100, 103, 10, false);
+        slot.install(lease(current, 7, 100, 103), 10);
         slot.hold_next(NextLease {
             permits: next,
             window: 8,
@@ -820,7 +658,7 @@ mod tests {
         // A slice of window 9 with window 7's permits in place: window 8
         // lies between, unpaid.
         let slot = Slot::new("k".into(), 0);
-        slot.install(3, 7, 100, 103, 10, false);
+        slot.install(lease(3, 7, 100, 103), 10);
         slot.hold_next(NextLease {
             permits: 5,
             window: 9,
@@ -844,7 +682,7 @@ mod tests {
     #[test]
     fn a_pre_lease_is_usable_only_from_its_start() {
         let slot = Slot::new("k".into(), 0);
-        slot.install(1, 7, 100, 103, 10, false);
+        slot.install(lease(1, 7, 100, 103), 10);
         slot.hold_next(NextLease {
             permits: 5,
             window: 8,
@@ -855,18 +693,21 @@ mod tests {
         });
         assert_eq!(slot.promote(105), None);
         assert_eq!(slot.promote(106), Some(1));
-        assert!(matches!(slot.take(5, &at(106)), Take::Taken(0, ..)));
-        assert_eq!(slot.window_at(150, 100), Some(8));
+        assert!(matches!(
+            slot.take(5, &at(106)),
+            Take::Taken { left: 0, .. }
+        ));
+        assert_eq!(slot.window_at(150, 100), WindowAt::In(8));
         assert_eq!(
             slot.window_at(200, 100),
-            None,
+            WindowAt::Boundary,
             "between deadline and sure end"
         );
-        assert_eq!(slot.window_at(202, 100), None);
-        assert_eq!(slot.window_at(203, 100), Some(9));
-        assert_eq!(slot.window_at(299, 100), Some(9));
-        assert_eq!(slot.window_at(301, 100), None);
-        assert_eq!(slot.window_at(303, 100), Some(10));
+        assert_eq!(slot.window_at(202, 100), WindowAt::Boundary);
+        assert_eq!(slot.window_at(203, 100), WindowAt::In(9));
+        assert_eq!(slot.window_at(299, 100), WindowAt::In(9));
+        assert_eq!(slot.window_at(301, 100), WindowAt::Boundary);
+        assert_eq!(slot.window_at(303, 100), WindowAt::In(10));
     }
 }
 
@@ -877,8 +718,10 @@ mod tests {
 /// too), then runs `hybrid::slot::model`.
 #[cfg(all(test, loom))]
 mod model {
+    use super::tests::{lease, renewal};
     use super::*;
     use crate::clock::FakeClock;
+    use crate::clock::TimeSource;
     use std::time::Duration;
 
     fn at(us: u64) -> TimeSource {
@@ -904,16 +747,16 @@ mod model {
     fn take_against_a_renewal_conserves_permits() {
         explore(|| {
             let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
-            slot.install(2, 7, 100, 103, 10, false);
+            slot.install(lease(2, 7, 100, 103), 10);
             let spenders: Vec<_> = (0..2)
                 .map(|_| {
                     let slot = slot.clone();
                     loom::thread::spawn(move || {
-                        matches!(slot.take(1, &before_deadline()), Take::Taken(..)) as i64
+                        matches!(slot.take(1, &before_deadline()), Take::Taken { .. }) as i64
                     })
                 })
                 .collect();
-            let replaced = match slot.install(3, 8, 200, 203, 20, true) {
+            let replaced = match slot.install(renewal(3, 8, 200, 203), 20) {
                 Installed::Replaced(n) => n,
                 Installed::Added | Installed::Stale(_) => {
                     unreachable!("a renewal replaces")
@@ -922,7 +765,7 @@ mod model {
             let taken: i64 = spenders.into_iter().map(|t| t.join().unwrap()).sum();
             let left = slot.permits.load(Ordering::Acquire);
             assert_eq!(taken + replaced + left, 2 + 3, "{taken} {replaced} {left}");
-            assert_eq!(slot.window.load(Ordering::Acquire), 8);
+            assert_eq!(slot.window(), Some(8));
         });
     }
 
@@ -932,7 +775,7 @@ mod model {
     fn a_late_reply_never_replaces_a_promoted_window() {
         explore(|| {
             let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
-            slot.install(1, 7, 100, 103, 10, false);
+            slot.install(lease(1, 7, 100, 103), 10);
             slot.hold_next(NextLease {
                 permits: 5,
                 window: 8,
@@ -945,9 +788,9 @@ mod model {
                 let slot = slot.clone();
                 loom::thread::spawn(move || slot.promote(70))
             };
-            let late = slot.install(4, 7, 100, 103, 70, false);
+            let late = slot.install(lease(4, 7, 100, 103), 70);
             promoter.join().unwrap();
-            assert_eq!(slot.window.load(Ordering::Acquire), 8);
+            assert_eq!(slot.window(), Some(8));
             let permits = slot.permits.load(Ordering::Acquire);
             match late {
                 // Landed first, on window 7's permits, then replaced.
@@ -966,7 +809,7 @@ mod model {
     fn a_take_across_races_a_late_take_and_a_promotion() {
         explore(|| {
             let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
-            slot.install(2, 7, 100, 103, 10, false);
+            slot.install(lease(2, 7, 100, 103), 10);
             slot.hold_next(NextLease {
                 permits: 3,
                 window: 8,
@@ -978,8 +821,8 @@ mod model {
             let late = {
                 let slot = slot.clone();
                 loom::thread::spawn(move || match slot.take(1, &at(101)) {
-                    Take::Late(n, _) => n,
-                    Take::Taken(..) => 1,
+                    Take::Late { lost, .. } => lost,
+                    Take::Taken { .. } => 1,
                     Take::Empty => 0,
                 })
             };

@@ -1,7 +1,9 @@
 //! The pre-lease a slot holds apart: a slice of the next window, granted
 //! ahead of the boundary, put in place once its window starts.
 
-use super::*;
+use super::atomics::{MutexGuard, Ordering};
+use super::install::{Grant, Installed};
+use super::Slot;
 
 /// A slice of the next window, granted ahead of the boundary.
 #[derive(Debug, Clone, Copy)]
@@ -27,7 +29,8 @@ pub(crate) struct Across {
     /// Permits the next window's slice has left (`None`: nothing was
     /// admitted).
     pub(crate) left: Option<i64>,
-    /// The next window, which the admission is counted in.
+    /// The next window, which the admission is counted in (meaningless
+    /// unless `left` is `Some`).
     pub(crate) window: i64,
     /// Local µs by which the next window has surely ended: the decision
     /// resets then.
@@ -115,7 +118,8 @@ impl Slot {
     /// holder has permits to spare there; a hot key seldom has, and
     /// waits as before). Once it has surely ended, the next window's
     /// permits alone are spent. `paid`: the current window, if a late
-    /// take (see [`Take::Late`]) already took `cost` of its permits.
+    /// take (see [`Take::Late`](super::Take::Late)) already took `cost`
+    /// of its permits.
     ///
     /// `clock` is read again once the permits are taken, as [`take`]
     /// does: a thread preempted past the slice's deadline spends nothing
@@ -131,7 +135,7 @@ impl Slot {
     ) -> Across {
         let nothing = Across {
             left: None,
-            window: UNKNOWN_WINDOW,
+            window: 0,
             window_end: 0,
             stranded: 0,
         };
@@ -142,10 +146,11 @@ impl Slot {
         let Some(lease) = next.as_deref_mut() else {
             return nothing;
         };
-        let window = self.window.load(Ordering::Acquire);
+        let Some(window) = self.window.load(Ordering::Acquire).get() else {
+            return nothing;
+        };
         let deadline = self.deadline.load(Ordering::Acquire);
-        if window == UNKNOWN_WINDOW
-            || lease.window != window + 1
+        if lease.window != window + 1
             || deadline == 0
             || now < deadline
             || now >= lease.deadline
@@ -188,7 +193,7 @@ impl Slot {
         if !self.has_next.load(Ordering::Acquire) {
             return None;
         }
-        let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+        let mut next = self.next_lock();
         let lease = **next.as_ref()?;
         if now < lease.start {
             return None;
@@ -196,14 +201,14 @@ impl Slot {
         *next = None;
         self.has_next.store(false, Ordering::Release);
         self.low_water.store(lease.low_water, Ordering::Relaxed);
-        let installed = self.install_locked(
-            lease.permits,
-            lease.window,
-            lease.deadline,
-            lease.window_end,
-            now,
-            true,
-        );
+        let grant = Grant {
+            permits: lease.permits,
+            window: lease.window,
+            deadline: lease.deadline,
+            window_end: lease.window_end,
+            renew: true,
+        };
+        let installed = self.install_locked(grant, now);
         drop(next);
         Some(match installed {
             Installed::Added => 0,

@@ -2,7 +2,8 @@
 //! one refill is ([`Refill`]), so that one at a time is asked for, sent
 //! and settled. Every transition is a method here, one compare-and-swap.
 
-use super::*;
+use super::atomics::Ordering;
+use super::Slot;
 
 /// Where a slot's refill is. At most one per key: asked for (queued),
 /// sent, settled (idle again).

@@ -70,11 +70,7 @@ pub(super) fn prelease_if_active(
     // to lease the current window first would cost that request a round
     // trip, every time.)
     let deadline = slot.deadline();
-    if slot.window() == crate::hybrid::slot::UNKNOWN_WINDOW
-        || deadline > plan.end
-        || slot.has_next()
-        || slot.refill_pending()
-    {
+    if slot.window().is_none() || deadline > plan.end || slot.has_next() || slot.refill_pending() {
         return;
     }
     let window_start = slot.window_end().saturating_sub(shared.params.period_us);
@@ -162,9 +158,9 @@ pub(super) fn trim_idle(shared: &Shared, slot: &Slot, idle_ms: u64, now: u64) {
     if rate > 0.0 && (idle_us as f64) < IDLE_TRIM_GAPS / rate {
         return;
     }
-    if let Some((trimmed, window)) = slot.trim(keep, now) {
+    if let Some(Trimmed { permits, window }) = slot.trim(keep, now) {
         let origin = slot.books().origin();
-        shared.give_back(&shared.store_key(slot), trimmed as u64, window, origin);
+        shared.give_back(&shared.store_key(slot), permits as u64, window, origin);
     }
 }
 

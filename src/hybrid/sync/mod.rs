@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::policy::*;
-use super::slot::{Installed, NextLease, Slot};
+use super::slot::{Grant, Installed, NextLease, Slot, Trimmed};
 use futures_util::future::join_all;
 
 use super::config::{Ablation, HybridConfig};

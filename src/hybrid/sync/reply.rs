@@ -56,7 +56,9 @@ pub(super) fn give_recalled_back(shared: &Shared, call: &LeaseCall, recalled: u3
     // the lease's origin, and a bucket refills by itself.)
     if recalled > 0 && shared.leases.windowed() {
         let origin = LeaseOrigin::default();
-        shared.give_back(&call.key, u64::from(recalled), call.debt_window, origin);
+        // (Credit is taken only in a window known: `debt_window` is one.)
+        let window = Some(call.debt_window);
+        shared.give_back(&call.key, u64::from(recalled), window, origin);
     }
 }
 
@@ -173,7 +175,7 @@ pub(super) fn lease_answered(
         // The slot was retired while its lease was in flight: no request
         // will spend these permits here. Give them back.
         counters.lease_granted(r.granted);
-        shared.give_back(&p.call.key, r.granted, r.window, origin_of(r));
+        shared.give_back(&p.call.key, r.granted, Some(r.window), origin_of(r));
     } else if r.granted > 0 {
         counters.lease_granted(r.granted);
         install_grant(
@@ -201,7 +203,7 @@ pub(super) fn lease_answered(
             if windowed && r.remaining > 0 {
                 // The store has room in this window after all (a peek
                 // that found it full was overtaken by a give-back).
-                slot.deny_until(0);
+                slot.forget_denial();
             }
             if windowed && !shared.store.is_sharded() {
                 expect_refill(shared, slot, r, low_water, now);
@@ -226,8 +228,9 @@ pub(super) fn lease_answered(
             // would tell the client seconds too many.)
             let margin = config.clock_margin.as_micros() as u64 + shared.time.tick_us();
             let until = t1 + r.retry_after_us + margin;
-            let before = slot.denied_until();
-            let calm = before.saturating_add(shared.params.period_us) <= t1;
+            let calm = slot
+                .denied_until()
+                .is_none_or(|before| before.saturating_add(shared.params.period_us) <= t1);
             if windowed && calm {
                 // The first denial after a calm spell asks once more, after
                 // the time an idle holder takes to give back what it will
@@ -342,7 +345,14 @@ pub(super) fn install_grant(
                 };
                 counters.stranded.add(slot.hold_next(lease) as u64);
             } else {
-                match slot.install(granted, r.window, deadline, window_end, now, false) {
+                let grant = Grant {
+                    permits: granted,
+                    window: r.window,
+                    deadline,
+                    window_end,
+                    renew: false,
+                };
+                match slot.install(grant, now) {
                     Installed::Added => {}
                     Installed::Replaced(n) | Installed::Stale(n) => counters.stranded.add(n as u64),
                 }
@@ -355,7 +365,14 @@ pub(super) fn install_grant(
             let origin = origin_of(r);
             let mut books = slot.books();
             let before = books.origin();
-            match slot.install(granted, 0, deadline, full_at, now, p.renew()) {
+            let grant = Grant {
+                permits: granted,
+                window: 0,
+                deadline,
+                window_end: full_at,
+                renew: p.renew(),
+            };
+            match slot.install(grant, now) {
                 Installed::Added if before.at_us != 0 => {
                     // Added to permits still held: the merged lease
                     // answers to the older origin too.
@@ -370,7 +387,8 @@ pub(super) fn install_grant(
                     books.set_origin(origin, false);
                     drop(books);
                     if replaced > 0 {
-                        shared.give_back(&shared.store_key(slot), replaced as u64, 0, before);
+                        let key = shared.store_key(slot);
+                        shared.give_back(&key, replaced as u64, None, before);
                     }
                 }
                 Installed::Stale(n) => counters.stranded.add(n as u64),

@@ -468,7 +468,7 @@ pub(super) fn lease_call(
         permits,
         u64::from(credit.debt),
         now,
-        (windowed && window != crate::hybrid::slot::UNKNOWN_WINDOW).then_some(window),
+        window.filter(|_| windowed),
     );
     let deadline = slot.deadline();
     // Permits that would arrive void (they end within a round trip and
@@ -480,7 +480,7 @@ pub(super) fn lease_call(
         renew,
         time_left_us: time_left,
     } = shared.leases.target(&LeaseView {
-        window: (window != crate::hybrid::slot::UNKNOWN_WINDOW).then_some(window),
+        window,
         valid,
         near_end,
         ending: now + rtt >= deadline,
@@ -498,9 +498,10 @@ pub(super) fn lease_call(
         period_us: period,
     });
     let ahead = if valid {
-        min_window > window
+        // (A valid lease has a window; before any, -1 as the store reads it.)
+        min_window > window.unwrap_or(-1)
     } else {
-        swept && need == 0 && window != crate::hybrid::slot::UNKNOWN_WINDOW
+        swept && need == 0 && window.is_some()
     };
     let (want, to_the_end) =
         books

@@ -62,9 +62,9 @@ pub(super) fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize,
         // (A denial known now is of the current window: a watch of the
         // next one, a pre-lease's, stays.)
         if slot.is_evicted()
-            || current > w.window
+            || current > Some(w.window)
             || now >= w.until
-            || (current == w.window && slot.denied_until() > now)
+            || (current == Some(w.window) && slot.denied_until().is_some_and(|u| u > now))
         {
             return false;
         }
@@ -72,7 +72,7 @@ pub(super) fn add_peeks(shared: &Shared, pending: &mut Vec<Pending>, max: usize,
         // not while a refill of the slot is queued or in flight (its reply
         // tells the same).
         let soon = slot.permits().max(0) as f64 <= w.rate_per_us * trust;
-        let due = current == w.window && now >= w.after && soon && !slot.refill_pending();
+        let due = current == Some(w.window) && now >= w.after && soon && !slot.refill_pending();
         if !due {
             return true;
         }
@@ -98,8 +98,8 @@ pub(super) fn peek_answered(
     if r.remaining > 0
         || r.start_after_us > 0
         || r.retry_after_us == 0
-        || r.window != slot.window()
-        || slot.denied_until() > t1
+        || Some(r.window) != slot.window()
+        || slot.denied_until().is_some_and(|u| u > t1)
     {
         return;
     }
@@ -212,7 +212,7 @@ pub(super) fn add_rides(
             return false;
         };
         let deadline = slot.deadline();
-        if slot.is_evicted() || slot.window() != a.window || now >= deadline {
+        if slot.is_evicted() || slot.window() != Some(a.window) || now >= deadline {
             return false;
         }
         let held = slot.permits();
@@ -236,7 +236,7 @@ pub(super) fn add_rides(
             // Kept while it may still fall due in time.
             return elapsed <= horizon || now.saturating_add(eta) < deadline;
         }
-        if held <= 0 || slot.denied_until() > now || !slot.send_unasked() {
+        if held <= 0 || slot.denied_until().is_some_and(|u| u > now) || !slot.send_unasked() {
             return false;
         }
         rides.push(slot);

@@ -1,7 +1,19 @@
 //! The calls: scripts loaded and sent (one at a time or pipelined), each
 //! bounded by a timeout and judged by a breaker, replies parsed.
 
-use super::*;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+use redis::{Cmd, Value};
+
+use super::{
+    is_layout_change, is_noscript, parse_error, refuses, timeout_error, Conn, Queued, RedisStore,
+};
+use crate::error::{Error, ErrorKind};
+use crate::store::topology::{slot_of, Node};
+use crate::store::StoreCost;
+
 use crate::store::{Arg, Call, Lua, Ran};
 
 /// Appends a script's arguments to a command.

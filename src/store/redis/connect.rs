@@ -2,12 +2,22 @@
 //! a cluster's seed URLs, Redis Sentinel, or a client set up elsewhere;
 //! and how the connection is made again after a failover.
 
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::Arc;
+use std::time::Duration;
+
+use redis::aio::ConnectionManagerConfig;
+
+use super::calls::batch_timeout;
+use super::{Conn, Rebuild, RedisOptions, RedisStore};
+use crate::error::Error;
+use crate::store::topology::Topology;
+
 #[cfg(feature = "sentinel")]
 use super::sentinel::{Sentinel, SentinelClient};
 use super::url::{
     check_scheme, connect_error, connect_timeout, ensure_crypto_provider, redact, tls_address,
 };
-use super::*;
 
 /// How to make a fresh connection, kept for rebuilding it.
 pub(super) enum Client {
@@ -373,6 +383,10 @@ fn watch_sentinels(store: &RedisStore) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(feature = "tls")]
+    use crate::error::ErrorKind;
+    #[cfg(feature = "tls")]
+    use crate::store::redis::TlsOptions;
 
     #[test]
     fn redact_hides_credentials() {

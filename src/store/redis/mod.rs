@@ -16,15 +16,14 @@ use arc_swap::ArcSwap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, Pipeline, RedisFuture, ServerErrorKind, Value};
 
-use super::topology::{slot_of, Node, Topology};
-use super::{Backend, StoreCost};
-use crate::breaker::{CircuitBreaker, CircuitConfig, CircuitState};
-use crate::clock::{Clock, SystemClock};
+use super::topology::{Node, Topology};
+use super::Backend;
+use crate::breaker::{CircuitBreaker, CircuitState};
 use crate::error::{Error, ErrorKind};
 
 mod calls;
@@ -34,7 +33,6 @@ mod options;
 mod sentinel;
 mod url;
 
-use calls::batch_timeout;
 use connect::Client;
 pub use options::RedisOptions;
 #[cfg(feature = "tls")]

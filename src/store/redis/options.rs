@@ -1,9 +1,15 @@
 //! [`RedisOptions`]: timeouts, the circuit breaker, the clock and (feature
 //! `tls`) the [`TlsOptions`] of a [`RedisStore`](super::RedisStore).
 
-use super::*;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
 
-/// Connection settings for a [`RedisStore`].
+use crate::breaker::CircuitConfig;
+use crate::clock::{Clock, SystemClock};
+use crate::error::Error;
+
+/// Connection settings for a [`RedisStore`](super::RedisStore).
 #[derive(Clone)]
 #[non_exhaustive]
 pub struct RedisOptions {

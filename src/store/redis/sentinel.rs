@@ -3,12 +3,19 @@
 //! and every second, so a failover is followed whether or not an error
 //! announced it.
 
+use std::fmt;
+use std::time::Duration;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+use super::RedisOptions;
+use crate::error::{Error, ErrorKind};
+
 use super::url::{check_scheme, is_tls, redact};
-use super::*;
 
 /// A Redis Sentinel deployment: where its Sentinels are, which monitored
 /// service holds the budgets, and how to log in to that service's primary.
-/// See [`RedisStore::connect_sentinel`].
+/// See [`RedisStore::connect_sentinel`](super::RedisStore::connect_sentinel).
 ///
 /// ```
 /// use slicelimit::store::Sentinel;

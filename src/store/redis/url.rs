@@ -1,7 +1,11 @@
 //! What a store's URLs ask for (TLS or not), how they are shown without
 //! their credentials, and what a failed connection says.
 
-use super::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::RedisOptions;
+use crate::error::{Error, ErrorKind};
 
 /// `url` without the credentials it may carry: the user part before an
 /// `@` (with or without a scheme), and `pass`, `password`, `user` or
