@@ -8,9 +8,9 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use crate::algorithm::{Lease, LeaseCall, OpId, OpIds, Params};
+use super::report::{Report, Resend};
+use crate::algorithm::{Lease, LeaseCall, OpIds, Params};
 use crate::clock::micros;
 use crate::clock::Clock;
 use crate::key::KeyEncoder;
@@ -21,7 +21,7 @@ use crate::store::Store;
 /// Reported to the store as debt when it answers again, so the fleet does
 /// not get a second full budget right after an outage.
 ///
-/// Each report carries an identity ([`OpId`]) fixed when it is first sent:
+/// Each report carries an identity fixed when it is first sent:
 /// a report that timed out is resent under the same identity, so the store
 /// counts it once even if it had applied the first delivery.
 pub(crate) struct Reconciler {
@@ -50,22 +50,6 @@ struct Ledger {
     /// Sent, not known to have applied: resent as they were.
     resend: Vec<Report>,
 }
-
-/// One reconciliation report: `permits` admitted for `key` while the store
-/// was away.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Report {
-    pub(crate) key: String,
-    pub(crate) permits: u64,
-    pub(crate) op: OpId,
-    /// When it was first handed out for sending (the limiter's clock, µs).
-    pub(crate) first_sent: Option<u64>,
-}
-
-/// How long a report is resent. The store remembers a report's identity
-/// for 60 s; a resend after that could apply twice, so a report still
-/// unsent by then is dropped and counted instead (`Stats::reports_dropped`).
-pub(crate) const RESEND_FOR: Duration = Duration::from_secs(50);
 
 /// The most keys the ledger holds between two reports. Keys reach it
 /// through `local_key`, so this bounds its bytes too; what a key beyond it
@@ -135,14 +119,14 @@ impl Reconciler {
         self.has_pending.store(false, Ordering::Release);
         let now = micros(&*self.clock);
         let mut out = std::mem::take(&mut pending.resend);
-        out.extend(pending.fresh.drain().map(|(key, permits)| Report {
-            key,
-            permits,
-            op: self.ops.next(),
-            first_sent: None,
-        }));
+        out.extend(
+            pending
+                .fresh
+                .drain()
+                .map(|(key, permits)| Report::new(key, permits, None, self.ops.next())),
+        );
         for r in &mut out {
-            r.first_sent.get_or_insert(now);
+            r.sending(now);
         }
         out
     }
@@ -152,14 +136,11 @@ impl Reconciler {
     pub(crate) fn restore(&self, reports: impl IntoIterator<Item = Report>) -> u64 {
         let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
         let mut dropped = 0;
+        let now = micros(&*self.clock);
         for r in reports {
-            let now = micros(&*self.clock);
-            if r.first_sent
-                .is_some_and(|t| now.saturating_sub(t) > RESEND_FOR.as_micros() as u64)
-            {
-                dropped += r.permits;
-            } else {
-                pending.resend.push(r);
+            match r.unavailable(now) {
+                Resend::Later(r) => pending.resend.push(r),
+                Resend::Dropped(permits) => dropped += permits,
             }
         }
         if !pending.resend.is_empty() {
@@ -193,16 +174,10 @@ impl Drop for RestoreOnDrop<'_> {
     }
 }
 
-impl Report {
-    /// The store call that reports it: its permits as consumption of the
-    /// key's current window or bucket, under its identity.
-    pub(crate) fn call(&self, keys: &KeyEncoder, params: &Params) -> LeaseCall {
-        LeaseCall::report(
-            keys.store_key(&self.key, params.algorithm),
-            self.permits,
-            self.op,
-        )
-    }
+/// The store call that reports `report`, a fallback's admissions of a
+/// user key: consumption of the key's current window or bucket.
+pub(crate) fn report_call(report: &Report, keys: &KeyEncoder, params: &Params) -> LeaseCall {
+    report.call(keys.store_key(&report.key, params.algorithm))
 }
 
 impl Reconciler {
@@ -267,7 +242,7 @@ pub(crate) async fn reconcile(
         .as_deref()
         .unwrap_or_default()
         .iter()
-        .map(|r| r.call(keys, params))
+        .map(|r| report_call(r, keys, params))
         .collect();
     let leases: Vec<Lease<'_>> = calls.iter().map(|call| Lease { params, call }).collect();
     let (replies, _) = store.run_batch_counted(&leases, 0, counters).await;
@@ -297,6 +272,7 @@ pub(crate) async fn reconcile(
 mod tests {
     use super::*;
     use crate::clock::FakeClock;
+    use std::time::Duration;
 
     #[test]
     fn the_reconciliation_ledger_is_bounded_and_counts_what_it_drops() {

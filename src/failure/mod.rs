@@ -4,7 +4,9 @@
 //! - `policy`: [`FailurePolicy`] and the pure rule turning "could not
 //!   decide" into a [`Decision`];
 //! - `ledger`: what the fallback admitted, reported to the store as debt
-//!   when it answers again, each report under its identity.
+//!   when it answers again;
+//! - `report`: a report under its identity and how it is resent, for the
+//!   ledger and for the hybrid engine's debt alike.
 //!
 //! [`FailureLayer`] is the one place the policy is applied, for every
 //! limiter mode, and the owner of the ledger. It sits above the stores and
@@ -14,9 +16,11 @@
 
 mod ledger;
 mod policy;
+mod report;
 
-pub(crate) use self::ledger::{Reconciler, Report, RESEND_FOR};
+pub(crate) use self::ledger::{report_call, Reconciler};
 pub use self::policy::FailurePolicy;
+pub(crate) use self::report::{Report, Resend};
 
 use std::sync::Arc;
 

@@ -9,7 +9,8 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
 
 use super::slot::Slot;
-use crate::algorithm::{GiveBackCall, OpId};
+use crate::algorithm::GiveBackCall;
+use crate::failure::Report;
 
 /// The sync task's work, and how it is woken for it.
 pub(crate) struct Outbox {
@@ -17,9 +18,10 @@ pub(crate) struct Outbox {
     pub(super) refills: Mutex<RefillQueue>,
     /// Permits to give back in the next round.
     pub(super) returns: Mutex<Vec<GiveBackCall>>,
-    /// Debt of evicted slots (or of failed reports) to report next round,
-    /// each under the identity it was first sent with.
-    pub(super) reports: Mutex<Vec<DebtReport>>,
+    /// Debt of evicted slots (or of lease calls whose reply was lost) to
+    /// report, each under the identity it was first sent with (store
+    /// keys; see `failure::Report`).
+    pub(super) reports: Mutex<Vec<Report>>,
     /// A queued refill has a request waiting on it: no coalescing delay.
     pub(super) urgent: AtomicBool,
     /// Wakes the sync task.
@@ -36,23 +38,6 @@ impl Outbox {
             wake: Notify::new(),
         }
     }
-}
-
-/// Debt to report on its own (an evicted slot's, or one whose lease call
-/// failed), under the identity it was first sent with.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct DebtReport {
-    pub(crate) key: String,
-    pub(crate) debt: u64,
-    /// Fixed window: the window the debt was admitted in.
-    pub(crate) window: i64,
-    pub(crate) op: OpId,
-    /// Deliveries that found the store unavailable, for the back-off.
-    pub(crate) attempts: u32,
-    /// Local µs before which it is not resent.
-    pub(crate) not_before: u64,
-    /// When it was first sent (see `RESEND_FOR`).
-    pub(crate) first_sent: Option<u64>,
 }
 
 /// Refills waiting to be sent. Waiters first: a slot a request waits on

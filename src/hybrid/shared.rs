@@ -10,7 +10,7 @@ use dashmap::DashMap;
 use tokio::sync::Notify;
 
 use super::config::{Ablation, HybridConfig};
-use super::outbox::{DebtReport, Outbox};
+use super::outbox::Outbox;
 use super::slot::{Retired, RetryHint, Slot, WindowAt};
 use super::watchlist::Watch;
 use crate::algorithm::{GiveBackCall, LeaseKind, LeaseOrigin, OpIds, Params};
@@ -19,6 +19,7 @@ use crate::decision::{Decision, Origin, Source, Taken};
 use crate::error::Error;
 use crate::exact::ExactEngine;
 use crate::failure::Reconciler;
+use crate::failure::Report;
 use crate::key::KeyEncoder;
 use crate::stats::Counters;
 use crate::store::Store;
@@ -444,15 +445,8 @@ impl Shared {
         }
         if credit.debt > 0 {
             let op = self.ops.next();
-            self.queue_report(DebtReport {
-                key: store_key,
-                debt: u64::from(credit.debt),
-                window: credit.window,
-                op,
-                attempts: 0,
-                not_before: 0,
-                first_sent: None,
-            });
+            let debt = u64::from(credit.debt);
+            self.queue_report(Report::new(store_key, debt, Some(credit.window), op));
         }
     }
 
@@ -468,17 +462,17 @@ impl Shared {
 
     /// Queues debt for reporting under its identity, and counts it against
     /// the key's credit until the store has it.
-    pub(super) fn queue_report(&self, report: DebtReport) {
+    pub(super) fn queue_report(&self, report: Report) {
         {
             let mut ledger = self.outstanding.entry(report.key.clone()).or_default();
-            ledger.pending += report.debt;
+            ledger.pending += report.permits;
             if self.leases.windowed() {
-                if Some(report.window) > ledger.window {
-                    ledger.window = Some(report.window);
+                if report.window > ledger.window {
+                    ledger.window = report.window;
                     ledger.used = 0;
                 }
-                if Some(report.window) == ledger.window {
-                    ledger.used += report.debt;
+                if report.window == ledger.window {
+                    ledger.used += report.permits;
                 }
                 ledger.at_us = self.time.precise_us();
             }
@@ -491,15 +485,15 @@ impl Shared {
     }
 
     /// The store has a queued report (or refused it for good).
-    pub(super) fn report_settled(&self, report: &DebtReport) {
-        if let Some(mut ledger) = self.outstanding.get_mut(&report.key) {
-            ledger.pending = ledger.pending.saturating_sub(report.debt);
+    pub(super) fn report_settled(&self, key: &str, permits: u64) {
+        if let Some(mut ledger) = self.outstanding.get_mut(key) {
+            ledger.pending = ledger.pending.saturating_sub(permits);
         }
         // Buckets have no window to remember: a settled ledger is done.
         // Window ledgers are pruned once their window has passed.
         let bucket = !self.leases.windowed();
         self.outstanding
-            .remove_if(&report.key, |_, l| l.pending == 0 && bucket);
+            .remove_if(key, |_, l| l.pending == 0 && bucket);
     }
 
     /// Forgets fixed-window ledgers whose window has surely ended.

@@ -30,7 +30,7 @@ use crate::algorithm::{
 };
 use crate::clock::drift_us;
 use crate::error::Error;
-use crate::failure::{Report, RESEND_FOR};
+use crate::failure::{report_call, Report, Resend};
 
 use give_back::*;
 use maintain::*;
@@ -38,7 +38,6 @@ use reply::*;
 use send::*;
 use watch::*;
 
-use super::outbox::DebtReport;
 pub(crate) use give_back::give_back_all;
 pub(crate) use maintain::{maintain, SWEEP_SLICES};
 pub(crate) use send::round;
@@ -71,18 +70,12 @@ pub(crate) async fn finish(shared: &Shared) {
             .unwrap_or_else(|p| p.into_inner()),
     )
     .iter()
-    .map(|r| r.debt)
+    .map(|r| r.permits)
     .sum();
     shared.debt_dropped(debt);
     let fallback: u64 = shared.reconciler.drain().iter().map(|r| r.permits).sum();
     shared.counters.reports_dropped.add(fallback);
     shared.counters.meters.local_keys.set(0.0);
-}
-
-/// The back-off of a report the store could not take: 50 ms doubling to
-/// at most 5 s.
-fn backoff_us(attempts: u32) -> u64 {
-    (50_000u64 << attempts.min(7)).min(5_000_000)
 }
 
 /// How often expiry, idle eviction and `max_keys` are enforced.

@@ -73,34 +73,30 @@ pub(super) fn settle_report(shared: &Shared, report: Reported, result: &Result<L
         Reported::Fallback(report) => {
             shared.reconciler.settle(report, result, counters);
         }
-        Reported::Debt(report)
-            if retry
-                && report.first_sent.is_some_and(|t| {
-                    shared.time.precise_us().saturating_sub(t) > RESEND_FOR.as_micros() as u64
-                }) =>
-        {
-            // Its identity may be forgotten by now: a resend could count
-            // it twice. Dropped and counted instead.
-            shared.debt_dropped(report.debt);
-            shared.report_settled(&report);
-        }
-        Reported::Debt(mut report) if retry => {
-            report.attempts += 1;
-            report.not_before = shared.time.precise_us() + backoff_us(report.attempts);
-            shared
-                .outbox
-                .reports
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(report)
+        Reported::Debt(report) if retry => {
+            let (key, permits) = (report.key.clone(), report.permits);
+            match report.unavailable(shared.time.precise_us()) {
+                Resend::Later(report) => shared
+                    .outbox
+                    .reports
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(report),
+                // Its identity may be forgotten by now: a resend could
+                // count it twice. Dropped and counted instead.
+                Resend::Dropped(_) => {
+                    shared.debt_dropped(permits);
+                    shared.report_settled(&key, permits);
+                }
+            }
         }
 
         Reported::Debt(report) => {
             match result {
                 Ok(r) => counters.overshoot.add(r.uncovered),
-                Err(_) => shared.debt_dropped(report.debt),
+                Err(_) => shared.debt_dropped(report.permits),
             }
-            shared.report_settled(&report);
+            shared.report_settled(&report.key, report.permits);
         }
     }
 }
@@ -112,16 +108,12 @@ pub(super) fn settle_report(shared: &Shared, report: Reported, result: &Result<L
 pub(super) fn lease_failed(shared: &Shared, slot: &Slot, call: &LeaseCall, t0: u64) {
     lose_lease(slot, call);
     if let Some(op) = call.op.filter(|_| call.debt > 0) {
-        shared.queue_report(DebtReport {
-            key: call.key.clone(),
-            debt: call.debt,
-            window: call.debt_window,
-            op,
-            attempts: 1,
-            not_before: shared.time.precise_us() + backoff_us(1),
-            // It was sent once, inside the lease call.
-            first_sent: Some(t0),
-        });
+        // It was sent once, inside the lease call, and failed.
+        let report = Report::new(call.key.clone(), call.debt, Some(call.debt_window), op);
+        match report.sent_at(t0).unavailable(shared.time.precise_us()) {
+            Resend::Later(report) => shared.queue_report(report),
+            Resend::Dropped(permits) => shared.debt_dropped(permits),
+        }
     }
     slot.set_refill_failed(true);
 }

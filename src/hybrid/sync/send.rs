@@ -13,7 +13,7 @@ use crate::algorithm::Lease;
 pub(super) struct Unsent<'a> {
     pub(super) shared: &'a Shared,
     pub(super) fallback: Vec<Report>,
-    pub(super) debts: Vec<DebtReport>,
+    pub(super) debts: Vec<Report>,
     /// The batches in flight.
     pub(super) batches: Vec<Vec<Pending>>,
     /// When it was sent (local µs): a lease's debt resent after a drop is
@@ -37,15 +37,13 @@ impl Drop for Unsent<'_> {
                     if let Some(op) = p.call.op.filter(|_| p.call.debt > 0) {
                         let recalled = slot.credit_settled(p.call.debt);
                         give_recalled_back(shared, &p.call, recalled);
-                        shared.queue_report(DebtReport {
-                            key: p.call.key.clone(),
-                            debt: p.call.debt,
-                            window: p.call.debt_window,
+                        let report = Report::new(
+                            p.call.key.clone(),
+                            p.call.debt,
+                            Some(p.call.debt_window),
                             op,
-                            attempts: 0,
-                            not_before: 0,
-                            first_sent: Some(self.sent_at),
-                        });
+                        );
+                        shared.queue_report(report.sent_at(self.sent_at));
                     }
                     slot.refill_done();
                     shared.refilled(&slot).notify_waiters();
@@ -124,7 +122,7 @@ impl Pending {
 /// A report in flight, to be settled or resent as it was.
 pub(super) enum Reported {
     /// Debt of an evicted slot, or of a failed lease call.
-    Debt(DebtReport),
+    Debt(Report),
     /// What the failure policy's fallback admitted.
     Fallback(Report),
 }
@@ -166,7 +164,7 @@ pub(crate) async fn round(shared: &Shared) -> bool {
         let (due, later): (Vec<_>, Vec<_>) =
             std::mem::take(&mut *queued).into_iter().partition(|r| {
                 // The last round (shutdown) sends everything it has.
-                r.not_before <= now || shared.life.closed.load(Ordering::Acquire)
+                r.due(now) || shared.life.closed.load(Ordering::Acquire)
             });
         *queued = later;
         due
@@ -317,7 +315,7 @@ pub(super) fn next_batch(
             break;
         };
         pending.push(Pending {
-            call: report.call(&shared.keys, &shared.params),
+            call: report_call(&report, &shared.keys, &shared.params),
             kind: Kind::Report(Reported::Fallback(report)),
         });
     }
@@ -325,12 +323,9 @@ pub(super) fn next_batch(
         let Some(mut report) = unsent.debts.pop() else {
             break;
         };
-        report.first_sent.get_or_insert(now);
+        report.sending(now);
         pending.push(Pending {
-            call: LeaseCall {
-                debt_window: report.window,
-                ..LeaseCall::report(report.key.clone(), report.debt, report.op)
-            },
+            call: report.call(report.key.clone()),
             kind: Kind::Report(Reported::Debt(report)),
         });
     }
