@@ -203,8 +203,6 @@ pub use stats::Stats;
 pub use store::Sentinel;
 #[cfg(feature = "tls")]
 pub use store::TlsOptions;
-#[cfg(feature = "test-support")]
-pub use store::{FaultCounts, Faults, FaultyStore};
 pub use store::{MemoryStore, RedisOptions, RedisStore, Store};
 
 /// The README's code blocks, compiled as doctests so they cannot rot.

@@ -10,10 +10,10 @@ use std::task::Poll;
 use std::time::Duration;
 
 use slicelimit::{
-    Algorithm, Clock, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore,
-    Quota, Source,
+    Algorithm, Clock, FailurePolicy, HybridConfig, Limiter, MemoryStore, Quota, Source,
 };
 use support::VirtualClock;
+use support::{Faults, FaultyStore};
 
 fn vclock(offset: Duration) -> VirtualClock {
     VirtualClock {

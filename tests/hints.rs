@@ -380,7 +380,7 @@ async fn seeded_waiting_the_hint_admits() {
 }
 
 async fn hint_scenario(seed: u64) -> Result<(), String> {
-    use slicelimit::{Faults, FaultyStore};
+    use slicelimit_sim::{Faults, FaultyStore};
     let mut rng = Rng::new(seed);
     let algorithm = ALGORITHMS[rng.below(4) as usize];
     let mode = MODES[rng.below(3) as usize];

@@ -272,7 +272,8 @@ async fn rate_and_in_flight_limits_stack() {
 #[tokio::test]
 async fn an_outage_under_fail_closed_is_a_503() {
     use slicelimit::http::PROBLEM_TYPE_UNAVAILABLE;
-    use slicelimit::{FailurePolicy, FakeClock, Faults, FaultyStore};
+    use slicelimit::{FailurePolicy, FakeClock};
+    use slicelimit_sim::{Faults, FaultyStore};
     use tower::ServiceExt;
     let clock = FakeClock::new(Duration::from_secs(1_000));
     let down = Faults {

@@ -7,13 +7,14 @@ use slicelimit_sim as support;
 
 use std::time::{Duration, Instant};
 
+use slicelimit::SystemClock;
 use slicelimit::{
     nonzero, CircuitConfig, FailurePolicy, HybridConfig, Limiter, Quota, RedisOptions, RedisStore,
     Source,
 };
-use slicelimit::{Faults, FaultyStore, SystemClock};
 use support::proxy::Proxy;
 use support::{store, RedisServer};
+use support::{Faults, FaultyStore};
 
 /// CPU seconds this process has used so far (user + system).
 fn cpu_seconds() -> f64 {

@@ -11,11 +11,10 @@ use std::time::Duration;
 use axum::routing::get;
 use axum::Router;
 use slicelimit::http::RateLimitLayer;
-use slicelimit::{
-    check_all, nonzero, FakeClock, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota,
-};
+use slicelimit::{check_all, nonzero, FakeClock, HybridConfig, Limiter, MemoryStore, Quota};
 use support::load::wall_us;
 use support::{store, RedisServer, VirtualClock};
+use support::{Faults, FaultyStore};
 use tower::ServiceExt;
 
 fn virtual_clock() -> VirtualClock {

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use sfv::{BareItem, ListEntry, Parser};
 
-use slicelimit::{
-    nonzero, FailurePolicy, FakeClock, Faults, FaultyStore, Limiter, MemoryStore, Quota,
-};
+use slicelimit::{nonzero, FailurePolicy, FakeClock, Limiter, MemoryStore, Quota};
+
+use crate::faults::{Faults, FaultyStore};
 
 /// A whole minute, so per-minute windows start here.
 pub const ORIGIN: Duration = Duration::from_secs(1_700_000_040);
