@@ -187,8 +187,6 @@ pub use hybrid::{Consistency, HybridConfig};
 pub use limiter::{check_all, Builder, Check, Limiter};
 pub use quota::Quota;
 pub use stats::Stats;
-#[cfg(feature = "test-support")]
-pub use store::{FaultCounts, Faults, FaultyStore};
 pub use store::{MemoryStore, RedisStore, Store};
 
 /// The README's code blocks, compiled as doctests so they cannot rot.

@@ -12,9 +12,10 @@ use slicelimit_sim as support;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use slicelimit::{nonzero, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota, Source};
+use slicelimit::{nonzero, HybridConfig, Limiter, MemoryStore, Quota, Source};
 use support::load::wall_us;
 use support::{store, RedisServer, VirtualClock};
+use support::{Faults, FaultyStore};
 
 /// A whole ten seconds since the epoch, so windows of 1 s and 10 s start
 /// at the origin.

@@ -10,10 +10,10 @@ use std::task::Poll;
 use std::time::Duration;
 
 use slicelimit::{
-    clock::Clock, Algorithm, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter,
-    MemoryStore, Quota, Source,
+    clock::Clock, Algorithm, FailurePolicy, HybridConfig, Limiter, MemoryStore, Quota, Source,
 };
 use support::VirtualClock;
+use support::{Faults, FaultyStore};
 
 fn vclock(offset: Duration) -> VirtualClock {
     VirtualClock {

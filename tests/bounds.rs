@@ -436,7 +436,8 @@ async fn absurd_durations_are_refused_at_build() {
 /// counts them; it never loses one silently.
 #[tokio::test(start_paused = true)]
 async fn a_dropped_reconciliation_counts_what_it_drops() {
-    use slicelimit::{clock::FakeClock, Faults, FaultyStore};
+    use slicelimit::clock::FakeClock;
+    use slicelimit_sim::{Faults, FaultyStore};
     let clock = FakeClock::new(Duration::from_secs(1_700_000_000));
     let memory = MemoryStore::with_clock(clock.clone());
     let down = Faults {

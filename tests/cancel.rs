@@ -10,10 +10,10 @@ use std::task::Poll;
 use std::time::Duration;
 
 use slicelimit::{
-    nonzero, Algorithm, FailurePolicy, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore,
-    Quota, Source,
+    nonzero, Algorithm, FailurePolicy, HybridConfig, Limiter, MemoryStore, Quota, Source,
 };
 use support::VirtualClock;
+use support::{Faults, FaultyStore};
 
 /// Polls `fut` `polls` times, a millisecond of virtual time apart, then
 /// drops it. Returns its output if it finished first.

@@ -49,10 +49,7 @@ const ALGORITHMS: [Algorithm; 4] = [
 ];
 
 fn clock() -> VirtualClock {
-    VirtualClock {
-        origin: ORIGIN,
-        start: tokio::time::Instant::now(),
-    }
+    VirtualClock::new(ORIGIN)
 }
 
 fn limiter(
@@ -360,27 +357,21 @@ const FOUND: &[u64] = &[41, 344, 867];
 /// can be longer than the store could say (optimistic credit past the
 /// limit; another process's pre-lease of the next window taken after the
 /// denial, see docs/bounds.md), the second hint must admit.
-#[tokio::test(start_paused = true)]
-async fn seeded_waiting_the_hint_admits() {
-    let seeds: Vec<u64> = match std::env::var("SIM_SEED") {
-        Ok(seed) => vec![seed.parse().expect("SIM_SEED is a number")],
-        Err(_) => {
-            let n: u64 = std::env::var("SIM_SEEDS")
-                .ok()
-                .and_then(|n| n.parse().ok())
-                .unwrap_or(40);
-            FOUND.iter().copied().chain(0..n).collect()
-        }
-    };
-    for seed in seeds {
-        if let Err(why) = hint_scenario(seed).await {
-            panic!("seed {seed}: {why}\nreplay: SIM_SEED={seed} cargo test --all-features --test hints seeded");
-        }
-    }
+#[test]
+fn seeded_waiting_the_hint_admits() {
+    support::seeds::run(
+        &support::seeds::seeds(40, FOUND, 1),
+        "cargo test --all-features --test hints seeded",
+        |seed| {
+            support::seeds::paused_runtime()
+                .block_on(hint_scenario(seed))
+                .map(|()| "the hint held".to_owned())
+        },
+    );
 }
 
 async fn hint_scenario(seed: u64) -> Result<(), String> {
-    use slicelimit::{Faults, FaultyStore};
+    use slicelimit_sim::{Faults, FaultyStore};
     let mut rng = Rng::new(seed);
     let algorithm = ALGORITHMS[rng.below(4) as usize];
     let mode = MODES[rng.below(3) as usize];

@@ -7,13 +7,14 @@ use slicelimit_sim as support;
 
 use std::time::{Duration, Instant};
 
-use slicelimit::{clock::SystemClock, Faults, FaultyStore};
+use slicelimit::clock::SystemClock;
 use slicelimit::{
     nonzero, store::CircuitConfig, store::RedisOptions, FailurePolicy, HybridConfig, Limiter,
     Quota, RedisStore, Source,
 };
 use support::proxy::Proxy;
 use support::{store, RedisServer};
+use support::{Faults, FaultyStore};
 
 /// CPU seconds this process has used so far (user + system).
 fn cpu_seconds() -> f64 {

@@ -8,12 +8,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use slicelimit::{
-    check_all, clock::FakeClock, nonzero, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore,
-    Quota,
-};
+use slicelimit::{check_all, clock::FakeClock, nonzero, HybridConfig, Limiter, MemoryStore, Quota};
 use support::load::wall_us;
 use support::{store, RedisServer, VirtualClock};
+use support::{Faults, FaultyStore};
 
 fn virtual_clock() -> VirtualClock {
     VirtualClock {

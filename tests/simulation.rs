@@ -57,10 +57,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use slicelimit::{
-    check_all, clock::Clock, limiter::refund_all, Algorithm, Decision, FailurePolicy, Faults,
-    FaultyStore, HybridConfig, Limiter, MemoryStore, Quota, Source, Store,
+    check_all, clock::Clock, limiter::refund_all, Algorithm, Decision, FailurePolicy, HybridConfig,
+    Limiter, MemoryStore, Quota, Source, Store,
 };
 use support::VirtualClock;
+use support::{Faults, FaultyStore};
 
 /// xorshift64*: small, seedable, good enough to draw scenarios.
 #[derive(Clone)]
@@ -2000,22 +2001,14 @@ fn exact_admissions(algorithm: Algorithm, quotas: &[(u64, Duration)], times: &[u
     admitted
 }
 
-fn replay_hint(seed: u64) -> String {
-    format!("replay: SIM_SEED={seed} cargo test --release --test simulation -- --nocapture")
-}
+/// The command that replays a seed, after `SIM_SEED=<seed>`.
+const REPLAY: &str = "cargo test --release --test simulation -- --nocapture";
 
 fn simulate(seed: u64) -> Result<String, String> {
     let s = Scenario::draw(seed);
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("a runtime");
+    let runtime = support::seeds::paused_runtime();
     runtime.block_on(async {
-        let clock = VirtualClock {
-            origin: Duration::from_secs(1_700_000_000),
-            start: tokio::time::Instant::now(),
-        };
+        let clock = VirtualClock::new(Duration::from_secs(1_700_000_000));
         let memory = MemoryStore::with_clock(clock.clone());
         let (log, stats) = run(
             &s,
@@ -2038,26 +2031,19 @@ fn simulate(seed: u64) -> Result<String, String> {
         let mut sources: Vec<_> = sources.into_iter().collect();
         sources.sort();
         judge(&s, &log, &stats, Some(&memory))
-            .map(|ok| format!("{} decisions {sources:?}, {ok}", log.decisions.len()))
-            .map_err(|e| {
+            .map(|ok| {
                 format!(
-                    "seed {seed}: {e}\n  scenario: {s:?}\n  {}",
-                    replay_hint(seed)
+                    "{} decisions {sources:?}, {ok}\n  {s:?}",
+                    log.decisions.len()
                 )
             })
+            .map_err(|e| format!("{e}\n  scenario: {s:?}"))
     })
 }
 
 /// Whether the algorithm counts per window (fixed or sliding).
 fn windowed(algorithm: Algorithm) -> bool {
     matches!(algorithm, Algorithm::FixedWindow | Algorithm::SlidingWindow)
-}
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
 }
 
 /// Seeds that once broke a bound, replayed on every run. A run is not
@@ -2085,52 +2071,9 @@ const FOUND_REPLAYS: usize = 25;
 
 #[test]
 fn every_bound_holds_over_seeded_adversarial_schedules() {
-    let seeds: Vec<u64> = match std::env::var("SIM_SEED").ok().and_then(|v| v.parse().ok()) {
-        Some(seed) => vec![seed; env_u64("SIM_REPEAT", 1) as usize],
-        None => (0..env_u64("SIM_SEEDS", 60))
-            .chain(
-                FOUND
-                    .iter()
-                    .flat_map(|&seed| std::iter::repeat_n(seed, FOUND_REPLAYS)),
-            )
-            .collect(),
-    };
-    let verbose = seeds.len() == 1;
-    let failures = Arc::new(Mutex::new(Vec::new()));
-    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let seeds = Arc::new(seeds);
-    let workers: Vec<_> = (0..2)
-        .map(|_| {
-            let (failures, next, seeds) = (failures.clone(), next.clone(), seeds.clone());
-            std::thread::spawn(move || loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let Some(&seed) = seeds.get(i) else { return };
-                match std::panic::catch_unwind(|| simulate(seed)) {
-                    Ok(Ok(summary)) if verbose => {
-                        println!("seed {seed}: {summary}\n  {:?}", Scenario::draw(seed))
-                    }
-                    Ok(Ok(_)) => {}
-                    Ok(Err(e)) => failures.lock().unwrap().push(e),
-                    Err(_) => failures
-                        .lock()
-                        .unwrap()
-                        .push(format!("seed {seed} panicked\n  {}", replay_hint(seed))),
-                }
-            })
-        })
-        .collect();
-    for w in workers {
-        w.join().expect("a worker");
-    }
-    let failures = failures.lock().unwrap();
-    assert!(
-        failures.is_empty(),
-        "{} of {} seeds broke a bound:\n{}",
-        failures.len(),
-        seeds.len(),
-        failures.join("\n")
-    );
-    println!("{} seeds, every bound held", seeds.len());
+    let seeds = support::seeds::seeds(60, FOUND, FOUND_REPLAYS);
+    let ran = support::seeds::run(&seeds, REPLAY, simulate);
+    println!("{ran} seeds, every bound held");
 }
 
 /// The same schedules against a real `redis-server`, in real time: the Lua
@@ -2138,7 +2081,7 @@ fn every_bound_holds_over_seeded_adversarial_schedules() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_lua_scripts_meet_the_same_oracle_on_redis() {
     let server = support::RedisServer::start();
-    let count = env_u64("SIM_REDIS_SEEDS", 2);
+    let count = support::seeds::env_u64("SIM_REDIS_SEEDS", 2);
     for seed in 0..count {
         // Without `draw_more`'s additions: tier changes and the shapes are
         // judged on exact instants, which real time does not give.

@@ -21,9 +21,10 @@ use std::time::Duration;
 
 use slicelimit_sim as support;
 
-use slicelimit::{clock::Clock, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota};
+use slicelimit::{clock::Clock, HybridConfig, Limiter, MemoryStore, Quota};
 use support::load::ZipfKeys;
 use support::VirtualClock;
+use support::{Faults, FaultyStore};
 
 #[derive(Clone)]
 struct Args {
@@ -86,19 +87,11 @@ const MAX_DEBT: u64 = 5;
 
 /// One simulated fleet of `n` processes, in its own paused runtime.
 fn simulate(args: &Args, n: usize) -> Row {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
-        .start_paused(true)
-        .build()
-        .expect("runtime");
+    let runtime = support::seeds::paused_runtime();
     runtime.block_on(async {
-        let clock = VirtualClock {
-            origin: Duration::from_secs(1_700_000_000),
-            start: tokio::time::Instant::now(),
-        };
+        let clock = VirtualClock::new(Duration::from_secs(1_700_000_000));
         // The embedded store behind a simulated round trip, and nothing else
-        // injected (the test-support wrapper: examples build with the
-        // dev-dependencies, which enable that feature).
+        // injected (the harness's fault-injecting wrapper).
         let store = FaultyStore::new(
             MemoryStore::with_clock(clock.clone()),
             Faults::default(),

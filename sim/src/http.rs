@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use sfv::{BareItem, ListEntry, Parser};
 
-use slicelimit::{
-    clock::FakeClock, nonzero, FailurePolicy, Faults, FaultyStore, Limiter, MemoryStore, Quota,
-};
+use crate::faults::{Faults, FaultyStore};
+use slicelimit::{clock::FakeClock, nonzero, FailurePolicy, Limiter, MemoryStore, Quota};
 
 /// A whole minute, so per-minute windows start here.
 pub const ORIGIN: Duration = Duration::from_secs(1_700_000_040);

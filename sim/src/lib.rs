@@ -1,7 +1,8 @@
 //! slicelimit's test harness, shared by every package's tests: private
 //! servers on free ports (`redis-server` and `valkey-server`, a Cluster,
-//! Sentinels, TLS, Envoy), a delaying proxy, the virtual clock, and the
-//! checks of HTTP answers and load figures. Not published.
+//! Sentinels, TLS, Envoy), a delaying proxy, the one virtual clock and
+//! seed runner of every simulation, the fault-injecting store wrapper, and
+//! the checks of HTTP answers and load figures. Not published.
 //!
 //! Every test starts its own server on a free port, so tests can kill,
 //! pause, restart and flush it without touching anyone else's Redis (never
@@ -298,11 +299,27 @@ pub async fn store(server: &RedisServer) -> slicelimit::RedisStore {
 }
 
 /// Virtual time: Tokio's (paused) clock, anchored at `origin`, for
-/// limiters and embedded stores in simulations and cancel tests.
-#[derive(Clone)]
+/// limiters and embedded stores in simulations and cancel tests: the one
+/// clock of every simulation. It reads the clock Tokio's timers run on,
+/// so a limiter's background task, a store's simulated round trip and
+/// the limiter's own reading of time never disagree, and paused time
+/// moves all of them at once (`tokio::time::advance`, or by itself when
+/// every task waits).
+#[derive(Debug, Clone)]
 pub struct VirtualClock {
     pub origin: Duration,
     pub start: tokio::time::Instant,
+}
+
+impl VirtualClock {
+    /// A clock reading `origin` now; made inside the runtime whose time
+    /// it follows (see [`seeds::paused_runtime`]).
+    pub fn new(origin: Duration) -> VirtualClock {
+        VirtualClock {
+            origin,
+            start: tokio::time::Instant::now(),
+        }
+    }
 }
 
 impl slicelimit::clock::Clock for VirtualClock {
@@ -333,8 +350,12 @@ pub fn dashboard_queries() -> Vec<String> {
 
 pub mod cluster;
 pub mod envoy;
+pub mod faults;
 pub mod http;
 pub mod load;
 pub mod proxy;
+pub mod seeds;
 pub mod sentinel;
 pub mod tls;
+
+pub use faults::{FaultCounts, Faults, FaultyStore};

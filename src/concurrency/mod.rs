@@ -33,8 +33,6 @@
 mod builder;
 mod permit;
 mod renew;
-#[cfg(all(test, feature = "test-support"))]
-mod sim;
 mod slots;
 mod state;
 #[cfg(test)]

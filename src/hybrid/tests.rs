@@ -1203,10 +1203,9 @@ async fn a_first_lease_never_rides_so_a_short_burst_does_not_size_the_window() {
     a_first_lease_does_not_ride(r, 18).await;
 }
 
-#[cfg(feature = "test-support")]
 #[tokio::test]
 async fn a_ride_dropped_before_it_is_answered_leaves_its_slot_free_to_ask() {
-    use crate::store::{Faults, FaultyStore};
+    use crate::store::distant::Distant;
     use std::future::Future;
     // A store a second away: a round is still waiting when it is dropped.
     let faulty = std::sync::Mutex::new(None);
@@ -1215,8 +1214,8 @@ async fn a_ride_dropped_before_it_is_answered_leaves_its_slot_free_to_ask() {
         Algorithm::FixedWindow,
         strict().prelease_lead(Duration::ZERO).lease_bounds(1, 40),
         None,
-        |store, clock| {
-            let store = FaultyStore::new(store, Faults::default(), 1, clock);
+        |store, _| {
+            let store = Distant::new(store);
             *faulty.lock().unwrap() = Some(store.clone());
             store.into()
         },
@@ -1243,7 +1242,7 @@ async fn a_ride_dropped_before_it_is_answered_leaves_its_slot_free_to_ask() {
             .unwrap(),
         true,
     );
-    let _ = faulty.with_latency(Duration::from_secs(1));
+    faulty.set_round_trip(Duration::from_secs(1));
     {
         let round = sync::round(&r.engine.shared);
         tokio::pin!(round);

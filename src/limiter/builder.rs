@@ -222,13 +222,16 @@ impl Builder {
         self
     }
 
-    /// Hybrid only, for simulations: the request path reads `fast`, which
-    /// may lag the clock set with [`clock`](Builder::clock) by up to
-    /// `guard` (as the kernel's coarse clock lags by a timer tick), and
-    /// reads the precise clock within `guard` of a deadline.
-    #[cfg(feature = "test-support")]
-    pub fn lagging_clock(mut self, fast: impl Clock, guard: std::time::Duration) -> Self {
-        self.fast_clock = Some((Arc::new(fast), guard));
+    /// Hybrid only, with a clock set with [`clock`](Builder::clock)
+    /// (ignored without one): the request path reads `fast`, a clock
+    /// cheaper to read that may lag the precise one by up to `max_lag` (as
+    /// the kernel's coarse clock, which a hybrid limiter on the system
+    /// clock reads, lags by a timer tick), and reads the precise clock
+    /// within `max_lag` of a lease's deadline. Without it, an injected
+    /// clock is read on every request. A `fast` clock that lags by more
+    /// than `max_lag` can spend a permit after its window ended.
+    pub fn lagging_clock(mut self, fast: impl Clock, max_lag: std::time::Duration) -> Self {
+        self.fast_clock = Some((Arc::new(fast), max_lag));
         self
     }
 

@@ -297,12 +297,17 @@ impl Backend for MemoryStore {
     }
 }
 
-/// What tests read of the algorithms' values, as they would `HGET` a
-/// Redis key.
-#[cfg(any(test, feature = "test-support"))]
+/// What a window algorithm has counted, read the way an operator reads a
+/// Redis store (`HGET sl:{<namespace>:<key>}:fw <window>`, see
+/// `docs/operations.md`): to check, in a test of your own service on the
+/// embedded store, what its limiters took from the budget.
 impl MemoryStore {
-    /// Permits counted in window `window` for `key` under `namespace` by
-    /// a window algorithm.
+    /// Permits the limiter of `namespace` (its first quota) counted for
+    /// `key` in window `window` (store time since the Unix epoch divided by
+    /// the quota's period) with a window algorithm (fixed or sliding
+    /// window); `None` if the key holds no count for that window (never
+    /// used, expired, or another algorithm). A hybrid limiter's count is
+    /// what it leased, spent or not.
     pub fn window_count(
         &self,
         namespace: &str,
@@ -314,7 +319,8 @@ impl MemoryStore {
     }
 
     /// [`window_count`](MemoryStore::window_count) for a limiter's quota
-    /// at `index` (0: the first; see `Builder::and`).
+    /// at `index` (0: the first; see
+    /// [`Builder::and`](crate::Builder::and)).
     pub fn quota_window_count(
         &self,
         namespace: &str,

@@ -13,14 +13,16 @@
 //! claimants: the max-min fair level, in Lua and in Rust.
 //!
 //! A store decides nothing about policies, leases or failures; layers
-//! (breakers, fault injection) wrap a backend, a backend does not know
-//! them. It is the bottom of the crate: it imports nothing above it (the
-//! algorithms' scripts, the limiters' counters through `Recorder`),
-//! test hooks of the feature `test-support` aside.
+//! (a breaker: [`BreakerStore`]; the simulation's fault injection) wrap a
+//! backend, a backend does not know them. It is the bottom of the crate:
+//! it imports nothing above it but the algorithms' scripts (the memory
+//! store's inspection of a window) and the limiters' counters through
+//! `Recorder`.
 
+mod breaker;
+#[cfg(test)]
+pub(crate) mod distant;
 pub mod fair;
-#[cfg(feature = "test-support")]
-pub(crate) mod faults;
 pub(crate) mod memory;
 #[cfg(test)]
 pub(crate) mod parity;
@@ -28,8 +30,7 @@ pub(crate) mod redis;
 mod script;
 pub(crate) mod topology;
 
-#[cfg(feature = "test-support")]
-pub use self::faults::{FaultCounts, Faults, FaultyStore};
+pub use self::breaker::BreakerStore;
 pub use self::memory::{Memory, MemoryStore};
 #[cfg(feature = "sentinel")]
 pub use self::redis::Sentinel;

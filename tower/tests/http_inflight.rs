@@ -271,7 +271,8 @@ async fn rate_and_in_flight_limits_stack() {
 /// is busy (nothing is in flight).
 #[tokio::test]
 async fn an_outage_under_fail_closed_is_a_503() {
-    use slicelimit::{clock::FakeClock, FailurePolicy, Faults, FaultyStore};
+    use slicelimit::{clock::FakeClock, FailurePolicy};
+    use slicelimit_sim::{Faults, FaultyStore};
     use slicelimit_tower::PROBLEM_TYPE_UNAVAILABLE;
     use tower::ServiceExt;
     let clock = FakeClock::new(Duration::from_secs(1_000));

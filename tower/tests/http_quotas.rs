@@ -10,9 +10,8 @@ use std::time::Duration;
 use axum::routing::get;
 use axum::Router;
 use http::{Request, StatusCode};
-use slicelimit::{
-    clock::FakeClock, nonzero, Faults, FaultyStore, HybridConfig, Limiter, MemoryStore, Quota,
-};
+use slicelimit::{clock::FakeClock, nonzero, HybridConfig, Limiter, MemoryStore, Quota};
+use slicelimit_sim::{Faults, FaultyStore};
 use slicelimit_tower::RateLimitLayer;
 use tower::ServiceExt;
 

@@ -1,5 +1,5 @@
 //! A seeded simulation of the RLQS bound: replicas sharing one embedded
-//! store on a fake clock, and model Envoys that enforce what they are sent
+//! store on the harness's virtual clock, and model Envoys that enforce what they are sent
 //! the way Envoy 1.40 does (probed by `tests/rlqs_envoy_buckets.rs`),
 //! with demand that changes, reports at random intervals, messages that
 //! take up to [`DELIVERY`] to arrive, streams that break while the Envoy
@@ -9,7 +9,7 @@
 //! oracle: admissions across the fleet in every window of one period are
 //! at most the limit.
 //!
-//! `SIM_SEEDS=N` runs N seeds (default 40); `SIM_ONE=seed SIM_TRACE=1`
+//! `SIM_SEEDS=N` runs N seeds (default 40); `SIM_SEED=seed SIM_TRACE=1`
 //! replays one seed and prints its rounds, deliveries and admissions.
 
 use std::collections::VecDeque;
@@ -27,16 +27,16 @@ use tonic::Status;
 use super::{Rlqs, DELIVERY, RENEW};
 use crate::config::Config;
 use crate::table::{Mode, Settings, Table};
-use slicelimit::clock::FakeClock;
 use slicelimit::FailurePolicy;
 use slicelimit::MemoryStore;
+use slicelimit_sim::VirtualClock;
 
 type Inbox = mpsc::Receiver<Result<RateLimitQuotaResponse, Status>>;
 
 const TICK: Duration = Duration::from_millis(10);
 const TICKS: u64 = 3_000;
 
-/// `SIM_TRACE=1` (with `SIM_ONE=seed`) prints what happens.
+/// `SIM_TRACE=1` (with `SIM_SEED=seed`) prints what happens.
 fn tracing() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("SIM_TRACE").is_ok())
@@ -211,7 +211,8 @@ struct Fleet {
     moved: bool,
     rng: Rng,
     store: MemoryStore,
-    clock: FakeClock,
+    /// The store's clock; the replicas' `Instant`s are read from the same
+    /// (Tokio's paused) time, so both move together a tick at a time.
     start: Instant,
     tick: u64,
     settings: Settings,
@@ -227,7 +228,7 @@ struct Fleet {
 impl Fleet {
     fn new(seed: u64) -> Fleet {
         let mut rng = Rng(seed);
-        let clock = FakeClock::new(Duration::from_secs(1_000));
+        let clock = VirtualClock::new(Duration::from_secs(1_000));
         let store = MemoryStore::with_clock(clock.clone());
         let settings = Settings {
             store: store.clone().into(),
@@ -264,8 +265,7 @@ impl Fleet {
             moved: false,
             rng,
             store,
-            clock,
-            start: Instant::now(),
+            start: clock.start.into_std(),
             tick: 0,
             settings,
             table,
@@ -277,7 +277,7 @@ impl Fleet {
     }
 
     fn now(&self) -> Instant {
-        self.start + TICK * self.tick as u32
+        tokio::time::Instant::now().into_std()
     }
 
     fn connect(&mut self, e: usize) {
@@ -441,7 +441,7 @@ impl Fleet {
         }
         self.admitted.push(passed);
         self.tick += 1;
-        self.clock.advance(TICK);
+        tokio::time::advance(TICK).await;
         let _ = &self.store;
     }
 }
@@ -474,10 +474,7 @@ fn violation(admitted: &[u64], limit: u64, losses: &[u64]) -> Option<(u64, usize
 }
 
 fn run(seed: u64) -> (Option<(u64, usize, u64)>, u64, u64) {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("a runtime");
-    runtime.block_on(async {
+    slicelimit_sim::seeds::paused_runtime().block_on(async {
         let mut fleet = Fleet::new(seed);
         for _ in 0..TICKS {
             fleet.step().await;
@@ -489,22 +486,28 @@ fn run(seed: u64) -> (Option<(u64, usize, u64)>, u64, u64) {
 
 #[test]
 fn fleet_admissions_stay_within_the_limit_in_every_window() {
-    if let Some(seed) = std::env::var("SIM_ONE").ok().and_then(|s| s.parse().ok()) {
-        let (broken, _, _) = run(seed);
-        assert_eq!(broken, None, "seed {seed}: (admitted, at tick, bound)");
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let seeds = slicelimit_sim::seeds::seeds(40, &[], 0);
+    let total = AtomicU64::new(0);
+    let capacity = AtomicU64::new(0);
+    slicelimit_sim::seeds::run(
+        &seeds,
+        "cargo test -p slicelimit-server --lib rlqs::sim -- --nocapture",
+        |seed| {
+            let (broken, admitted, limit) = run(seed);
+            if let Some((admitted, tick, bound)) = broken {
+                return Err(format!(
+                    "{admitted} admitted in the second to tick {tick}, bound {bound}"
+                ));
+            }
+            total.fetch_add(admitted, Ordering::Relaxed);
+            capacity.fetch_add(limit * TICKS / 100, Ordering::Relaxed);
+            Ok(format!("{admitted} admitted, limit {limit}"))
+        },
+    );
+    let (total, capacity) = (total.into_inner(), capacity.into_inner());
+    if std::env::var("SIM_SEED").is_ok() {
         return;
-    }
-    let seeds = std::env::var("SIM_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(40u64);
-    let mut total = 0;
-    let mut capacity = 0;
-    for seed in 0..seeds {
-        let (broken, admitted, limit) = run(seed);
-        assert_eq!(broken, None, "seed {seed}: (admitted, at tick, bound)");
-        total += admitted;
-        capacity += limit * TICKS / 100;
     }
     // The fleet is not simply denying everything.
     eprintln!("{total} admitted of {capacity} the limits allowed");
