@@ -260,9 +260,11 @@ pub(super) fn lease_answered(
             // Nothing left of the next window, which has not begun in the
             // store, while this process's permits of the current one are
             // void: nothing can be admitted here before the next window
-            // starts. Denied until then (asking again at once would spin
-            // on the store).
-            slot.deny_until(t1 + r.start_after_us + margin);
+            // starts, nor before the store said a request fits (a sliding
+            // window's carry still weighs at the start of the next).
+            // Denied until then (asking again at once would spin on the
+            // store).
+            slot.deny_until(t1 + r.start_after_us.max(r.retry_after_us) + margin);
         }
         // Nothing to be had: spend what is held, then ask again (the
         // denied-until time keeps that from costing round trips).
