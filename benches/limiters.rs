@@ -4,7 +4,7 @@
 //! machine with more than four).
 //!
 //! `cargo bench --bench limiters` (needs `redis-server` on PATH for the
-//! exact group). Two-thread figures are wall time per decision across both
+//! exact and `hybrid_defaults_redis` groups). Two-thread figures are wall time per decision across both
 //! threads, i.e. the inverse of aggregate throughput.
 
 use slicelimit_sim as support;
@@ -166,6 +166,93 @@ fn bench_check_now(c: &mut Criterion, limiter: &Limiter) {
     g.finish();
 }
 
+/// The hot key at the defaults a user gets: `HybridConfig::strict()` as
+/// it is, a private Redis, the answer returned by value (as a caller
+/// that keeps it does), and governor's keyed limiter in the same shape,
+/// in one group so the two are read side by side from one run. Printed
+/// after the group: how many `check_now` calls were left to the store
+/// (`None`: a slot run dry), which would otherwise pass for fast answers.
+fn hybrid_defaults_redis(c: &mut Criterion) {
+    use governor::{Quota as GQuota, RateLimiter};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let server = support::RedisServer::start();
+    let rt = runtime();
+    let limiter = rt.block_on(async {
+        Limiter::builder(Quota::new(1_000_000_000_000, Duration::from_secs(3600)).unwrap())
+            .store(
+                RedisStore::connect_with(&server.url(), support::test_options())
+                    .await
+                    .unwrap(),
+            )
+            .hybrid(HybridConfig::strict())
+            .build()
+            .unwrap()
+    });
+    let governor = RateLimiter::keyed(GQuota::per_second(NonZeroU32::MAX));
+    let key = keys(1).remove(0);
+    rt.block_on(limiter.check(&key, 1));
+    let _ = governor.check_key(&key);
+    let (calls, unanswered) = (AtomicU64::new(0), AtomicU64::new(0));
+    let mut g = c.benchmark_group("hybrid_defaults_redis");
+    for threads in [1u64, 2] {
+        let name = if threads == 1 {
+            "1_thread".to_string()
+        } else {
+            format!("{threads}_threads")
+        };
+        g.bench_function(format!("check_now/{name}"), |b| {
+            b.iter_custom(|iters| {
+                on_scoped_threads(threads, iters, |per| {
+                    let mut none = 0;
+                    for _ in 0..per {
+                        none += u64::from(black_box(limiter.check_now(&key, 1)).is_none());
+                    }
+                    calls.fetch_add(per, Ordering::Relaxed);
+                    unanswered.fetch_add(none, Ordering::Relaxed);
+                })
+            })
+        });
+        g.bench_function(format!("governor/{name}"), |b| {
+            b.iter_custom(|iters| {
+                on_scoped_threads(threads, iters, |per| {
+                    let mut denied = 0;
+                    for _ in 0..per {
+                        denied += u64::from(black_box(governor.check_key(&key)).is_err());
+                    }
+                    black_box(denied);
+                })
+            })
+        });
+    }
+    g.finish();
+    let stats = limiter.stats();
+    eprintln!(
+        "hybrid_defaults_redis: check_now left {} of {} calls to the store; {} leases",
+        unanswered.into_inner(),
+        calls.into_inner(),
+        stats.leases
+    );
+    drop(limiter);
+    drop(rt);
+}
+
+/// Runs `decide(per)` on each of `threads` threads (the calling one
+/// alone for one), `iters` decisions in all; returns the wall time.
+fn on_scoped_threads(threads: u64, iters: u64, decide: impl Fn(u64) + Sync) -> Duration {
+    let per = iters.max(threads) / threads;
+    let started = Instant::now();
+    if threads == 1 {
+        decide(per);
+    } else {
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| decide(per));
+            }
+        });
+    }
+    started.elapsed()
+}
+
 fn denied(c: &mut Criterion) {
     let rt = runtime();
     let limiter = rt.block_on(async {
@@ -263,5 +350,13 @@ fn exact(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, hybrid, denied, local, governor_keyed, exact);
+criterion_group!(
+    benches,
+    hybrid,
+    hybrid_defaults_redis,
+    denied,
+    local,
+    governor_keyed,
+    exact
+);
 criterion_main!(benches);

@@ -128,7 +128,7 @@ impl HybridConfig {
             consistency: Consistency::Strict,
             max_wait: Duration::from_millis(50),
             min_lease: 1,
-            max_lease: 10_000,
+            max_lease: 1_000_000,
             refill_horizon: Duration::from_secs(1),
             share_cap: 0.5,
             lease_ttl: Duration::from_secs(1),
@@ -168,7 +168,11 @@ impl HybridConfig {
         self
     }
 
-    /// Bounds on one lease's size (default 1 and 10 000).
+    /// Bounds on one lease's size (default 1 and 1 000 000). Within them
+    /// a lease covers `refill_horizon` of the key's observed demand; a
+    /// smaller `max` caps a hot key's lease below that, and a key that
+    /// spends a lease faster than a refill comes back (a round trip and
+    /// `coalesce`) runs dry and waits on the store.
     #[must_use]
     pub fn lease_bounds(mut self, min: u64, max: u64) -> Self {
         self.min_lease = min;

@@ -34,13 +34,13 @@ impl HybridEngine {
         // The per-thread cache pays off only when threads contend for a
         // key; uncontended, the map's lock is cheaper than the probe.
         let contended = s.contended.load(Ordering::Relaxed);
-        if contended {
-            if let Some(stocked) = thread_cache::with(self.id, key, |slot, stock| {
-                self.fast_stocked(slot, stock, cost)
-            }) {
-                *decided = stocked;
-                return;
-            }
+        if contended
+            && thread_cache::with(self.id, key, |slot, stock| {
+                self.fast_stocked(slot, stock, cost, decided)
+            })
+            .is_some()
+        {
+            return;
         }
         let Some(entry) = s.slots.get(key) else {
             return;
@@ -56,18 +56,21 @@ impl HybridEngine {
     /// The fast path on a slot this thread cached: spends from the
     /// thread's stock of its permits while the stock's lease is valid, and
     /// refills the stock when it takes from the slot (see `thread_cache`).
+    /// The decision into `decided`, as [`fast_on`](HybridEngine::fast_on):
+    /// returned through the thread cache's `Option` and `Result`, it was
+    /// copied whole three times, the first stalling on the stores that
+    /// built it.
     #[inline(always)]
     fn fast_stocked(
         &self,
         slot: &Arc<Slot>,
         stock: &std::cell::Cell<thread_cache::Stock>,
         cost: u64,
-    ) -> Option<Decision> {
+        decided: &mut Option<Decision>,
+    ) {
         let s = &*self.shared;
         if cost == 0 {
-            let mut decided = None;
-            self.fast_on(slot, cost, &mut decided);
-            return decided;
+            return self.fast_on(slot, cost, decided);
         }
         let mut held = stock.get();
         if held.permits > 0 {
@@ -77,7 +80,8 @@ impl HybridEngine {
                     stock.set(held);
                     slot.touch(now);
                     let left = slot.permits();
-                    return Some(s.spent(slot, left + held.permits, now, cost, held.window));
+                    *decided = Some(s.spent(slot, left + held.permits, now, cost, held.window));
+                    return;
                 }
                 // Too few for this cost: back to the slot, if its lease
                 // is still the one they came from.
@@ -109,18 +113,11 @@ impl HybridEngine {
                     deadline,
                 });
                 slot.touch(now);
-                Some(s.spent(slot, left + permits, now, cost, window))
+                *decided = Some(s.spent(slot, left + permits, now, cost, window));
             }
-            (Take::Late { lost, .. }, _) => {
-                s.expired(slot, lost as u64);
-                None
-            }
+            (Take::Late { lost, .. }, _) => s.expired(slot, lost as u64),
             // A pre-lease to promote, or a denial to answer: the common way.
-            (Take::Empty, _) => {
-                let mut decided = None;
-                self.fast_on(slot, cost, &mut decided);
-                decided
-            }
+            (Take::Empty, _) => self.fast_on(slot, cost, decided),
         }
     }
 
