@@ -63,7 +63,8 @@
 //!
 //! Where things happen, top to bottom: each layer imports only from the
 //! layers below it, no file imports one on its own layer or above (no
-//! circle of imports), and within the crate a type is named by the path
+//! circle of imports but `store`'s script and memory files, which name
+//! each other's types), and within the crate a type is named by the path
 //! of the module that defines it, not through these re-exports:
 //!
 //! ```text

@@ -15,9 +15,9 @@
 //! A store decides nothing about policies, leases or failures; layers
 //! (a breaker: [`BreakerStore`]; the simulation's fault injection) wrap a
 //! backend, a backend does not know them. It is the bottom of the crate:
-//! it imports nothing above it but the algorithms' scripts (the memory
-//! store's inspection of a window) and the limiters' counters through
-//! `Recorder`.
+//! it imports nothing above it but the algorithms' scripts and the key
+//! encoding (the memory store's inspection of a window) and the
+//! limiters' counters through `Recorder`.
 
 mod breaker;
 #[cfg(test)]
