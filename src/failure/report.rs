@@ -6,7 +6,7 @@
 //! A report's identity ([`OpId`]) is fixed when it is made, so a resend
 //! after a lost reply is counted once by the store, which remembers an
 //! identity for 60 s. A report is therefore resent for [`RESEND_FOR`] at
-//! most, backing off from 50 ms to 5 s between tries; after that the store
+//! most, backing off from 100 ms, doubling, to 5 s between tries; after that the store
 //! may have forgotten it, a resend could count twice, and it is dropped
 //! (the caller counts it).
 
@@ -108,7 +108,8 @@ impl Report {
     }
 }
 
-/// The back-off after `attempts` tries: 50 ms doubling to at most 5 s.
+/// The back-off after `attempts` tries (1 and up): 100 ms, doubling to at
+/// most 5 s.
 fn backoff_us(attempts: u32) -> u64 {
     (50_000u64 << attempts.min(7)).min(5_000_000)
 }
