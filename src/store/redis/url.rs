@@ -1,7 +1,6 @@
 //! What a store's URLs ask for (TLS or not), how they are shown without
 //! their credentials, and what a failed connection says.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use super::RedisOptions;
@@ -146,7 +145,7 @@ fn handshake_unanswered(e: &redis::RedisError) -> bool {
     };
     let io = source.downcast_ref::<std::io::Error>().or_else(|| {
         source
-            .downcast_ref::<Arc<dyn std::error::Error + Send + Sync>>()?
+            .downcast_ref::<std::sync::Arc<dyn std::error::Error + Send + Sync>>()?
             .downcast_ref::<std::io::Error>()
     });
     let Some(io) = io else {
