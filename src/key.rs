@@ -28,6 +28,36 @@ pub(crate) const PREFIX: &str = "sl";
 /// replaced by [`local_key`]'s digest form, one byte longer than this.
 pub(crate) const MAX_LOCAL_KEY_LEN: usize = 64;
 
+/// A key as the caller gave it and as this process keeps it (through
+/// [`local_key`]): maps, lanes and the store see the kept one (it derefs
+/// to it); a per-key quota resolver sees the one given, whatever its
+/// length.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Key<'a> {
+    pub(crate) given: &'a str,
+    pub(crate) kept: &'a str,
+}
+
+impl Key<'_> {
+    /// A key short enough to be kept as given.
+    #[inline]
+    pub(crate) fn short(key: &str) -> Key<'_> {
+        Key {
+            given: key,
+            kept: key,
+        }
+    }
+}
+
+impl std::ops::Deref for Key<'_> {
+    type Target = str;
+
+    #[inline]
+    fn deref(&self) -> &str {
+        self.kept
+    }
+}
+
 /// The key a limiter works with: `key` itself when it is at most
 /// [`MAX_LOCAL_KEY_LEN`] bytes, else `~` and the hex SHA-256 of `key`
 /// (65 bytes). The digest form is longer than any key kept as it is, so

@@ -168,9 +168,13 @@ impl Limiter {
     /// Whether `cost` is above what one of `key`'s quotas can ever admit.
     fn never_admits(&self, key: &str, cost: u64) -> bool {
         let algorithm = self.algorithm();
-        let key = crate::key::local_key(key);
+        let kept = crate::key::local_key(key);
+        let key = crate::key::Key {
+            given: key,
+            kept: &kept,
+        };
         (0..self.inner.tiers.len())
-            .map(|index| self.inner.lane(&key, index).quota)
+            .map(|index| self.inner.lane(key, index).quota)
             .any(|quota| cost > algorithm.max_cost(&quota))
     }
 

@@ -302,6 +302,40 @@ async fn a_later_quota_has_tiers_of_its_own() {
     }
 }
 
+/// A key longer than the limiter keeps (it keeps its digest) is still
+/// given to the resolver whole: a long API key gets its tier, at the
+/// first quota and at a later one, in refunds and `quota_of` too.
+#[tokio::test]
+async fn a_long_key_gets_its_own_tier() {
+    let paid = |key: &str| key.starts_with("paid:");
+    let long = format!("paid:{}", "x".repeat(100));
+    for hybrid in [false, true] {
+        let clock = clock();
+        let builder = Limiter::builder(Quota::per_hour(nonzero!(2)))
+            .quota_for(move |key| paid(key).then(|| Quota::per_hour(nonzero!(50))))
+            .and_for(Quota::per_hour(nonzero!(3)), move |key| {
+                paid(key).then(|| Quota::per_hour(nonzero!(40)))
+            });
+        let limiter = on_clock(builder.namespace("long"), &clock, hybrid);
+        assert_eq!(limiter.quota_of(&long).limit(), 50);
+        let mut admitted = 0;
+        let mut last = None;
+        for _ in 0..10 {
+            let d = limiter.check(&long, 1).await;
+            if d.is_allowed() {
+                admitted += 1;
+                last = Some(d);
+            }
+        }
+        assert_eq!(admitted, 10, "hybrid {hybrid}");
+        let last = last.expect("admitted");
+        assert_eq!(last.quotas()[1].limit(), 40, "hybrid {hybrid}");
+        // One permit back to each quota.
+        assert_eq!(limiter.refund(&long, &last).await, 2, "hybrid {hybrid}");
+        limiter.shutdown().await;
+    }
+}
+
 #[tokio::test]
 async fn raising_the_quota_mid_window_admits_the_difference_at_once() {
     let clock = clock();

@@ -272,8 +272,17 @@ impl Shared {
                 / self.params.limit.max(1) as u128)
                 .min(u64::MAX as u128) as u64
         };
-        let wait = Duration::from_micros(retry_at.saturating_add(extra).saturating_sub(now));
-        let reset = self.reset_after(slot, now).max(wait);
+        let mut wait = Duration::from_micros(retry_at.saturating_add(extra).saturating_sub(now));
+        let reset = self.reset_after(slot, now);
+        // A fixed window the store found full admits nothing more before
+        // it ends: the cache may be re-checked sooner (for permits an idle
+        // holder gives back), but the client is told the window's end.
+        if self.params.algorithm == crate::algorithm::Algorithm::FixedWindow
+            && slot.window().is_some()
+        {
+            wait = wait.max(reset);
+        }
+        let reset = reset.max(wait);
         Decision::deny(self.params.limit, 0, reset, Some(wait), Source::DeniedCache)
     }
 

@@ -17,7 +17,7 @@ use crate::algorithm::Algorithm;
 use crate::decision::Decision;
 use crate::error::Error;
 use crate::hybrid::HybridConfig;
-use crate::key::{local_key, MAX_LOCAL_KEY_LEN};
+use crate::key::{local_key, Key, MAX_LOCAL_KEY_LEN};
 use crate::quota::Quota;
 use crate::stats::{Counters, Stats};
 use crate::store::Store;
@@ -113,17 +113,18 @@ impl Limiter {
     /// every quota admits it, and then counts against all of them; a
     /// denial counts against none (see [`Decision::quotas`]).
     pub fn check<'a>(&'a self, key: &'a str, cost: u64) -> Check<'a> {
-        let key = local_key(key);
+        let given = key;
+        let kept = local_key(given);
         let mut decided = None;
-        self.check_local_key(&key, cost, &mut decided);
+        self.check_local_key(Key { given, kept: &kept }, cost, &mut decided);
         match decided {
             Some(decision) => Check {
                 state: CheckState::Ready(Some(decision)),
             },
             None => Check {
-                state: CheckState::Pending(Box::pin(
-                    async move { self.check_slow(&key, cost).await },
-                )),
+                state: CheckState::Pending(Box::pin(async move {
+                    self.check_slow(Key { given, kept: &kept }, cost).await
+                })),
             },
         }
     }
@@ -138,7 +139,7 @@ impl Limiter {
         if key.len() > MAX_LOCAL_KEY_LEN {
             self.check_hashed_key(key, cost, &mut decided);
         } else {
-            self.check_local_key(key, cost, &mut decided);
+            self.check_local_key(Key::short(key), cost, &mut decided);
         }
         decided
     }
@@ -146,7 +147,15 @@ impl Limiter {
     /// [`check_now`](Limiter::check_now) for a key replaced by its hash.
     #[inline(never)]
     fn check_hashed_key(&self, key: &str, cost: u64, decided: &mut Option<Decision>) {
-        self.check_local_key(&local_key(key), cost, decided);
+        let kept = local_key(key);
+        self.check_local_key(
+            Key {
+                given: key,
+                kept: &kept,
+            },
+            cost,
+            decided,
+        );
     }
 
     /// [`check_now`](Limiter::check_now) for a key already through
@@ -157,11 +166,11 @@ impl Limiter {
     /// the first copy of one just made waits for its stores to drain (on
     /// one hot key, that wait was a tenth of the decision's cost).
     #[inline(always)]
-    fn check_local_key(&self, key: &str, cost: u64, decided: &mut Option<Decision>) {
+    fn check_local_key(&self, key: Key<'_>, cost: u64, decided: &mut Option<Decision>) {
         self.inner.check_now_into(key, cost, decided);
     }
 
-    async fn check_slow(&self, key: &str, cost: u64) -> Decision {
+    async fn check_slow(&self, key: Key<'_>, cost: u64) -> Decision {
         self.inner.decide(key, cost).await
     }
 
@@ -171,7 +180,12 @@ impl Limiter {
     /// # Errors
     /// The store's error, classified (see [`Error::kind`]).
     pub async fn try_check(&self, key: &str, cost: u64) -> Result<Decision, Error> {
-        self.inner.try_decide(&local_key(key), cost).await
+        let kept = local_key(key);
+        let key = Key {
+            given: key,
+            kept: &kept,
+        };
+        self.inner.try_decide(key, cost).await
     }
 
     /// Gives an admitted request's permits back to where they were taken
@@ -199,7 +213,11 @@ impl Limiter {
     /// of another limiter is ignored. `key` must be the key the decision
     /// was made for.
     pub async fn refund(&self, key: &str, decision: &Decision) -> u64 {
-        let key = &*local_key(key);
+        let kept = local_key(key);
+        let key = Key {
+            given: key,
+            kept: &kept,
+        };
         // A denial took nothing: what one quota took before another
         // denied went back when it was decided.
         if !decision.is_allowed() {
@@ -283,7 +301,12 @@ impl Limiter {
     /// The quota `key` is held to first: its own (see
     /// [`Builder::quota_for`]) or the default.
     pub fn quota_of(&self, key: &str) -> Quota {
-        self.inner.lane(&local_key(key), 0).quota
+        let kept = local_key(key);
+        let key = Key {
+            given: key,
+            kept: &kept,
+        };
+        self.inner.lane(key, 0).quota
     }
 
     /// Every quota this limiter enforces on a key without one of its own,

@@ -32,7 +32,7 @@ use crate::algorithm::{Algorithm, CheckAll};
 use crate::decision::{binding, Decision, Origin, Source, Taken};
 use crate::error::{Error, ErrorKind};
 use crate::hybrid::HybridConfig;
-use crate::key::KeyEncoder;
+use crate::key::{Key, KeyEncoder};
 use crate::quota::Quota;
 use crate::stats::Counters;
 
@@ -114,7 +114,7 @@ impl Quotas {
     #[inline(always)]
     pub(crate) fn check_now_into(
         self: &Arc<Self>,
-        key: &str,
+        key: Key<'_>,
         cost: u64,
         decided: &mut Option<Decision>,
     ) {
@@ -123,7 +123,7 @@ impl Quotas {
         } else {
             self.tiers[0]
                 .lane_for(key, |quota| self.build_lane(quota, 0).ok())
-                .check_now_into(key, cost, decided);
+                .check_now_into(&key, cost, decided);
         }
         if let Some(decision) = decided {
             self.count(decision);
@@ -133,7 +133,7 @@ impl Quotas {
     /// The decision, by the store where need be, counted; a store error
     /// becomes the failure policy's decision. (`self` is an `Arc`: what
     /// several quotas give back may go in a task of its own.)
-    pub(crate) async fn decide(self: &Arc<Self>, key: &str, cost: u64) -> Decision {
+    pub(crate) async fn decide(self: &Arc<Self>, key: Key<'_>, cost: u64) -> Decision {
         self.release_elsewhere(key, true).await;
         let mut decision = if self.several() {
             self.decide_several(key, cost, false)
@@ -143,7 +143,7 @@ impl Quotas {
                     self.unreachable_decision(key)
                 })
         } else {
-            self.lane(key, 0).decide(key, cost).await
+            self.lane(key, 0).decide(&key, cost).await
         };
         // The key's tier changed while it was decided: the lane it was
         // decided by must not keep what it leased meanwhile. Without
@@ -160,14 +160,14 @@ impl Quotas {
     /// counted.
     pub(crate) async fn try_decide(
         self: &Arc<Self>,
-        key: &str,
+        key: Key<'_>,
         cost: u64,
     ) -> Result<Decision, Error> {
         self.release_elsewhere(key, true).await;
         let mut decision = if self.several() {
             self.decide_several(key, cost, true).await?
         } else {
-            self.lane(key, 0).try_decide(key, cost).await?
+            self.lane(key, 0).try_decide(&key, cost).await?
         };
         decision.limiter = self.id;
         Ok(decision)
@@ -187,7 +187,7 @@ impl Quotas {
     }
 
     /// The lane deciding quota `index` (0: the first) for `key`.
-    pub(crate) fn lane(&self, key: &str, index: usize) -> LaneRef<'_> {
+    pub(crate) fn lane(&self, key: Key<'_>, index: usize) -> LaneRef<'_> {
         self.tiers[index].lane_for(key, |quota| self.build_lane(quota, index).ok())
     }
 
@@ -211,11 +211,11 @@ impl Quotas {
     /// A key whose quota changed (tiers) leaves the lanes of its other
     /// quotas before it is decided (`wait`: for what they give back to
     /// reach the store, see `HybridEngine::release`).
-    async fn release_elsewhere(&self, key: &str, wait: bool) {
+    async fn release_elsewhere(&self, key: Key<'_>, wait: bool) {
         for (index, tiers) in self.tiers.iter().enumerate() {
             if tiers.has_resolver() {
                 let current = self.lane(key, index).to_arc();
-                tiers.release_elsewhere(key, &current, wait).await;
+                tiers.release_elsewhere(&key, &current, wait).await;
             }
         }
     }
@@ -230,7 +230,7 @@ impl Quotas {
 
     /// Gives an admission of this limiter back, quota by quota (see
     /// `Limiter::refund`); returns the permits given back.
-    pub(crate) async fn refund(&self, key: &str, decision: &Decision) -> u64 {
+    pub(crate) async fn refund(&self, key: Key<'_>, decision: &Decision) -> u64 {
         let parts = decision.quotas();
         if decision.limiter != self.id || parts.len() != self.tiers.len() {
             let taken: u64 = parts.iter().map(|d| d.taken.cost).sum();
@@ -251,12 +251,12 @@ impl Quotas {
     }
 
     /// Gives `taken` back to quota `index`, counted.
-    async fn refund_taken(&self, key: &str, index: usize, taken: Taken) -> u64 {
+    async fn refund_taken(&self, key: Key<'_>, index: usize, taken: Taken) -> u64 {
         if !taken.refundable() {
             self.counters.refunds_ignored.add(taken.cost);
             return 0;
         }
-        let back = self.lane(key, index).refund(key, taken).await;
+        let back = self.lane(key, index).refund(&key, taken).await;
         self.counters.refunded.add(back);
         self.counters
             .refunds_ignored
@@ -269,10 +269,10 @@ impl Quotas {
     /// decision is held up by refunds (the quotas are short of those
     /// permits until they land: a brief undershoot). Without a runtime
     /// they cannot be sent and are counted as ignored.
-    fn give_back(self: &Arc<Self>, key: &str, taken: Vec<(usize, Taken)>) {
+    fn give_back(self: &Arc<Self>, key: Key<'_>, taken: Vec<(usize, Taken)>) {
         let late: Vec<(usize, Taken)> = taken
             .into_iter()
-            .filter(|&(index, taken)| !self.lane(key, index).untake(key, taken))
+            .filter(|&(index, taken)| !self.lane(key, index).untake(&key, taken))
             .collect();
         if late.is_empty() {
             return;
@@ -280,10 +280,14 @@ impl Quotas {
         match tokio::runtime::Handle::try_current() {
             Ok(runtime) => {
                 let quotas = self.clone();
-                let key = key.to_owned();
+                let (given, kept) = (key.given.to_owned(), key.kept.to_owned());
                 runtime.spawn(async move {
+                    let key = Key {
+                        given: &given,
+                        kept: &kept,
+                    };
                     for (index, taken) in late {
-                        quotas.refund_taken(&key, index, taken).await;
+                        quotas.refund_taken(key, index, taken).await;
                     }
                 });
             }
@@ -296,8 +300,8 @@ impl Quotas {
 
     /// The local, all-or-nothing decision over every quota, or `None`
     /// (nothing taken) if one of them needs the store.
-    fn check_now_several(self: &Arc<Self>, key: &str, cost: u64) -> Option<Decision> {
-        let _stripe = self.stripe(key);
+    fn check_now_several(self: &Arc<Self>, key: Key<'_>, cost: u64) -> Option<Decision> {
+        let _stripe = self.stripe(&key);
         let mut parts = Vec::with_capacity(self.tiers.len());
         let undo = Undo::new();
         let mut denied = false;
@@ -305,7 +309,7 @@ impl Quotas {
             // A quota this process cannot decide alone: the store decides
             // them all, so a denial's hint is the binding quota's, not the
             // first one's to say no. (`undo` gives back what was taken.)
-            let decision = self.lane(key, index).check_now(key, cost)?;
+            let decision = self.lane(key, index).check_now(&key, cost)?;
             if decision.is_allowed() {
                 undo.record(self, key, index, decision.taken);
             }
@@ -325,7 +329,7 @@ impl Quotas {
     /// rather than becoming that quota's policy decision.
     async fn decide_several(
         self: &Arc<Self>,
-        key: &str,
+        key: Key<'_>,
         cost: u64,
         try_: bool,
     ) -> Result<Decision, Error> {
@@ -355,11 +359,11 @@ impl Quotas {
     /// Every quota's failure policy decision (a store error on the one
     /// call deciding them all); a fallback that admitted where another
     /// denied gives it back.
-    fn policy_decisions(self: &Arc<Self>, key: &str, cost: u64) -> Decision {
+    fn policy_decisions(self: &Arc<Self>, key: Key<'_>, cost: u64) -> Decision {
         let parts: Vec<Decision> = (0..self.tiers.len())
             .map(|i| {
                 let lane = self.lane(key, i);
-                lane.policy_decision(key, cost)
+                lane.policy_decision(&key, cost)
                     .with_period(lane.quota.period())
             })
             .collect();
@@ -372,7 +376,7 @@ impl Quotas {
 
     /// Leases keep slipping away between the rounds (a map at `max_keys`,
     /// refills failing): one more denial is the safe answer.
-    fn unreachable_decision(&self, key: &str) -> Decision {
+    fn unreachable_decision(&self, key: Key<'_>) -> Decision {
         let quota = self.lane(key, 0).quota;
         let retry = Duration::from_millis(1);
         Decision::deny(quota.limit(), 0, retry, Some(retry), Source::Lease)
@@ -387,7 +391,7 @@ impl Quotas {
     /// round starts over.
     async fn take_in_turn(
         self: &Arc<Self>,
-        key: &str,
+        key: Key<'_>,
         cost: u64,
         try_: bool,
     ) -> Result<Option<Decision>, Error> {
@@ -402,9 +406,9 @@ impl Quotas {
             // `reset_after` from here.
             let started = tokio::time::Instant::now();
             let decision = if try_ {
-                lane.try_decide(key, cost).await
+                lane.try_decide(&key, cost).await
             } else {
-                Ok(lane.decide(key, cost).await)
+                Ok(lane.decide(&key, cost).await)
             };
             if let Ok(decision) = &decision {
                 if decision.is_allowed() {
@@ -454,21 +458,21 @@ impl Quotas {
     fn retake_leases<'a>(
         self: &'a Arc<Self>,
         undo: &Undo<'a>,
-        key: &'a str,
+        key: Key<'a>,
         cost: u64,
         parts: &mut [Decision],
     ) -> bool {
-        let _stripe = self.stripe(key);
+        let _stripe = self.stripe(&key);
         for (index, part) in parts.iter_mut().enumerate() {
             if part.taken.origin != Origin::Lease {
                 continue;
             }
             let lane = self.lane(key, index);
-            if !lane.untake(key, part.taken) {
+            if !lane.untake(&key, part.taken) {
                 return false;
             }
             undo.forget(self, index);
-            match lane.check_now(key, cost) {
+            match lane.check_now(&key, cost) {
                 Some(again) if again.is_allowed() => {
                     undo.record(self, key, index, again.taken);
                     *part = again;
@@ -482,7 +486,7 @@ impl Quotas {
     /// Every quota exact: one script decides them all, atomically (their
     /// keys share a hash tag, so one slot). `None` when a quota is not
     /// exact.
-    async fn decide_in_one_call(&self, key: &str, cost: u64) -> Option<Result<Decision, Error>> {
+    async fn decide_in_one_call(&self, key: Key<'_>, cost: u64) -> Option<Result<Decision, Error>> {
         let lanes: Vec<Arc<Lane>> = (0..self.tiers.len())
             .map(|i| self.lane(key, i).to_arc())
             .collect();
@@ -498,7 +502,8 @@ impl Quotas {
                 )));
             }
         }
-        let (keys, params): (Vec<String>, Vec<_>) = engines.iter().map(|e| e.call_for(key)).unzip();
+        let (keys, params): (Vec<String>, Vec<_>) =
+            engines.iter().map(|e| e.call_for(&key)).unzip();
         let store = engines[0].store();
         let check = CheckAll {
             keys: &keys,
@@ -537,10 +542,12 @@ pub(crate) struct Undo<'a> {
     taken: Mutex<Vec<Took<'a>>>,
 }
 
-/// One take: quota `index` of `quotas` took `taken` for `key`.
+/// One take: quota `index` of `quotas` took `taken` for a key.
 struct Took<'a> {
     quotas: &'a Arc<Quotas>,
-    key: Cow<'a, str>,
+    /// The key as given (for a per-key quota's resolver) and as kept.
+    given: &'a str,
+    kept: Cow<'a, str>,
     index: usize,
     taken: Taken,
 }
@@ -556,20 +563,24 @@ impl<'a> Undo<'a> {
         self.taken.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Quota `index` of `quotas` took `taken` for `key` (a key already
-    /// through `local_key`).
-    pub(crate) fn record(
+    /// Quota `index` of `quotas` took `taken` for `key`.
+    fn record(&self, quotas: &'a Arc<Quotas>, key: Key<'a>, index: usize, taken: Taken) {
+        self.push(quotas, key.given, Cow::Borrowed(key.kept), index, taken);
+    }
+
+    fn push(
         &self,
         quotas: &'a Arc<Quotas>,
-        key: impl Into<Cow<'a, str>>,
+        given: &'a str,
+        kept: Cow<'a, str>,
         index: usize,
         taken: Taken,
     ) {
         if taken.refundable() {
-            let key = key.into();
             self.list().push(Took {
                 quotas,
-                key,
+                given,
+                kept,
                 index,
                 taken,
             });
@@ -579,9 +590,9 @@ impl<'a> Undo<'a> {
     /// Every part of `decision`, an admission of `quotas` for `key` (as
     /// the user gave it).
     pub(crate) fn record_all(&self, quotas: &'a Arc<Quotas>, key: &'a str, decision: &Decision) {
-        let key = crate::key::local_key(key);
+        let kept = crate::key::local_key(key);
         for (index, part) in decision.quotas().iter().enumerate() {
-            self.record(quotas, key.clone(), index, part.taken);
+            self.push(quotas, key, kept.clone(), index, part.taken);
         }
     }
 
@@ -605,11 +616,15 @@ impl Drop for Undo<'_> {
         while let Some(first) = rest.pop() {
             let (same, other): (Vec<Took<'_>>, Vec<Took<'_>>) = rest
                 .into_iter()
-                .partition(|t| Arc::ptr_eq(t.quotas, first.quotas) && t.key == first.key);
+                .partition(|t| Arc::ptr_eq(t.quotas, first.quotas) && t.kept == first.kept);
             rest = other;
             let mut parts: Vec<(usize, Taken)> = same.iter().map(|t| (t.index, t.taken)).collect();
             parts.push((first.index, first.taken));
-            first.quotas.give_back(&first.key, parts);
+            let key = Key {
+                given: first.given,
+                kept: &first.kept,
+            };
+            first.quotas.give_back(key, parts);
         }
     }
 }

@@ -17,6 +17,7 @@ use std::sync::{Arc, Mutex};
 use arc_swap::{ArcSwap, ArcSwapOption};
 
 use super::lane::Lane;
+use crate::key::Key;
 use crate::quota::Quota;
 
 /// A key's quota, or `None` for the default.
@@ -133,14 +134,14 @@ impl Tiers {
     #[inline]
     pub(crate) fn lane_for(
         &self,
-        key: &str,
+        key: Key<'_>,
         build: impl FnOnce(Quota) -> Option<Lane>,
     ) -> LaneRef<'_> {
         if !self.on.load(Ordering::Relaxed) {
             return self.default_lane();
         }
         let quota = match &*self.resolver.load() {
-            Some(resolver) => resolver(key),
+            Some(resolver) => resolver(key.given),
             None => None,
         };
         let default = self.default.load();
