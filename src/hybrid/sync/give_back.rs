@@ -1,8 +1,8 @@
 //! Give-backs: unused permits returned to the store, a batch at a time
 //! behind the leases somebody waits for (all of them at the last round).
 
-use super::*;
 use crate::algorithm::GiveBack;
+use crate::hybrid::shared::Shared;
 
 /// Sends the queued give-backs. They go last: a waiter's lease matters
 /// more than returning permits nobody is asking for yet.

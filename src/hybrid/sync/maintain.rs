@@ -1,7 +1,18 @@
 //! Maintenance, every tick: expiry, idle trimming, pre-leases of the
 //! next window, eviction.
 
-use super::*;
+use super::MAINTENANCE;
+use crate::hybrid::config::Ablation;
+use crate::hybrid::policy::prelease_lead_us;
+use crate::hybrid::policy::IDLE_TRIM_DIVISOR;
+use crate::hybrid::policy::IDLE_TRIM_GAPS;
+use crate::hybrid::policy::MAX_SPREAD_US;
+use crate::hybrid::policy::THIN_ACTIVE_PERIODS;
+use crate::hybrid::shared::Shared;
+use crate::hybrid::slot::Slot;
+use crate::hybrid::slot::Trimmed;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// Maintenance visits one slot in this many per tick: each slot once per
 /// `SWEEP_SLICES × MAINTENANCE` (1 s). Skipping a slot reads only the

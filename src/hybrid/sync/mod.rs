@@ -19,24 +19,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::policy::*;
-use super::slot::{Grant, Installed, NextLease, Slot, Trimmed};
-use futures_util::future::join_all;
-
-use super::config::{Ablation, HybridConfig};
 use super::shared::Shared;
-use crate::algorithm::{
-    LeaseCall, LeaseKind, LeaseOrigin, LeaseReply, LeaseTarget, LeaseView, MAX_REPORT,
-};
-use crate::clock::drift_us;
-use crate::error::Error;
-use crate::failure::{report_call, Report, Resend};
-
-use give_back::*;
-use maintain::*;
-use reply::*;
-use send::*;
-use watch::*;
 
 pub(crate) use give_back::give_back_all;
 pub(crate) use maintain::{maintain, SWEEP_SLICES};
@@ -158,7 +141,7 @@ fn tick(shared: &Shared, sweep: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::maintain::next_boundary;
 
     #[test]
     fn the_next_boundary_is_found_from_any_known_window_end() {

@@ -1,7 +1,35 @@
 //! A reply applied: a grant installed (or held until its window
 //! starts), a denial cached, a report settled, the store clock observed.
 
-use super::*;
+use super::maintain::sweep_us;
+use super::send::lose_lease;
+use super::send::Kind;
+use super::send::Pending;
+use super::send::Reported;
+use super::watch::expect_refill;
+use super::watch::peek_answered;
+use super::watch::watch;
+use crate::algorithm::LeaseCall;
+use crate::algorithm::LeaseKind;
+use crate::algorithm::LeaseOrigin;
+use crate::algorithm::LeaseReply;
+use crate::clock::drift_us;
+use crate::error::Error;
+use crate::failure::Report;
+use crate::failure::Resend;
+use crate::hybrid::config::HybridConfig;
+use crate::hybrid::policy::low_water;
+use crate::hybrid::policy::patience_surplus_us;
+use crate::hybrid::policy::runs_out_early;
+use crate::hybrid::policy::trim_delay_us;
+use crate::hybrid::policy::Granted;
+use crate::hybrid::shared::Shared;
+use crate::hybrid::slot::Grant;
+use crate::hybrid::slot::Installed;
+use crate::hybrid::slot::NextLease;
+use crate::hybrid::slot::Slot;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// Applies one lease call's reply (or its failure) to its slot, or
 /// settles a report; wakes whoever waits on the slot.

@@ -2,8 +2,32 @@
 //! before the rest), each lease call sized, sent in pipelines, and the
 //! replies placed in time.
 
-use super::*;
+use super::give_back::give_back_some;
+use super::reply::apply;
+use super::reply::give_recalled_back;
+use super::watch::add_peeks;
+use super::watch::add_rides;
 use crate::algorithm::Lease;
+use crate::algorithm::LeaseCall;
+use crate::algorithm::LeaseReply;
+use crate::algorithm::LeaseTarget;
+use crate::algorithm::LeaseView;
+use crate::algorithm::MAX_REPORT;
+use crate::clock::drift_us;
+use crate::error::Error;
+use crate::failure::report_call;
+use crate::failure::Report;
+use crate::hybrid::config::Ablation;
+use crate::hybrid::config::HybridConfig;
+use crate::hybrid::policy::thin_want;
+use crate::hybrid::policy::SizingRule;
+use crate::hybrid::policy::THIN_AHEAD_CAP_DIVISOR;
+use crate::hybrid::shared::Shared;
+use crate::hybrid::slot::Slot;
+use futures_util::future::join_all;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// What a round has taken from the queues and not yet settled. If the
 /// round's future is dropped (`shutdown` abandoned by its caller, the

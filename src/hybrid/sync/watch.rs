@@ -1,8 +1,22 @@
 //! Peeks and rides: asking after keys that will soon run out, in batches
 //! going out anyway, instead of in calls of their own.
 
-use super::*;
+use super::send::lease_call;
+use super::send::Kind;
+use super::send::Pending;
+use crate::algorithm::LeaseCall;
+use crate::algorithm::LeaseReply;
+use crate::hybrid::config::HybridConfig;
+use crate::hybrid::policy::peek_trust_us;
+use crate::hybrid::policy::ride_horizon_us;
+use crate::hybrid::policy::ride_scan_every_us;
+use crate::hybrid::policy::PEEK_AFTER_US;
+use crate::hybrid::policy::SEED_PERMITS;
+use crate::hybrid::shared::Shared;
+use crate::hybrid::slot::Slot;
 use crate::hybrid::watchlist::{Ahead, Watched};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 /// The most slots watched at once; beyond it, slots ask as before.
 pub(super) const MAX_WATCHED: usize = 4096;
