@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::quotas::Undo;
+use super::undo::Undo;
 use super::Limiter;
 use crate::decision::{binding, Decision, Source};
 

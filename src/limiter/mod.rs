@@ -27,6 +27,7 @@ mod builder;
 mod lane;
 mod quotas;
 mod tiers;
+mod undo;
 
 pub use all::{check_all, check_each, refund_all};
 pub use builder::Builder;

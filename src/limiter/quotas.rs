@@ -16,18 +16,18 @@
 //!   admits past its limit). A refund that arrives after its window ended
 //!   is ignored and counted.
 //! - A future dropped between two takes undoes the first in a task of its
-//!   own ([`Undo`], the one guard for anything half-taken, which
+//!   own (`undo::Undo`, the one guard for anything half-taken, which
 //!   `check_all` uses across limiters too).
 //!
 //! Every decision is counted here, once, whatever number of lanes it went
 //! through; lanes decide and never count.
 
-use std::borrow::Cow;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::lane::{Lane, Recipe};
 use super::tiers::{LaneRef, Tiers};
+use super::undo::Undo;
 use crate::algorithm::{Algorithm, CheckAll};
 use crate::decision::{binding, Decision, Origin, Source, Taken};
 use crate::error::{Error, ErrorKind};
@@ -269,7 +269,7 @@ impl Quotas {
     /// decision is held up by refunds (the quotas are short of those
     /// permits until they land: a brief undershoot). Without a runtime
     /// they cannot be sent and are counted as ignored.
-    fn give_back(self: &Arc<Self>, key: Key<'_>, taken: Vec<(usize, Taken)>) {
+    pub(super) fn give_back(self: &Arc<Self>, key: Key<'_>, taken: Vec<(usize, Taken)>) {
         let late: Vec<(usize, Taken)> = taken
             .into_iter()
             .filter(|&(index, taken)| !self.lane(key, index).untake(&key, taken))
@@ -528,103 +528,5 @@ impl Quotas {
             })
             .collect();
         Some(Ok(binding(parts, Vec::new())))
-    }
-}
-
-/// What a decision took so far, of one limiter's quotas or of several
-/// limiters' (`check_all`), given back when the guard drops: a quota
-/// denied, a store error, or the future dropped midway. [`keep`] when the
-/// decision stands.
-///
-/// [`keep`]: Undo::keep
-pub(crate) struct Undo<'a> {
-    /// Recorded as each take completes (takes may run concurrently).
-    taken: Mutex<Vec<Took<'a>>>,
-}
-
-/// One take: quota `index` of `quotas` took `taken` for a key.
-struct Took<'a> {
-    quotas: &'a Arc<Quotas>,
-    /// The key as given (for a per-key quota's resolver) and as kept.
-    given: &'a str,
-    kept: Cow<'a, str>,
-    index: usize,
-    taken: Taken,
-}
-
-impl<'a> Undo<'a> {
-    pub(crate) fn new() -> Self {
-        Undo {
-            taken: Mutex::new(Vec::new()),
-        }
-    }
-
-    fn list(&self) -> MutexGuard<'_, Vec<Took<'a>>> {
-        self.taken.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Quota `index` of `quotas` took `taken` for `key`.
-    fn record(&self, quotas: &'a Arc<Quotas>, key: Key<'a>, index: usize, taken: Taken) {
-        self.push(quotas, key.given, Cow::Borrowed(key.kept), index, taken);
-    }
-
-    fn push(
-        &self,
-        quotas: &'a Arc<Quotas>,
-        given: &'a str,
-        kept: Cow<'a, str>,
-        index: usize,
-        taken: Taken,
-    ) {
-        if taken.refundable() {
-            self.list().push(Took {
-                quotas,
-                given,
-                kept,
-                index,
-                taken,
-            });
-        }
-    }
-
-    /// Every part of `decision`, an admission of `quotas` for `key` (as
-    /// the user gave it).
-    pub(crate) fn record_all(&self, quotas: &'a Arc<Quotas>, key: &'a str, decision: &Decision) {
-        let kept = crate::key::local_key(key);
-        for (index, part) in decision.quotas().iter().enumerate() {
-            self.push(quotas, key, kept.clone(), index, part.taken);
-        }
-    }
-
-    /// Quota `index` of `quotas`' take was undone already.
-    fn forget(&self, quotas: &Arc<Quotas>, index: usize) {
-        self.list()
-            .retain(|t| !(Arc::ptr_eq(t.quotas, quotas) && t.index == index));
-    }
-
-    /// The decision stands: what was taken stays taken.
-    pub(crate) fn keep(self) {
-        self.list().clear();
-    }
-}
-
-impl Drop for Undo<'_> {
-    fn drop(&mut self) {
-        let taken = std::mem::take(&mut *self.list());
-        // Grouped by limiter and key, so each gives back in one task.
-        let mut rest = taken;
-        while let Some(first) = rest.pop() {
-            let (same, other): (Vec<Took<'_>>, Vec<Took<'_>>) = rest
-                .into_iter()
-                .partition(|t| Arc::ptr_eq(t.quotas, first.quotas) && t.kept == first.kept);
-            rest = other;
-            let mut parts: Vec<(usize, Taken)> = same.iter().map(|t| (t.index, t.taken)).collect();
-            parts.push((first.index, first.taken));
-            let key = Key {
-                given: first.given,
-                kept: &first.kept,
-            };
-            first.quotas.give_back(key, parts);
-        }
     }
 }
