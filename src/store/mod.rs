@@ -12,6 +12,87 @@
 //! [`fair`] is a building block for scripts that share a capacity among
 //! claimants: the max-min fair level, in Lua and in Rust.
 //!
+//! # Writing a script
+//!
+//! A script of your own (a reservation, a counter of another shape) is a
+//! type that implements [`Call`] and [`Script`]; any store runs it. The
+//! rules its two halves keep, so that they answer alike:
+//!
+//! - **One hash slot.** `KEYS[1]` ([`Call::key`]) names where it runs;
+//!   every other key ([`Call::more_keys`]) shares its `{hash tag}`.
+//! - **The store's clock.** The Lua reads `redis.call('TIME')`; the
+//!   mirror reads [`Memory::now_us`]. Never the caller's clock.
+//! - **Every key expires.** The Lua sets a TTL on what it writes; the
+//!   mirror passes the same expiry to [`Memory::set`].
+//! - **Safe to deliver twice.** A call that timed out may have run: a
+//!   store may send it again, so a call that changes state carries an
+//!   identity the script remembers (as the library's leases and refunds
+//!   do), or its effect must be harmless twice.
+//! - **Integers back.** Both halves reply a list of integers, read by one
+//!   [`Script::parse`]; [`bad_reply`] is the error for anything else.
+//!
+//! A parity test then runs the same calls on a private `redis-server` and
+//! on a [`MemoryStore`] and compares the replies (this crate's own are
+//! beside each script). A counter that expires, run here on the memory
+//! store:
+//!
+//! ```
+//! use slicelimit::store::{bad_reply, Arg, Call, Lua, Memory, MemoryStore, Script, Store};
+//! use slicelimit::Error;
+//!
+//! static HITS: Lua = Lua::new(
+//!     "hits",
+//!     "local t = redis.call('TIME') \
+//!      local n = redis.call('INCR', KEYS[1]) \
+//!      redis.call('PEXPIRE', KEYS[1], ARGV[1]) \
+//!      return {n, tonumber(t[1]) * 1000000 + tonumber(t[2])}",
+//! );
+//!
+//! /// One hit on `key`, which lives `ttl_ms` after its last hit.
+//! struct Hit {
+//!     key: String,
+//!     ttl_ms: u64,
+//! }
+//!
+//! impl Call for Hit {
+//!     fn lua(&self) -> &'static Lua {
+//!         &HITS
+//!     }
+//!     fn key(&self) -> &str {
+//!         &self.key
+//!     }
+//!     fn args(&self, args: &mut Vec<Arg>) {
+//!         args.push(Arg::Uint(self.ttl_ms));
+//!     }
+//!     fn mirror(&self, memory: &mut Memory<'_>) -> Result<Vec<i64>, Error> {
+//!         let now = memory.now_us();
+//!         let n = memory.take::<i64>(&self.key).unwrap_or(0) + 1;
+//!         memory.set(&self.key, n, now + self.ttl_ms * 1_000);
+//!         Ok(vec![n, now as i64])
+//!     }
+//! }
+//!
+//! impl Script for Hit {
+//!     /// The count so far.
+//!     type Reply = i64;
+//!     fn parse(&self, values: Vec<i64>) -> Result<i64, Error> {
+//!         match values.as_slice() {
+//!             &[n, _now] => Ok(n),
+//!             _ => Err(bad_reply(&HITS, &values)),
+//!         }
+//!     }
+//! }
+//!
+//! # async fn demo() -> Result<(), Error> {
+//! let store: Store = MemoryStore::new().into();
+//! let hit = Hit { key: "{user-7}:hits".into(), ttl_ms: 60_000 };
+//! assert_eq!(store.run(&hit).await?, 1);
+//! assert_eq!(store.run(&hit).await?, 2);
+//! # Ok(())
+//! # }
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(demo()).unwrap();
+//! ```
+//!
 //! A store decides nothing about policies, leases or failures; layers
 //! (a breaker: [`BreakerStore`]; the simulation's fault injection) wrap a
 //! backend, a backend does not know them. It is the bottom of the crate:
