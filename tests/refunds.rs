@@ -179,13 +179,7 @@ async fn a_tier_of_another_period_keeps_each_periods_count() {
 }
 
 fn slow_store(clock: &VirtualClock) -> FaultyStore {
-    FaultyStore::new(
-        MemoryStore::with_clock(clock.clone()),
-        Faults::default(),
-        7,
-        clock.clone(),
-    )
-    .with_latency(Duration::from_millis(100))
+    FaultyStore::slow(clock, Duration::from_millis(100))
 }
 
 fn exact(store: &FaultyStore, clock: &VirtualClock, ns: &str, limit: u32) -> Limiter {

@@ -149,6 +149,18 @@ impl FaultyStore {
         }
     }
 
+    /// An embedded store on `clock`, every call `round_trip` away and
+    /// nothing else wrong: a store to drop futures against mid-call.
+    pub fn slow(clock: &crate::VirtualClock, round_trip: Duration) -> Self {
+        FaultyStore::new(
+            slicelimit::MemoryStore::with_clock(clock.clone()),
+            Faults::default(),
+            7,
+            clock.clone(),
+        )
+        .with_latency(round_trip)
+    }
+
     /// Makes every call take `round_trip` (half before the store acts,
     /// half after) on top of any injected delay, like a remote store: for
     /// simulations on a virtual clock (`tokio::time::pause`) and for

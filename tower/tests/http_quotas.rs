@@ -11,7 +11,7 @@ use axum::routing::get;
 use axum::Router;
 use http::{Request, StatusCode};
 use slicelimit::{clock::FakeClock, nonzero, HybridConfig, Limiter, MemoryStore, Quota};
-use slicelimit_sim::{Faults, FaultyStore};
+use slicelimit_sim::FaultyStore;
 use slicelimit_tower::RateLimitLayer;
 use tower::ServiceExt;
 
@@ -226,13 +226,7 @@ async fn drain(limiter: &Limiter, key: &str) -> u64 {
 }
 
 fn slow_store(clock: &VirtualClock) -> FaultyStore {
-    FaultyStore::new(
-        MemoryStore::with_clock(clock.clone()),
-        Faults::default(),
-        7,
-        clock.clone(),
-    )
-    .with_latency(Duration::from_millis(100))
+    FaultyStore::slow(clock, Duration::from_millis(100))
 }
 
 fn exact(store: &FaultyStore, clock: &VirtualClock, ns: &str, limit: u32) -> Limiter {
