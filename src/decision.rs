@@ -129,22 +129,6 @@ pub(crate) fn binding_denial(parts: &[Decision]) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
-/// The decision that binds over `parts` (named by `names`, or unnamed:
-/// empty): a denial if any denied (the longest wait, see
-/// [`binding_denial`]), else the admission with the fewest permits left.
-/// Keeps every part for [`Decision::quotas`]. A denial's parts record
-/// nothing taken: the caller gave back what the admitting parts took.
-pub(crate) fn binding(parts: Vec<Decision>, names: Vec<Arc<str>>) -> Decision {
-    let chosen = match binding_denial(&parts) {
-        Some(i) => &parts[i],
-        None => parts
-            .iter()
-            .min_by_key(|d| (d.remaining(), std::cmp::Reverse(d.reset_after())))
-            .expect("at least one part"),
-    };
-    chosen.clone().with_parts(parts, names)
-}
-
 /// `retry_us` of a decision with no `retry_after`.
 const NEVER: u64 = u64::MAX;
 

@@ -4,9 +4,10 @@
 
 use std::sync::Arc;
 
+use super::quotas::binding;
 use super::undo::Undo;
 use super::Limiter;
-use crate::decision::{binding, Decision, Source};
+use crate::decision::{Decision, Source};
 
 /// Decides `cost` for every `(limiter, key)` pair, all-or-nothing: a
 /// user **and** the user's organisation, a route **and** the whole API.

@@ -29,7 +29,7 @@ use super::lane::{Lane, Recipe};
 use super::tiers::{LaneRef, Tiers};
 use super::undo::Undo;
 use crate::algorithm::{Algorithm, CheckAll};
-use crate::decision::{binding, Decision, Origin, Source, Taken};
+use crate::decision::{binding_denial, Decision, Origin, Source, Taken};
 use crate::error::{Error, ErrorKind};
 use crate::hybrid::HybridConfig;
 use crate::key::{Key, KeyEncoder};
@@ -529,4 +529,20 @@ impl Quotas {
             .collect();
         Some(Ok(binding(parts, Vec::new())))
     }
+}
+
+/// The decision that binds over `parts` (named by `names`, or unnamed:
+/// empty): a denial if any denied (the longest wait, see
+/// `binding_denial`), else the admission with the fewest permits left.
+/// Keeps every part for `Decision::quotas`. A denial's parts record
+/// nothing taken: the caller gave back what the admitting parts took.
+pub(super) fn binding(parts: Vec<Decision>, names: Vec<Arc<str>>) -> Decision {
+    let chosen = match binding_denial(&parts) {
+        Some(i) => &parts[i],
+        None => parts
+            .iter()
+            .min_by_key(|d| (d.remaining(), std::cmp::Reverse(d.reset_after())))
+            .expect("at least one part"),
+    };
+    chosen.clone().with_parts(parts, names)
 }
