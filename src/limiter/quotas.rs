@@ -69,8 +69,14 @@ pub(crate) static NEXT_ID: std::sync::atomic::AtomicU32 = std::sync::atomic::Ato
 /// Stripes serialising the local takes of a limiter with several quotas.
 const STRIPES: usize = 64;
 
-/// Rounds of [`Quotas::decide_several`] before it gives up.
+/// Rounds of [`Quotas::decide_several`] at least, before it gives up
+/// (more while a request may wait for a refill, up to [`MAX_ROUNDS`]:
+/// a store that answers at once, or a clock that stands still, must not
+/// keep a decision going round).
 const ROUNDS: usize = 2;
+
+/// The most rounds of [`Quotas::decide_several`].
+const MAX_ROUNDS: usize = 16;
 
 impl Quotas {
     /// A limiter's quotas from their lanes (the first quota first).
@@ -345,7 +351,19 @@ impl Quotas {
         // So each round first lets every quota take (waiting for refills
         // where it must), puts what came from local leases back, and takes
         // it all again at one instant under the key's stripe.
-        for _ in 0..ROUNDS {
+        // Rounds go on while a request may wait for a refill (`max_wait`):
+        // near a window's end a lease taken from may lapse while another
+        // quota's round trip runs, until the next window's leases are in.
+        let began = tokio::time::Instant::now();
+        let patience = self
+            .config
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map_or(Duration::ZERO, |c| c.max_wait);
+        let mut rounds = 0;
+        while rounds < ROUNDS || (rounds < MAX_ROUNDS && began.elapsed() < patience) {
+            rounds += 1;
             if let Some(decision) = self.take_in_turn(key, cost, try_).await? {
                 return Ok(decision);
             }
