@@ -353,7 +353,7 @@ impl MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::algorithm::{Algorithm, Check, Lease, LeaseCall, Params};
+    use crate::algorithm::{AcquireReply, Algorithm, Check, Lease, LeaseCall, Params};
     use crate::clock::FakeClock;
     use crate::nonzero;
     use crate::quota::Quota;
@@ -364,84 +364,43 @@ mod tests {
         (MemoryStore::with_clock(clock.clone()), clock)
     }
 
+    /// One check of `cost` on key `k`.
+    fn check(s: &MemoryStore, p: &Params, cost: u64) -> AcquireReply {
+        s.run_now(&Check {
+            key: "k",
+            params: p,
+            cost,
+        })
+        .unwrap()
+    }
+
     #[test]
     fn fixed_window_counts_and_resets_at_the_boundary() {
         let (s, clock) = store();
         let p = Params::new(&Quota::per_second(nonzero!(3)), Algorithm::FixedWindow);
         for i in 0..3 {
-            let r = s
-                .run_now(&Check {
-                    key: "k",
-                    params: &p,
-                    cost: 1,
-                })
-                .unwrap();
+            let r = check(&s, &p, 1);
             assert!(r.allowed);
             assert_eq!(r.remaining, 2 - i);
         }
-        let r = s
-            .run_now(&Check {
-                key: "k",
-                params: &p,
-                cost: 1,
-            })
-            .unwrap();
+        let r = check(&s, &p, 1);
         assert!(!r.allowed);
         assert_eq!(r.retry_after_us, Some(1_000_000));
         clock.advance(Duration::from_secs(1));
-        assert!(
-            s.run_now(&Check {
-                key: "k",
-                params: &p,
-                cost: 1
-            })
-            .unwrap()
-            .allowed
-        );
-        assert_eq!(
-            s.run_now(&Check {
-                key: "k",
-                params: &p,
-                cost: 4
-            })
-            .unwrap()
-            .retry_after_us,
-            None
-        );
+        assert!(check(&s, &p, 1).allowed);
+        assert_eq!(check(&s, &p, 4).retry_after_us, None);
     }
 
     #[test]
     fn token_bucket_refills_continuously() {
         let (s, clock) = store();
         let p = Params::new(&Quota::per_second(nonzero!(10)), Algorithm::TokenBucket);
-        assert!(
-            s.run_now(&Check {
-                key: "k",
-                params: &p,
-                cost: 10
-            })
-            .unwrap()
-            .allowed
-        );
-        let r = s
-            .run_now(&Check {
-                key: "k",
-                params: &p,
-                cost: 1,
-            })
-            .unwrap();
+        assert!(check(&s, &p, 10).allowed);
+        let r = check(&s, &p, 1);
         assert!(!r.allowed);
         assert_eq!(r.retry_after_us, Some(100_000));
         clock.advance(Duration::from_millis(100));
-        assert!(
-            s.run_now(&Check {
-                key: "k",
-                params: &p,
-                cost: 1
-            })
-            .unwrap()
-            .allowed
-        );
+        assert!(check(&s, &p, 1).allowed);
     }
 
     #[test]
@@ -452,44 +411,14 @@ mod tests {
             Algorithm::Gcra,
         );
         for _ in 0..5 {
-            assert!(
-                s.run_now(&Check {
-                    key: "k",
-                    params: &p,
-                    cost: 1
-                })
-                .unwrap()
-                .allowed
-            );
+            assert!(check(&s, &p, 1).allowed);
         }
-        let r = s
-            .run_now(&Check {
-                key: "k",
-                params: &p,
-                cost: 1,
-            })
-            .unwrap();
+        let r = check(&s, &p, 1);
         assert!(!r.allowed);
         assert_eq!(r.retry_after_us, Some(100_000));
         clock.advance(Duration::from_millis(100));
-        assert!(
-            s.run_now(&Check {
-                key: "k",
-                params: &p,
-                cost: 1
-            })
-            .unwrap()
-            .allowed
-        );
-        assert!(
-            !s.run_now(&Check {
-                key: "k",
-                params: &p,
-                cost: 1
-            })
-            .unwrap()
-            .allowed
-        );
+        assert!(check(&s, &p, 1).allowed);
+        assert!(!check(&s, &p, 1).allowed);
     }
 
     #[test]
@@ -588,15 +517,7 @@ mod tests {
         let into = p_us - now(&clock) % p_us + 1_000;
         clock.advance(Duration::from_micros(into));
         let w = (now(&clock) / p_us) as i64;
-        assert!(
-            s.run_now(&Check {
-                key: "k",
-                params: &p,
-                cost: 3
-            })
-            .unwrap()
-            .allowed
-        );
+        assert!(check(&s, &p, 3).allowed);
         // W+1: full from W's weight alone; the ask gets nothing.
         clock.advance(period);
         let ask = LeaseCall {
