@@ -23,86 +23,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use slicelimit::{check_all, Algorithm, HybridConfig, Limiter, Quota};
-use support::load::wall_us;
+use support::load::{wall_us, RedisClock};
 use support::{store, RedisServer};
 
 // ---------------------------------------------------------------------
 // Redis' clock.
 // ---------------------------------------------------------------------
-
-/// Redis' clock, µs, by `TIME`.
-fn redis_now_us(server: &RedisServer) -> u64 {
-    let t: Vec<String> = server.cmd(&["TIME"]);
-    t[0].parse::<u64>().unwrap() * 1_000_000 + t[1].parse::<u64>().unwrap()
-}
-
-/// Redis' clock read locally: its offset from the wall clock is measured
-/// once by `TIME` (the smallest of a few round trips), then the wall clock
-/// plus that offset tells Redis' time without a round trip.
-#[derive(Clone, Copy)]
-struct RedisClock {
-    offset_us: i64,
-}
-
-impl RedisClock {
-    fn of(server: &RedisServer) -> RedisClock {
-        let mut best: Option<(u64, i64)> = None;
-        for _ in 0..5 {
-            let before = wall_us();
-            let redis = redis_now_us(server);
-            let after = wall_us();
-            let offset = redis as i64 - ((before + after) / 2) as i64;
-            if best.is_none_or(|(span, _)| after - before < span) {
-                best = Some((after - before, offset));
-            }
-        }
-        RedisClock {
-            offset_us: best.unwrap().1,
-        }
-    }
-
-    fn now_us(&self) -> u64 {
-        (wall_us() as i64 + self.offset_us) as u64
-    }
-
-    async fn sleep_until(&self, at_us: u64) {
-        loop {
-            let now = self.now_us();
-            if now >= at_us {
-                return;
-            }
-            tokio::time::sleep(Duration::from_micros(at_us - now)).await;
-        }
-    }
-
-    /// Waits until `into` past the start of a window of `period` and
-    /// returns that window's start (µs): the current window if it is not
-    /// `into` old yet, else the next one.
-    async fn enter_window(&self, period: Duration, into: Duration) -> u64 {
-        let p = period.as_micros() as u64;
-        let into = into.as_micros() as u64;
-        let now = self.now_us();
-        let mut start = now / p * p;
-        if now > start + into {
-            start += p;
-        }
-        self.sleep_until(start + into).await;
-        start
-    }
-
-    /// Returns at once if the current window of `period` has at least
-    /// `need` left (and is 50 ms old), else waits until 50 ms into the
-    /// next one. Returns the window's start (µs).
-    async fn clear_of_boundary(&self, period: Duration, need: Duration) -> u64 {
-        let p = period.as_micros() as u64;
-        let now = self.now_us();
-        let start = now / p * p;
-        if now >= start + 50_000 && start + p - now >= need.as_micros() as u64 {
-            return start;
-        }
-        self.enter_window(period, Duration::from_millis(50)).await
-    }
-}
 
 fn ticker(every: Duration) -> tokio::time::Interval {
     let mut ticker = tokio::time::interval(every);

@@ -16,7 +16,7 @@ use slicelimit_tower::RateLimitLayer;
 use tower::ServiceExt;
 
 use support::http::{sf_items, Item, ORIGIN};
-use support::load::wall_us;
+use support::load::RedisClock;
 use support::{RedisServer, VirtualClock};
 
 fn clock() -> FakeClock {
@@ -308,57 +308,6 @@ async fn wait_up_to_answers_within_its_budget_and_one_decision() {
 /// twice quota 0's limit in one of its windows.
 const REFUND_PERIOD: Duration = Duration::from_secs(5);
 const REFUND_LIMIT: u64 = 5;
-
-/// Redis' clock read locally: its offset from the wall clock is measured
-/// once by `TIME` (the smallest of a few round trips), then the wall clock
-/// plus that offset tells Redis' time without a round trip.
-#[derive(Clone, Copy)]
-struct RedisClock {
-    offset_us: i64,
-}
-
-impl RedisClock {
-    fn of(server: &RedisServer) -> RedisClock {
-        let redis_now_us = || {
-            let t: Vec<String> = server.cmd(&["TIME"]);
-            t[0].parse::<u64>().unwrap() * 1_000_000 + t[1].parse::<u64>().unwrap()
-        };
-        let mut best: Option<(u64, i64)> = None;
-        for _ in 0..5 {
-            let before = wall_us();
-            let redis = redis_now_us();
-            let after = wall_us();
-            let offset = redis as i64 - ((before + after) / 2) as i64;
-            if best.is_none_or(|(span, _)| after - before < span) {
-                best = Some((after - before, offset));
-            }
-        }
-        RedisClock {
-            offset_us: best.unwrap().1,
-        }
-    }
-
-    fn now_us(&self) -> u64 {
-        (wall_us() as i64 + self.offset_us) as u64
-    }
-
-    /// Waits until `into` past the start of a window of `period` and
-    /// returns that window's start (µs): the current window if it is not
-    /// `into` old yet, else the next one.
-    async fn enter_window(&self, period: Duration, into: Duration) -> u64 {
-        let p = period.as_micros() as u64;
-        let into = into.as_micros() as u64;
-        let now = self.now_us();
-        let mut start = now / p * p;
-        if now > start + into {
-            start += p;
-        }
-        while self.now_us() < start + into {
-            tokio::time::sleep(Duration::from_micros(start + into - self.now_us())).await;
-        }
-        start
-    }
-}
 
 fn ticker(every: Duration) -> tokio::time::Interval {
     let mut ticker = tokio::time::interval(every);
