@@ -12,14 +12,12 @@
 -- ARGV[5]  share_cap  fraction (0, 1] of the available permits one lease may take
 -- ARGV[6]  debt       permits admitted on credit, not yet recorded (>= 0)
 -- ARGV[7]  need       the fewest permits the waiting request needs (>= 1)
--- ARGV[8]  patience   when nothing is granted, retry_after says when this
---                     many (>= need) will be available
--- ARGV[9]  ceiling    the most this process takes in one lease: leases are
+-- ARGV[8]  ceiling    the most this process takes in one lease: leases are
 --                     at least min(ceiling, share_cap * available)
 --
 -- Returns  {granted, remaining, 0, reset_after_us (until the TAT),
---          retry_after_us (when nothing was granted: until `patience`
---          permits are available; else 0), now_us, uncovered, 0, level
+--          retry_after_us (when nothing was granted: until the
+--          `need` permits are available; else 0), now_us, uncovered, 0, level
 --          (permits available after the grant, rounded up), given_back}
 --
 -- Leasing n permits advances the TAT by n emission intervals, exactly as n
@@ -36,8 +34,7 @@ local want = tonumber(ARGV[4])
 local share = tonumber(ARGV[5])
 local debt = tonumber(ARGV[6])
 local need = tonumber(ARGV[7])
-local patience = math.min(math.max(need, tonumber(ARGV[8])), burst)
-local ceiling = tonumber(ARGV[9] or '0')
+local ceiling = tonumber(ARGV[8] or '0')
 
 local interval = period / limit
 local tolerance = burst * interval
@@ -90,7 +87,7 @@ if reported > 0 and KEYS[2] then
 end
 local retry = 0
 if granted == 0 then
-  retry = math.max(1, math.ceil(tat + patience * interval - tolerance - now))
+  retry = math.max(1, math.ceil(tat + math.min(need, burst) * interval - tolerance - now))
 end
 return {granted, math.max(0, available_at(tat)), 0, math.ceil(tat - now), retry, now, uncovered, 0,
   math.ceil(level_at(tat) - 1e-9), gb or 0}

@@ -13,15 +13,12 @@
 -- ARGV[6]  debt       tokens admitted on credit, not yet taken (>= 0)
 -- ARGV[7]  need       the fewest tokens the waiting request needs (>= 1):
 --                     below it nothing is granted
--- ARGV[8]  patience   when nothing is granted, retry_after says when this
---                     many (>= need) will be present, so a saturated key is
---                     asked again for a worthwhile lease, not for every token
--- ARGV[9]  ceiling    the most this process takes in one lease: leases are
+-- ARGV[8]  ceiling    the most this process takes in one lease: leases are
 --                     at least min(ceiling, share_cap * available)
 --
 -- Returns  {granted, remaining (whole tokens left), 0, reset_after_us (until
---          full), retry_after_us (when nothing was granted: until `patience`
---          tokens are present; else 0), now_us, uncovered (debt beyond the
+--          full), retry_after_us (when nothing was granted: until the
+--          `need` tokens are present; else 0), now_us, uncovered (debt beyond the
 --          tokens present), 0, level (tokens left, rounded up), given_back
 --          (the key's "gb")}
 --
@@ -30,7 +27,8 @@
 -- been meanwhile (give_back.lua). Debt is taken even past empty, down to
 -- one burst below zero (what lies beyond is overshoot all the same, and is
 -- counted in `uncovered`), so credit never becomes free. The key expires
--- when the bucket would be full. Complexity: O(1).
+-- when the bucket would be full. Complexity: O(1). Runs after
+-- lua/refill_wait.lua.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local limit = tonumber(ARGV[1])
@@ -40,19 +38,19 @@ local want = tonumber(ARGV[4])
 local share = tonumber(ARGV[5])
 local debt = tonumber(ARGV[6])
 local need = tonumber(ARGV[7])
-local patience = math.min(math.max(need, tonumber(ARGV[8])), burst)
-local ceiling = tonumber(ARGV[9] or '0')
+local ceiling = tonumber(ARGV[8] or '0')
 
 local state = redis.call('HMGET', KEYS[1], 'tk', 'ts', 'gb')
-local tokens = tonumber(state[1])
+local kept = tonumber(state[1])
 local ts = tonumber(state[2])
 local gb = tonumber(state[3])
-if tokens == nil or ts == nil then
-  tokens = burst
+if kept == nil or ts == nil then
+  kept = burst
   ts = now
 end
+local tokens = kept
 if now > ts then
-  tokens = math.min(burst, tokens + (now - ts) * limit / period)
+  tokens = math.min(burst, kept + (now - ts) * limit / period)
 end
 
 local uncovered = 0
@@ -83,7 +81,8 @@ end
 tokens = tokens - granted
 
 local reset = math.ceil((burst - tokens) * period / limit)
-if granted > 0 or debt > 0 then
+local written = granted > 0 or debt > 0
+if written then
   if gb == nil then gb = now end
   redis.call('HSET', KEYS[1], 'tk', string.format('%.17g', tokens), 'ts', string.format('%d', now),
     'gb', string.format('%d', gb))
@@ -94,7 +93,13 @@ if reported > 0 and KEYS[2] then
 end
 local retry = 0
 if granted == 0 then
-  retry = math.max(1, math.ceil((patience - tokens) * period / limit))
+  -- From the state the key keeps: what was written now, else as it was.
+  if written then
+    retry = refill_wait(tokens, now, now, math.min(need, burst), limit, period)
+  else
+    retry = refill_wait(kept, ts, now, math.min(need, burst), limit, period)
+  end
+  retry = math.max(1, retry)
 end
 return {granted, math.max(0, math.floor(tokens)), 0, reset, retry, now, math.ceil(uncovered), 0,
   math.ceil(tokens), gb or 0}

@@ -20,7 +20,8 @@
 -- validated so that this TTL stays far below 2^53 ms (formatted with %d).
 -- Complexity: O(1).
 --
--- Defines check(KEYS, ARGV, apply); lua/check_one.lua calls it once,
+-- Defines check(KEYS, ARGV, apply) after lua/refill_wait.lua;
+-- lua/check_one.lua calls it once,
 -- lua/check_all.lua once per quota. With apply false it decides and writes
 -- nothing.
 local function check(KEYS, ARGV, apply)
@@ -32,15 +33,16 @@ local function check(KEYS, ARGV, apply)
   local cost = tonumber(ARGV[4])
 
   local state = redis.call('HMGET', KEYS[1], 'tk', 'ts', 'gb')
-  local tokens = tonumber(state[1])
+  local kept = tonumber(state[1])
   local ts = tonumber(state[2])
   local gb = tonumber(state[3]) or 0
-  if tokens == nil or ts == nil then
-    tokens = burst
+  if kept == nil or ts == nil then
+    kept = burst
     ts = now
   end
+  local tokens = kept
   if now > ts then
-    tokens = math.min(burst, tokens + (now - ts) * limit / period)
+    tokens = math.min(burst, kept + (now - ts) * limit / period)
   end
 
   local allowed = 0
@@ -51,7 +53,8 @@ local function check(KEYS, ARGV, apply)
   elseif cost > burst then
     retry = -1
   else
-    retry = math.ceil((cost - tokens) * period / limit)
+    -- A denial writes nothing: the key keeps `kept` at `ts`.
+    retry = refill_wait(kept, ts, now, cost, limit, period)
   end
 
   local reset = math.ceil((burst - tokens) * period / limit)

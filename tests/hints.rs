@@ -578,3 +578,44 @@ async fn a_days_reset_is_the_windows_end_not_a_drift_allowance_more() {
         hybrid.shutdown().await;
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn two_bucket_quotas_paced_below_both_are_told_a_wait_that_admits() {
+    // 8 per 10 s and 5 per second, a request every `gap`: whichever
+    // quota denies, waiting its hint admits (the first to deny is not
+    // always the one that binds, and while a client waits, what the other
+    // quota gave back must stay there). Optimistic credit can have admitted
+    // past a quota this process has not heard of yet: its second hint
+    // holds.
+    let quotas = [
+        Quota::new(8, Duration::from_secs(10)).unwrap(),
+        Quota::per_second(nonzero!(5)),
+    ];
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        for mode in MODES {
+            for gap in [1, 13, 37, 101, 199, 333, 1201] {
+                let l = fresh(&quotas, algorithm, mode);
+                let gap = Duration::from_millis(gap);
+                for step in 0..300 {
+                    let d = l.check("k", 1).await;
+                    if !d.is_allowed() {
+                        let hint = d.retry_after().unwrap();
+                        tokio::time::sleep(hint).await;
+                        let mut after = l.check("k", 1).await;
+                        if mode == Mode::Optimistic && !after.is_allowed() {
+                            tokio::time::sleep(after.retry_after().unwrap()).await;
+                            after = l.check("k", 1).await;
+                        }
+                        assert!(
+                            after.is_allowed(),
+                            "{mode:?} {algorithm:?}, every {gap:?}, step {step}: waited \
+                             {hint:?} and was denied: {after:?}, first {d:?}"
+                        );
+                    }
+                    tokio::time::sleep(gap).await;
+                }
+                l.shutdown().await;
+            }
+        }
+    }
+}

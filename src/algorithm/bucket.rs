@@ -17,7 +17,6 @@ pub(crate) fn lease_args(p: &Params, c: &LeaseCall, args: &mut Vec<Arg>) {
         Arg::Float(c.share_cap),
         Arg::Uint(c.debt),
         Arg::Uint(c.need.max(1)),
-        Arg::Uint(c.patience),
         Arg::Uint(c.ceiling),
     ]);
 }

@@ -187,8 +187,9 @@ pub(crate) struct LeaseCall {
     /// Token bucket, GCRA: the fewest permits the waiting request needs.
     /// Fixed window: remainders up to this size are granted whole.
     pub(crate) need: u64,
-    /// Token bucket, GCRA: when nothing is granted, wait for this many.
-    pub(crate) patience: u64,
+    /// Fixed and sliding window: the waiting request's cost; a lease that
+    /// grants nothing says when it fits. (A bucket's is `need`.)
+    pub(crate) cost: u64,
     /// Set when `debt > 0`: the debt report's identity.
     pub(crate) op: Option<OpId>,
     /// Fixed window: the asking process, for the fair share of headroom.
@@ -220,7 +221,7 @@ impl LeaseCall {
             debt_window: -1,
             min_window: -1,
             need: 1,
-            patience: 1,
+            cost: 1,
             op: None,
             holder: None,
             ceiling: 0,

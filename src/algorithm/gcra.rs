@@ -129,7 +129,7 @@ fn lease(
     let nowf = now as f64;
     let (mut tat, gb) = gcra_tat(entry, now, &call.key)?;
     let debt = call.debt as f64;
-    let need = (call.need as f64).min(p.burst as f64);
+    let need = (call.need.max(1) as f64).min(p.burst as f64);
     let mut uncovered = 0.0;
     if debt > 0.0 {
         uncovered = (debt - g.available(tat, nowf).max(0.0)).max(0.0);
@@ -144,9 +144,8 @@ fn lease(
     } else {
         gb
     };
-    let patience = need.max(call.patience as f64).min(p.burst as f64);
     let retry = if granted == 0.0 {
-        (tat + patience * g.interval - g.tolerance - nowf)
+        (tat + need * g.interval - g.tolerance - nowf)
             .ceil()
             .max(1.0)
     } else {

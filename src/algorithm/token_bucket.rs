@@ -14,6 +14,7 @@ pub(super) static SPEC: Spec = Spec {
     exact: Lua::new(
         "token_bucket",
         concat!(
+            include_str!("../../lua/refill_wait.lua"),
             include_str!("../../lua/token_bucket.lua"),
             include_str!("../../lua/check_one.lua")
         ),
@@ -21,13 +22,17 @@ pub(super) static SPEC: Spec = Spec {
     exact_all: Lua::new(
         "token_bucket_all",
         concat!(
+            include_str!("../../lua/refill_wait.lua"),
             include_str!("../../lua/token_bucket.lua"),
             include_str!("../../lua/check_all.lua")
         ),
     ),
     lease: Lua::new(
         "lease_token_bucket",
-        include_str!("../../lua/lease_token_bucket.lua"),
+        concat!(
+            include_str!("../../lua/refill_wait.lua"),
+            include_str!("../../lua/lease_token_bucket.lua")
+        ),
     ),
     exact_args: bucket::exact_args,
     lease_args: bucket::lease_args,
@@ -41,15 +46,20 @@ pub(super) static SPEC: Spec = Spec {
     pre_leases: false,
 };
 
-/// Refilled tokens of a bucket entry (a missing entry is a full bucket),
-/// and its give-back counter.
-fn bucket_tokens(
-    entry: &Option<Entry>,
-    p: &Params,
-    now: u64,
-    key: &str,
-) -> Result<(f64, Option<u64>), Error> {
-    let (mut tokens, ts, gb) = match entry {
+/// A bucket entry as stored (a missing entry is a full bucket, now) and
+/// refilled to now.
+struct Bucket {
+    /// The tokens stored at `ts`.
+    kept: f64,
+    ts: u64,
+    /// `kept` refilled to now, at most the burst.
+    tokens: f64,
+    /// The give-back counter.
+    gb: Option<u64>,
+}
+
+fn bucket_tokens(entry: &Option<Entry>, p: &Params, now: u64, key: &str) -> Result<Bucket, Error> {
+    let (kept, ts, gb) = match entry {
         None => (p.burst as f64, now, None),
         Some(Entry {
             state: State::Bucket { tokens, ts, gb },
@@ -57,11 +67,32 @@ fn bucket_tokens(
         }) => (*tokens, *ts, *gb),
         Some(_) => return Err(wrong_type(key)),
     };
+    let mut tokens = kept;
     if now > ts {
         tokens =
-            (p.burst as f64).min(tokens + (now - ts) as f64 * p.limit as f64 / p.period_us as f64);
+            (p.burst as f64).min(kept + (now - ts) as f64 * p.limit as f64 / p.period_us as f64);
     }
-    Ok((tokens, gb))
+    Ok(Bucket {
+        kept,
+        ts,
+        tokens,
+        gb,
+    })
+}
+
+/// How long from `now` until a bucket holding `tokens` at `ts` holds
+/// `need`, in whole microseconds: the rounded-up quotient, grown by 1, 2,
+/// 4 ... µs until the sum a later call computes reaches `need` (floating
+/// point can leave it a hair short). Mirrors `lua/refill_wait.lua`.
+fn refill_wait(tokens: f64, ts: u64, now: u64, need: f64, p: &Params) -> u64 {
+    let (limit, period) = (p.limit as f64, p.period_us as f64);
+    let mut at = ts + ((need - tokens) * period / limit).ceil().max(0.0) as u64;
+    let mut step = 1;
+    while tokens + (at - ts) as f64 * limit / period < need {
+        at += step;
+        step *= 2;
+    }
+    at.saturating_sub(now)
 }
 
 fn bucket_reset(p: &Params, tokens: f64) -> f64 {
@@ -88,15 +119,20 @@ fn check(
     cost: u64,
     key: &str,
 ) -> Result<AcquireReply, Error> {
-    let (mut tokens, gb) = bucket_tokens(entry, p, now, key)?;
+    let Bucket {
+        kept,
+        ts,
+        mut tokens,
+        gb,
+    } = bucket_tokens(entry, p, now, key)?;
     let (allowed, retry) = if cost > p.burst {
         (false, None)
     } else if cost == 0 || cost as f64 <= tokens {
         tokens -= cost as f64;
         (true, Some(0))
     } else {
-        let r = ((cost as f64 - tokens) * p.period_us as f64 / p.limit as f64).ceil();
-        (false, Some(r as u64))
+        // A denial writes nothing: the key keeps `kept` at `ts`.
+        (false, Some(refill_wait(kept, ts, now, cost as f64, p)))
     };
     if allowed && cost > 0 {
         store_bucket(entry, p, now, tokens, gb);
@@ -118,10 +154,16 @@ fn lease(
     now: u64,
     call: &LeaseCall,
 ) -> Result<LeaseReply, Error> {
-    let (mut tokens, gb) = bucket_tokens(entry, p, now, &call.key)?;
+    let Bucket {
+        kept,
+        ts,
+        mut tokens,
+        gb,
+    } = bucket_tokens(entry, p, now, &call.key)?;
     let burst = p.burst as f64;
     let debt = call.debt as f64;
-    let need = call.need as f64;
+    // (The script is sent at least 1.)
+    let need = (call.need.max(1) as f64).min(burst);
     let mut uncovered = 0.0;
     if debt > 0.0 {
         uncovered = (debt - tokens.max(0.0)).max(0.0);
@@ -130,27 +172,26 @@ fn lease(
     let granted = bucket::grant(tokens.floor().max(0.0), call, burst);
     tokens -= granted;
     let reset = bucket_reset(p, tokens);
-    let gb = if granted > 0.0 || debt > 0.0 {
+    let written = granted > 0.0 || debt > 0.0;
+    let gb = if written {
         let gb = gb.unwrap_or(now);
         store_bucket(entry, p, now, tokens, Some(gb));
         Some(gb)
     } else {
         gb
     };
-    let patience = need.max(call.patience as f64).min(burst);
-    let retry = if granted == 0.0 {
-        ((patience - tokens) * p.period_us as f64 / p.limit as f64)
-            .ceil()
-            .max(1.0)
-    } else {
-        0.0
+    // From the state the key keeps: what was written now, else as it was.
+    let retry = match (granted == 0.0, written) {
+        (false, _) => 0,
+        (true, true) => refill_wait(tokens, now, now, need, p).max(1),
+        (true, false) => refill_wait(kept, ts, now, need, p).max(1),
     };
     Ok(LeaseReply {
         granted: granted as u64,
         remaining: tokens.floor().max(0.0) as u64,
         start_after_us: 0,
         reset_after_us: reset.max(0.0) as u64,
-        retry_after_us: retry as u64,
+        retry_after_us: retry,
         now_us: now,
         uncovered: uncovered.ceil() as u64,
         window: 0,
@@ -169,7 +210,7 @@ fn give_back(
     let returned = call.returned as f64;
     let burst = p.burst as f64;
 
-    let (tokens, gb) = bucket_tokens(entry, p, now, &call.key)?;
+    let Bucket { tokens, gb, .. } = bucket_tokens(entry, p, now, &call.key)?;
     let Some(peak) = bucket::peak(p, call.origin, gb, now) else {
         return Ok(0);
     };

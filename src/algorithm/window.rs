@@ -85,7 +85,7 @@ pub(crate) fn lease_args(p: &Params, c: &LeaseCall, args: &mut Vec<Arg>) {
         Arg::Uint(c.ceiling),
         Arg::Uint(c.lease_id),
         Arg::Uint(c.ahead_cap),
-        Arg::Uint(c.patience.max(1)),
+        Arg::Uint(c.cost.max(1)),
     ]);
 }
 
@@ -382,7 +382,7 @@ pub(crate) fn lease(
         start_after_us: start_after,
         reset_after_us: reset,
         retry_after_us: if granted == 0 {
-            rule.wait(call.patience.max(1) as i64, used - extra, &near, limit)
+            rule.wait(call.cost.max(1) as i64, used - extra, &near, limit)
         } else {
             0
         },

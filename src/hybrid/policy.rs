@@ -63,23 +63,6 @@ pub(crate) const MAX_SPREAD_US: u64 = 1_000_000;
 /// holds above the earned floor (`policy::EARNED_FLOOR_DIVISOR`).
 pub(crate) const IDLE_TRIM_DIVISOR: u64 = 16;
 
-/// A bucket lease that got nothing is retried when `patience` tokens are
-/// back (at most `burst`), the request itself needs `need`: how much
-/// sooner (µs) the request's own tokens are back, at `limit` per
-/// `period_us` (see `retry_after_us` in `lua/lease_token_bucket.lua` and
-/// `lua/lease_gcra.lua`).
-pub(crate) fn patience_surplus_us(
-    patience: u64,
-    need: u64,
-    burst: u64,
-    period_us: u64,
-    limit: u64,
-) -> u64 {
-    let need = need.max(1);
-    let surplus = patience.max(need).min(burst.max(need)) - need;
-    (surplus as u128 * period_us as u128 / limit.max(1) as u128).min(u64::MAX as u128) as u64
-}
-
 /// The longest an idle holder's surplus takes to go back: its idle time,
 /// then a full sweep of the maintenance (`sweep_us`, a tick included).
 pub(crate) fn trim_delay_us(period_us: u64, sweep_us: u64) -> u64 {

@@ -139,7 +139,7 @@ fn raw_lease(key: String, want: u64, min_window: i64) -> LeaseCall {
         debt_window: -1,
         min_window,
         need: want,
-        patience: 1,
+        cost: 1,
         op: None,
         holder: None,
         ceiling: 0,

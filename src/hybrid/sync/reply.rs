@@ -19,7 +19,6 @@ use crate::failure::Report;
 use crate::failure::Resend;
 use crate::hybrid::config::HybridConfig;
 use crate::hybrid::policy::low_water;
-use crate::hybrid::policy::patience_surplus_us;
 use crate::hybrid::policy::runs_out_early;
 use crate::hybrid::policy::trim_delay_us;
 use crate::hybrid::policy::Granted;
@@ -258,31 +257,12 @@ pub(super) fn lease_answered(
                 // always fully spent. That re-check is not what the client
                 // is told: the window's end is.
                 let recheck = t1 + trim_delay_us(shared.params.period_us, sweep_us());
-                slot.deny_for(recheck, until, p.call.patience);
-            } else if !windowed && calm {
-                // A bucket's store answered when `patience` tokens are
-                // back (fewer round trips for a key kept over its limit);
-                // the first denial after a calm spell is cached only until
-                // the request's own cost is back, which is what it is told.
-                let early = patience_surplus_us(
-                    p.call.patience,
-                    p.call.need,
-                    shared.params.burst,
-                    shared.params.period_us,
-                    shared.params.limit,
-                );
-                let hint = until.saturating_sub(early).max(t1 + margin);
-                slot.deny_for(hint, hint, p.call.need);
-            } else if !windowed {
-                // (Its hint is for `patience` tokens, more than the need.)
-                let patience = p.call.patience.max(p.call.need);
-                slot.deny_for(
-                    until,
-                    until,
-                    patience.min(shared.params.burst.max(p.call.need)),
-                );
+                slot.deny_for(recheck, until, p.call.cost);
             } else {
-                slot.deny_for(until, until, p.call.patience);
+                // The store said when the waiting request's cost fits
+                // (a bucket's `need`, a window's `cost`).
+                let cost = if windowed { p.call.cost } else { p.call.need };
+                slot.deny_for(until, until, cost);
             }
         } else if now >= slot.deadline() {
             // Nothing left of the next window, which has not begun in the

@@ -572,14 +572,9 @@ pub(super) fn lease_call(
         debt_window: credit.window,
         min_window,
         need: shared.leases.need(need, shared.params.limit),
-        // A bucket waits for a quarter of its lease (fewer round trips
-        // for a key kept over its limit); a window's retry is for the
-        // waiting request's own cost (a sliding window's depends on it).
-        patience: if shared.leases.windowed() {
-            need.max(1)
-        } else {
-            need.max(want / 4).max(1)
-        },
+        // A lease that grants nothing says when the waiting request fits:
+        // what its client is told.
+        cost: need.max(1),
         op: (credit.debt > 0).then(|| shared.ops.next()),
         holder: Some(shared.holder.clone()),
         ceiling,
