@@ -217,7 +217,31 @@ impl Lane {
     /// from the fallback's count (and recorded for the store), so it can
     /// go back; fail-open and fail-closed take nothing.
     pub(crate) fn policy_decision(&self, key: &str, cost: u64) -> Decision {
-        self.failure.decide(key, cost)
+        self.failure
+            .decide(key, cost)
+            .with_period(self.quota.period())
+    }
+
+    /// An exact engine's decision from its reply to a call that decided
+    /// several quotas at once (`applied`: every quota admitted).
+    pub(crate) fn replied(
+        &self,
+        exact: &ExactEngine,
+        reply: &crate::algorithm::AcquireReply,
+        cost: u64,
+        applied: bool,
+    ) -> Decision {
+        exact
+            .decision(reply, cost, applied)
+            .with_period(self.quota.period())
+    }
+
+    /// A denial for a moment: leases kept slipping away while several
+    /// quotas were decided (a map at `max_keys`, refills failing).
+    pub(crate) fn denied_briefly(&self) -> Decision {
+        let retry = std::time::Duration::from_millis(1);
+        Decision::deny(self.quota.limit(), 0, retry, Some(retry), Source::Lease)
+            .with_period(self.quota.period())
     }
 
     /// Like [`decide`](Lane::decide), with the store's error instead of

@@ -117,14 +117,19 @@ impl Limiter {
         let given = key;
         let kept = local_key(given);
         let mut decided = None;
-        self.check_local_key(Key { given, kept: &kept }, cost, &mut decided);
+        // (The decision is written where the caller keeps it: one returned
+        // up through the steps was copied whole at each, and the first
+        // copy of one just made waited for its stores to drain; on one hot
+        // key, a tenth of the decision's cost.)
+        self.inner
+            .check_now_into(Key { given, kept: &kept }, cost, &mut decided);
         match decided {
             Some(decision) => Check {
                 state: CheckState::Ready(Some(decision)),
             },
             None => Check {
                 state: CheckState::Pending(Box::pin(async move {
-                    self.check_slow(Key { given, kept: &kept }, cost).await
+                    self.inner.decide(Key { given, kept: &kept }, cost).await
                 })),
             },
         }
@@ -140,7 +145,8 @@ impl Limiter {
         if key.len() > MAX_LOCAL_KEY_LEN {
             self.check_hashed_key(key, cost, &mut decided);
         } else {
-            self.check_local_key(Key::short(key), cost, &mut decided);
+            self.inner
+                .check_now_into(Key::short(key), cost, &mut decided);
         }
         decided
     }
@@ -149,30 +155,11 @@ impl Limiter {
     #[inline(never)]
     fn check_hashed_key(&self, key: &str, cost: u64, decided: &mut Option<Decision>) {
         let kept = local_key(key);
-        self.check_local_key(
-            Key {
-                given: key,
-                kept: &kept,
-            },
-            cost,
-            decided,
-        );
-    }
-
-    /// [`check_now`](Limiter::check_now) for a key already through
-    /// [`local_key`], into `decided` (left `None` if the store is needed).
-    ///
-    /// The request path writes its decision where the caller keeps it: a
-    /// decision returned up through its steps is copied whole at each, and
-    /// the first copy of one just made waits for its stores to drain (on
-    /// one hot key, that wait was a tenth of the decision's cost).
-    #[inline(always)]
-    fn check_local_key(&self, key: Key<'_>, cost: u64, decided: &mut Option<Decision>) {
+        let key = Key {
+            given: key,
+            kept: &kept,
+        };
         self.inner.check_now_into(key, cost, decided);
-    }
-
-    async fn check_slow(&self, key: Key<'_>, cost: u64) -> Decision {
-        self.inner.decide(key, cost).await
     }
 
     /// Like [`check`](Limiter::check), but returns the store's error instead

@@ -29,7 +29,7 @@ use super::lane::{Lane, Recipe};
 use super::tiers::{LaneRef, Tiers};
 use super::undo::Undo;
 use crate::algorithm::{Algorithm, CheckAll};
-use crate::decision::{binding_denial, Decision, Origin, Source, Taken};
+use crate::decision::{binding_denial, Decision, Origin, Taken};
 use crate::error::{Error, ErrorKind};
 use crate::hybrid::HybridConfig;
 use crate::key::{Key, KeyEncoder};
@@ -379,11 +379,7 @@ impl Quotas {
     /// denied gives it back.
     fn policy_decisions(self: &Arc<Self>, key: Key<'_>, cost: u64) -> Decision {
         let parts: Vec<Decision> = (0..self.tiers.len())
-            .map(|i| {
-                let lane = self.lane(key, i);
-                lane.policy_decision(&key, cost)
-                    .with_period(lane.quota.period())
-            })
+            .map(|i| self.lane(key, i).policy_decision(&key, cost))
             .collect();
         if parts.iter().any(|d| !d.is_allowed()) {
             let taken = parts.iter().map(|d| d.taken).enumerate();
@@ -395,10 +391,7 @@ impl Quotas {
     /// Leases keep slipping away between the rounds (a map at `max_keys`,
     /// refills failing): one more denial is the safe answer.
     fn unreachable_decision(&self, key: Key<'_>) -> Decision {
-        let quota = self.lane(key, 0).quota;
-        let retry = Duration::from_millis(1);
-        Decision::deny(quota.limit(), 0, retry, Some(retry), Source::Lease)
-            .with_period(quota.period())
+        self.lane(key, 0).denied_briefly()
     }
 
     /// Each quota in turn: a denial gives back what the others took; when
@@ -539,11 +532,7 @@ impl Quotas {
             .iter()
             .zip(&lanes)
             .zip(&replies)
-            .map(|((engine, lane), reply)| {
-                engine
-                    .decision(reply, cost, applied)
-                    .with_period(lane.quota.period())
-            })
+            .map(|((engine, lane), reply)| lane.replied(engine, reply, cost, applied))
             .collect();
         Some(Ok(binding(parts, Vec::new())))
     }
