@@ -144,14 +144,11 @@ async fn optimistic_overshoot_and_decisions_are_counted() {
     assert_eq!((stats.overshoot, stats.credit_admitted), (5, 5));
 }
 
-/// `examples/grafana/slicelimit.json` asks for its data source on import
+/// `docs/grafana/slicelimit.json` asks for its data source on import
 /// and charts the limiters' and the in-flight limits' metrics.
 #[test]
 fn the_grafana_dashboard_prompts_for_a_data_source_and_charts_the_limiters() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/examples/grafana/slicelimit.json"
-    );
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/grafana/slicelimit.json");
     let text = std::fs::read_to_string(path).unwrap();
     let dashboard: serde_json::Value = serde_json::from_str(&text).unwrap();
     let inputs = dashboard["__inputs"].as_array().expect("an __inputs list");

@@ -599,7 +599,7 @@ async fn a_token_bucket_keeps_its_tokens_when_another_descriptor_denies() {
     }
 }
 
-/// The dashboard (`examples/grafana/slicelimit.json`) charts the server's
+/// The dashboard (`docs/grafana/slicelimit.json`) charts the server's
 /// own series beside the library's.
 #[test]
 fn the_grafana_dashboard_charts_the_server() {

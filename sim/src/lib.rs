@@ -354,12 +354,12 @@ impl slicelimit::clock::Clock for VirtualClock {
 }
 
 /// The PromQL queries of every panel of the Grafana dashboard
-/// (`examples/grafana/slicelimit.json`), for tests that check a metric is
+/// (`docs/grafana/slicelimit.json`), for tests that check a metric is
 /// charted.
 pub fn dashboard_queries() -> Vec<String> {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/../examples/grafana/slicelimit.json"
+        "/../docs/grafana/slicelimit.json"
     );
     let text = std::fs::read_to_string(path).expect("the dashboard");
     let dashboard: serde_json::Value = serde_json::from_str(&text).expect("the dashboard's JSON");

@@ -304,3 +304,50 @@ impl RedisClock {
         self.enter_window(period, Duration::from_millis(50)).await
     }
 }
+
+/// How late this machine ran a thread that asked to sleep 1 ms, at worst,
+/// while it was watched: a test whose timeouts are tight reads from it
+/// whether the machine (other work on its cores) held its threads back
+/// for longer than the network it measures could have.
+pub struct StallWatch {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    worst_us: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StallWatch {
+    pub fn start() -> StallWatch {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let worst_us = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let (s, w) = (stop.clone(), worst_us.clone());
+        let thread = std::thread::spawn(move || {
+            let tick = Duration::from_millis(1);
+            while !s.load(Ordering::Relaxed) {
+                let before = std::time::Instant::now();
+                std::thread::sleep(tick);
+                let late = before.elapsed().saturating_sub(tick);
+                w.fetch_max(late.as_micros() as u64, Ordering::Relaxed);
+            }
+        });
+        StallWatch {
+            stop,
+            worst_us,
+            thread: Some(thread),
+        }
+    }
+
+    /// The longest stall seen so far.
+    pub fn worst(&self) -> Duration {
+        Duration::from_micros(self.worst_us.load(std::sync::atomic::Ordering::Relaxed))
+    }
+}
+
+impl Drop for StallWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
