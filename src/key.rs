@@ -7,7 +7,7 @@
 //! another key. Long keys are replaced by their SHA-256, so a 1 MB key costs
 //! a 64-byte store key.
 //!
-//! Before a key reaches any per-process map (hybrid slots, the per-process
+//! Before a key reaches any per-process map (hybrid holdings, the per-process
 //! limiter, the fallback and its reconciliation ledger), [`local_key`]
 //! replaces a long one by a fixed-size digest, so what a client sends in a
 //! header cannot make those maps grow by its own length.

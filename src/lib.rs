@@ -36,7 +36,7 @@
 //!
 //! ```text
 //! request ──► Limiter::check(key, cost)
-//!               ├─ local map (DashMap<key, Arc<Slot>>): atomics only ─► Decision
+//!               ├─ local map (DashMap<key, Arc<Holding>>): atomics only ─► Decision
 //!               │        │ below the low-water mark / lease ending
 //!               │        ▼
 //!               └─ refill queue ──► sync task: coalesce per key, batch many
@@ -73,7 +73,7 @@
 //!   quotas              one decision path: one or several quotas
 //!   tiers               the lane of a key's quota, at any position
 //!   lane                one quota's engine and failure layer
-//! hybrid                slots, lease sizing, the sync task
+//! hybrid                holdings, lease sizing, the sync task
 //! failure               the failure policy and its ledger
 //! exact, local          one store call per decision, or none
 //! queues                waiters per key
@@ -88,7 +88,7 @@
 //!
 //! - **A request is decided** in `limiter` ([`Limiter::check`]): the hybrid
 //!   engine's fast path (`hybrid::HybridEngine::fast_into`, atomics on a
-//!   slot, no await), else its slow path (wait briefly for a refill), or
+//!   holding, no await), else its slow path (wait briefly for a refill), or
 //!   one exact store call (`exact`), or the per-process count (`local`).
 //!   Whatever cannot be decided goes to the failure layer
 //!   (`failure::FailureLayer::decide`), the one place the
@@ -96,7 +96,7 @@
 //! - **A lease is fetched** by the hybrid engine's background task
 //!   (`hybrid::sync`): it sizes each key's lease (`hybrid::policy`),
 //!   batches the keys waiting for one into pipelined lease scripts, and
-//!   installs the replies in the slots (`hybrid::slot`, whose fields
+//!   installs the replies in the holdings (`hybrid::holding`, whose fields
 //!   are private: every change goes through a method that keeps its
 //!   invariants).
 //! - **Redis is touched** only in `store::redis`: every script call goes
@@ -143,7 +143,7 @@
 //!   admitted;
 //! - `checked`: what a store's check answered (decision, take, refund);
 //! - `exact`, `local`: one store call per decision, or none;
-//! - `hybrid`: slots, lease sizing, the sync task;
+//! - `hybrid`: holdings (a key's lease here), lease sizing, the sync task;
 //! - `limiter`: the [`Limiter`] front door and its [`Builder`], and the
 //!   one decision path under it: `quotas` (one or several quotas,
 //!   all-or-nothing, one undo guard), `tiers` (the lane of a key's quota),

@@ -205,13 +205,13 @@ pub(crate) enum LeaseKind {
     Bucket,
 }
 
-/// What a lease call asks for, from the slot's state (see
+/// What a lease call asks for, from the holding's state (see
 /// [`LeaseKind::target`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LeaseView {
-    /// The window the slot's permits belong to (window leases), or `None`.
+    /// The window the holding's permits belong to (window leases), or `None`.
     pub(crate) window: Option<i64>,
-    /// Whether the slot's permits are still spendable.
+    /// Whether the holding's permits are still spendable.
     pub(crate) valid: bool,
     /// Whether they end within the early-refill lead.
     pub(crate) near_end: bool,
@@ -221,7 +221,7 @@ pub(crate) struct LeaseView {
     pub(crate) prelease: bool,
     /// Whether the next window is already held.
     pub(crate) has_next: bool,
-    /// Local µs until the slot's permits end (0 once they have).
+    /// Local µs until the holding's permits end (0 once they have).
     pub(crate) left_us: u64,
     /// Local µs since they ended (0 while they have not).
     pub(crate) since_us: u64,

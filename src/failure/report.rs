@@ -1,7 +1,7 @@
 //! A report of permits to the store under an identity, and how it is
 //! resent: the one shape of "tell the store what was admitted without
 //! it" for the fallback's ledger (`ledger`) and the hybrid engine's debt
-//! (credit an evicted slot spent, debt a lost lease call carried).
+//! (credit an evicted holding spent, debt a lost lease call carried).
 //!
 //! A report's identity ([`OpId`]) is fixed when it is made, so a resend
 //! after a lost reply is counted once by the store, which remembers an

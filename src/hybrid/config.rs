@@ -64,7 +64,7 @@ impl Ablation {
     pub(crate) const PRELEASE: u32 = 1 << 3;
     /// Pre-leases of thin holders (a few permits a window).
     pub(crate) const THIN_PRELEASE: u32 = 1 << 4;
-    /// Refills ahead of need (at a low-water mark): off, a slot is
+    /// Refills ahead of need (at a low-water mark): off, a holding is
     /// refilled when it runs dry.
     pub(crate) const AHEAD: u32 = 1 << 5;
     /// The window's last lease (one that covers the rate to the window's
@@ -121,7 +121,7 @@ impl Ablation {
 }
 
 impl HybridConfig {
-    /// Admit only against granted permits. An empty slot waits for its
+    /// Admit only against granted permits. An empty holding waits for its
     /// refill up to `max_wait` (default 50 ms), then denies.
     pub fn strict() -> Self {
         HybridConfig {
@@ -261,7 +261,7 @@ impl HybridConfig {
         self
     }
 
-    /// How long a refill nobody waits for yet (the slot fell below its
+    /// How long a refill nobody waits for yet (the holding fell below its
     /// low-water mark) may wait for other keys' refills to share its round
     /// trip (default 2 ms; a waiting request always goes at once).
     #[must_use]
@@ -310,7 +310,7 @@ impl HybridConfig {
         }
         if self.coalesce > self.refill_horizon / 4 {
             return Err(Error::invalid(
-                "coalesce must be at most a quarter of refill_horizon, or slots run dry waiting",
+                "coalesce must be at most a quarter of refill_horizon, or holdings run dry waiting",
             ));
         }
         if self.max_wait > Duration::from_secs(60) {

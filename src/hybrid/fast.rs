@@ -1,4 +1,4 @@
-//! The request path's fast half: a key's slot found, a permit taken with
+//! The request path's fast half: a key's holding found, a permit taken with
 //! one compare-and-swap, the decision written where the caller keeps it
 //! (`Limiter::check_now`). Whatever it cannot answer goes to the slow
 //! path (`HybridEngine::check`, in `mod.rs`).
@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::slot::{Slot, Spare, Take};
+use super::holding::{Holding, Spare, Take};
 use super::thread_cache;
 use super::HybridEngine;
 use crate::decision::Decision;
@@ -35,14 +35,14 @@ impl HybridEngine {
         // key; uncontended, the map's lock is cheaper than the probe.
         let contended = s.contended.load(Ordering::Relaxed);
         if contended
-            && thread_cache::with(self.id, key, |slot, stock| {
-                self.fast_stocked(slot, stock, cost, decided)
+            && thread_cache::with(self.id, key, |holding, stock| {
+                self.fast_stocked(holding, stock, cost, decided)
             })
             .is_some()
         {
             return;
         }
-        let Some(entry) = s.slots.get(key) else {
+        let Some(entry) = s.holdings.get(key) else {
             return;
         };
         self.fast_on(entry.value(), cost, decided);
@@ -53,9 +53,9 @@ impl HybridEngine {
         }
     }
 
-    /// The fast path on a slot this thread cached: spends from the
+    /// The fast path on a holding this thread cached: spends from the
     /// thread's stock of its permits while the stock's lease is valid, and
-    /// refills the stock when it takes from the slot (see `thread_cache`).
+    /// refills the stock when it takes from the holding (see `thread_cache`).
     /// The decision into `decided`, as [`fast_on`](HybridEngine::fast_on):
     /// returned through the thread cache's `Option` and `Result`, it was
     /// copied whole three times, the first stalling on the stores that
@@ -63,14 +63,14 @@ impl HybridEngine {
     #[inline(always)]
     fn fast_stocked(
         &self,
-        slot: &Arc<Slot>,
+        holding: &Arc<Holding>,
         stock: &std::cell::Cell<thread_cache::Stock>,
         cost: u64,
         decided: &mut Option<Decision>,
     ) {
         let s = &*self.shared;
         if cost == 0 {
-            return self.fast_on(slot, cost, decided);
+            return self.fast_on(holding, cost, decided);
         }
         let mut held = stock.get();
         if held.permits > 0 {
@@ -78,23 +78,23 @@ impl HybridEngine {
                 Some(now) if held.permits as u64 >= cost => {
                     held.permits -= cost as i64;
                     stock.set(held);
-                    slot.touch(now);
-                    let left = slot.permits();
-                    *decided = Some(s.spent(slot, left + held.permits, now, cost, held.window));
+                    holding.touch(now);
+                    let left = holding.permits();
+                    *decided = Some(s.spent(holding, left + held.permits, now, cost, held.window));
                     return;
                 }
-                // Too few for this cost: back to the slot, if its lease
+                // Too few for this cost: back to the holding, if its lease
                 // is still the one they came from.
                 Some(now) => {
-                    if !slot.restore(held.window, held.deadline, held.permits, now) {
-                        s.expired(slot, held.permits as u64);
+                    if !holding.restore(held.window, held.deadline, held.permits, now) {
+                        s.expired(holding, held.permits as u64);
                     }
                 }
-                None => s.expired(slot, held.permits as u64),
+                None => s.expired(holding, held.permits as u64),
             }
             stock.set(thread_cache::Stock::NONE);
         }
-        match slot.take_spare(cost, &s.time, thread_cache::stock_for) {
+        match holding.take_spare(cost, &s.time, thread_cache::stock_for) {
             (
                 Take::Taken {
                     left,
@@ -112,21 +112,21 @@ impl HybridEngine {
                     window,
                     deadline,
                 });
-                slot.touch(now);
-                *decided = Some(s.spent(slot, left + permits, now, cost, window));
+                holding.touch(now);
+                *decided = Some(s.spent(holding, left + permits, now, cost, window));
             }
-            (Take::Late { lost, .. }, _) => s.expired(slot, lost as u64),
+            (Take::Late { lost, .. }, _) => s.expired(holding, lost as u64),
             // A pre-lease to promote, or a denial to answer: the common way.
-            (Take::Empty, _) => self.fast_on(slot, cost, decided),
+            (Take::Empty, _) => self.fast_on(holding, cost, decided),
         }
     }
 
-    /// The fast path on a slot found: one clock read, after the permit
-    /// was taken (see [`Slot::take`]); the decision into `decided`.
+    /// The fast path on a holding found: one clock read, after the permit
+    /// was taken (see [`Holding::take`]); the decision into `decided`.
     #[inline(always)]
-    fn fast_on(&self, slot: &Arc<Slot>, cost: u64, decided: &mut Option<Decision>) {
+    fn fast_on(&self, holding: &Arc<Holding>, cost: u64, decided: &mut Option<Decision>) {
         let s = &*self.shared;
-        match slot.take(cost, &s.time) {
+        match holding.take(cost, &s.time) {
             Take::Taken {
                 left,
                 now,
@@ -136,40 +136,41 @@ impl HybridEngine {
                 if contended && s.stocks && !s.contended.load(Ordering::Relaxed) {
                     s.contended.store(true, Ordering::Relaxed);
                 }
-                slot.touch(now);
-                *decided = Some(s.spent(slot, left, now, cost, window));
+                holding.touch(now);
+                *decided = Some(s.spent(holding, left, now, cost, window));
             }
-            missed => *decided = self.fast_missed(slot, cost, missed),
+            missed => *decided = self.fast_missed(holding, cost, missed),
         }
     }
 
-    /// [`fast_on`](HybridEngine::fast_on) when the slot's lease could not
+    /// [`fast_on`](HybridEngine::fast_on) when the holding's lease could not
     /// pay: a pre-lease to promote, a window to spend across, or a denial
     /// known until a time.
     #[inline(never)]
-    fn fast_missed(&self, slot: &Arc<Slot>, cost: u64, missed: Take) -> Option<Decision> {
+    fn fast_missed(&self, holding: &Arc<Holding>, cost: u64, missed: Take) -> Option<Decision> {
         let s = &*self.shared;
         match missed {
             Take::Taken { .. } => None,
             Take::Empty => {
-                if let Some(decided) = self.promoted(slot, cost, None) {
+                if let Some(decided) = self.promoted(holding, cost, None) {
                     return Some(decided);
                 }
                 // Known exhausted: answer from the denied-until time. The
                 // coarse clock may lag, which only lengthens the denial.
-                if cost == 0 || slot.denied_until().is_none() {
+                if cost == 0 || holding.denied_until().is_none() {
                     return None;
                 }
                 let now = s.time.now_us();
-                slot.denied(now)
-                    .filter(|&until| s.denial_covers(slot, until, cost))
-                    .map(|until| s.cached_denial(slot, until, now, cost))
+                holding
+                    .denied(now)
+                    .filter(|&until| s.denial_covers(holding, until, cost))
+                    .map(|until| s.cached_denial(holding, until, now, cost))
             }
             // The lease ended (its permits are void): the next window's
             // may be held already.
             late @ Take::Late { lost, .. } => {
-                s.expired(slot, lost as u64);
-                self.promoted(slot, cost, late.paid(cost))
+                s.expired(holding, lost as u64);
+                self.promoted(holding, cost, late.paid(cost))
             }
         }
     }
@@ -179,44 +180,44 @@ impl HybridEngine {
     /// anchored to it once, may read up to a kernel tick ahead, and a
     /// pre-lease must never start early. `paid`: the window a late take
     /// just took `cost` from (see [`Take::Late`]).
-    fn promoted(&self, slot: &Arc<Slot>, cost: u64, paid: Option<i64>) -> Option<Decision> {
+    fn promoted(&self, holding: &Arc<Holding>, cost: u64, paid: Option<i64>) -> Option<Decision> {
         let s = &*self.shared;
-        if !slot.has_next() {
+        if !holding.has_next() {
             return None;
         }
         let now = s.time.precise_us();
-        let Some(replaced) = slot.promote(now) else {
-            return self.across(slot, cost, now, paid);
+        let Some(replaced) = holding.promote(now) else {
+            return self.across(holding, cost, now, paid);
         };
         s.counters.stranded.add(replaced as u64);
-        match slot.take(cost, &s.time) {
+        match holding.take(cost, &s.time) {
             Take::Taken {
                 left, now, window, ..
             } => {
-                slot.touch(now);
-                Some(s.spent(slot, left, now, cost, window))
+                holding.touch(now);
+                Some(s.spent(holding, left, now, cost, window))
             }
             _ => None,
         }
     }
 
     /// Spent across a window boundary from both windows' permits (see
-    /// `Slot::take_across`): near a boundary, a slot holding permits of
+    /// `Holding::take_across`): near a boundary, a holding holding permits of
     /// the window ending and of the next one need not wait for either.
     pub(super) fn across(
         &self,
-        slot: &Arc<Slot>,
+        holding: &Arc<Holding>,
         cost: u64,
         now: u64,
         paid: Option<i64>,
     ) -> Option<Decision> {
         let s = &*self.shared;
         let cost_now = cost.min(i64::MAX as u64) as i64;
-        let across = slot.take_across(cost_now, now, paid, || s.time.precise_us());
+        let across = holding.take_across(cost_now, now, paid, || s.time.precise_us());
         s.counters.stranded.add(across.stranded as u64);
         let left = across.left?;
         // Counted in the next window: it resets when that one ends.
-        let mut decided = s.spent(slot, left, now, cost, Some(across.window));
+        let mut decided = s.spent(holding, left, now, cost, Some(across.window));
         decided.set_reset_after(Duration::from_micros(across.window_end.saturating_sub(now)));
         Some(decided)
     }

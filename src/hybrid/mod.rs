@@ -4,7 +4,7 @@
 //! `DashMap` (or the thread's cache), spends a permit with one
 //! compare-and-swap and writes the decision where the caller keeps it;
 //! the slow path (`HybridEngine::check`) waits, bounded by `max_wait`, for
-//! the sync task, which it wakes when a slot runs low. No lock is held
+//! the sync task, which it wakes when a holding runs low. No lock is held
 //! across an await.
 //!
 //! Files: this one (the engine: its start, the slow path, its life),
@@ -13,19 +13,19 @@
 //! lease policy as arithmetic: sizing, refill marks, timing, and its
 //! constants), `shared` (what the request path and the sync task share),
 //! `outbox` (what the sync task is handed, and its wake), `watchlist`
-//! (what the sync task watches between rounds), `slot/` (one
+//! (what the sync task watches between rounds), `holding/` (one
 //! key's state: its atomics, refill state, pre-lease and credit),
-//! `thread_cache` (the per-thread slot cache), `refunds` (refunds that go
+//! `thread_cache` (the per-thread holding cache), `refunds` (refunds that go
 //! back locally), `sync/` (the background task: rounds, replies, peeks
 //! and rides, maintenance, the last round at shutdown).
 
 mod config;
 mod fast;
+mod holding;
 mod outbox;
 mod policy;
 mod refunds;
 mod shared;
-mod slot;
 mod sync;
 mod thread_cache;
 mod watchlist;
@@ -42,10 +42,10 @@ use dashmap::DashMap;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+use self::holding::{Holding, Take};
 use self::outbox::Outbox;
 pub(crate) use self::refunds::LocalRefunds;
 use self::shared::{Life, Shared, REFILL_STRIPES};
-use self::slot::{Slot, Take};
 use crate::algorithm::{OpIds, Params};
 use crate::clock::TimeSource;
 use crate::decision::Decision;
@@ -92,7 +92,7 @@ pub(crate) struct Wiring {
 }
 
 pub(crate) struct HybridEngine {
-    /// This engine's identity in the per-thread slot caches.
+    /// This engine's identity in the per-thread holding caches.
     id: u64,
     shared: Arc<Shared>,
     task: Mutex<Option<JoinHandle<()>>>,
@@ -139,7 +139,7 @@ impl HybridEngine {
         };
         let stocks = !config.ablate.off(Ablation::STOCKS);
         let shared = Arc::new(Shared {
-            slots: DashMap::with_hasher(ahash::RandomState::new()),
+            holdings: DashMap::with_hasher(ahash::RandomState::new()),
             config: ArcSwap::from_pointee(config),
             exact: ExactEngine::new(store.clone(), keys.clone(), params, counters.clone()),
             store,
@@ -194,7 +194,7 @@ impl HybridEngine {
 
     /// Keys tracked locally.
     pub(crate) fn local_keys(&self) -> usize {
-        self.shared.slots.len()
+        self.shared.holdings.len()
     }
 
     /// Restarts a sync task that vanished (its runtime was dropped, it
@@ -237,15 +237,20 @@ impl HybridEngine {
         if s.life.closed.load(Ordering::Acquire) {
             return s.exact_check(key, cost).await;
         }
-        // The slow path tries the slot's permits first: one code path for
+        // The slow path tries the holding's permits first: one code path for
         // everything `fast_into` did not answer.
-        let Some(slot) = s.insert(key, s.time.now_us()) else {
+        let Some(holding) = s.insert(key, s.time.now_us()) else {
             return s.exact_check(key, cost).await;
         };
-        self.slow(slot, key, cost).await
+        self.slow(holding, key, cost).await
     }
 
-    async fn slow(&self, mut slot: Arc<Slot>, key: &str, cost: u64) -> Result<Decision, Error> {
+    async fn slow(
+        &self,
+        mut holding: Arc<Holding>,
+        key: &str,
+        cost: u64,
+    ) -> Result<Decision, Error> {
         let s = &*self.shared;
         let config = s.config.load_full();
         let give_up_at = tokio::time::Instant::now() + config.max_wait;
@@ -255,56 +260,56 @@ impl HybridEngine {
             // The slow path reads the precise clock: it decides credit
             // windows and pre-lease starts, where a lagging clock would err.
             let now = s.time.precise_us();
-            if slot.is_evicted() {
-                slot = match s.insert(key, now) {
-                    Some(slot) => slot,
+            if holding.is_evicted() {
+                holding = match s.insert(key, now) {
+                    Some(holding) => holding,
                     None => return s.exact_check(key, cost).await,
                 };
             }
-            slot.touch(now);
+            holding.touch(now);
             // Listening starts before the permits are tried: a refill that
             // lands between the try and the wait is seen, not re-asked for.
-            let notified = s.refilled(&slot).notified();
+            let notified = s.refilled(&holding).notified();
             tokio::pin!(notified);
-            if let Some(replaced) = slot.promote(now) {
+            if let Some(replaced) = holding.promote(now) {
                 s.counters.stranded.add(replaced as u64);
             }
             let mut paid = None;
-            match slot.take(cost, &s.time) {
+            match holding.take(cost, &s.time) {
                 Take::Taken { left, window, .. } => {
-                    return Ok(s.spent(&slot, left, now, cost, window))
+                    return Ok(s.spent(&holding, left, now, cost, window))
                 }
                 late @ Take::Late { lost, .. } => {
-                    s.expired(&slot, lost as u64);
+                    s.expired(&holding, lost as u64);
                     paid = late.paid(cost);
                 }
                 Take::Empty => {}
             }
             // A peek is always answered, never denied: it takes nothing.
             if cost == 0 {
-                if slot.window_end() == 0 && slot.denied_until().is_none() {
+                if holding.window_end() == 0 && holding.denied_until().is_none() {
                     // A cold key: nothing known of it here, so what remains
                     // is the store's to say (one call that takes nothing;
                     // later peeks answer from it).
                     let peek = s.exact_check(key, 0).await?;
-                    slot.note_peek(
+                    holding.note_peek(
                         peek.remaining(),
                         now + peek.reset_after().as_micros() as u64,
                     );
                     return Ok(peek);
                 }
-                return Ok(s.lease_decision(&slot, 0, now, Taken::default()));
+                return Ok(s.lease_decision(&holding, 0, now, Taken::default()));
             }
-            if let Some(decided) = self.across(&slot, cost, now, paid) {
+            if let Some(decided) = self.across(&holding, cost, now, paid) {
                 return Ok(decided);
             }
-            if let Some(until) = slot.denied(now) {
-                if !asked_for_cost && !s.denial_covers(&slot, until, cost) {
+            if let Some(until) = holding.denied(now) {
+                if !asked_for_cost && !s.denial_covers(&holding, until, cost) {
                     // The store's wait was for a smaller cost (a sliding
                     // window's depends on it): asked once for this one.
                     asked_for_cost = true;
-                    slot.need_at_least(cost);
-                    s.request_refill(&slot, true);
+                    holding.need_at_least(cost);
+                    s.request_refill(&holding, true);
                     let left = give_up_at.saturating_duration_since(tokio::time::Instant::now());
                     let _ = tokio::time::timeout(left, notified).await;
                     continue;
@@ -312,13 +317,13 @@ impl HybridEngine {
                 // Denied until the next window, whose pre-lease is held:
                 // worth waiting for if it starts within the wait.
                 let left = give_up_at.saturating_duration_since(tokio::time::Instant::now());
-                let next_in_time = slot
+                let next_in_time = holding
                     .next_start()
                     .is_some_and(|start| start.saturating_sub(now) < left.as_micros() as u64);
                 if !next_in_time {
-                    return Ok(s.cached_denial(&slot, until, now, cost));
+                    return Ok(s.cached_denial(&holding, until, now, cost));
                 }
-                let wait = slot
+                let wait = holding
                     .next_start()
                     .unwrap_or(now)
                     .saturating_sub(now)
@@ -326,13 +331,13 @@ impl HybridEngine {
                 let _ = tokio::time::timeout(Duration::from_micros(wait), notified).await;
                 continue;
             }
-            slot.need_at_least(cost);
+            holding.need_at_least(cost);
             #[cfg(test)]
             if let Some(land) = s.before_wait.lock().unwrap().take() {
-                land(s, &slot);
+                land(s, &holding);
             }
             if notified.as_mut().enable() && !retried {
-                // A refill (of this slot or one sharing its stripe) was
+                // A refill (of this holding or one sharing its stripe) was
                 // applied since the try: try again before asking for more
                 // (once: busy stripes must not keep a waiter from asking).
                 retried = true;
@@ -345,32 +350,32 @@ impl HybridEngine {
             // whose local permits ran out (or whose pre-lease came early,
             // as a thin holder's does) is not made to wait for the next
             // window, or denied at `max_wait` before it starts.
-            let next_start = slot.next_start();
+            let next_start = holding.next_start();
             let soon = policy::soon_us(s.rtt_us.load(Ordering::Relaxed));
-            // (The store's word that the slot's window is used up stands
-            // only while that window is surely the current one: a slot
+            // (The store's word that the holding's window is used up stands
+            // only while that window is surely the current one: a holding
             // whose lease ended a window ago holds a stale one, and once
             // asked nothing, waited `max_wait` on every request and told
             // a round trip.)
-            let used_up = now < slot.deadline()
-                && slot
+            let used_up = now < holding.deadline()
+                && holding
                     .window()
-                    .is_some_and(|window| slot.books().used_up(window));
+                    .is_some_and(|window| holding.books().used_up(window));
             if next_start.is_none_or(|start| start > now + soon && !used_up) {
-                s.request_refill(&slot, true);
+                s.request_refill(&holding, true);
             }
-            if slot.refill_failed() {
+            if holding.refill_failed() {
                 return Err(Error::new(
                     ErrorKind::Connection,
                     "the last refill failed and no leased permit is left",
                 ));
             }
             if let Consistency::Optimistic { max_debt } = config.consistency {
-                if let Some(window) = s.try_credit(&slot, cost, now, max_debt) {
+                if let Some(window) = s.try_credit(&holding, cost, now, max_debt) {
                     return Ok(Decision::allow(
                         s.params.limit,
                         0,
-                        s.reset_after(&slot, now),
+                        s.reset_after(&holding, now),
                         Source::Credit,
                     )
                     .with_taken(Taken::new(Origin::Credit, cost, Some(window)).by(s.tag)));
@@ -391,7 +396,7 @@ impl HybridEngine {
                 return Ok(Decision::deny(
                     s.params.limit,
                     0,
-                    s.reset_after(&slot, now),
+                    s.reset_after(&holding, now),
                     Some(retry),
                     Source::Lease,
                 ));
@@ -404,7 +409,7 @@ impl HybridEngine {
         }
     }
 
-    /// Stops serving `key` from this engine: its slot leaves the map and
+    /// Stops serving `key` from this engine: its holding leaves the map and
     /// nothing it held can be spent any more; its unused permits go back
     /// to the store — before this returns with `wait` (so the engine that
     /// decides the key now is held to a count without them), else with
@@ -413,9 +418,9 @@ impl HybridEngine {
     /// lease must not outlive the quota it was granted under.
     pub(crate) async fn release(&self, key: &str, wait: bool) {
         let s = &*self.shared;
-        if let Some((_, slot)) = s.slots.remove(key) {
-            s.retire(&slot, s.time.precise_us());
-            s.refilled(&slot).notify_waiters();
+        if let Some((_, holding)) = s.holdings.remove(key) {
+            s.retire(&holding, s.time.precise_us());
+            s.refilled(&holding).notify_waiters();
             if wait {
                 sync::give_back_all(s).await;
             }
@@ -426,7 +431,7 @@ impl HybridEngine {
     /// Forgets every cached denial: each key asks the store again on its
     /// next request.
     pub(crate) fn forget_denials(&self) {
-        for entry in self.shared.slots.iter() {
+        for entry in self.shared.holdings.iter() {
             entry.value().forget_denial();
         }
     }

@@ -8,17 +8,17 @@ use std::sync::{Arc, Mutex};
 
 use tokio::sync::Notify;
 
-use super::slot::Slot;
+use super::holding::Holding;
 use crate::algorithm::GiveBackCall;
 use crate::failure::Report;
 
 /// The sync task's work, and how it is woken for it.
 pub(crate) struct Outbox {
-    /// Slots waiting for a refill, those with a request waiting first.
+    /// Holdings waiting for a refill, those with a request waiting first.
     pub(super) refills: Mutex<RefillQueue>,
     /// Permits to give back in the next round.
     pub(super) returns: Mutex<Vec<GiveBackCall>>,
-    /// Debt of evicted slots (or of lease calls whose reply was lost) to
+    /// Debt of evicted holdings (or of lease calls whose reply was lost) to
     /// report, each under the identity it was first sent with (store
     /// keys; see `failure::Report`).
     pub(super) reports: Mutex<Vec<Report>>,
@@ -40,22 +40,22 @@ impl Outbox {
     }
 }
 
-/// Refills waiting to be sent. Waiters first: a slot a request waits on
-/// goes before one refilled ahead of need (low water, pre-lease). A slot
+/// Refills waiting to be sent. Waiters first: a holding a request waits on
+/// goes before one refilled ahead of need (low water, pre-lease). A holding
 /// waited on while queued (`Refill::Waited`) has an entry in both; the
 /// first taken wins and the other is skipped as a duplicate.
 #[derive(Default)]
 pub(crate) struct RefillQueue {
-    waiting: VecDeque<Arc<Slot>>,
-    ahead: VecDeque<Arc<Slot>>,
+    waiting: VecDeque<Arc<Holding>>,
+    ahead: VecDeque<Arc<Holding>>,
 }
 
 impl RefillQueue {
-    pub(crate) fn push(&mut self, slot: Arc<Slot>, waiting: bool) {
+    pub(crate) fn push(&mut self, holding: Arc<Holding>, waiting: bool) {
         if waiting {
-            self.waiting.push_back(slot);
+            self.waiting.push_back(holding);
         } else {
-            self.ahead.push_back(slot);
+            self.ahead.push_back(holding);
         }
     }
 
@@ -65,23 +65,23 @@ impl RefillQueue {
     }
 
     /// The next refill to send, marked in flight. A waiters' entry whose
-    /// slot was last used more than `max_wait_ms` ago has nobody waiting
+    /// holding was last used more than `max_wait_ms` ago has nobody waiting
     /// any more (they were denied at `max_wait`): it moves behind the
     /// waiters still in time, so an overload serves those it can still
     /// serve instead of those already turned away.
-    pub(crate) fn pop(&mut self, now: u64, max_wait_ms: u64) -> Option<Arc<Slot>> {
+    pub(crate) fn pop(&mut self, now: u64, max_wait_ms: u64) -> Option<Arc<Holding>> {
         loop {
-            let slot = match self.waiting.pop_front() {
-                Some(slot) if slot.idle_ms(now) > max_wait_ms => {
-                    self.ahead.push_back(slot);
+            let holding = match self.waiting.pop_front() {
+                Some(holding) if holding.idle_ms(now) > max_wait_ms => {
+                    self.ahead.push_back(holding);
                     continue;
                 }
-                Some(slot) => slot,
+                Some(holding) => holding,
                 None => self.ahead.pop_front()?,
             };
             // A duplicate: already sent, or settled since it was queued.
-            if slot.send_queued() {
-                return Some(slot);
+            if holding.send_queued() {
+                return Some(holding);
             }
         }
     }
@@ -91,25 +91,25 @@ impl RefillQueue {
 mod tests {
     use super::*;
 
-    fn slot(name: &str) -> Arc<Slot> {
-        Arc::new(Slot::new(Arc::from(name), 0))
+    fn holding(name: &str) -> Arc<Holding> {
+        Arc::new(Holding::new(Arc::from(name), 0))
     }
 
-    /// Queues `slot` the way `request_refill` does.
-    fn queue(q: &mut RefillQueue, slot: &Arc<Slot>, waiting: bool) {
-        if slot.enqueue(waiting) {
-            q.push(slot.clone(), waiting);
+    /// Queues `holding` the way `request_refill` does.
+    fn queue(q: &mut RefillQueue, holding: &Arc<Holding>, waiting: bool) {
+        if holding.enqueue(waiting) {
+            q.push(holding.clone(), waiting);
         }
     }
 
-    fn name(slot: Option<Arc<Slot>>) -> Option<String> {
-        slot.map(|s| s.key().to_string())
+    fn name(holding: Option<Arc<Holding>>) -> Option<String> {
+        holding.map(|s| s.key().to_string())
     }
 
     #[test]
     fn waiters_go_first_and_a_refill_waited_on_is_sent_once() {
         let mut q = RefillQueue::default();
-        let (a, b, c, x) = (slot("a"), slot("b"), slot("c"), slot("x"));
+        let (a, b, c, x) = (holding("a"), holding("b"), holding("c"), holding("x"));
         queue(&mut q, &a, false);
         queue(&mut q, &b, false);
         queue(&mut q, &c, false);
@@ -136,7 +136,7 @@ mod tests {
     #[test]
     fn a_stale_entry_does_not_send_a_settled_refill() {
         let mut q = RefillQueue::default();
-        let a = slot("a");
+        let a = holding("a");
         queue(&mut q, &a, false);
         queue(&mut q, &a, true);
         assert!(q.pop(0, 1_000).is_some());

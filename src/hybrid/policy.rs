@@ -3,7 +3,7 @@
 //! a peek is believed. Every rule is arithmetic on numbers the sync task
 //! hands in (rate, held, remaining, time left, round trip), with its
 //! tuning constants; no atomics, no I/O. (Limits on the engine's own work
-//! — slots watched, pipelines per round, report back-off — stay where
+//! — holdings watched, pipelines per round, report back-off — stay where
 //! that work is done.) (The store's side of the
 //! policy, the fair share of what remains, is `lease_window.lua`'s
 //! `share_of`, mirrored in `algorithm::window::share_of`.)
@@ -82,7 +82,7 @@ pub(crate) const THIN_ACTIVE_PERIODS: u64 = 6;
 pub(crate) const IDLE_TRIM_GAPS: f64 = 4.0;
 
 /// How long a peek that found the window full is believed: a period, at
-/// most a second. The slot is peeked at when, by its rate, it runs out
+/// most a second. The holding is peeked at when, by its rate, it runs out
 /// within this time, and denied on the peek's word only if it does; a
 /// permit given back longer before it runs out is found by its ask.
 pub(crate) fn peek_trust_us(period_us: u64) -> u64 {
@@ -139,7 +139,7 @@ pub(crate) fn prelease_lead_us(
         .min(period_us / 2)
 }
 
-/// A lease reply, as the numbers that set its slot's refill mark.
+/// A lease reply, as the numbers that set its holding's refill mark.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Granted {
     /// A window lease (fixed or sliding window), not a bucket's.
@@ -154,7 +154,7 @@ pub(crate) struct Granted {
     /// How long the lease serves: from its window's start (or now) to its
     /// end, µs.
     pub(crate) serves_us: u64,
-    /// What the slot holds of that window once the grant is in.
+    /// What the holding holds of that window once the grant is in.
     pub(crate) holds: i64,
     /// The lease was sized to last until its window ends.
     pub(crate) to_the_end: bool,
@@ -162,7 +162,7 @@ pub(crate) struct Granted {
     pub(crate) rtt_us: u64,
 }
 
-/// A slot's refill mark after a grant, and whether its key is contested.
+/// A holding's refill mark after a grant, and whether its key is contested.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Mark {
     /// Below this many permits a take asks for a refill.
@@ -172,7 +172,7 @@ pub(crate) struct Mark {
     pub(crate) contested: bool,
 }
 
-/// When a slot refills after a grant. At half of what the rate asked for,
+/// When a holding refills after a grant. At half of what the rate asked for,
 /// or a quarter of a headroom grant; not at all ahead of need for a
 /// contested key (a permit fetched ahead would wait idle in every holder,
 /// and at the window's end a thousand holders' one permit each is a
@@ -239,7 +239,7 @@ pub(crate) struct Sizing {
     /// The last lease asked for (saturating: it only seeds doubling).
     last_want: u32,
     /// Window leases: the window `spent` counts in (`NO_WINDOW`: none
-    /// yet; not an `Option`, which would add a word to every slot).
+    /// yet; not an `Option`, which would add a word to every holding).
     spent_window: i64,
     /// Permits spent in `spent_window`, and in the window before it
     /// (saturating: they bound a lease, which `max_lease` bounds anyway).

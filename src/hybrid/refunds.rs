@@ -66,13 +66,13 @@ impl HybridEngine {
         if taken.engine != s.tag {
             return false;
         }
-        let Some(slot) = s.slots.get(key).map(|e| e.value().clone()) else {
+        let Some(holding) = s.holdings.get(key).map(|e| e.value().clone()) else {
             return false;
         };
         match taken.origin {
             Origin::Lease if s.leases.windowed() => taken
                 .window()
-                .is_some_and(|window| slot.untake(window, taken.cost, s.time.precise_us())),
+                .is_some_and(|window| holding.untake(window, taken.cost, s.time.precise_us())),
             // A bucket's permits go back only into the lease they were
             // taken from: one applied after the take was granted with the
             // bucket's level then, and a take from an earlier lease going
@@ -81,12 +81,12 @@ impl HybridEngine {
                 let Some(taken_at) = taken.leased_at_us() else {
                     return false;
                 };
-                slot.books().sizing.applied_at() <= taken_at
-                    && slot.untake(0, taken.cost, s.time.precise_us())
+                holding.books().sizing.applied_at() <= taken_at
+                    && holding.untake(0, taken.cost, s.time.precise_us())
             }
             Origin::Credit => taken
                 .window()
-                .is_some_and(|window| slot.untake_credit(window, taken.cost)),
+                .is_some_and(|window| holding.untake_credit(window, taken.cost)),
             _ => false,
         }
     }
@@ -140,8 +140,8 @@ impl HybridEngine {
         let back = s.exact.refund(key, taken).await?;
         if back.now() > 0 {
             // The store has room again: a key known exhausted asks anew.
-            if let Some(slot) = self.shared.slots.get(key) {
-                slot.forget_denial();
+            if let Some(holding) = self.shared.holdings.get(key) {
+                holding.forget_denial();
             }
         }
         Ok(back)

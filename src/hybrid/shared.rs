@@ -10,8 +10,8 @@ use dashmap::DashMap;
 use tokio::sync::Notify;
 
 use super::config::{Ablation, HybridConfig};
+use super::holding::{Holding, Retired, RetryHint, WindowAt};
 use super::outbox::Outbox;
-use super::slot::{Retired, RetryHint, Slot, WindowAt};
 use super::watchlist::Watch;
 use crate::algorithm::{GiveBackCall, LeaseKind, LeaseOrigin, OpIds, Params};
 use crate::clock::{StoreClock, TimeSource};
@@ -33,7 +33,7 @@ pub(crate) struct Shared {
     /// by `sync::finish` (shutdown).
     /// aHash: several times faster than SipHash on short keys, and keyed
     /// with random seeds, so user-chosen keys cannot force collisions.
-    pub(super) slots: DashMap<Arc<str>, Arc<Slot>, ahash::RandomState>,
+    pub(super) holdings: DashMap<Arc<str>, Arc<Holding>, ahash::RandomState>,
     /// Replaceable at run time without locks.
     pub(super) config: ArcSwap<HybridConfig>,
     pub(super) store: Store,
@@ -48,12 +48,12 @@ pub(crate) struct Shared {
     /// What the sync task is handed to do (refills, give-backs, reports),
     /// and how it is woken.
     pub(super) outbox: Outbox,
-    /// The sync task's own watch on slots: peeks and rides (its part,
+    /// The sync task's own watch on holdings: peeks and rides (its part,
     /// read and written by `sync` alone; see `watchlist`).
     pub(super) watch: Watch,
-    /// Store key → credit of slots already retired: debt queued or in
+    /// Store key → credit of holdings already retired: debt queued or in
     /// flight, and (fixed window) what the window saw and whether the store
-    /// closed it to credit. A recreated slot counts it against `max_debt`,
+    /// closed it to credit. A recreated holding counts it against `max_debt`,
     /// so eviction cannot hand a key its credit twice.
     pub(super) outstanding: DashMap<String, KeyLedger, ahash::RandomState>,
     /// Identities of give-backs and debt reports.
@@ -64,15 +64,15 @@ pub(crate) struct Shared {
     /// the exact calls of the limiter's failure layer), shared with the
     /// failure policy's fallback, which counts its windows on it.
     pub(super) store_clock: Arc<StoreClock>,
-    /// Woken when a refill has been applied; striped by slot rather than
-    /// one per slot, which keeps slots small (a waiter woken for another
-    /// slot of its stripe just checks again).
+    /// Woken when a refill has been applied; striped by holding rather than
+    /// one per holding, which keeps holdings small (a waiter woken for another
+    /// holding of its stripe just checks again).
     pub(super) refill_waiters: Box<[Notify]>,
     /// Whether the sync task runs, is told to stop, and the engine is
     /// closed.
     pub(super) life: Life,
     /// Threads got in each other's way on some key lately: the request
-    /// path then looks in its per-thread slot cache first. Cleared by
+    /// path then looks in its per-thread holding cache first. Cleared by
     /// maintenance, set again by the next contended swap.
     pub(super) contended: AtomicBool,
     /// Keys without room in the map, and decisions after shutdown.
@@ -119,16 +119,16 @@ pub(crate) struct Life {
 }
 
 #[cfg(test)]
-pub(super) type BeforeWait = Box<dyn FnOnce(&Shared, &Arc<Slot>) + Send>;
+pub(super) type BeforeWait = Box<dyn FnOnce(&Shared, &Arc<Holding>) + Send>;
 
-/// Credit of a key's retired slots; see `Shared::outstanding`.
+/// Credit of a key's retired holdings; see `Shared::outstanding`.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct KeyLedger {
     /// Debt queued for reporting or in flight.
     pub(super) pending: u64,
     /// Fixed window: the window `used` counts (`None`: none yet).
     pub(super) window: Option<i64>,
-    /// Fixed window: credit retired slots took in `window`.
+    /// Fixed window: credit retired holdings took in `window`.
     pub(super) used: u64,
     /// Fixed window: no credit in this window or earlier (`None`: none
     /// closed).
@@ -141,7 +141,7 @@ pub(crate) struct KeyLedger {
 pub(super) const STORE_CLOCK_FRESH_US: u64 = 10_000_000;
 
 /// Stripes of refill notifications.
-/// Many: every waiter of a stripe wakes when any of its slots is
+/// Many: every waiter of a stripe wakes when any of its holdings is
 /// refilled, so a storm of N new keys costs about N² / stripes wake-ups
 /// (100,000 keys: 10 million with 1,024 stripes, 150 million with 64).
 /// About 32 KiB per limiter.
@@ -174,31 +174,31 @@ impl Shared {
         self.early_lead_us.store(lead, Ordering::Relaxed);
     }
 
-    /// The notification a waiter on `slot` listens to.
-    pub(super) fn refilled(&self, slot: &Slot) -> &Notify {
-        let address = slot as *const Slot as usize;
+    /// The notification a waiter on `holding` listens to.
+    pub(super) fn refilled(&self, holding: &Holding) -> &Notify {
+        let address = holding as *const Holding as usize;
         &self.refill_waiters[(address as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) as usize >> 20
             & (REFILL_STRIPES - 1)]
     }
 
-    pub(super) fn insert(&self, key: &str, now: u64) -> Option<Arc<Slot>> {
-        if let Some(slot) = self.slots.get(key) {
-            return Some(slot.clone());
+    pub(super) fn insert(&self, key: &str, now: u64) -> Option<Arc<Holding>> {
+        if let Some(holding) = self.holdings.get(key) {
+            return Some(holding.clone());
         }
         // After shutdown nothing is leased again: a waiter that wakes to an
-        // evicted slot decides by one store call instead.
+        // evicted holding decides by one store call instead.
         if self.life.closed.load(Ordering::Acquire) {
             return None;
         }
         let max_keys = self.config.load().max_keys;
-        if self.slots.len() >= max_keys {
+        if self.holdings.len() >= max_keys {
             return None;
         }
         let key: Arc<str> = Arc::from(key);
         Some(
-            self.slots
+            self.holdings
                 .entry(key.clone())
-                .or_insert_with(|| Arc::new(Slot::new(key, now)))
+                .or_insert_with(|| Arc::new(Holding::new(key, now)))
                 .clone(),
         )
     }
@@ -207,38 +207,38 @@ impl Shared {
         self.exact.check(key, cost).await
     }
 
-    /// Queues a refill for the slot (at most one per slot at a time).
+    /// Queues a refill for the holding (at most one per holding at a time).
     /// `urgent`: a request is waiting for it, so the sync task sends at
     /// once; otherwise it may wait `coalesce` for more keys to batch.
-    pub(super) fn request_refill(&self, slot: &Arc<Slot>, urgent: bool) {
+    pub(super) fn request_refill(&self, holding: &Arc<Holding>, urgent: bool) {
         if urgent {
             self.outbox.urgent.store(true, Ordering::Release);
         }
-        if slot.enqueue(urgent) {
+        if holding.enqueue(urgent) {
             self.outbox
                 .refills
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .push(slot.clone(), urgent);
+                .push(holding.clone(), urgent);
             self.outbox.wake.notify_one();
         } else if urgent {
             self.outbox.wake.notify_one();
         }
     }
 
-    pub(super) fn reset_after(&self, slot: &Slot, now: u64) -> Duration {
-        Duration::from_micros(self.reset_after_us(slot, now))
+    pub(super) fn reset_after(&self, holding: &Holding, now: u64) -> Duration {
+        Duration::from_micros(self.reset_after_us(holding, now))
     }
 
-    /// µs until the slot's quota is whole again, as told to a client. A
+    /// µs until the holding's quota is whole again, as told to a client. A
     /// window lease's end carries the clock-drift allowance its deadline
     /// needs (500 ppm of the window: 43 s of a day), which is no part of
     /// what a client should wait; what the allowance of the time still
     /// left comes to is taken off (no more than was added, so the answer
     /// never comes early).
     #[inline(always)]
-    fn reset_after_us(&self, slot: &Slot, now: u64) -> u64 {
-        let left = slot.window_end().saturating_sub(now);
+    fn reset_after_us(&self, holding: &Holding, now: u64) -> u64 {
+        let left = holding.window_end().saturating_sub(now);
         if self.leases.windowed() {
             left - crate::clock::drift_us(left)
         } else {
@@ -246,22 +246,28 @@ impl Shared {
         }
     }
 
-    /// A denial from the slot's cache (denied until `until`, local µs):
+    /// A denial from the holding's cache (denied until `until`, local µs):
     /// its hint is when the store said the request can succeed, not when
     /// the cache is re-checked.
     /// Whether a cached denial can answer a request of `cost`: a sliding
     /// window's wait depends on the cost (its carry fades over time), so
     /// a larger cost than the store's answer was for asks the store.
-    pub(super) fn denial_covers(&self, slot: &Slot, until: u64, cost: u64) -> bool {
+    pub(super) fn denial_covers(&self, holding: &Holding, until: u64, cost: u64) -> bool {
         self.params.algorithm != crate::algorithm::Algorithm::SlidingWindow
-            || cost <= slot.retry_hint(until).cost
+            || cost <= holding.retry_hint(until).cost
     }
 
-    pub(super) fn cached_denial(&self, slot: &Slot, until: u64, now: u64, cost: u64) -> Decision {
+    pub(super) fn cached_denial(
+        &self,
+        holding: &Holding,
+        until: u64,
+        now: u64,
+        cost: u64,
+    ) -> Decision {
         let RetryHint {
             at: retry_at,
             cost: for_cost,
-        } = slot.retry_hint(until);
+        } = holding.retry_hint(until);
         // A bucket refills at `limit` per `period`: a larger cost than the
         // answer was for waits for its extra tokens too. (A window's end
         // serves any cost the limit can hold.)
@@ -273,12 +279,12 @@ impl Shared {
                 .min(u64::MAX as u128) as u64
         };
         let mut wait = Duration::from_micros(retry_at.saturating_add(extra).saturating_sub(now));
-        let reset = self.reset_after(slot, now);
+        let reset = self.reset_after(holding, now);
         // A fixed window the store found full admits nothing more before
         // it ends: the cache may be re-checked sooner (for permits an idle
         // holder gives back), but the client is told the window's end.
         if self.params.algorithm == crate::algorithm::Algorithm::FixedWindow
-            && slot.window().is_some()
+            && holding.window().is_some()
         {
             wait = wait.max(reset);
         }
@@ -291,14 +297,14 @@ impl Shared {
     #[inline(always)]
     pub(super) fn spent(
         &self,
-        slot: &Arc<Slot>,
+        holding: &Arc<Holding>,
         left: i64,
         now: u64,
         cost: u64,
         window: Option<i64>,
     ) -> Decision {
-        if slot.wants_refill(left, now, self.early_lead()) {
-            self.request_refill(slot, false);
+        if holding.wants_refill(left, now, self.early_lead()) {
+            self.request_refill(holding, false);
         }
         // A bucket lease has no window: its take records when it was
         // made (local µs), so it goes back only into a lease in place by
@@ -307,31 +313,31 @@ impl Shared {
             Some(_) if !self.leases.windowed() => Taken::leased_at(cost, now),
             _ => Taken::new(Origin::Lease, cost, window),
         };
-        self.lease_decision(slot, left, now, taken.by(self.tag))
+        self.lease_decision(holding, left, now, taken.by(self.tag))
     }
 
-    /// What a lease decision reports as remaining: what the slot holds
+    /// What a lease decision reports as remaining: what the holding holds
     /// after it, and what the store last said it had not leased.
     #[inline(always)]
-    fn lease_remaining(&self, slot: &Slot, left: i64) -> u64 {
-        let remaining = left.max(0) as u64 + slot.store_remaining();
+    fn lease_remaining(&self, holding: &Holding, left: i64) -> u64 {
+        let remaining = left.max(0) as u64 + holding.store_remaining();
         remaining.min(self.params.limit.max(self.params.burst))
     }
 
-    /// An admission from `slot`'s lease that took `taken`, `left` permits
+    /// An admission from `holding`'s lease that took `taken`, `left` permits
     /// remaining, made whole in one literal (see `Decision::leased`).
     #[inline(always)]
     pub(super) fn lease_decision(
         &self,
-        slot: &Slot,
+        holding: &Holding,
         left: i64,
         now: u64,
         taken: Taken,
     ) -> Decision {
         Decision::leased(
             self.params.limit,
-            self.lease_remaining(slot, left),
-            self.reset_after_us(slot, now),
+            self.lease_remaining(holding, left),
+            self.reset_after_us(holding, now),
             self.params.period_us,
             taken,
             self.limiter,
@@ -364,7 +370,7 @@ impl Shared {
     /// window it is charged to (0 for a bucket).
     pub(super) fn try_credit(
         &self,
-        slot: &Slot,
+        holding: &Holding,
         cost: u64,
         now: u64,
         max_debt: u64,
@@ -377,7 +383,7 @@ impl Shared {
         // the store is in when the report lands would hide overshoot).
         let windowed = self.leases.windowed();
         let window = if windowed {
-            match slot.window_at(now, self.params.period_us) {
+            match holding.window_at(now, self.params.period_us) {
                 WindowAt::Unknown => self.store_window(now)?,
                 WindowAt::In(window) => window,
                 WindowAt::Boundary => return None,
@@ -390,15 +396,15 @@ impl Shared {
         // would be overshoot for certain, and the request waits for the
         // refill's answer instead.
         let mut room = max_debt;
-        if windowed && Some(window) == slot.window() {
-            let left = slot.store_remaining();
-            let asked = slot.books().sizing.last_want();
+        if windowed && Some(window) == holding.window() {
+            let left = holding.store_remaining();
+            let asked = holding.books().sizing.last_want();
             room = room.min(left.saturating_sub(asked));
         }
         let queued = if self.outstanding.is_empty() {
             0
         } else {
-            match self.outstanding.get(&self.store_key(slot)) {
+            match self.outstanding.get(&self.store_key(holding)) {
                 None => 0,
                 Some(ledger) if !windowed => ledger.pending,
                 Some(ledger) if ledger.closed_through.is_some_and(|c| window <= c) => return None,
@@ -406,16 +412,16 @@ impl Shared {
                 Some(_) => 0,
             }
         };
-        if !slot.take_credit(window, cost, room.saturating_sub(queued)) {
+        if !holding.take_credit(window, cost, room.saturating_sub(queued)) {
             return None;
         }
         self.counters.credit_admitted.add(cost);
         Some(window)
     }
 
-    /// Takes a slot out of service: valid permits go back to the store,
+    /// Takes a holding out of service: valid permits go back to the store,
     /// debt is queued for reporting, expired permits count as stranded.
-    pub(super) fn retire(&self, slot: &Slot, now: u64) {
+    pub(super) fn retire(&self, holding: &Holding, now: u64) {
         let Retired {
             credit,
             closed,
@@ -424,10 +430,10 @@ impl Shared {
             window,
             deadline,
             next,
-        } = slot.retire();
+        } = holding.retire();
         let valid = now < deadline;
         let permits = permits as u64;
-        let store_key = self.store_key(slot);
+        let store_key = self.store_key(holding);
         if credit.debt > 0 || credit.in_flight > 0 || closed.is_some() {
             let mut ledger = self.outstanding.entry(store_key.clone()).or_default();
             if Some(credit.window) > ledger.window {
@@ -515,26 +521,26 @@ impl Shared {
             .retain(|_, l| l.pending > 0 || now.saturating_sub(l.at_us) < stale);
     }
 
-    /// The slot's store key, encoded when the sync task needs it rather
-    /// than kept in every slot.
-    pub(super) fn store_key(&self, slot: &Slot) -> String {
-        self.keys.store_key(slot.key(), self.params.algorithm)
+    /// The holding's store key, encoded when the sync task needs it rather
+    /// than kept in every holding.
+    pub(super) fn store_key(&self, holding: &Holding) -> String {
+        self.keys.store_key(holding.key(), self.params.algorithm)
     }
 
-    /// Permits of `slot`'s lease that ran out unspent: stranded under a
+    /// Permits of `holding`'s lease that ran out unspent: stranded under a
     /// window lease (their window is over), given back under a bucket
     /// lease (capped by what the bucket could have held since the lease's
     /// origin), so a key used less often than its leases last does not
     /// lose a token at every expiry.
-    pub(super) fn expired(&self, slot: &Slot, permits: u64) {
+    pub(super) fn expired(&self, holding: &Holding, permits: u64) {
         if permits == 0 {
             return;
         }
         match self.leases {
             LeaseKind::Window => self.counters.stranded.add(permits),
             LeaseKind::Bucket => {
-                let origin = slot.books().origin();
-                self.give_back(&self.store_key(slot), permits, None, origin);
+                let origin = holding.books().origin();
+                self.give_back(&self.store_key(holding), permits, None, origin);
             }
         }
     }

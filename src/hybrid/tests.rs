@@ -10,7 +10,7 @@ use crate::algorithm::Algorithm;
 use crate::algorithm::{Check, GiveBack, Lease, LeaseCall};
 use crate::clock::{Clock, FakeClock};
 use crate::decision::Source;
-use crate::hybrid::slot::{Grant, NextLease};
+use crate::hybrid::holding::{Grant, NextLease};
 use crate::nonzero;
 use crate::quota::Quota;
 use crate::store::MemoryStore;
@@ -114,8 +114,13 @@ impl Rig {
         self.counters.round_trips.get()
     }
 
-    fn slot(&self, key: &str) -> Arc<Slot> {
-        self.engine.shared.slots.get(key).expect("tracked").clone()
+    fn holding(&self, key: &str) -> Arc<Holding> {
+        self.engine
+            .shared
+            .holdings
+            .get(key)
+            .expect("tracked")
+            .clone()
     }
 
     /// What the store has counted in the current window.
@@ -171,7 +176,7 @@ async fn a_cold_key_waits_for_one_lease_then_decides_locally() {
 }
 
 #[tokio::test]
-async fn a_refill_is_requested_at_the_low_water_mark_before_the_slot_runs_dry() {
+async fn a_refill_is_requested_at_the_low_water_mark_before_the_holding_runs_dry() {
     let r = rig(
         Quota::per_second(nonzero!(100)),
         Algorithm::FixedWindow,
@@ -181,12 +186,12 @@ async fn a_refill_is_requested_at_the_low_water_mark_before_the_slot_runs_dry() 
     for _ in 0..4 {
         r.check("k", 1).await;
     }
-    let slot = r.slot("k");
-    assert!(!slot.refill_pending(), "5 left: not yet");
+    let holding = r.holding("k");
+    assert!(!holding.refill_pending(), "5 left: not yet");
     r.check("k", 1).await; // 4 left < 5
-    assert!(slot.refill_pending());
+    assert!(holding.refill_pending());
     r.sync().await;
-    assert_eq!(slot.permits(), 14);
+    assert_eq!(holding.permits(), 14);
     assert_eq!(r.store_count("k"), 20);
 }
 
@@ -202,9 +207,9 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
     assert!(!first.is_allowed());
     r.sync().await;
     assert!(r.check("k", 1).await.is_allowed());
-    let slot = r.slot("k");
-    assert_eq!(slot.permits(), 49);
-    let window_0 = slot.window().expect("a lease is in place");
+    let holding = r.holding("k");
+    assert_eq!(holding.permits(), 49);
+    let window_0 = holding.window().expect("a lease is in place");
     // 3 ms margin and 500 ppm of drift over the 1 s left: from 996.5 ms
     // on, window 0's permits are void.
     r.clock.set(ORIGIN + Duration::from_micros(996_499));
@@ -218,8 +223,8 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
     assert_eq!(r.counters.stranded.get(), 1, "the permit taken too late");
     // The refill that denial asked for is a pre-lease of window 1.
     r.sync().await;
-    assert!(slot.has_next());
-    assert_eq!(slot.next_permits(), 50);
+    assert!(holding.has_next());
+    assert_eq!(holding.next_permits(), 50);
     // Asked at 996.5 ms: the window starts 3.5 ms later, plus the margin
     // (3 ms and the drift over the 1 003.5 ms to its end). Until then the
     // store may be in either window: a request spends a permit of each,
@@ -230,14 +235,14 @@ async fn no_permit_of_a_window_is_spent_after_it_ends() {
         assert!(d.is_allowed(), "at {at} µs");
         assert_eq!(d.source(), Source::Lease);
     }
-    assert_eq!(slot.next_permits(), 48);
-    assert_eq!(slot.window(), Some(window_0), "not yet in place");
+    assert_eq!(holding.next_permits(), 48);
+    assert_eq!(holding.window(), Some(window_0), "not yet in place");
     r.clock.set(ORIGIN + Duration::from_micros(1_003_502));
     let d = r.check("k", 1).await;
     assert!(d.is_allowed());
     assert_eq!(d.source(), Source::Lease);
-    assert_eq!(slot.window(), Some(window_0 + 1));
-    assert_eq!(slot.permits(), 47);
+    assert_eq!(holding.window(), Some(window_0 + 1));
+    assert_eq!(holding.permits(), 47);
     // Window 0: 50 leased, 2 spent before it ended, 48 stranded (three
     // taken too late, two of them paying for admissions paired with
     // window 1's; 45 replaced at the promotion).
@@ -258,19 +263,19 @@ async fn an_admission_across_the_boundary_costs_one_permit_of_each_window() {
     assert!(!r.check("k", 1).await.is_allowed());
     r.sync().await;
     assert!(r.check("k", 1).await.is_allowed());
-    let slot = r.slot("k");
+    let holding = r.holding("k");
     r.clock.set(ORIGIN + Duration::from_micros(996_500));
     assert!(!r.check("k", 1).await.is_allowed(), "no pre-lease yet");
     r.sync().await;
-    let (current, next) = (slot.permits(), slot.next_permits());
+    let (current, next) = (holding.permits(), holding.next_permits());
     r.clock.set(ORIGIN + Duration::from_micros(999_000));
     for i in 1..=10 {
         let d = r.check("k", 1).await;
         assert!(d.is_allowed());
         // Counted in window 1: it resets when window 1 ends.
         assert!(d.reset_after() > Duration::from_secs(1), "{d:?}");
-        assert_eq!(slot.permits(), current - i);
-        assert_eq!(slot.next_permits(), next - i);
+        assert_eq!(holding.permits(), current - i);
+        assert_eq!(holding.next_permits(), next - i);
     }
 }
 
@@ -288,8 +293,8 @@ async fn hot_keys_lease_the_next_window_before_the_boundary() {
     r.clock.set(ORIGIN + Duration::from_millis(950));
     assert!(r.check("k", 1).await.is_allowed());
     r.sync().await;
-    let slot = r.slot("k");
-    assert!(slot.has_next(), "pre-leased");
+    let holding = r.holding("k");
+    assert!(holding.has_next(), "pre-leased");
     let trips = r.round_trips();
     r.clock.set(ORIGIN + Duration::from_millis(1_010));
     assert!(r.check("k", 1).await.is_allowed());
@@ -362,7 +367,7 @@ async fn a_peek_is_answered_even_while_the_key_is_known_exhausted() {
 }
 
 #[tokio::test]
-async fn an_evicted_slot_cannot_take_its_credit_twice_in_a_window() {
+async fn an_evicted_holding_cannot_take_its_credit_twice_in_a_window() {
     // max_keys 1: touching "b" evicts "a", whose debt is queued, not yet
     // reported; a recreated "a" must count it against max_debt.
     let r = rig(
@@ -380,8 +385,8 @@ async fn an_evicted_slot_cannot_take_its_credit_twice_in_a_window() {
         .unwrap();
     r.clock.set(ORIGIN + Duration::from_millis(100));
     assert!(r.check("warm", 1).await.is_allowed());
-    let warm = r.slot("warm");
-    r.engine.shared.slots.remove("warm");
+    let warm = r.holding("warm");
+    r.engine.shared.holdings.remove("warm");
     r.engine
         .shared
         .retire(&warm, r.clock.now().as_micros() as u64);
@@ -393,11 +398,11 @@ async fn an_evicted_slot_cannot_take_its_credit_twice_in_a_window() {
     }
     assert_eq!(credit, 3);
     // Evict "a" (its debt goes to the report queue), then recreate it.
-    let slot = r.slot("a");
-    r.engine.shared.slots.remove("a");
+    let holding = r.holding("a");
+    r.engine.shared.holdings.remove("a");
     r.engine
         .shared
-        .retire(&slot, r.clock.now().as_micros() as u64);
+        .retire(&holding, r.clock.now().as_micros() as u64);
     for _ in 0..10 {
         if r.check("a", 1).await.source() == Source::Credit {
             credit += 1;
@@ -495,7 +500,7 @@ async fn the_map_is_bounded_by_max_keys() {
     r.maintain();
     assert_eq!(r.engine.local_keys(), 1);
     assert!(
-        r.engine.shared.slots.get("b").is_some(),
+        r.engine.shared.holdings.get("b").is_some(),
         "the least recently used went"
     );
 }
@@ -619,8 +624,8 @@ async fn a_round_ends_after_its_batches_so_maintenance_and_stop_get_a_turn() {
     );
     let s = &r.engine.shared;
     for i in 0..40 {
-        let slot = s.insert(&format!("k{i}"), 0).expect("room");
-        s.request_refill(&slot, false);
+        let holding = s.insert(&format!("k{i}"), 0).expect("room");
+        s.request_refill(&holding, false);
     }
     // 40 one-call batches: 16, 16, then the last 8.
     assert!(sync::round(s).await, "work is left after 16 batches");
@@ -629,7 +634,7 @@ async fn a_round_ends_after_its_batches_so_maintenance_and_stop_get_a_turn() {
     assert_eq!(r.round_trips(), 32);
     assert!(!sync::round(s).await, "the queue is empty");
     assert_eq!(r.round_trips(), 40);
-    assert!(r.slot("k39").permits() > 0);
+    assert!(r.holding("k39").permits() > 0);
 }
 
 #[tokio::test]
@@ -661,7 +666,7 @@ async fn an_active_key_is_preleased_by_the_sweep_before_its_window_ends() {
     r.clock.set(ORIGIN + Duration::from_millis(8_950));
     r.maintain();
     r.sync().await;
-    assert!(!r.slot("k").has_next(), "too early for a pre-lease");
+    assert!(!r.holding("k").has_next(), "too early for a pre-lease");
     let before = r.round_trips();
     // A tick, the pre-lease lead and 50 ms before the end: every active
     // key goes out at once.
@@ -673,8 +678,8 @@ async fn an_active_key_is_preleased_by_the_sweep_before_its_window_ends() {
         before + 1,
         "one pre-lease, for the active key only"
     );
-    assert!(r.slot("k").has_next());
-    assert!(!r.slot("idle").has_next());
+    assert!(r.holding("k").has_next());
+    assert!(!r.holding("idle").has_next());
     // After the boundary the active key decides at once from its pre-lease.
     r.clock.set(ORIGIN + Duration::from_millis(10_050));
     let d = r.check("k", 1).await;
@@ -709,7 +714,7 @@ async fn an_exhausted_next_window_is_waited_for_not_asked_for_in_a_loop() {
         })
         .unwrap();
     assert_eq!((taken.granted, taken.window), (3, next));
-    // 1.5 ms before the boundary: this slot's window is over locally (its
+    // 1.5 ms before the boundary: this holding's window is over locally (its
     // deadline is the end minus the margin), the store's is not.
     r.clock.set(ORIGIN + Duration::from_micros(998_500));
     let d = r.check("k", 1).await;
@@ -726,9 +731,9 @@ async fn a_refill_landing_between_the_try_and_the_wait_is_used_not_asked_for_aga
         strict().lease_bounds(10, 10),
     );
     let period = r.params.period_us;
-    // Another request's refill lands after this one found the slot empty
+    // Another request's refill lands after this one found the holding empty
     // and before it started waiting.
-    *r.engine.shared.before_wait.lock().unwrap() = Some(Box::new(move |s, slot| {
+    *r.engine.shared.before_wait.lock().unwrap() = Some(Box::new(move |s, holding| {
         let now = s.time.precise_us();
         let window = (now / period) as i64;
         let end = (window as u64 + 1) * period;
@@ -739,13 +744,13 @@ async fn a_refill_landing_between_the_try_and_the_wait_is_used_not_asked_for_aga
             window_end: end,
             renew: false,
         };
-        slot.install(grant, now);
-        s.refilled(slot).notify_waiters();
+        holding.install(grant, now);
+        s.refilled(holding).notify_waiters();
     }));
     let d = r.check("k", 1).await;
     assert!(d.is_allowed());
     assert_eq!(d.source(), Source::Lease);
-    assert_eq!(r.slot("k").permits(), 4);
+    assert_eq!(r.holding("k").permits(), 4);
     assert_eq!(r.round_trips(), 0, "the landed refill was asked for again");
 }
 
@@ -762,7 +767,7 @@ async fn stocked_rig(lease: u64) -> Rig {
     r
 }
 
-/// Caches `key`'s slot in this thread (a miss caches every sixteenth time)
+/// Caches `key`'s holding in this thread (a miss caches every sixteenth time)
 /// with the engine marked contended, as racing threads leave it.
 fn cache_in_this_thread(r: &Rig, key: &str) {
     r.engine.shared.contended.store(true, Ordering::Relaxed);
@@ -770,7 +775,7 @@ fn cache_in_this_thread(r: &Rig, key: &str) {
     for _ in 0..16 {
         cached |= thread_cache::with(r.engine.id, key, |_, _| ()).is_some();
         if !cached {
-            let entry = r.engine.shared.slots.get(key).expect("tracked");
+            let entry = r.engine.shared.holdings.get(key).expect("tracked");
             if thread_cache::worth_caching() {
                 thread_cache::put(r.engine.id, entry.value().clone(), 0);
             }
@@ -780,21 +785,21 @@ fn cache_in_this_thread(r: &Rig, key: &str) {
 }
 
 #[tokio::test]
-async fn a_contended_thread_spends_a_stock_of_its_own_and_the_slot_only_per_stock() {
+async fn a_contended_thread_spends_a_stock_of_its_own_and_the_holding_only_per_stock() {
     let r = stocked_rig(160).await;
-    let slot = r.slot("k");
-    assert_eq!(slot.permits(), 159);
+    let holding = r.holding("k");
+    assert_eq!(holding.permits(), 159);
     // One take: the cost and a sixteenth of what is left.
     let d = r.engine.try_fast("k", 1).expect("local");
     assert!(d.is_allowed());
     let stock = thread_cache::stock_for(158);
     assert_eq!(stock, 9);
-    assert_eq!(slot.permits(), 158 - stock);
-    // The stock is spent without touching the slot.
+    assert_eq!(holding.permits(), 158 - stock);
+    // The stock is spent without touching the holding.
     for _ in 0..stock {
         assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
     }
-    assert_eq!(slot.permits(), 158 - stock);
+    assert_eq!(holding.permits(), 158 - stock);
     // Then the next take; low down, no stock at all: every permit is
     // spent by whoever asks, none held back.
     let mut admitted = 1 + 1 + stock;
@@ -805,7 +810,7 @@ async fn a_contended_thread_spends_a_stock_of_its_own_and_the_slot_only_per_stoc
         admitted += 1;
     }
     assert_eq!(admitted, 160, "every leased permit, once");
-    assert_eq!(slot.permits(), 0);
+    assert_eq!(holding.permits(), 0);
     assert_eq!(r.counters.stranded.get(), 0);
 }
 
@@ -813,9 +818,9 @@ async fn a_contended_thread_spends_a_stock_of_its_own_and_the_slot_only_per_stoc
 async fn a_thread_stock_dies_with_its_lease_and_counts_as_stranded() {
     let r = stocked_rig(320).await;
     assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
-    let slot = r.slot("k");
+    let holding = r.holding("k");
     let stock = thread_cache::stock_for(318);
-    assert_eq!(slot.permits(), 318 - stock);
+    assert_eq!(holding.permits(), 318 - stock);
     // Past the window's end the stock is void: no decision from it.
     r.clock.advance(Duration::from_secs(1));
     assert!(r.engine.try_fast("k", 1).is_none(), "the slow path decides");
@@ -827,17 +832,17 @@ async fn a_thread_stock_dies_with_its_lease_and_counts_as_stranded() {
 }
 
 #[tokio::test]
-async fn a_stock_too_small_for_a_cost_goes_back_to_its_slot() {
+async fn a_stock_too_small_for_a_cost_goes_back_to_its_holding() {
     let r = stocked_rig(320).await;
     assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
-    let slot = r.slot("k");
+    let holding = r.holding("k");
     let stock = thread_cache::stock_for(318);
     // A cost above the stock: the stock goes back, the cost comes from
-    // the slot (with a new stock of what is left).
+    // the holding (with a new stock of what is left).
     let cost = stock as u64 + 1;
     assert!(r.engine.try_fast("k", cost).expect("local").is_allowed());
     let left = 318 - cost as i64;
-    assert_eq!(slot.permits(), left - thread_cache::stock_for(left));
+    assert_eq!(holding.permits(), left - thread_cache::stock_for(left));
     assert_eq!(r.counters.stranded.get(), 0);
 }
 
@@ -853,13 +858,13 @@ async fn a_fast_clock_running_ahead_never_starts_a_pre_lease_early() {
         Some(fast.clone()),
     );
     assert!(r.check("k", 1).await.is_allowed());
-    let slot = r.slot("k");
+    let holding = r.holding("k");
     // Spend the window's lease, then hold a slice of the next window.
-    while slot.permits() > 0 {
+    while holding.permits() > 0 {
         assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
     }
     let start = (ORIGIN + Duration::from_secs(1)).as_micros() as u64;
-    slot.hold_next(NextLease {
+    holding.hold_next(NextLease {
         permits: 10,
         window: (start / 1_000_000) as i64,
         start,
@@ -876,11 +881,11 @@ async fn a_fast_clock_running_ahead_never_starts_a_pre_lease_early() {
         early.as_ref().is_none_or(|d| !d.is_allowed()),
         "spent from the next window before it began: {early:?}"
     );
-    assert!(slot.has_next(), "still held for its window");
+    assert!(holding.has_next(), "still held for its window");
     // From the boundary on, it is promoted and spent.
     r.clock.set(ORIGIN + Duration::from_secs(1));
     assert!(r.engine.try_fast("k", 1).expect("local").is_allowed());
-    assert!(!slot.has_next());
+    assert!(!holding.has_next());
 }
 #[tokio::test]
 async fn holders_asking_again_get_what_they_are_short_of_their_share_not_a_trickle() {
@@ -1057,7 +1062,7 @@ async fn a_peek_is_believed_only_for_a_while_so_permits_given_back_later_are_fou
 }
 
 #[tokio::test]
-async fn a_full_peek_of_a_window_the_slot_never_ran_out_in_denies_nothing_after_it() {
+async fn a_full_peek_of_a_window_the_holding_never_ran_out_in_denies_nothing_after_it() {
     let r = peek_rig();
     a_full_peek(&r).await;
     // k's demand stops; its window ends with 28 unspent. 1 ms into the
@@ -1071,7 +1076,7 @@ async fn a_full_peek_of_a_window_the_slot_never_ran_out_in_denies_nothing_after_
 }
 
 #[tokio::test]
-async fn a_watched_slot_is_not_kept_alive_once_evicted() {
+async fn a_watched_holding_is_not_kept_alive_once_evicted() {
     let r = rig(
         Quota::new(1000, Duration::from_secs(10)).unwrap(),
         Algorithm::FixedWindow,
@@ -1089,14 +1094,14 @@ async fn a_watched_slot_is_not_kept_alive_once_evicted() {
     }
     r.sync().await;
     assert_eq!(r.engine.shared.watch.watched.lock().unwrap().len(), 1);
-    let weak = Arc::downgrade(&r.slot("k"));
+    let weak = Arc::downgrade(&r.holding("k"));
     for _ in 0..60 {
         r.clock.advance(Duration::from_secs(5));
         r.maintain();
     }
-    assert!(r.engine.shared.slots.get("k").is_none(), "evicted");
+    assert!(r.engine.shared.holdings.get("k").is_none(), "evicted");
     *r.engine.shared.outbox.refills.lock().unwrap() = Default::default();
-    assert!(weak.upgrade().is_none(), "the watch keeps no slot alive");
+    assert!(weak.upgrade().is_none(), "the watch keeps no holding alive");
 }
 
 /// A rig where `b`, leased at most 40 at a time, spends a permit a
@@ -1114,7 +1119,7 @@ async fn b_with_a_known_rate(config: HybridConfig) -> Rig {
         assert!(r.check("b", 1).await.is_allowed());
         r.sync().await;
     }
-    let b = r.slot("b");
+    let b = r.holding("b");
     assert_eq!(b.low_water(), 20);
     assert_eq!(b.permits(), 46);
     r
@@ -1139,7 +1144,7 @@ async fn a_refill_due_soon_rides_with_another_keys_lease() {
     let r = b_spending_then_a_asks(5).await;
     assert_eq!(r.round_trips(), 3, "b's refill went with a's first lease");
     assert_eq!(r.counters.rides.get(), 1);
-    let b = r.slot("b");
+    let b = r.holding("b");
     assert!(!b.refill_pending());
     assert!(!b.refill_in_flight());
     let held = b.permits();
@@ -1176,7 +1181,7 @@ async fn a_first_lease_does_not_ride(r: Rig, held: i64) {
     assert!(r.check("a", 1).await.is_allowed());
     r.sync().await;
     assert_eq!(r.counters.rides.get(), 0);
-    assert_eq!(r.slot("b").permits(), held);
+    assert_eq!(r.holding("b").permits(), held);
     assert_eq!(r.store_count("b"), 31);
     let key = r.keys.store_key("b", Algorithm::FixedWindow);
     let other = r
@@ -1204,7 +1209,7 @@ async fn a_first_lease_never_rides_so_a_short_burst_does_not_size_the_window() {
 }
 
 #[tokio::test]
-async fn a_ride_dropped_before_it_is_answered_leaves_its_slot_free_to_ask() {
+async fn a_ride_dropped_before_it_is_answered_leaves_its_holding_free_to_ask() {
     use crate::store::distant::Distant;
     use std::future::Future;
     // A store a second away: a round is still waiting when it is dropped.
@@ -1251,7 +1256,7 @@ async fn a_ride_dropped_before_it_is_answered_leaves_its_slot_free_to_ask() {
         assert!(waiting.await, "the round waits on the store");
         assert_eq!(r.counters.rides.get(), 1);
     }
-    let b = r.slot("b");
+    let b = r.holding("b");
     assert!(!b.refill_pending());
     assert!(!b.refill_in_flight());
     assert_eq!(r.store_count("b"), leased, "nothing of the ride was leased");
@@ -1325,7 +1330,7 @@ async fn a_pre_leased_window_stays_watched_while_the_current_one_is_denied() {
     );
     r.maintain();
     r.sync().await;
-    let held = r.slot("k").next_permits();
+    let held = r.holding("k").next_permits();
     assert!(held > 0, "pre-leased");
     assert_eq!(rest(&r, w + 1), 50 - held as u64, "the rest taken");
     // A batch goes out (another key's first lease) while k is still
@@ -1373,7 +1378,7 @@ async fn a_burst_of_new_keys_scans_the_refills_due_soon_once_per_pace_not_per_ba
     for i in 0..300 {
         let key = format!("k{i}");
         assert!(r.check(&key, 1).await.is_allowed());
-        sync::note_ahead(&r.engine.shared, &r.slot(&key), window, now);
+        sync::note_ahead(&r.engine.shared, &r.holding(&key), window, now);
     }
     let entries = r.engine.shared.watch.ahead.lock().unwrap().len();
     assert!(entries > sync::RIDE_SCAN_ALWAYS, "{entries} entries");
@@ -1422,7 +1427,10 @@ async fn a_thin_key_far_under_its_limit_is_preleased() {
         waits.iter().all(|&w| w < 3),
         "requests waited on the store in windows {waits:?}"
     );
-    assert!(r.slot("thin").has_next(), "the next window is pre-leased");
+    assert!(
+        r.holding("thin").has_next(),
+        "the next window is pre-leased"
+    );
 }
 
 /// A thin holder whose permits run out late in a window, its next
@@ -1450,8 +1458,8 @@ async fn a_thin_holder_out_of_permits_before_its_pre_lease_asks_the_current_wind
     r.clock.set(ORIGIN + Duration::from_millis(6_950));
     r.maintain();
     r.sync().await;
-    let slot = r.slot("k");
-    assert!(slot.has_next(), "window 7 is pre-leased");
+    let holding = r.holding("k");
+    assert!(holding.has_next(), "window 7 is pre-leased");
     while r.engine.try_fast("k", 1).is_some() {}
     let trips = r.round_trips();
     let d = r.check("k", 1).await;

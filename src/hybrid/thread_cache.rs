@@ -1,34 +1,34 @@
-//! A per-thread cache of slots: the request path's way to a hot key
+//! A per-thread cache of holdings: the request path's way to a hot key
 //! without touching the shared map.
 //!
 //! A `DashMap` lookup takes its shard's read lock, two atomic writes to a
 //! cache line every thread shares: on a hot key across cores, that line
 //! bounces between them on every decision. Each thread keeps a small
-//! direct-mapped table of the slots it used last, looked up with no shared
-//! write at all. An entry is a hint, never the truth: an evicted slot is
+//! direct-mapped table of the holdings it used last, looked up with no shared
+//! write at all. An entry is a hint, never the truth: an evicted holding is
 //! skipped (and its permits were already taken from it), so a stale entry
 //! costs one map lookup, never a wrong decision.
 //!
 //! Used only while threads contend for keys (see `Shared::contended`).
-//! Bounded: `WAYS` entries per thread, each holding one `Arc<Slot>` (an
-//! evicted slot's memory is freed once its entry is replaced).
+//! Bounded: `WAYS` entries per thread, each holding one `Arc<Holding>` (an
+//! evicted holding's memory is freed once its entry is replaced).
 //!
-//! A cached slot also keeps the thread's own stock of its permits. The
-//! slot's permit count is one cache line every thread writes; a thread
+//! A cached holding also keeps the thread's own stock of its permits. The
+//! holding's permit count is one cache line every thread writes; a thread
 //! that takes a few permits more than it needs, and spends them before
 //! it takes again, writes that line once per stock instead of once per
-//! decision. A stock is permits taken from the slot like any other: each
+//! decision. A stock is permits taken from the holding like any other: each
 //! is spent at most once, before the deadline of the lease it came from,
-//! so the bounds are those of the slot. What a stock still holds when its
+//! so the bounds are those of the holding. What a stock still holds when its
 //! lease ends, or when its thread moves on, is stranded (a refill asks
-//! the store again), so a stock is small: a sixteenth of what the slot
-//! holds, at most [`STOCK_MAX`], and nothing once the slot runs low.
+//! the store again), so a stock is small: a sixteenth of what the holding
+//! holds, at most [`STOCK_MAX`], and nothing once the holding runs low.
 
 use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::slot::Slot;
+use super::holding::Holding;
 
 /// Entries per thread (a power of two).
 const WAYS: usize = 256;
@@ -36,7 +36,7 @@ const WAYS: usize = 256;
 /// The largest stock a thread takes of one key.
 pub(crate) const STOCK_MAX: i64 = 64;
 
-/// A thread's stock takes this share of what the slot holds.
+/// A thread's stock takes this share of what the holding holds.
 const STOCK_SHARE: i64 = 16;
 
 /// The spare permits a thread takes besides its cost, when `left` remain.
@@ -45,7 +45,7 @@ pub(crate) fn stock_for(left: i64) -> i64 {
     (left / STOCK_SHARE).min(STOCK_MAX)
 }
 
-/// Permits a thread took from a slot and has not spent.
+/// Permits a thread took from a holding and has not spent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Stock {
     pub(crate) permits: i64,
@@ -64,26 +64,26 @@ impl Stock {
 }
 
 struct Entry {
-    /// The engine the slot belongs to (engines share threads).
+    /// The engine the holding belongs to (engines share threads).
     owner: u64,
-    slot: Arc<Slot>,
+    holding: Arc<Holding>,
     stock: Cell<Stock>,
 }
 
 thread_local! {
     static CACHE: RefCell<[Option<Entry>; WAYS]> = const { RefCell::new([const { None }; WAYS]) };
-    /// Misses since the last slot was cached.
+    /// Misses since the last holding was cached.
     static MISSES: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
-/// Caching a slot costs two reference-count updates (one to hold it, one
+/// Caching a holding costs two reference-count updates (one to hold it, one
 /// to drop what it replaces): worth it for a hot key, a loss for a thread
 /// cycling through more keys than the cache holds. Every sixteenth miss
 /// caches, so a hot key is cached within sixteen decisions and a cold
 /// stream pays for one insert in sixteen.
 const CACHE_EVERY: u32 = 16;
 
-/// Whether this miss should cache its slot.
+/// Whether this miss should cache its holding.
 #[inline]
 pub(crate) fn worth_caching() -> bool {
     MISSES
@@ -137,33 +137,33 @@ fn way(owner: u64, key: &str) -> usize {
     (h >> (64 - WAYS.trailing_zeros())) as usize
 }
 
-/// Runs `f` on this thread's cached slot for `key` and its stock, if
+/// Runs `f` on this thread's cached holding for `key` and its stock, if
 /// there is a live one.
 #[inline(always)]
 pub(crate) fn with<R>(
     owner: u64,
     key: &str,
-    f: impl FnOnce(&Arc<Slot>, &Cell<Stock>) -> R,
+    f: impl FnOnce(&Arc<Holding>, &Cell<Stock>) -> R,
 ) -> Option<R> {
     let i = way(owner, key);
     CACHE
         .try_with(|cache| {
             let cache = cache.try_borrow().ok()?;
             let entry = cache[i].as_ref()?;
-            if entry.owner != owner || **entry.slot.key() != *key || entry.slot.is_evicted() {
+            if entry.owner != owner || **entry.holding.key() != *key || entry.holding.is_evicted() {
                 return None;
             }
-            Some(f(&entry.slot, &entry.stock))
+            Some(f(&entry.holding, &entry.stock))
         })
         .ok()
         .flatten()
 }
 
-/// Remembers `slot` for this thread. The stock of the entry it replaces
-/// goes back to its slot if that slot still holds the lease it came from
+/// Remembers `holding` for this thread. The stock of the entry it replaces
+/// goes back to its holding if that holding still holds the lease it came from
 /// (local time `now`); otherwise its permits are returned as stranded.
-pub(crate) fn put(owner: u64, slot: Arc<Slot>, now: u64) -> i64 {
-    let i = way(owner, slot.key());
+pub(crate) fn put(owner: u64, holding: Arc<Holding>, now: u64) -> i64 {
+    let i = way(owner, holding.key());
     CACHE
         .try_with(|cache| {
             let Ok(mut cache) = cache.try_borrow_mut() else {
@@ -171,14 +171,14 @@ pub(crate) fn put(owner: u64, slot: Arc<Slot>, now: u64) -> i64 {
             };
             let old = cache[i].replace(Entry {
                 owner,
-                slot,
+                holding,
                 stock: Cell::new(Stock::NONE),
             });
             match old {
                 Some(old) => {
                     let stock = old.stock.get();
                     if old
-                        .slot
+                        .holding
                         .restore(stock.window, stock.deadline, stock.permits, now)
                     {
                         0
@@ -223,18 +223,18 @@ mod tests {
     }
 
     #[test]
-    fn hits_misses_and_evicted_slots() {
+    fn hits_misses_and_evicted_holdings() {
         let owner = engine_id();
-        let slot = Arc::new(Slot::new("k".into(), 0));
+        let holding = Arc::new(Holding::new("k".into(), 0));
         assert!(with(owner, "k", |_, _| ()).is_none());
-        assert_eq!(put(owner, slot.clone(), 0), 0);
+        assert_eq!(put(owner, holding.clone(), 0), 0);
         assert!(with(owner, "k", |_, _| ()).is_some());
         assert!(
             with(owner + 1, "k", |_, _| ()).is_none(),
             "another engine's"
         );
         assert!(with(owner, "other", |_, _| ()).is_none());
-        slot.mark_evicted();
+        holding.mark_evicted();
         assert!(with(owner, "k", |_, _| ()).is_none(), "evicted: a miss");
     }
 }

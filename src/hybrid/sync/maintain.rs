@@ -3,33 +3,33 @@
 
 use super::MAINTENANCE;
 use crate::hybrid::config::Ablation;
+use crate::hybrid::holding::Holding;
+use crate::hybrid::holding::Trimmed;
 use crate::hybrid::policy::prelease_lead_us;
 use crate::hybrid::policy::IDLE_TRIM_DIVISOR;
 use crate::hybrid::policy::IDLE_TRIM_GAPS;
 use crate::hybrid::policy::MAX_SPREAD_US;
 use crate::hybrid::policy::THIN_ACTIVE_PERIODS;
 use crate::hybrid::shared::Shared;
-use crate::hybrid::slot::Slot;
-use crate::hybrid::slot::Trimmed;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Maintenance visits one slot in this many per tick: each slot once per
-/// `SWEEP_SLICES × MAINTENANCE` (1 s). Skipping a slot reads only the
-/// map's table, not the slot, so a tick over a million idle keys costs a
+/// Maintenance visits one holding in this many per tick: each holding once per
+/// `SWEEP_SLICES × MAINTENANCE` (1 s). Skipping a holding reads only the
+/// map's table, not the holding, so a tick over a million idle keys costs a
 /// few milliseconds instead of a full walk.
 pub(crate) const SWEEP_SLICES: usize = 10;
 
-/// A full sweep of the maintenance, and a tick: how long an idle slot
+/// A full sweep of the maintenance, and a tick: how long an idle holding
 /// may wait for its visit.
 pub(super) fn sweep_us() -> u64 {
     (SWEEP_SLICES as u64 + 1) * MAINTENANCE.as_micros() as u64
 }
 
-/// Which slice of the sweep a slot is in: from its address, which (unlike
+/// Which slice of the sweep a holding is in: from its address, which (unlike
 /// the map's iteration order) does not move as keys come and go.
-pub(super) fn slice_of(slot: &Arc<Slot>) -> usize {
-    let address = Arc::as_ptr(slot) as usize as u64;
+pub(super) fn slice_of(holding: &Arc<Holding>) -> usize {
+    let address = Arc::as_ptr(holding) as usize as u64;
     (address.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40) as usize % SWEEP_SLICES
 }
 
@@ -50,7 +50,7 @@ pub(super) struct PreleasePlan {
     /// rounds of 1,000 thin keys held Redis for ~100 ms, and requests
     /// waiting for a refill behind them past their wait).
     pub(super) spread: u64,
-    /// A slot is looked at once a sweep (when the maintenance visits its
+    /// A holding is looked at once a sweep (when the maintenance visits its
     /// slice), so it is due this much earlier: the next visit may be too
     /// late.
     pub(super) sweep: u64,
@@ -58,7 +58,7 @@ pub(super) struct PreleasePlan {
 
 pub(super) fn prelease_if_active(
     shared: &Shared,
-    slot: &Arc<Slot>,
+    holding: &Arc<Holding>,
     now: u64,
     idle_ms: u64,
     plan: &PreleasePlan,
@@ -73,18 +73,22 @@ pub(super) fn prelease_if_active(
     }
     // A pre-lease whose window has begun with no request yet to put it
     // in place goes in place now, so that the next one can follow it.
-    if let Some(replaced) = slot.promote(now) {
+    if let Some(replaced) = holding.promote(now) {
         shared.counters.stranded.add(replaced as u64);
     }
     // (A key whose lease has ended is pre-leased too if it is active: a
     // thin holder often skips a window, and waiting for its next request
     // to lease the current window first would cost that request a round
     // trip, every time.)
-    let deadline = slot.deadline();
-    if slot.window().is_none() || deadline > plan.end || slot.has_next() || slot.refill_pending() {
+    let deadline = holding.deadline();
+    if holding.window().is_none()
+        || deadline > plan.end
+        || holding.has_next()
+        || holding.refill_pending()
+    {
         return;
     }
-    let window_start = slot.window_end().saturating_sub(shared.params.period_us);
+    let window_start = holding.window_end().saturating_sub(shared.params.period_us);
     let idle_us = idle_ms.saturating_mul(1_000);
     // A key that goes idle long enough to be evicted before the next
     // window begins would give its pre-lease straight back: two store
@@ -93,7 +97,7 @@ pub(super) fn prelease_if_active(
     if idle_us.saturating_add(to_end) >= shared.config.load().idle_ttl.as_micros() as u64 {
         return;
     }
-    let mut books = slot.books();
+    let mut books = holding.books();
     if ablate.off(Ablation::THIN_PRELEASE) && books.sizing.thin() {
         return;
     }
@@ -107,7 +111,7 @@ pub(super) fn prelease_if_active(
         <= plan.lead
             + plan.sweep
             + if books.sizing.thin() {
-                spread_of(slot, plan.spread)
+                spread_of(holding, plan.spread)
             } else {
                 0
             };
@@ -118,16 +122,16 @@ pub(super) fn prelease_if_active(
         return;
     }
     drop(books);
-    slot.mark_swept_ahead();
-    shared.request_refill(slot, false);
+    holding.mark_swept_ahead();
+    shared.request_refill(holding, false);
 }
 
-/// A slot's own share of `span`, from its address (see `slice_of`).
-pub(super) fn spread_of(slot: &Arc<Slot>, span: u64) -> u64 {
+/// A holding's own share of `span`, from its address (see `slice_of`).
+pub(super) fn spread_of(holding: &Arc<Holding>, span: u64) -> u64 {
     if span == 0 {
         return 0;
     }
-    let address = Arc::as_ptr(slot) as usize as u64;
+    let address = Arc::as_ptr(holding) as usize as u64;
     address.wrapping_mul(0xD1B5_4A32_D192_ED03).rotate_left(29) % span
 }
 
@@ -153,7 +157,7 @@ pub(super) fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
 /// per-second long tail from 4.7 to 18 round trips per 1,000 decisions,
 /// give-backs of keys between two requests); a thin key holds less than
 /// the floor anyway.
-pub(super) fn trim_idle(shared: &Shared, slot: &Slot, idle_ms: u64, now: u64) {
+pub(super) fn trim_idle(shared: &Shared, holding: &Holding, idle_ms: u64, now: u64) {
     let period = shared.params.period_us;
     let idle_us = idle_ms.saturating_mul(1_000);
     if !shared.leases.windowed() || idle_us < period / IDLE_TRIM_DIVISOR {
@@ -162,20 +166,20 @@ pub(super) fn trim_idle(shared: &Shared, slot: &Slot, idle_ms: u64, now: u64) {
     let keep = (shared.params.limit / crate::hybrid::policy::EARNED_FLOOR_DIVISOR)
         .max(1)
         .min(i64::MAX as u64) as i64;
-    if slot.permits() <= keep {
+    if holding.permits() <= keep {
         return;
     }
-    let rate = slot.books().sizing.rate_per_us();
+    let rate = holding.books().sizing.rate_per_us();
     if rate > 0.0 && (idle_us as f64) < IDLE_TRIM_GAPS / rate {
         return;
     }
-    if let Some(Trimmed { permits, window }) = slot.trim(keep, now) {
-        let origin = slot.books().origin();
-        shared.give_back(&shared.store_key(slot), permits as u64, window, origin);
+    if let Some(Trimmed { permits, window }) = holding.trim(keep, now) {
+        let origin = holding.books().origin();
+        shared.give_back(&shared.store_key(holding), permits as u64, window, origin);
     }
 }
 
-/// Expires leases, evicts idle slots and enforces `max_keys`, on one slice
+/// Expires leases, evicts idle holdings and enforces `max_keys`, on one slice
 /// of the map (`None`: all of it; all of it too while over `max_keys`).
 /// Network work it creates (give-backs, reports) goes out with the next
 /// round.
@@ -185,7 +189,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
     let idle_us = config.idle_ttl.as_micros() as u64;
     let mut idle: Vec<(u64, Arc<str>)> = Vec::new();
     let mut all: Vec<(u64, Arc<str>)> = Vec::new();
-    let over = shared.slots.len().saturating_sub(config.max_keys);
+    let over = shared.holdings.len().saturating_sub(config.max_keys);
     let slice = slice.filter(|_| over == 0);
     // Fixed window: once per window, shortly before its end, every key
     // used in it is pre-leased for the next one, all in the same rounds
@@ -198,7 +202,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
                 MAINTENANCE.as_micros() as u64,
                 shared.prelease_lead(&config).as_micros() as u64,
                 shared.rtt_us.load(Ordering::Relaxed),
-                shared.slots.len() as u64,
+                shared.holdings.len() as u64,
                 period,
             )
         })
@@ -208,7 +212,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
                 end,
                 lead,
                 spread: (period / 2).saturating_sub(lead).min(MAX_SPREAD_US),
-                // (A full walk, over `max_keys`, looks at every slot now.)
+                // (A full walk, over `max_keys`, looks at every holding now.)
                 sweep: if slice.is_some() && period >= VISIT_ONCE_A_SWEEP_PERIODS * sweep_us() {
                     sweep_us()
                 } else {
@@ -216,29 +220,32 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
                 },
             })
         });
-    for entry in shared.slots.iter() {
-        let slot = entry.value();
-        // Pre-leases too are planned at a slot's own visit, once a sweep
+    for entry in shared.holdings.iter() {
+        let holding = entry.value();
+        // Pre-leases too are planned at a holding's own visit, once a sweep
         // (due a sweep early, see `PreleasePlan::sweep`): looking at every
-        // slot on every tick before a boundary took the sync task tens of
+        // holding on every tick before a boundary took the sync task tens of
         // milliseconds a tick with 260,000 keys held, and new keys' first
         // requests waited behind it past `max_wait`.
         // (Short windows, where a sweep is a good part of the window, are
         // still looked at on every tick.)
-        if slice.is_some_and(|s| slice_of(slot) != s) {
+        if slice.is_some_and(|s| slice_of(holding) != s) {
             if let Some(plan) = plan.as_ref().filter(|p| p.sweep == 0) {
-                prelease_if_active(shared, slot, now, slot.idle_ms(now), plan);
+                prelease_if_active(shared, holding, now, holding.idle_ms(now), plan);
             }
             continue;
         }
-        shared.expired(slot, slot.expire(now) as u64);
-        shared.counters.stranded.add(slot.expire_next(now) as u64);
-        let idle_for = slot.idle_ms(now);
-        trim_idle(shared, slot, idle_for, now);
+        shared.expired(holding, holding.expire(now) as u64);
+        shared
+            .counters
+            .stranded
+            .add(holding.expire_next(now) as u64);
+        let idle_for = holding.idle_ms(now);
+        trim_idle(shared, holding, idle_for, now);
         if let Some(plan) = &plan {
-            prelease_if_active(shared, slot, now, idle_for, plan);
+            prelease_if_active(shared, holding, now, idle_for, plan);
         }
-        if idle_for * 1_000 >= idle_us && !slot.refill_pending() {
+        if idle_for * 1_000 >= idle_us && !holding.refill_pending() {
             idle.push((idle_for, entry.key().clone()));
         } else if over > 0 {
             all.push((idle_for, entry.key().clone()));
@@ -248,7 +255,7 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
         .counters
         .meters
         .local_keys
-        .set(shared.slots.len() as f64);
+        .set(shared.holdings.len() as f64);
     shared.prune_ledgers(now);
     shared.contended.store(false, Ordering::Relaxed);
     // Kept current while traffic is quiet too: a breaker's state moves on
@@ -263,24 +270,24 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
         evict.extend(all.into_iter().take(target).map(|(_, k)| k));
     }
     for key in evict {
-        if let Some((_, slot)) = shared.slots.remove(&key) {
-            shared.retire(&slot, now);
-            shared.refilled(&slot).notify_waiters();
+        if let Some((_, holding)) = shared.holdings.remove(&key) {
+            shared.retire(&holding, now);
+            shared.refilled(&holding).notify_waiters();
         }
     }
     // The map's table does not shrink by itself: after a long tail went
     // idle (420,000 keys to 60,000) it kept the size of its peak. Once a
     // sweep (slice 0), a table four times too large is rebuilt to fit.
     if slice.is_none_or(|s| s == 0) {
-        let capacity = shared.slots.capacity();
-        if capacity > SHRINK_ABOVE && shared.slots.len() * 4 < capacity {
-            shared.slots.shrink_to_fit();
+        let capacity = shared.holdings.capacity();
+        if capacity > SHRINK_ABOVE && shared.holdings.len() * 4 < capacity {
+            shared.holdings.shrink_to_fit();
         }
     }
 }
 
 /// Windows at least this many sweeps long plan their pre-leases at each
-/// slot's visit, a sweep early; shorter ones look at every slot on every
+/// holding's visit, a sweep early; shorter ones look at every holding on every
 /// tick before the boundary (a sweep early would be a good part of the
 /// window).
 const VISIT_ONCE_A_SWEEP_PERIODS: u64 = 10;

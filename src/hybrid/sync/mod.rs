@@ -1,12 +1,12 @@
 //! The sync task: where the hybrid limiter leases, reports and gives back.
 //! (The request path calls the store itself only to decide a key by one
-//! exact call when it cannot hold a slot, and to refund what no lease
+//! exact call when it cannot hold a holding, and to refund what no lease
 //! takes back.)
 //!
-//! Woken when a slot runs low, it drains the refill queue, sizes each
+//! Woken when a holding runs low, it drains the refill queue, sizes each
 //! lease, and sends many keys' leases in one pipelined round trip; it also
-//! gives back unused permits, reports debt, expires and evicts slots. It
-//! never blocks the request path: slots are updated with atomics and the
+//! gives back unused permits, reports debt, expires and evicts holdings. It
+//! never blocks the request path: holdings are updated with atomics and the
 //! few locks are held only between awaits.
 
 mod give_back;
@@ -27,7 +27,7 @@ pub(crate) use send::round;
 #[cfg(test)]
 pub(crate) use watch::{note_ahead, RIDE_SCAN_ALWAYS};
 
-/// The last work of a limiter: every slot retired (unused permits given
+/// The last work of a limiter: every holding retired (unused permits given
 /// back, debt reported), waiters woken to decide by one store call,
 /// one last round. Bounded: each batch by the store's timeout, and the
 /// breaker refuses the rest once it opens. What the store cannot take
@@ -35,10 +35,10 @@ pub(crate) use watch::{note_ahead, RIDE_SCAN_ALWAYS};
 pub(crate) async fn finish(shared: &Shared) {
     shared.life.closed.store(true, Ordering::Release);
     let now = shared.time.precise_us();
-    let keys: Vec<Arc<str>> = shared.slots.iter().map(|e| e.key().clone()).collect();
+    let keys: Vec<Arc<str>> = shared.holdings.iter().map(|e| e.key().clone()).collect();
     for key in keys {
-        if let Some((_, slot)) = shared.slots.remove(&key) {
-            shared.retire(&slot, now);
+        if let Some((_, holding)) = shared.holdings.remove(&key) {
+            shared.retire(&holding, now);
         }
     }
     for stripe in shared.refill_waiters.iter() {

@@ -18,20 +18,20 @@ use crate::error::Error;
 use crate::failure::Report;
 use crate::failure::Resend;
 use crate::hybrid::config::HybridConfig;
+use crate::hybrid::holding::Grant;
+use crate::hybrid::holding::Holding;
+use crate::hybrid::holding::Installed;
+use crate::hybrid::holding::NextLease;
 use crate::hybrid::policy::low_water;
 use crate::hybrid::policy::runs_out_early;
 use crate::hybrid::policy::trim_delay_us;
 use crate::hybrid::policy::Granted;
 use crate::hybrid::shared::Shared;
-use crate::hybrid::slot::Grant;
-use crate::hybrid::slot::Installed;
-use crate::hybrid::slot::NextLease;
-use crate::hybrid::slot::Slot;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Applies one lease call's reply (or its failure) to its slot, or
-/// settles a report; wakes whoever waits on the slot.
+/// Applies one lease call's reply (or its failure) to its holding, or
+/// settles a report; wakes whoever waits on the holding.
 pub(super) fn apply(
     shared: &Shared,
     config: &HybridConfig,
@@ -40,11 +40,11 @@ pub(super) fn apply(
     t0: u64,
     t1: u64,
 ) {
-    let slot = match &p.kind {
-        Kind::Lease { slot, .. } => slot.clone(),
-        Kind::Peek(slot) => {
+    let holding = match &p.kind {
+        Kind::Lease { holding, .. } => holding.clone(),
+        Kind::Peek(holding) => {
             if let Ok(r) = result {
-                peek_answered(shared, config, slot, &r, t1);
+                peek_answered(shared, config, holding, &r, t1);
             }
             return;
         }
@@ -56,23 +56,23 @@ pub(super) fn apply(
         }
     };
     let recalled = if p.call.debt > 0 {
-        let recalled = slot.credit_settled(p.call.debt);
+        let recalled = holding.credit_settled(p.call.debt);
         give_recalled_back(shared, &p.call, recalled);
         recalled
     } else {
         0
     };
     match result {
-        Err(_) => lease_failed(shared, &slot, &p.call, t0),
+        Err(_) => lease_failed(shared, &holding, &p.call, t0),
         Ok(mut r) => {
             // Recalled credit goes back to the store: it was never
             // admitted, so what it left uncovered is no overshoot.
             r.uncovered = r.uncovered.saturating_sub(u64::from(recalled));
-            lease_answered(shared, config, &slot, &p, &r, t0, t1)
+            lease_answered(shared, config, &holding, &p, &r, t0, t1)
         }
     }
-    slot.refill_done();
-    shared.refilled(&slot).notify_waiters();
+    holding.refill_done();
+    shared.refilled(&holding).notify_waiters();
 }
 
 /// Credit a lease call reported and another quota's denial recalled
@@ -89,7 +89,7 @@ pub(super) fn give_recalled_back(shared: &Shared, call: &LeaseCall, recalled: u3
     }
 }
 
-/// A report's reply: an evicted slot's debt, or the fallback's admissions.
+/// A report's reply: an evicted holding's debt, or the fallback's admissions.
 /// Unavailability resends it as it was (same identity); a refusal (wrong
 /// type, out of range) will never apply, so it is dropped and counted
 /// rather than retried forever.
@@ -132,8 +132,8 @@ pub(super) fn settle_report(shared: &Shared, report: Reported, result: &Result<L
 /// same (a timeout after Redis ran the call): the next lease asks for that
 /// grant back. Debt it carried is resent on its own under the same
 /// identity, since the store may have applied it before the reply was lost.
-pub(super) fn lease_failed(shared: &Shared, slot: &Slot, call: &LeaseCall, t0: u64) {
-    lose_lease(slot, call);
+pub(super) fn lease_failed(shared: &Shared, holding: &Holding, call: &LeaseCall, t0: u64) {
+    lose_lease(holding, call);
     if let Some(op) = call.op.filter(|_| call.debt > 0) {
         // It was sent once, inside the lease call, and failed.
         let report = Report::new(call.key.clone(), call.debt, Some(call.debt_window), op);
@@ -142,23 +142,23 @@ pub(super) fn lease_failed(shared: &Shared, slot: &Slot, call: &LeaseCall, t0: u
             Resend::Dropped(permits) => shared.debt_dropped(permits),
         }
     }
-    slot.set_refill_failed(true);
+    holding.set_refill_failed(true);
 }
 
 /// A lease call's reply: what it says of the store (its clock, what
 /// remains, debt it could not cover), then the grant (installed, or given
-/// back if the slot was retired meanwhile) or the denial.
+/// back if the holding was retired meanwhile) or the denial.
 pub(super) fn lease_answered(
     shared: &Shared,
     config: &HybridConfig,
-    slot: &Arc<Slot>,
+    holding: &Arc<Holding>,
     p: &Pending,
     r: &LeaseReply,
     t0: u64,
     t1: u64,
 ) {
     let counters = &shared.counters;
-    slot.set_refill_failed(false);
+    holding.set_refill_failed(false);
     observe_store_clock(shared, r, t0, t1);
     counters.overshoot.add(r.uncovered);
     let windowed = shared.leases.windowed();
@@ -166,19 +166,20 @@ pub(super) fn lease_answered(
         // The window the debt went to (the store's current one when the
         // process did not know it) is closed to credit.
         let current = r.window - i64::from(r.start_after_us > 0);
-        slot.books()
+        holding
+            .books()
             .close_credit_through(p.call.debt_window.max(current));
     }
-    slot.set_store_remaining(r.remaining);
+    holding.set_store_remaining(r.remaining);
     if windowed && r.start_after_us == 0 && r.remaining == 0 {
-        slot.books().mark_used_up(r.window);
+        holding.books().mark_used_up(r.window);
     }
     if windowed {
         shared
             .window_end_hint
             .store(t0 + r.reset_after_us, Ordering::Relaxed);
     } else {
-        slot.set_bucket_full_at(t0 + r.reset_after_us);
+        holding.set_bucket_full_at(t0 + r.reset_after_us);
     }
     // Window leases: the deadline is the window's end, `reset_after`
     // ahead. Buckets: the lease horizon, drift added when installed.
@@ -190,8 +191,8 @@ pub(super) fn lease_answered(
             0
         };
     let now = shared.time.precise_us();
-    if r.granted > 0 && slot.is_evicted() {
-        // The slot was retired while its lease was in flight: no request
+    if r.granted > 0 && holding.is_evicted() {
+        // The holding was retired while its lease was in flight: no request
         // will spend these permits here. Give them back.
         counters.lease_granted(r.granted);
         shared.give_back(&p.call.key, r.granted, Some(r.window), origin_of(r));
@@ -200,7 +201,7 @@ pub(super) fn lease_answered(
         install_grant(
             shared,
             config,
-            slot,
+            holding,
             p,
             r,
             Times {
@@ -210,30 +211,30 @@ pub(super) fn lease_answered(
                 now,
             },
         );
-        let low_water = low_water_after(shared, slot, p, r);
+        let low_water = low_water_after(shared, holding, p, r);
         if windowed && r.start_after_us > 0 {
             // A pre-lease: its mark applies once it is in place; the
             // current window's permits keep theirs (a mark sized from the
             // next window's grant would ask the current one, often already
             // fully leased, for more).
-            slot.set_next_low_water(r.window, low_water);
+            holding.set_next_low_water(r.window, low_water);
         } else {
-            slot.set_low_water(low_water);
+            holding.set_low_water(low_water);
             if windowed && r.remaining > 0 {
                 // The store has room in this window after all (a peek
                 // that found it full was overtaken by a give-back).
-                slot.forget_denial();
+                holding.forget_denial();
             }
             if windowed && !shared.store.is_sharded() {
-                expect_refill(shared, slot, r, low_water, now);
+                expect_refill(shared, holding, r, low_water, now);
             }
         }
         if windowed && !shared.store.is_sharded() {
-            let g = granted(shared, slot, p, r);
+            let g = granted(shared, holding, p, r);
             if runs_out_early(&g, r.remaining, config.max_lease) {
                 let rate = g.rate_per_us;
                 let until = t0.saturating_add(r.reset_after_us).saturating_sub(margin);
-                watch(shared, slot, r, rate, until, t1);
+                watch(shared, holding, r, rate, until, t1);
             }
         }
     } else if p.call.want > 0 && p.call.ahead_cap == 0 {
@@ -247,7 +248,7 @@ pub(super) fn lease_answered(
             // would tell the client seconds too many.)
             let margin = config.clock_margin.as_micros() as u64 + shared.time.tick_us();
             let until = t1 + r.retry_after_us + margin;
-            let calm = slot
+            let calm = holding
                 .denied_until()
                 .is_none_or(|before| before.saturating_add(shared.params.period_us) <= t1);
             if windowed && calm {
@@ -257,14 +258,14 @@ pub(super) fn lease_answered(
                 // always fully spent. That re-check is not what the client
                 // is told: the window's end is.
                 let recheck = t1 + trim_delay_us(shared.params.period_us, sweep_us());
-                slot.deny_for(recheck, until, p.call.cost);
+                holding.deny_for(recheck, until, p.call.cost);
             } else {
                 // The store said when the waiting request's cost fits
                 // (a bucket's `need`, a window's `cost`).
                 let cost = if windowed { p.call.cost } else { p.call.need };
-                slot.deny_for(until, until, cost);
+                holding.deny_for(until, until, cost);
             }
-        } else if now >= slot.deadline() {
+        } else if now >= holding.deadline() {
             // Nothing left of the next window, which has not begun in the
             // store, while this process's permits of the current one are
             // void: nothing can be admitted here before the next window
@@ -272,15 +273,15 @@ pub(super) fn lease_answered(
             // window's carry still weighs at the start of the next).
             // Denied until then (asking again at once would spin on the
             // store).
-            slot.deny_until(t1 + r.start_after_us.max(r.retry_after_us) + margin);
+            holding.deny_until(t1 + r.start_after_us.max(r.retry_after_us) + margin);
         }
         // Nothing to be had: spend what is held, then ask again (the
         // denied-until time keeps that from costing round trips).
-        slot.set_low_water(0);
-        slot.no_early_refill();
+        holding.set_low_water(0);
+        holding.no_early_refill();
     }
-    let level = slot.permits();
-    slot.books().sizing.applied(level, now);
+    let level = holding.permits();
+    holding.books().sizing.applied(level, now);
 }
 
 /// The store's clock as a reply read it, for the fallback's windows and
@@ -310,13 +311,13 @@ pub(super) struct Times {
     pub(super) now: u64,
 }
 
-/// Puts a grant in place: a window lease in the slot (or, ahead of its
-/// window, held apart until it starts); a bucket lease in the slot, its
+/// Puts a grant in place: a window lease in the holding (or, ahead of its
+/// window, held apart until it starts); a bucket lease in the holding, its
 /// origin merged with or replacing the one held.
 pub(super) fn install_grant(
     shared: &Shared,
     config: &HybridConfig,
-    slot: &Arc<Slot>,
+    holding: &Arc<Holding>,
     p: &Pending,
     r: &LeaseReply,
     at: Times,
@@ -345,7 +346,7 @@ pub(super) fn install_grant(
                     window_end,
                     low_water: 0,
                 };
-                counters.stranded.add(slot.hold_next(lease) as u64);
+                counters.stranded.add(holding.hold_next(lease) as u64);
             } else {
                 let grant = Grant {
                     permits: granted,
@@ -354,7 +355,7 @@ pub(super) fn install_grant(
                     window_end,
                     renew: false,
                 };
-                match slot.install(grant, now) {
+                match holding.install(grant, now) {
                     Installed::Added => {}
                     Installed::Replaced(n) | Installed::Stale(n) => counters.stranded.add(n as u64),
                 }
@@ -365,7 +366,7 @@ pub(super) fn install_grant(
             let deadline = (t0 + horizon).saturating_sub(margin + drift_us(horizon));
             let full_at = t0 + r.reset_after_us;
             let origin = origin_of(r);
-            let mut books = slot.books();
+            let mut books = holding.books();
             let before = books.origin();
             let grant = Grant {
                 permits: granted,
@@ -374,7 +375,7 @@ pub(super) fn install_grant(
                 window_end: full_at,
                 renew: p.renew(),
             };
-            match slot.install(grant, now) {
+            match holding.install(grant, now) {
                 Installed::Added if before.at_us != 0 => {
                     // Added to permits still held: the merged lease
                     // answers to the older origin too.
@@ -389,7 +390,7 @@ pub(super) fn install_grant(
                     books.set_origin(origin, false);
                     drop(books);
                     if replaced > 0 {
-                        let key = shared.store_key(slot);
+                        let key = shared.store_key(holding);
                         shared.give_back(&key, replaced as u64, None, before);
                     }
                 }
@@ -400,19 +401,24 @@ pub(super) fn install_grant(
 }
 
 /// The low-water mark after a grant: below it, a refill is requested.
-pub(super) fn low_water_after(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) -> u32 {
-    let mark = low_water(&granted(shared, slot, p, r), shared.config.load().ablate);
+pub(super) fn low_water_after(
+    shared: &Shared,
+    holding: &Holding,
+    p: &Pending,
+    r: &LeaseReply,
+) -> u32 {
+    let mark = low_water(&granted(shared, holding, p, r), shared.config.load().ablate);
     if mark.contested {
         // Nor a pre-lease of the next window: spread over every holder
         // whatever its rate, it strands the same way.
-        slot.no_early_refill();
+        holding.no_early_refill();
     }
     mark.low_water
 }
 
 /// A reply to `p`, as the numbers the lease policy decides on.
-pub(super) fn granted(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply) -> Granted {
-    let sizing = slot.books().sizing.clone();
+pub(super) fn granted(shared: &Shared, holding: &Holding, p: &Pending, r: &LeaseReply) -> Granted {
+    let sizing = holding.books().sizing.clone();
     Granted {
         windowed: shared.leases.windowed(),
         want: p.call.want,
@@ -428,7 +434,7 @@ pub(super) fn granted(shared: &Shared, slot: &Slot, p: &Pending, r: &LeaseReply)
         holds: if r.start_after_us > 0 {
             r.granted as i64
         } else {
-            slot.permits()
+            holding.permits()
         },
         to_the_end: p.to_the_end(),
         rtt_us: shared.rtt_us.load(Ordering::Relaxed),

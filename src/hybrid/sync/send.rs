@@ -19,11 +19,11 @@ use crate::failure::report_call;
 use crate::failure::Report;
 use crate::hybrid::config::Ablation;
 use crate::hybrid::config::HybridConfig;
+use crate::hybrid::holding::Holding;
 use crate::hybrid::policy::thin_want;
 use crate::hybrid::policy::SizingRule;
 use crate::hybrid::policy::THIN_AHEAD_CAP_DIVISOR;
 use crate::hybrid::shared::Shared;
-use crate::hybrid::slot::Slot;
 use futures_util::future::join_all;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -33,7 +33,7 @@ use std::time::Duration;
 /// round's future is dropped (`shutdown` abandoned by its caller, the
 /// runtime going away), everything goes back where it came from: reports
 /// to their queues under their identities, a lease's debt to the report
-/// queue, its slot free to ask again.
+/// queue, its holding free to ask again.
 pub(super) struct Unsent<'a> {
     pub(super) shared: &'a Shared,
     pub(super) fallback: Vec<Report>,
@@ -56,10 +56,10 @@ impl Drop for Unsent<'_> {
                 Kind::Peek(_) => {}
                 Kind::Report(Reported::Fallback(r)) => fallback.push(r),
                 Kind::Report(Reported::Debt(r)) => debts.push(r),
-                Kind::Lease { slot, .. } => {
-                    lose_lease(&slot, &p.call);
+                Kind::Lease { holding, .. } => {
+                    lose_lease(&holding, &p.call);
                     if let Some(op) = p.call.op.filter(|_| p.call.debt > 0) {
-                        let recalled = slot.credit_settled(p.call.debt);
+                        let recalled = holding.credit_settled(p.call.debt);
                         give_recalled_back(shared, &p.call, recalled);
                         let report = Report::new(
                             p.call.key.clone(),
@@ -69,8 +69,8 @@ impl Drop for Unsent<'_> {
                         );
                         shared.queue_report(report.sent_at(self.sent_at));
                     }
-                    slot.refill_done();
-                    shared.refilled(&slot).notify_waiters();
+                    holding.refill_done();
+                    shared.refilled(&holding).notify_waiters();
                 }
             }
         }
@@ -90,9 +90,9 @@ impl Drop for Unsent<'_> {
 }
 
 /// A lease call's reply is lost (an error, or its future dropped): its
-/// identity is kept for the next lease of the slot.
-pub(super) fn lose_lease(slot: &Slot, call: &LeaseCall) {
-    slot.books().lose_lease(call.lease_id);
+/// identity is kept for the next lease of the holding.
+pub(super) fn lose_lease(holding: &Holding, call: &LeaseCall) {
+    holding.books().lose_lease(call.lease_id);
 }
 
 /// One lease in flight, with what is needed to apply its reply.
@@ -105,9 +105,9 @@ pub(super) struct Pending {
 
 /// The three uses of the lease script.
 pub(super) enum Kind {
-    /// Permits for a slot (and, on the same call, its debt reported).
+    /// Permits for a holding (and, on the same call, its debt reported).
     Lease {
-        slot: Arc<Slot>,
+        holding: Arc<Holding>,
         /// Token bucket / GCRA: replace the current permits (fresh
         /// horizon).
         renew: bool,
@@ -117,9 +117,9 @@ pub(super) enum Kind {
         /// boundary).
         to_the_end: bool,
     },
-    /// A look at a watched slot's window (see [`Watched`]): it takes
-    /// nothing and leaves the slot's refill state alone.
-    Peek(Arc<Slot>),
+    /// A look at a watched holding's window (see [`Watched`]): it takes
+    /// nothing and leaves the holding's refill state alone.
+    Peek(Arc<Holding>),
     /// Debt or what the fallback admitted, recorded and nothing taken.
     Report(Reported),
 }
@@ -145,7 +145,7 @@ impl Pending {
 
 /// A report in flight, to be settled or resent as it was.
 pub(super) enum Reported {
-    /// Debt of an evicted slot, or of a failed lease call.
+    /// Debt of an evicted holding, or of a failed lease call.
     Debt(Report),
     /// What the failure policy's fallback admitted.
     Fallback(Report),
@@ -354,7 +354,7 @@ pub(super) fn next_batch(
         });
     }
     let room = config.batch_size.saturating_sub(pending.len());
-    let slots: Vec<Arc<Slot>> = {
+    let holdings: Vec<Arc<Holding>> = {
         let mut queue = shared
             .outbox
             .refills
@@ -365,13 +365,13 @@ pub(super) fn next_batch(
             .take(room)
             .collect()
     };
-    for slot in slots {
-        if slot.is_evicted() {
-            slot.refill_done();
-            shared.refilled(&slot).notify_waiters();
+    for holding in holdings {
+        if holding.is_evicted() {
+            holding.refill_done();
+            shared.refilled(&holding).notify_waiters();
             continue;
         }
-        pending.push(lease_call(shared, config, slot, now));
+        pending.push(lease_call(shared, config, holding, now));
     }
     if !pending.is_empty() && !shared.store.is_sharded() {
         if !config.ablate.off(Ablation::RIDES) {
@@ -466,22 +466,22 @@ pub(super) fn settle(
 pub(super) fn lease_call(
     shared: &Shared,
     config: &HybridConfig,
-    slot: Arc<Slot>,
+    holding: Arc<Holding>,
     now: u64,
 ) -> Pending {
     let period = shared.params.period_us;
-    let permits = slot.permits();
-    let valid = now < slot.deadline();
-    let near_end = slot.near_end(now, shared.early_lead());
-    let mut books = slot.books();
+    let permits = holding.permits();
+    let valid = now < holding.deadline();
+    let near_end = holding.near_end(now, shared.early_lead());
+    let mut books = holding.books();
     let credit = books.send_credit();
-    let need = slot.take_need();
+    let need = holding.take_need();
     let rule = SizingRule {
         min_lease: config.min_lease,
         max_lease: config.max_lease,
         horizon_us: config.refill_horizon.as_micros() as u64,
     };
-    let window = slot.window();
+    let window = holding.window();
     let windowed = shared.leases.windowed();
     books.sizing.observe(
         permits,
@@ -489,11 +489,11 @@ pub(super) fn lease_call(
         now,
         window.filter(|_| windowed),
     );
-    let deadline = slot.deadline();
+    let deadline = holding.deadline();
     // Permits that would arrive void (they end within a round trip and
     // the margin) are not worth asking for.
     let rtt = shared.rtt_us.load(Ordering::Relaxed) + shared.time.tick_us();
-    let swept = slot.take_swept_ahead();
+    let swept = holding.take_swept_ahead();
     let LeaseTarget {
         min_window,
         renew,
@@ -503,7 +503,7 @@ pub(super) fn lease_call(
         valid,
         near_end,
         ending: now + rtt >= deadline,
-        // An ended lease's slot is pre-leased only when swept for it
+        // An ended lease's holding is pre-leased only when swept for it
         // with nobody waiting (a waiter needs the current window).
         prelease: !shared.prelease_lead(config).is_zero()
             && if valid {
@@ -511,7 +511,7 @@ pub(super) fn lease_call(
             } else {
                 swept && need == 0
             },
-        has_next: slot.has_next(),
+        has_next: holding.has_next(),
         left_us: deadline.saturating_sub(now),
         since_us: now.saturating_sub(deadline),
         period_us: period,
@@ -565,7 +565,7 @@ pub(super) fn lease_call(
     };
     drop(books);
     let call = LeaseCall {
-        key: shared.store_key(&slot),
+        key: shared.store_key(&holding),
         want,
         share_cap: config.share_cap,
         debt: u64::from(credit.debt).min(MAX_REPORT),
@@ -584,7 +584,7 @@ pub(super) fn lease_call(
     Pending {
         call,
         kind: Kind::Lease {
-            slot,
+            holding,
             renew,
             to_the_end,
         },

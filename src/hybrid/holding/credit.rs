@@ -2,7 +2,7 @@
 //! counted until a lease call reports them.
 
 use super::atomics::Ordering;
-use super::Slot;
+use super::Holding;
 
 /// Permits admitted on credit and not yet reported.
 #[derive(Debug, Clone, Copy, Default)]
@@ -22,12 +22,12 @@ pub(crate) struct Credit {
     pub(crate) recalled: u32,
 }
 
-impl Slot {
-    /// Optimistic mode: admits `cost` on credit in `window` if the slot's
+impl Holding {
+    /// Optimistic mode: admits `cost` on credit in `window` if the holding's
     /// unreported and in-flight debt stays within `room`, all in one
     /// window, and the window is not closed to credit. Checked under the
-    /// books lock, which [`retire`](Slot::retire) takes after marking the
-    /// slot evicted: credit is either collected by `retire` or not taken.
+    /// books lock, which [`retire`](Holding::retire) takes after marking the
+    /// holding evicted: credit is either collected by `retire` or not taken.
     pub(crate) fn take_credit(&self, window: i64, cost: u64, room: u64) -> bool {
         let mut books = self.books();
         if self.evicted.load(Ordering::Acquire) {
@@ -75,7 +75,7 @@ impl Slot {
         false
     }
 
-    /// A lease call carrying `debt` of this slot's credit was answered
+    /// A lease call carrying `debt` of this holding's credit was answered
     /// (or will never be): returns what of it was recalled meanwhile.
     pub(crate) fn credit_settled(&self, debt: u64) -> u32 {
         let mut books = self.books();

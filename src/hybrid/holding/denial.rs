@@ -1,13 +1,13 @@
-//! A denial the slot caches: until when the store said the key is
+//! A denial the holding caches: until when the store said the key is
 //! exhausted, whether an ask or a peek said so, and what the client is
 //! told. It never asks the store; the sync task stores what it heard.
 
 use super::atomics::{AtomicU64, Ordering};
-use super::Slot;
+use super::Holding;
 
-/// What `Slot::denied_until` holds: no denial, or one until a local µs,
+/// What `Holding::denied_until` holds: no denial, or one until a local µs,
 /// from an ask (definitive) or from a peek (believed only while fresh,
-/// see `Slot::peek_trust`). One word, so the request path reads a denial
+/// see `Holding::peek_trust`). One word, so the request path reads a denial
 /// with one atomic load and a peek's latching is one compare-and-swap:
 /// an ask's time is even, a peek's odd, and that bit is read and written
 /// here alone.
@@ -39,7 +39,7 @@ impl Denial {
     }
 }
 
-/// The slot's cached denial, read and written through [`Denial`].
+/// The holding's cached denial, read and written through [`Denial`].
 #[derive(Debug)]
 pub(super) struct DenialCell(AtomicU64);
 
@@ -65,7 +65,7 @@ impl DenialCell {
     }
 }
 
-/// What a cached denial tells the client (see [`Slot::retry_hint`]).
+/// What a cached denial tells the client (see [`Holding::retry_hint`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct RetryHint {
     /// The local µs from which the request can succeed, as far as the
@@ -75,7 +75,7 @@ pub(crate) struct RetryHint {
     pub(crate) cost: u64,
 }
 
-impl Slot {
+impl Holding {
     /// Until when (local µs) the last denial stored lasts, whatever said
     /// it and whether or not it still stands (`None`: none stored).
     pub(crate) fn denied_until(&self) -> Option<u64> {
@@ -84,9 +84,9 @@ impl Slot {
 
     /// Until when (local µs) the key is known exhausted, if it is at `now`:
     /// the store's answer to an ask that got nothing, or a peek's that
-    /// found the window full, if the slot ran out soon enough after it
+    /// found the window full, if the holding ran out soon enough after it
     /// (see `peek_trust`). A peek too old to deny on is forgotten, so the
-    /// slot asks: permits given back meanwhile are found. (Forgetting a
+    /// holding asks: permits given back meanwhile are found. (Forgetting a
     /// peek never erases an ask's answer stored meanwhile, whatever its
     /// time: see [`Denial`].)
     pub(crate) fn denied(&self, now: u64) -> Option<u64> {
@@ -143,7 +143,7 @@ impl Slot {
     }
 
     /// A peek's denial until `until`, believed until `trust` (see
-    /// [`denied`](Slot::denied)).
+    /// [`denied`](Holding::denied)).
     pub(crate) fn deny_on_peek(&self, until: u64, trust: u64) {
         // The trust first: a request that sees the denial sees its trust.
         self.peek_trust.store(trust, Ordering::Release);

@@ -5,7 +5,7 @@
 //! thread's stock goes back, which take the `next` lock; the two mutexes
 //! are otherwise for the slow path and the sync task, are taken `next`
 //! before `books` where both are held, and are never held across an
-//! await. A slot never talks to the store.
+//! await. A holding never talks to the store.
 
 use std::sync::Arc;
 
@@ -33,7 +33,7 @@ use self::next::Across;
 pub(crate) use self::next::NextLease;
 pub(crate) use self::take::{Spare, Take};
 
-/// The slot's atomics and locks: loom's under `--cfg loom` (see the
+/// The holding's atomics and locks: loom's under `--cfg loom` (see the
 /// `model` tests below), so every interleaving of its methods can be
 /// explored; the standard library's otherwise.
 mod atomics {
@@ -56,9 +56,9 @@ fn millis(us: u64) -> u32 {
     (us / 1_000) as u32
 }
 
-/// A window index, or none, in one word: what the slot's window cell
+/// A window index, or none, in one word: what the holding's window cell
 /// holds (one atomic load on the request path) and its books' window
-/// closed to credit (a slot's size is part of the bytes-per-key budget,
+/// closed to credit (a holding's size is part of the bytes-per-key budget,
 /// and an `Option<i64>` takes two words). Window indices are never
 /// negative (`floor(store µs / period)`; buckets use 0), so a negative
 /// word is none; it is made and read here alone, through
@@ -81,7 +81,7 @@ impl MaybeWindow {
     }
 }
 
-/// The window the slot's permits belong to (see [`MaybeWindow`]).
+/// The window the holding's permits belong to (see [`MaybeWindow`]).
 #[derive(Debug)]
 struct WindowCell(AtomicI64);
 
@@ -102,7 +102,7 @@ impl WindowCell {
     }
 }
 
-pub(crate) struct Slot {
+pub(crate) struct Holding {
     /// The user key, shared with the map's key (no second copy).
     key: Arc<str>,
     /// Permits held locally, all granted by the store.
@@ -130,17 +130,17 @@ pub(crate) struct Slot {
     denied_until: DenialCell,
     /// How much later (ms) than `denied_until` (a re-check, never a hint)
     /// the request can succeed as far as the store said: what a denial
-    /// tells the client (see [`Slot::deny_for`]).
+    /// tells the client (see [`Holding::deny_for`]).
     retry_later_ms: AtomicU32,
     /// The cost the store's answer behind the hint was for: a bucket's
     /// hint for a larger cost is later by the larger cost's refill.
     hint_cost: AtomicU32,
     /// When `denied_until` is a peek's (the window was found fully
-    /// leased while the slot still held permits of it), it is believed
-    /// only if the slot runs out before this local µs and within the
+    /// leased while the holding still held permits of it), it is believed
+    /// only if the holding runs out before this local µs and within the
     /// window's lease; then it stands as an ask's would (made even).
     peek_trust: AtomicU64,
-    /// Where the slot's one refill is: a [`refill::Refill`] (see
+    /// Where the holding's one refill is: a [`refill::Refill`] (see
     /// `refill.rs`, which owns every transition).
     refill: AtomicU8,
     /// Fixed window: maintenance found the key active near its window's
@@ -161,15 +161,15 @@ pub(crate) struct Slot {
     /// Whether `next` holds a lease (checked without the lock). Set and
     /// cleared only under the `next` lock, by the methods below.
     has_next: AtomicBool,
-    /// A pre-leased slice of the next window. Boxed: most slots never
+    /// A pre-leased slice of the next window. Boxed: most holdings never
     /// hold one, and a box is one word.
     next: Mutex<Option<Box<NextLease>>>,
     /// Credit and sizing: the slow path's and the sync task's, behind one
-    /// lock to keep the slot small.
+    /// lock to keep the holding small.
     books: Mutex<Books>,
 }
 
-/// What a retired slot leaves behind: its unreported credit, the last
+/// What a retired holding leaves behind: its unreported credit, the last
 /// window closed to credit, and the origin of its bucket lease.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Retired {
@@ -185,9 +185,9 @@ pub(crate) struct Retired {
     pub(crate) next: Option<NextLease>,
 }
 
-impl Slot {
+impl Holding {
     pub(crate) fn new(key: Arc<str>, now: u64) -> Self {
-        Slot {
+        Holding {
             key,
             permits: AtomicI64::new(0),
             deadline: AtomicU64::new(0),
@@ -220,7 +220,7 @@ impl Slot {
         }
     }
 
-    /// The key this slot holds permits of.
+    /// The key this holding holds permits of.
     pub(crate) fn key(&self) -> &Arc<str> {
         &self.key
     }
@@ -271,13 +271,13 @@ impl Slot {
         self.early_refill.store(false, Ordering::Relaxed);
     }
 
-    /// Whether the slot has left the map: nothing may be installed in it.
+    /// Whether the holding has left the map: nothing may be installed in it.
     #[inline]
     pub(crate) fn is_evicted(&self) -> bool {
         self.evicted.load(Ordering::Acquire)
     }
 
-    /// The slot leaves the map (see [`retire`](Slot::retire)).
+    /// The holding leaves the map (see [`retire`](Holding::retire)).
     #[cfg(test)]
     pub(crate) fn mark_evicted(&self) {
         self.evicted.store(true, Ordering::Release);
@@ -324,7 +324,7 @@ impl Slot {
         u64::from(self.need.swap(0, Ordering::AcqRel))
     }
 
-    /// A sweep leased the next window ahead for this slot.
+    /// A sweep leased the next window ahead for this holding.
     pub(crate) fn mark_swept_ahead(&self) {
         self.swept_ahead.store(true, Ordering::Release);
     }
@@ -334,8 +334,8 @@ impl Slot {
         self.swept_ahead.swap(false, Ordering::AcqRel)
     }
 
-    /// Takes the slot out of service: marks it evicted, then collects its
-    /// unreported credit (see [`take_credit`](Slot::take_credit)).
+    /// Takes the holding out of service: marks it evicted, then collects its
+    /// unreported credit (see [`take_credit`](Holding::take_credit)).
     ///
     /// The permits, their window and deadline and the pre-lease are taken
     /// under the `next` lock, which serialises installs and promotions: a
@@ -381,7 +381,7 @@ impl Slot {
 
     /// Milliseconds since last use.
     ///
-    /// A slot touched after `now` was read (a request racing the
+    /// A holding touched after `now` was read (a request racing the
     /// maintenance walk) has a `last_used` ahead of `now`: that is no idle
     /// time at all, not 49 days of it.
     pub(crate) fn idle_ms(&self, now: u64) -> u64 {
@@ -441,75 +441,78 @@ mod tests {
 
     #[test]
     fn a_refill_is_asked_sent_and_settled_once() {
-        let slot = Slot::new("k".into(), 0);
-        assert!(slot.enqueue(false), "an idle slot queues its ask");
-        assert!(!slot.enqueue(false), "asked already");
-        assert!(slot.enqueue(true), "a waiter adds an entry to its queue");
-        assert!(!slot.enqueue(true), "one waiters' entry");
-        assert!(slot.send_queued(), "the first entry taken is sent");
-        assert!(!slot.send_queued(), "the other is a duplicate");
-        assert!(slot.refill_in_flight() && !slot.enqueue(true));
-        assert!(!slot.send_unasked(), "no ride while one is on its way");
-        slot.refill_done();
+        let holding = Holding::new("k".into(), 0);
+        assert!(holding.enqueue(false), "an idle holding queues its ask");
+        assert!(!holding.enqueue(false), "asked already");
+        assert!(holding.enqueue(true), "a waiter adds an entry to its queue");
+        assert!(!holding.enqueue(true), "one waiters' entry");
+        assert!(holding.send_queued(), "the first entry taken is sent");
+        assert!(!holding.send_queued(), "the other is a duplicate");
+        assert!(holding.refill_in_flight() && !holding.enqueue(true));
+        assert!(!holding.send_unasked(), "no ride while one is on its way");
+        holding.refill_done();
         assert!(
-            !slot.refill_pending() && !slot.send_queued(),
+            !holding.refill_pending() && !holding.send_queued(),
             "a stale entry"
         );
-        assert!(slot.send_unasked(), "a ride when none is asked for");
-        assert!(!slot.enqueue(false) && slot.refill_in_flight());
-        slot.refill_done();
-        assert!(!slot.refill_pending());
+        assert!(holding.send_unasked(), "a ride when none is asked for");
+        assert!(!holding.enqueue(false) && holding.refill_in_flight());
+        holding.refill_done();
+        assert!(!holding.refill_pending());
     }
 
     #[test]
     fn a_peeks_denial_is_believed_only_while_fresh_and_never_erases_an_asks() {
-        let slot = Slot::new("k".into(), 0);
-        slot.install(lease(5, 7, 100, 103), 10);
+        let holding = Holding::new("k".into(), 0);
+        holding.install(lease(5, 7, 100, 103), 10);
         // Fresh (before the trust and the deadline): it stands, and from
         // then on as an ask's would.
-        slot.deny_on_peek(1_000, 50);
-        assert_eq!(slot.denied(40), Some(1_002));
-        assert_eq!(slot.denied(60), Some(1_002), "latched");
-        // Stale: forgotten, so the slot asks.
-        slot.deny_on_peek(1_000, 50);
-        assert_eq!(slot.denied(60), None);
-        assert_eq!(slot.denied_until(), None);
+        holding.deny_on_peek(1_000, 50);
+        assert_eq!(holding.denied(40), Some(1_002));
+        assert_eq!(holding.denied(60), Some(1_002), "latched");
+        // Stale: forgotten, so the holding asks.
+        holding.deny_on_peek(1_000, 50);
+        assert_eq!(holding.denied(60), None);
+        assert_eq!(holding.denied_until(), None);
         // Past the window's lease: forgotten too.
-        slot.deny_on_peek(1_000, 500);
-        assert_eq!(slot.denied(100), None);
+        holding.deny_on_peek(1_000, 500);
+        assert_eq!(holding.denied(100), None);
         // An ask's answer stored over a peek's, even to the same µs, is
         // not the value a stale peek's forgetting may clear.
-        slot.deny_on_peek(1_000, 50);
-        slot.deny_until(1_000);
-        assert_eq!(slot.denied(60), Some(1_000));
-        assert_eq!(slot.denied(60), Some(1_000));
+        holding.deny_on_peek(1_000, 50);
+        holding.deny_until(1_000);
+        assert_eq!(holding.denied(60), Some(1_000));
+        assert_eq!(holding.denied(60), Some(1_000));
     }
 
     #[test]
     fn permits_are_spent_only_before_the_deadline() {
-        let slot = Slot::new("k".into(), 0);
-        assert!(matches!(slot.take(1, &at(10)), Take::Empty));
-        slot.install(lease(3, 7, 100, 103), 10);
-        assert!(matches!(slot.take(2, &at(50)), Take::Taken { left: 1, .. }));
-        assert!(matches!(slot.take(2, &at(50)), Take::Empty));
+        let holding = Holding::new("k".into(), 0);
+        assert!(matches!(holding.take(1, &at(10)), Take::Empty));
+        holding.install(lease(3, 7, 100, 103), 10);
+        assert!(matches!(
+            holding.take(2, &at(50)),
+            Take::Taken { left: 1, .. }
+        ));
+        assert!(matches!(holding.take(2, &at(50)), Take::Empty));
         // Past the deadline the last permit is void: taken and lost.
         assert!(
-            matches!(slot.take(1, &at(100)), Take::Late { lost: 1, .. }),
+            matches!(holding.take(1, &at(100)), Take::Late { lost: 1, .. }),
             "deadline passed"
         );
-        assert_eq!(slot.expire(100), 0);
+        assert_eq!(holding.expire(100), 0);
     }
 
     #[test]
     fn a_lagging_fast_clock_never_spends_past_the_deadline() {
         // The fast clock reads 40 µs behind the precise one, within the
         // 50 µs guard: near the deadline the precise clock decides.
-        let slot = Slot::new("k".into(), 0);
-        slot.install(lease(3, 7, 100, 103), 10);
+        let holding = Holding::new("k".into(), 0);
+        holding.install(lease(3, 7, 100, 103), 10);
         let fast = Arc::new(FakeClock::new(Duration::from_micros(70)));
         let precise = Arc::new(FakeClock::new(Duration::from_micros(110)));
         let time = TimeSource::split(fast, precise, Duration::from_micros(50));
-        assert!(!matches!(slot.take(1, &time), Take::Taken { .. }));
+        assert!(!matches!(holding.take(1, &time), Take::Taken { .. }));
     }
 
     #[test]
@@ -523,41 +526,44 @@ mod tests {
                 Duration::from_micros(self.0.fetch_add(60, Ordering::SeqCst))
             }
         }
-        let slot = Slot::new("k".into(), 0);
-        slot.install(lease(3, 7, 100, 103), 10);
+        let holding = Holding::new("k".into(), 0);
+        holding.install(lease(3, 7, 100, 103), 10);
         // The clock is read after the swap: the thread decides at 110 µs,
         // past the 100 µs deadline it read before being preempted.
         let time = TimeSource::Precise(Arc::new(Ticking(Arc::new(110.into()))));
-        assert!(matches!(slot.take(1, &time), Take::Late { lost: 1, .. }));
+        assert!(matches!(holding.take(1, &time), Take::Late { lost: 1, .. }));
         assert_eq!(
-            slot.permits.load(Ordering::Acquire),
+            holding.permits.load(Ordering::Acquire),
             2,
             "the permit is void"
         );
     }
 
     #[test]
-    fn a_slot_touched_after_the_walk_read_the_clock_is_not_idle() {
-        let slot = Slot::new("k".into(), 0);
-        slot.touch(5_000_000);
-        assert_eq!(slot.idle_ms(4_999_000), 0, "touched 1 ms after now");
-        assert_eq!(slot.idle_ms(7_000_000), 2_000);
+    fn a_holding_touched_after_the_walk_read_the_clock_is_not_idle() {
+        let holding = Holding::new("k".into(), 0);
+        holding.touch(5_000_000);
+        assert_eq!(holding.idle_ms(4_999_000), 0, "touched 1 ms after now");
+        assert_eq!(holding.idle_ms(7_000_000), 2_000);
     }
 
     #[test]
     fn a_grant_for_the_same_window_adds_and_a_new_window_replaces() {
-        let slot = Slot::new("k".into(), 0);
-        slot.install(lease(3, 7, 100, 103), 10);
-        assert_eq!(slot.install(lease(2, 7, 200, 203), 20), Installed::Added);
-        assert!(matches!(slot.take(5, &at(30)), Take::Taken { left: 0, .. }));
-        slot.install(lease(3, 7, 100, 103), 40);
+        let holding = Holding::new("k".into(), 0);
+        holding.install(lease(3, 7, 100, 103), 10);
+        assert_eq!(holding.install(lease(2, 7, 200, 203), 20), Installed::Added);
+        assert!(matches!(
+            holding.take(5, &at(30)),
+            Take::Taken { left: 0, .. }
+        ));
+        holding.install(lease(3, 7, 100, 103), 40);
         // window 8 replaces window 7's leftovers, which are handed back
         assert_eq!(
-            slot.install(lease(4, 8, 200, 203), 150),
+            holding.install(lease(4, 8, 200, 203), 150),
             Installed::Replaced(3)
         );
         assert!(matches!(
-            slot.take(4, &at(160)),
+            holding.take(4, &at(160)),
             Take::Taken { left: 0, .. }
         ));
     }
@@ -566,26 +572,26 @@ mod tests {
     fn a_late_reply_for_an_ended_window_does_not_replace_the_next_one() {
         // Window 8 is promoted; a reply for window 7 (asked before the
         // promotion) lands afterwards: refused, window 8 untouched.
-        let slot = Slot::new("k".into(), 0);
-        slot.install(renewal(5, 8, 200, 203), 110);
+        let holding = Holding::new("k".into(), 0);
+        holding.install(renewal(5, 8, 200, 203), 110);
         assert_eq!(
-            slot.install(lease(4, 7, 100, 103), 120),
+            holding.install(lease(4, 7, 100, 103), 120),
             Installed::Stale(4)
         );
-        assert_eq!(slot.window(), Some(8));
-        assert_eq!(slot.deadline.load(Ordering::Acquire), 200);
+        assert_eq!(holding.window(), Some(8));
+        assert_eq!(holding.deadline.load(Ordering::Acquire), 200);
         assert!(matches!(
-            slot.take(5, &at(130)),
+            holding.take(5, &at(130)),
             Take::Taken { left: 0, .. }
         ));
     }
 
-    fn with_next(current: i64, next: i64) -> Slot {
+    fn with_next(current: i64, next: i64) -> Holding {
         // Window 7 surely runs until 100 and has surely ended at 103;
         // window 8's slice may be spent alone from 106.
-        let slot = Slot::new("k".into(), 0);
-        slot.install(lease(current, 7, 100, 103), 10);
-        slot.hold_next(NextLease {
+        let holding = Holding::new("k".into(), 0);
+        holding.install(lease(current, 7, 100, 103), 10);
+        holding.hold_next(NextLease {
             permits: next,
             window: 8,
             start: 106,
@@ -593,73 +599,73 @@ mod tests {
             window_end: 203,
             low_water: 0,
         });
-        slot
+        holding
     }
 
     /// `take_across` at `now`, the clock reading `now` again after.
-    fn across(slot: &Slot, cost: i64, now: u64, paid: Option<i64>) -> Across {
-        slot.take_across(cost, now, paid, || now)
+    fn across(holding: &Holding, cost: i64, now: u64, paid: Option<i64>) -> Across {
+        holding.take_across(cost, now, paid, || now)
     }
 
     #[test]
     fn across_a_boundary_both_windows_pay() {
-        let slot = with_next(3, 5);
+        let holding = with_next(3, 5);
         // Before the deadline the current window's permits are the ones
         // to spend: nothing is taken across.
-        assert_eq!(across(&slot, 1, 99, None).left, None);
+        assert_eq!(across(&holding, 1, 99, None).left, None);
         // Between the deadline and the sure end: one of each.
-        let a = across(&slot, 2, 100, None);
+        let a = across(&holding, 2, 100, None);
         assert_eq!(
             (a.left, a.window, a.stranded),
             (Some(3), 8, 2),
             "two of window 8 left, two of window 7 stranded"
         );
-        assert_eq!(slot.permits.load(Ordering::Acquire), 1);
+        assert_eq!(holding.permits.load(Ordering::Acquire), 1);
         // The current window has too few for the cost: nothing is taken.
-        assert_eq!(across(&slot, 2, 102, None).left, None);
-        assert_eq!(slot.next_permits(), 3);
-        assert_eq!(slot.permits.load(Ordering::Acquire), 1);
+        assert_eq!(across(&holding, 2, 102, None).left, None);
+        assert_eq!(holding.next_permits(), 3);
+        assert_eq!(holding.permits.load(Ordering::Acquire), 1);
         // Window 7 has surely ended: window 8's slice alone pays, before
         // its (later) start.
-        let a = across(&slot, 2, 103, None);
+        let a = across(&holding, 2, 103, None);
         assert_eq!((a.left, a.stranded), (Some(1), 0));
-        assert_eq!(slot.permits.load(Ordering::Acquire), 1);
+        assert_eq!(holding.permits.load(Ordering::Acquire), 1);
         // The next window's slice has too few.
-        assert_eq!(across(&slot, 2, 104, None).left, None);
+        assert_eq!(across(&holding, 2, 104, None).left, None);
     }
 
     #[test]
     fn a_late_take_of_the_current_window_pays_its_side() {
-        let slot = with_next(3, 5);
+        let holding = with_next(3, 5);
         // A late take of window 7 took the cost already: only window 8's
         // slice pays now.
-        let a = across(&slot, 1, 101, Some(7));
+        let a = across(&holding, 1, 101, Some(7));
         assert_eq!((a.left, a.stranded), (Some(4), 0));
-        assert_eq!(slot.permits.load(Ordering::Acquire), 3);
+        assert_eq!(holding.permits.load(Ordering::Acquire), 3);
         // A late take of another window pays nothing here.
-        let a = across(&slot, 1, 101, Some(6));
+        let a = across(&holding, 1, 101, Some(6));
         assert_eq!((a.left, a.stranded), (Some(3), 1));
-        assert_eq!(slot.permits.load(Ordering::Acquire), 2);
+        assert_eq!(holding.permits.load(Ordering::Acquire), 2);
     }
 
     #[test]
     fn a_thread_preempted_past_the_slices_deadline_spends_nothing_across() {
-        let slot = with_next(3, 5);
+        let holding = with_next(3, 5);
         // The clock read after the take is past window 8's deadline: what
         // was taken is stranded, nothing admitted.
-        let a = slot.take_across(1, 101, None, || 200);
+        let a = holding.take_across(1, 101, None, || 200);
         assert_eq!((a.left, a.stranded), (None, 2));
-        assert_eq!(slot.permits.load(Ordering::Acquire), 2);
-        assert_eq!(slot.next_permits(), 4);
+        assert_eq!(holding.permits.load(Ordering::Acquire), 2);
+        assert_eq!(holding.next_permits(), 4);
     }
 
     #[test]
     fn nothing_is_taken_across_unless_the_next_window_follows_the_current() {
         // A slice of window 9 with window 7's permits in place: window 8
         // lies between, unpaid.
-        let slot = Slot::new("k".into(), 0);
-        slot.install(lease(3, 7, 100, 103), 10);
-        slot.hold_next(NextLease {
+        let holding = Holding::new("k".into(), 0);
+        holding.install(lease(3, 7, 100, 103), 10);
+        holding.hold_next(NextLease {
             permits: 5,
             window: 9,
             start: 206,
@@ -667,23 +673,23 @@ mod tests {
             window_end: 303,
             low_water: 0,
         });
-        assert_eq!(across(&slot, 1, 101, None).left, None);
-        assert_eq!(across(&slot, 1, 150, None).left, None);
+        assert_eq!(across(&holding, 1, 101, None).left, None);
+        assert_eq!(across(&holding, 1, 150, None).left, None);
         // No lease in place at all.
-        let slot = Slot::new("k".into(), 0);
-        assert_eq!(across(&slot, 1, 101, None).left, None);
+        let holding = Holding::new("k".into(), 0);
+        assert_eq!(across(&holding, 1, 101, None).left, None);
         // Past the slice's own deadline.
-        let slot = with_next(3, 5);
-        assert_eq!(across(&slot, 1, 200, None).left, None);
-        assert_eq!(slot.permits.load(Ordering::Acquire), 3);
-        assert_eq!(slot.next_permits(), 5);
+        let holding = with_next(3, 5);
+        assert_eq!(across(&holding, 1, 200, None).left, None);
+        assert_eq!(holding.permits.load(Ordering::Acquire), 3);
+        assert_eq!(holding.next_permits(), 5);
     }
 
     #[test]
     fn a_pre_lease_is_usable_only_from_its_start() {
-        let slot = Slot::new("k".into(), 0);
-        slot.install(lease(1, 7, 100, 103), 10);
-        slot.hold_next(NextLease {
+        let holding = Holding::new("k".into(), 0);
+        holding.install(lease(1, 7, 100, 103), 10);
+        holding.hold_next(NextLease {
             permits: 5,
             window: 8,
             start: 106,
@@ -691,23 +697,23 @@ mod tests {
             window_end: 203,
             low_water: 0,
         });
-        assert_eq!(slot.promote(105), None);
-        assert_eq!(slot.promote(106), Some(1));
+        assert_eq!(holding.promote(105), None);
+        assert_eq!(holding.promote(106), Some(1));
         assert!(matches!(
-            slot.take(5, &at(106)),
+            holding.take(5, &at(106)),
             Take::Taken { left: 0, .. }
         ));
-        assert_eq!(slot.window_at(150, 100), WindowAt::In(8));
+        assert_eq!(holding.window_at(150, 100), WindowAt::In(8));
         assert_eq!(
-            slot.window_at(200, 100),
+            holding.window_at(200, 100),
             WindowAt::Boundary,
             "between deadline and sure end"
         );
-        assert_eq!(slot.window_at(202, 100), WindowAt::Boundary);
-        assert_eq!(slot.window_at(203, 100), WindowAt::In(9));
-        assert_eq!(slot.window_at(299, 100), WindowAt::In(9));
-        assert_eq!(slot.window_at(301, 100), WindowAt::Boundary);
-        assert_eq!(slot.window_at(303, 100), WindowAt::In(10));
+        assert_eq!(holding.window_at(202, 100), WindowAt::Boundary);
+        assert_eq!(holding.window_at(203, 100), WindowAt::In(9));
+        assert_eq!(holding.window_at(299, 100), WindowAt::In(9));
+        assert_eq!(holding.window_at(301, 100), WindowAt::Boundary);
+        assert_eq!(holding.window_at(303, 100), WindowAt::In(10));
     }
 }
 
@@ -715,7 +721,7 @@ mod tests {
 /// path, with loom. `.ci/run` builds the library's tests with
 /// `cargo rustc --lib --profile test -- --cfg loom`, which passes the cfg
 /// to this crate alone (a global `RUSTFLAGS` would rebuild tokio for loom
-/// too), then runs `hybrid::slot::model`.
+/// too), then runs `hybrid::holding::model`.
 #[cfg(all(test, loom))]
 mod model {
     use super::tests::{lease, renewal};
@@ -746,26 +752,26 @@ mod model {
     #[test]
     fn take_against_a_renewal_conserves_permits() {
         explore(|| {
-            let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
-            slot.install(lease(2, 7, 100, 103), 10);
+            let holding = loom::sync::Arc::new(Holding::new("k".into(), 0));
+            holding.install(lease(2, 7, 100, 103), 10);
             let spenders: Vec<_> = (0..2)
                 .map(|_| {
-                    let slot = slot.clone();
+                    let holding = holding.clone();
                     loom::thread::spawn(move || {
-                        matches!(slot.take(1, &before_deadline()), Take::Taken { .. }) as i64
+                        matches!(holding.take(1, &before_deadline()), Take::Taken { .. }) as i64
                     })
                 })
                 .collect();
-            let replaced = match slot.install(renewal(3, 8, 200, 203), 20) {
+            let replaced = match holding.install(renewal(3, 8, 200, 203), 20) {
                 Installed::Replaced(n) => n,
                 Installed::Added | Installed::Stale(_) => {
                     unreachable!("a renewal replaces")
                 }
             };
             let taken: i64 = spenders.into_iter().map(|t| t.join().unwrap()).sum();
-            let left = slot.permits.load(Ordering::Acquire);
+            let left = holding.permits.load(Ordering::Acquire);
             assert_eq!(taken + replaced + left, 2 + 3, "{taken} {replaced} {left}");
-            assert_eq!(slot.window(), Some(8));
+            assert_eq!(holding.window(), Some(8));
         });
     }
 
@@ -774,9 +780,9 @@ mod model {
     #[test]
     fn a_late_reply_never_replaces_a_promoted_window() {
         explore(|| {
-            let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
-            slot.install(lease(1, 7, 100, 103), 10);
-            slot.hold_next(NextLease {
+            let holding = loom::sync::Arc::new(Holding::new("k".into(), 0));
+            holding.install(lease(1, 7, 100, 103), 10);
+            holding.hold_next(NextLease {
                 permits: 5,
                 window: 8,
                 start: 60,
@@ -785,13 +791,13 @@ mod model {
                 low_water: 0,
             });
             let promoter = {
-                let slot = slot.clone();
-                loom::thread::spawn(move || slot.promote(70))
+                let holding = holding.clone();
+                loom::thread::spawn(move || holding.promote(70))
             };
-            let late = slot.install(lease(4, 7, 100, 103), 70);
+            let late = holding.install(lease(4, 7, 100, 103), 70);
             promoter.join().unwrap();
-            assert_eq!(slot.window(), Some(8));
-            let permits = slot.permits.load(Ordering::Acquire);
+            assert_eq!(holding.window(), Some(8));
+            let permits = holding.permits.load(Ordering::Acquire);
             match late {
                 // Landed first, on window 7's permits, then replaced.
                 Installed::Added => assert_eq!(permits, 5),
@@ -808,9 +814,9 @@ mod model {
     #[test]
     fn a_take_across_races_a_late_take_and_a_promotion() {
         explore(|| {
-            let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
-            slot.install(lease(2, 7, 100, 103), 10);
-            slot.hold_next(NextLease {
+            let holding = loom::sync::Arc::new(Holding::new("k".into(), 0));
+            holding.install(lease(2, 7, 100, 103), 10);
+            holding.hold_next(NextLease {
                 permits: 3,
                 window: 8,
                 start: 103,
@@ -819,25 +825,25 @@ mod model {
                 low_water: 0,
             });
             let late = {
-                let slot = slot.clone();
-                loom::thread::spawn(move || match slot.take(1, &at(101)) {
+                let holding = holding.clone();
+                loom::thread::spawn(move || match holding.take(1, &at(101)) {
                     Take::Late { lost, .. } => lost,
                     Take::Taken { .. } => 1,
                     Take::Empty => 0,
                 })
             };
             let promoter = {
-                let slot = slot.clone();
-                loom::thread::spawn(move || slot.promote(104))
+                let holding = holding.clone();
+                loom::thread::spawn(move || holding.promote(104))
             };
-            let across = slot.take_across(1, 101, None, || 101);
+            let across = holding.take_across(1, 101, None, || 101);
             let spent_late = late.join().unwrap();
             let replaced = promoter.join().unwrap().unwrap_or(0);
             let admitted = i64::from(across.left.is_some());
             // Every permit of both windows is accounted for once: spent or
             // lost by the late take, taken across (admitted or stranded),
             // replaced at the promotion, or still held.
-            let held = slot.permits.load(Ordering::Acquire) + slot.next_permits();
+            let held = holding.permits.load(Ordering::Acquire) + holding.next_permits();
             assert_eq!(
                 spent_late + across.stranded + admitted + replaced + held,
                 2 + 3
@@ -849,56 +855,59 @@ mod model {
     }
 
     /// A request asking for a refill (then waiting on it) races the sync
-    /// task taking the slot's queue entries: one refill is sent per ask,
+    /// task taking the holding's queue entries: one refill is sent per ask,
     /// never two, and an ask no send took stays asked for.
     #[test]
     fn an_ask_and_a_wait_race_the_sends_of_their_entries() {
         explore(|| {
-            let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
+            let holding = loom::sync::Arc::new(Holding::new("k".into(), 0));
             let asker = {
-                let slot = slot.clone();
+                let holding = holding.clone();
                 loom::thread::spawn(move || {
-                    let first = slot.enqueue(false);
-                    let second = slot.enqueue(true);
+                    let first = holding.enqueue(false);
+                    let second = holding.enqueue(true);
                     (first, second)
                 })
             };
-            let sent = [slot.send_queued(), slot.send_queued()];
+            let sent = [holding.send_queued(), holding.send_queued()];
             let (first, _) = asker.join().unwrap();
-            assert!(first, "the first ask of an idle slot is queued");
+            assert!(first, "the first ask of an idle holding is queued");
             assert!(!(sent[0] && sent[1]), "one send per ask");
             if !sent.contains(&true) {
-                assert!(slot.refill_pending(), "an ask no send took stays asked for");
+                assert!(
+                    holding.refill_pending(),
+                    "an ask no send took stays asked for"
+                );
             }
         });
     }
 
-    /// Credit taken while the slot is retired is either collected by the
+    /// Credit taken while the holding is retired is either collected by the
     /// retirement (and reported) or refused: never lost.
     #[test]
     fn credit_is_collected_by_retire_or_refused() {
         explore(|| {
-            let slot = loom::sync::Arc::new(Slot::new("k".into(), 0));
+            let holding = loom::sync::Arc::new(Holding::new("k".into(), 0));
             let taker = {
-                let slot = slot.clone();
-                loom::thread::spawn(move || slot.take_credit(3, 1, 5))
+                let holding = holding.clone();
+                loom::thread::spawn(move || holding.take_credit(3, 1, 5))
             };
-            let retired = slot.retire();
+            let retired = holding.retire();
             let took = taker.join().unwrap();
-            let after = slot.books().credit.debt;
+            let after = holding.books().credit.debt;
             assert_eq!(u32::from(took), retired.credit.debt + after);
-            assert_eq!(after, 0, "nothing taken after the slot was retired");
+            assert_eq!(after, 0, "nothing taken after the holding was retired");
         });
     }
 }
 
 #[cfg(all(test, not(loom)))]
 mod size {
-    /// The slot's size is part of the bytes-per-key budget (docs/performance.md,
+    /// The holding's size is part of the bytes-per-key budget (docs/performance.md,
     /// Memory): growing it should be a decision, not an accident.
     #[test]
-    fn a_slot_stays_within_its_budget() {
-        let size = std::mem::size_of::<super::Slot>();
+    fn a_holding_stays_within_its_budget() {
+        let size = std::mem::size_of::<super::Holding>();
         // 152 + 24 for the origin of bucket leases (bounded give-backs)
         // + 8 for a lost lease's identity (its grant is claimed back)
         // + 8 for how long a peek's word is taken (no ask per holder of
@@ -911,6 +920,6 @@ mod size {
         // (asked once a window, not on every maintenance tick)
         // + 8 (4 and padding) for the hint a cached denial tells, which a
         // re-check of the store may come before.
-        assert!(size <= 232, "Slot grew to {size} bytes");
+        assert!(size <= 232, "Holding grew to {size} bytes");
     }
 }

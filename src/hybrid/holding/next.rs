@@ -1,9 +1,9 @@
-//! The pre-lease a slot holds apart: a slice of the next window, granted
+//! The pre-lease a holding holds apart: a slice of the next window, granted
 //! ahead of the boundary, put in place once its window starts.
 
 use super::atomics::{MutexGuard, Ordering};
 use super::install::{Grant, Installed};
-use super::Slot;
+use super::Holding;
 
 /// A slice of the next window, granted ahead of the boundary.
 #[derive(Debug, Clone, Copy)]
@@ -23,7 +23,7 @@ pub(crate) struct NextLease {
     pub(crate) low_water: u32,
 }
 
-/// A spend across a boundary (see [`Slot::take_across`]).
+/// A spend across a boundary (see [`Holding::take_across`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Across {
     /// Permits the next window's slice has left (`None`: nothing was
@@ -39,7 +39,7 @@ pub(crate) struct Across {
     pub(crate) stranded: i64,
 }
 
-impl Slot {
+impl Holding {
     /// Whether a pre-leased slice of the next window is held.
     #[inline]
     pub(crate) fn has_next(&self) -> bool {
@@ -125,7 +125,7 @@ impl Slot {
     /// does: a thread preempted past the slice's deadline spends nothing
     /// (what it took is stranded).
     ///
-    /// [`take`]: Slot::take
+    /// [`take`]: Holding::take
     pub(crate) fn take_across(
         &self,
         cost: i64,

@@ -1,12 +1,12 @@
-//! A grant put in place, and permits taken out of the slot's hands: an
+//! A grant put in place, and permits taken out of the holding's hands: an
 //! install (added or replacing), a trim of an idle holder's surplus, an
-//! expiry; and which window the slot's clock places a time in.
+//! expiry; and which window the holding's clock places a time in.
 
 use super::atomics::Ordering;
-use super::Slot;
+use super::Holding;
 
 /// A lease granted by the store, placed in local time: what an install
-/// puts in the slot.
+/// puts in the holding.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Grant {
     /// Permits granted.
@@ -33,15 +33,15 @@ pub(crate) enum Installed {
     /// In place of the lease before; this many of its permits (expired
     /// or superseded) were replaced, possibly none.
     Replaced(i64),
-    /// The grant is for a window older than the one the slot already
+    /// The grant is for a window older than the one the holding already
     /// serves (a late reply): not installed, these permits are stranded.
     Stale(i64),
 }
 
-/// Where the slot's clock places a time (see [`Slot::window_at`]).
+/// Where the holding's clock places a time (see [`Holding::window_at`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum WindowAt {
-    /// No lease yet: the slot cannot tell.
+    /// No lease yet: the holding cannot tell.
     Unknown,
     /// Close to a boundary: the store may be on either side of it.
     Boundary,
@@ -58,7 +58,7 @@ pub(crate) struct Trimmed {
     pub(crate) window: Option<i64>,
 }
 
-impl Slot {
+impl Holding {
     /// Installs a lease. If the current permits are still valid and belong
     /// to the same window (and this is not a renewal), the grant is added
     /// and the deadline kept, so no permit outlives its own lease. A grant
@@ -74,7 +74,7 @@ impl Slot {
         self.install_locked(grant, now)
     }
 
-    /// [`install`](Slot::install), the `next` lock held by the caller.
+    /// [`install`](Holding::install), the `next` lock held by the caller.
     pub(super) fn install_locked(&self, grant: Grant, now: u64) -> Installed {
         let Grant {
             permits: granted,

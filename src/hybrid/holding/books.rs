@@ -1,4 +1,4 @@
-//! A slot's bookkeeping, behind its `books` lock: credit, the window
+//! A holding's bookkeeping, behind its `books` lock: credit, the window
 //! closed to credit, sizing, a bucket lease's origin, a lost lease's
 //! identity, and the once-per-window marks. Each change is a method.
 
@@ -7,7 +7,7 @@ use super::MaybeWindow;
 use crate::algorithm::LeaseOrigin;
 use crate::hybrid::policy::Sizing;
 
-/// A slot's slow-path bookkeeping.
+/// A holding's slow-path bookkeeping.
 #[derive(Debug)]
 pub(crate) struct Books {
     /// Optimistic mode: credit admitted, not yet reported.
@@ -39,7 +39,7 @@ pub(crate) struct Books {
 
 impl Books {
     /// The debt to report with a lease call being sent, moved in flight
-    /// (settled by `Slot::credit_settled` when the reply comes back).
+    /// (settled by `Holding::credit_settled` when the reply comes back).
     pub(crate) fn send_credit(&mut self) -> Credit {
         let sent = Credit {
             debt: self.credit.debt,

@@ -1,9 +1,9 @@
-//! Permits spent from a slot and put back: the request path's
+//! Permits spent from a holding and put back: the request path's
 //! compare-and-swap (with a thread's spare stock besides), and a take
 //! undone into the very lease it came from.
 
 use super::atomics::Ordering;
-use super::Slot;
+use super::Holding;
 use crate::clock::TimeSource;
 
 /// The result of trying to spend local permits.
@@ -11,7 +11,7 @@ use crate::clock::TimeSource;
 pub(crate) enum Take {
     /// Spent.
     Taken {
-        /// Permits the slot holds after the take.
+        /// Permits the holding holds after the take.
         left: i64,
         /// The local time (µs) the take was decided at.
         now: u64,
@@ -27,7 +27,7 @@ pub(crate) enum Take {
     /// preempted between its check and its compare-and-swap): they are
     /// void. Treat as `Empty`, except that they were taken from `window`,
     /// which a take across the boundary counts as paid (see
-    /// [`Slot::take_across`]).
+    /// [`Holding::take_across`]).
     Late {
         /// Permits taken and lost (stranded).
         lost: i64,
@@ -38,7 +38,7 @@ pub(crate) enum Take {
 
 impl Take {
     /// A late take's window, if it took at least `cost` of it: that
-    /// window's side of a take across is paid (see [`Slot::take_across`]).
+    /// window's side of a take across is paid (see [`Holding::take_across`]).
     pub(crate) fn paid(&self, cost: u64) -> Option<i64> {
         match *self {
             Take::Late { lost, window } => window.filter(|_| lost as u64 >= cost),
@@ -62,7 +62,7 @@ impl Spare {
     };
 }
 
-impl Slot {
+impl Holding {
     /// Spends `cost` local permits if they are valid now.
     ///
     /// The clock is read once, after the compare-and-swap that takes the
@@ -78,11 +78,11 @@ impl Slot {
         self.take_spare(cost, time, |_| 0).0
     }
 
-    /// [`take`](Slot::take), taking besides `cost` a spare share of what
-    /// the slot holds: `spare(left after cost)` permits more, if there are
+    /// [`take`](Holding::take), taking besides `cost` a spare share of what
+    /// the holding holds: `spare(left after cost)` permits more, if there are
     /// that many. Returns the spare permits taken (none unless `Taken`)
     /// and the deadline they are valid until: a thread's own stock (see
-    /// `thread_cache`), spent without touching the slot.
+    /// `thread_cache`), spent without touching the holding.
     #[inline]
     pub(crate) fn take_spare(
         &self,
@@ -158,7 +158,7 @@ impl Slot {
     }
 
     /// Puts back a thread's spare permits, taken from the lease of
-    /// `window` valid until `deadline`, if the slot still holds that very
+    /// `window` valid until `deadline`, if the holding still holds that very
     /// lease and it is still valid; `false` otherwise (they are stranded).
     pub(crate) fn restore(
         &self,
@@ -171,7 +171,7 @@ impl Slot {
     }
 
     /// Puts back `cost` permits spent from `window`'s lease (a refund, or
-    /// the undoing of one quota's take when another denied), if the slot
+    /// the undoing of one quota's take when another denied), if the holding
     /// still holds a valid lease of that window; `false` otherwise (the
     /// caller returns them to the store, which takes them only while the
     /// window lasts).
@@ -179,7 +179,7 @@ impl Slot {
         self.put_back(Some(window), None, cost.min(i64::MAX as u64) as i64, now)
     }
 
-    /// Adds `permits` if the slot holds a lease of `window` (with this
+    /// Adds `permits` if the holding holds a lease of `window` (with this
     /// `deadline`, when given) valid at `now`. Under the `next` lock, which
     /// serialises installs: a lease of another window cannot slip in
     /// between the check and the add.

@@ -1,11 +1,11 @@
-//! The refill protocol of a slot: when it wants a refill, and where its
+//! The refill protocol of a holding: when it wants a refill, and where its
 //! one refill is ([`Refill`]), so that one at a time is asked for, sent
 //! and settled. Every transition is a method here, one compare-and-swap.
 
 use super::atomics::Ordering;
-use super::Slot;
+use super::Holding;
 
-/// Where a slot's refill is. At most one per key: asked for (queued),
+/// Where a holding's refill is. At most one per key: asked for (queued),
 /// sent, settled (idle again).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
@@ -14,11 +14,11 @@ pub(crate) enum Refill {
     Idle = 0,
     /// Asked for, in the refill queue, not sent.
     Queued = 1,
-    /// Asked for, and a request waits on it: the slot also has an entry
+    /// Asked for, and a request waits on it: the holding also has an entry
     /// in the waiters' queue, sent first; the first entry taken wins.
     Waited = 2,
     /// In a batch the sync task has sent (or is building): any other
-    /// queue entry for the slot is a duplicate to skip.
+    /// queue entry for the holding is a duplicate to skip.
     Sent = 3,
 }
 
@@ -33,8 +33,8 @@ impl Refill {
     }
 }
 
-impl Slot {
-    /// Whether the permits just spent leave the slot wanting a refill.
+impl Holding {
+    /// Whether the permits just spent leave the holding wanting a refill.
     #[inline]
     pub(crate) fn wants_refill(&self, left: i64, now: u64, lead: u64) -> bool {
         left < i64::from(self.low_water.load(Ordering::Relaxed))
@@ -53,7 +53,7 @@ impl Slot {
     }
 
     /// A refill is asked for (`waiting`: by a request that waits on it).
-    /// Whether the slot gets a new entry in the refill queue: when none is
+    /// Whether the holding gets a new entry in the refill queue: when none is
     /// asked for, or when a request now waits on one queued ahead of need
     /// (low water, pre-lease) and not yet sent — a second entry, in the
     /// waiters' queue; the first one taken wins (`RefillQueue::pop`).
@@ -75,7 +75,7 @@ impl Slot {
         }
     }
 
-    /// A queue entry of the slot is taken to be sent: `true` if it is the
+    /// A queue entry of the holding is taken to be sent: `true` if it is the
     /// refill asked for, not yet sent (an entry whose refill is already
     /// on its way, or settled since it was queued, is a duplicate).
     pub(crate) fn send_queued(&self) -> bool {
@@ -108,7 +108,7 @@ impl Slot {
         self.refill_state() != Refill::Idle
     }
 
-    /// The refill is settled (applied, failed, or put back): the slot may
+    /// The refill is settled (applied, failed, or put back): the holding may
     /// ask for another.
     pub(crate) fn refill_done(&self) {
         self.refill.store(Refill::Idle as u8, Ordering::Release);
