@@ -7,7 +7,7 @@ use std::time::Duration;
 use crate::algorithm::{AcquireReply, Params};
 use crate::algorithm::{GiveBackCall, LeaseOrigin, OpIds};
 use crate::decision::Decision;
-use crate::decision::{Origin, Source, Taken};
+use crate::decision::{Source, Taken, TakenFrom};
 
 /// Turns a store's check reply into a decision.
 pub(crate) fn decision_from(reply: &AcquireReply, limit: u64, source: Source) -> Decision {
@@ -32,7 +32,7 @@ pub(crate) fn taken_by_check(
     params: &Params,
     reply: &AcquireReply,
     cost: u64,
-    origin: Origin,
+    origin: TakenFrom,
 ) -> Taken {
     match window_of(params, reply.now_us) {
         Some(window) => {

@@ -12,7 +12,7 @@ use crate::algorithm::LeaseOrigin;
 ///
 /// It says who answered, allowed or denied (a cached denial, a failure
 /// policy). Where an admission's permits came from, which is where a
-/// refund goes, is the crate's own business (its `Origin`): a `Lease`
+/// refund goes, is the crate's own business (its `TakenFrom`): a `Lease`
 /// admission of a bucket may be refunded into the lease or to the store,
 /// and a `FailOpen` one took nothing to give back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -143,7 +143,7 @@ fn micros(d: Duration) -> u64 {
 /// (nothing taken), and `Fallback` is the one failure policy that took
 /// permits (recorded, to be reported to the store).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) enum Origin {
+pub(crate) enum TakenFrom {
     /// Nothing was taken: a denial, a peek, a failure policy's decision.
     #[default]
     None,
@@ -186,7 +186,7 @@ pub(crate) struct Taken {
     /// Leases and credit: the hybrid engine that took it (0: none), so it
     /// goes back only where it came from.
     pub(crate) engine: u16,
-    pub(crate) origin: Origin,
+    pub(crate) origin: TakenFrom,
     /// What `at` is. (A tag of its own rather than an enum around `at`:
     /// it fits in the padding, and a `Taken` travels inside every
     /// decision the request path returns by value.)
@@ -209,7 +209,7 @@ impl Taken {
     /// `cost` permits of `window`, from `origin`: nothing unless both are
     /// known and something was taken.
     #[inline]
-    pub(crate) fn new(origin: Origin, cost: u64, window: Option<i64>) -> Taken {
+    pub(crate) fn new(origin: TakenFrom, cost: u64, window: Option<i64>) -> Taken {
         match window {
             Some(window) if cost > 0 => Taken {
                 origin,
@@ -235,7 +235,7 @@ impl Taken {
         Taken {
             at: i64::try_from(now).unwrap_or(i64::MAX),
             at_kind: TakenAt::LocalUs,
-            ..Taken::new(Origin::Lease, cost, Some(0))
+            ..Taken::new(TakenFrom::Lease, cost, Some(0))
         }
     }
 
@@ -257,7 +257,7 @@ impl Taken {
     }
 
     /// `cost` tokens taken by the store from a bucket at `from`.
-    pub(crate) fn of_bucket(origin: Origin, cost: u64, from: LeaseOrigin) -> Taken {
+    pub(crate) fn of_bucket(origin: TakenFrom, cost: u64, from: LeaseOrigin) -> Taken {
         if cost == 0 {
             return Taken::default();
         }
@@ -306,7 +306,7 @@ impl Taken {
 
     /// Whether anything was taken (and so can be given back).
     pub(crate) fn refundable(&self) -> bool {
-        self.origin != Origin::None
+        self.origin != TakenFrom::None
     }
 }
 

@@ -10,7 +10,7 @@ use crate::algorithm::OpIds;
 use crate::algorithm::{Check, GiveBack, Params, Refunded};
 use crate::checked::{decision_from, refund_call, taken_by_check};
 use crate::decision::Decision;
-use crate::decision::{Origin, Source, Taken};
+use crate::decision::{Source, Taken, TakenFrom};
 use crate::error::Error;
 use crate::key::KeyEncoder;
 use crate::stats::Counters;
@@ -87,7 +87,7 @@ impl ExactEngine {
         applied: bool,
     ) -> Decision {
         let taken = if applied {
-            taken_by_check(&self.params, reply, cost, Origin::Store)
+            taken_by_check(&self.params, reply, cost, TakenFrom::Store)
         } else {
             Taken::default()
         };

@@ -13,7 +13,7 @@ use crate::algorithm::{Check, GiveBack, Params, Refunded};
 use crate::checked::{decision_from, refund_call, taken_by_check};
 use crate::clock::Clock;
 use crate::decision::Decision;
-use crate::decision::{Origin, Source, Taken};
+use crate::decision::{Source, Taken, TakenFrom};
 use crate::quota::Quota;
 use crate::store::MemoryStore;
 
@@ -47,7 +47,7 @@ impl LocalEngine {
         };
         match self.store.run_now(&check) {
             Ok(reply) => decision_from(&reply, self.params.limit, self.source)
-                .with_taken(taken_by_check(&self.params, &reply, cost, Origin::Local)),
+                .with_taken(taken_by_check(&self.params, &reply, cost, TakenFrom::Local)),
             // A private store holds one layout per limiter, so this cannot
             // happen; deny rather than panic if it ever does.
             Err(_) => Decision::deny(self.params.limit, 0, Duration::ZERO, None, self.source),

@@ -29,7 +29,7 @@ use crate::algorithm::Params;
 use crate::clock::Clock;
 use crate::clock::StoreClock;
 use crate::decision::Decision;
-use crate::decision::{Origin, Source, Taken};
+use crate::decision::{Source, Taken, TakenFrom};
 use crate::key::KeyEncoder;
 use crate::local::LocalEngine;
 use crate::stats::Counters;
@@ -121,7 +121,7 @@ impl FailureLayer {
                 self.counters.reports_dropped.add(dropped);
             }
             let mut taken = decision.taken;
-            taken.origin = Origin::Fallback;
+            taken.origin = TakenFrom::Fallback;
             return decision.with_taken(taken);
         }
         // Fail-open and fail-closed take nothing.
@@ -138,7 +138,7 @@ impl FailureLayer {
             return 0;
         };
         let mut local = taken;
-        local.origin = Origin::Local;
+        local.origin = TakenFrom::Local;
         let back = fallback.refund(key, local).now();
         if back == 0 {
             return 0;

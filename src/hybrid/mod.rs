@@ -50,7 +50,7 @@ use crate::algorithm::{OpIds, Params};
 use crate::clock::TimeSource;
 use crate::decision::Decision;
 use crate::decision::Source;
-use crate::decision::{Origin, Taken};
+use crate::decision::{Taken, TakenFrom};
 use crate::error::{Error, ErrorKind};
 use crate::exact::ExactEngine;
 use crate::failure::Reconciler;
@@ -378,7 +378,7 @@ impl HybridEngine {
                         s.reset_after(&holding, now),
                         Source::Credit,
                     )
-                    .with_taken(Taken::new(Origin::Credit, cost, Some(window)).by(s.tag)));
+                    .with_taken(Taken::new(TakenFrom::Credit, cost, Some(window)).by(s.tag)));
                 }
             }
             let left = give_up_at.saturating_duration_since(tokio::time::Instant::now());

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::HybridEngine;
 use crate::algorithm::Refunded;
-use crate::decision::{Origin, Taken};
+use crate::decision::{Taken, TakenFrom};
 use crate::error::Error;
 
 /// Admissions refunded that could go back locally, and where each went,
@@ -70,21 +70,21 @@ impl HybridEngine {
             return false;
         };
         match taken.origin {
-            Origin::Lease if s.leases.windowed() => taken
+            TakenFrom::Lease if s.leases.windowed() => taken
                 .window()
                 .is_some_and(|window| holding.untake(window, taken.cost, s.time.precise_us())),
             // A bucket's permits go back only into the lease they were
             // taken from: one applied after the take was granted with the
             // bucket's level then, and a take from an earlier lease going
             // into it would be a permit the bucket never had.
-            Origin::Lease => {
+            TakenFrom::Lease => {
                 let Some(taken_at) = taken.leased_at_us() else {
                     return false;
                 };
                 holding.books().sizing.applied_at() <= taken_at
                     && holding.untake(0, taken.cost, s.time.precise_us())
             }
-            Origin::Credit => taken
+            TakenFrom::Credit => taken
                 .window()
                 .is_some_and(|window| holding.untake_credit(window, taken.cost)),
             _ => false,
@@ -105,13 +105,13 @@ impl HybridEngine {
         let s = &*self.shared;
         let windowed = s.leases.windowed();
         let local = match taken.origin {
-            Origin::Lease => !windowed,
-            Origin::Credit => true,
+            TakenFrom::Lease => !windowed,
+            TakenFrom::Credit => true,
             _ => false,
         };
         // Taken by another engine (a lane of another tier): nothing of it
         // is here to go back into.
-        if local && taken.engine != s.tag && (taken.origin != Origin::Credit || !windowed) {
+        if local && taken.engine != s.tag && (taken.origin != TakenFrom::Credit || !windowed) {
             return Ok(Refunded::Now(0));
         }
         if local {
@@ -130,7 +130,7 @@ impl HybridEngine {
                     }
                     // Credit already reported counts in its window; the
                     // rest has nowhere to go.
-                    if taken.origin != Origin::Credit || !windowed {
+                    if taken.origin != TakenFrom::Credit || !windowed {
                         return Ok(Refunded::Now(0));
                     }
                     refunds.set(taken.seq, Went::Store);

@@ -15,7 +15,7 @@ use super::outbox::Outbox;
 use super::watchlist::Watch;
 use crate::algorithm::{GiveBackCall, LeaseKind, LeaseOrigin, OpIds, Params};
 use crate::clock::{StoreClock, TimeSource};
-use crate::decision::{Decision, Origin, Source, Taken};
+use crate::decision::{Decision, Source, Taken, TakenFrom};
 use crate::error::Error;
 use crate::exact::ExactEngine;
 use crate::failure::Reconciler;
@@ -311,7 +311,7 @@ impl Shared {
         // then (see `untake`).
         let taken = match window {
             Some(_) if !self.leases.windowed() => Taken::leased_at(cost, now),
-            _ => Taken::new(Origin::Lease, cost, window),
+            _ => Taken::new(TakenFrom::Lease, cost, window),
         };
         self.lease_decision(holding, left, now, taken.by(self.tag))
     }

@@ -15,7 +15,7 @@ use crate::algorithm::Params;
 use crate::algorithm::Refunded;
 use crate::clock::Clock;
 use crate::decision::Decision;
-use crate::decision::{Origin, Source, Taken};
+use crate::decision::{Source, Taken, TakenFrom};
 use crate::error::{Error, ErrorKind};
 use crate::exact::ExactEngine;
 use crate::failure::FailurePolicy;
@@ -259,11 +259,13 @@ impl Lane {
     /// or the per-process count. `false` if it needs the store.
     pub(crate) fn untake(&self, key: &str, taken: Taken) -> bool {
         match (&self.engine, taken.origin) {
-            (Engine::Hybrid(hybrid), Origin::Lease | Origin::Credit) => hybrid.untake(key, taken),
-            (Engine::Local(local), Origin::Local) => {
+            (Engine::Hybrid(hybrid), TakenFrom::Lease | TakenFrom::Credit) => {
+                hybrid.untake(key, taken)
+            }
+            (Engine::Local(local), TakenFrom::Local) => {
                 local.refund(key, taken) == Refunded::Now(taken.cost)
             }
-            (_, Origin::Fallback) => self.failure.untake(key, taken) > 0,
+            (_, TakenFrom::Fallback) => self.failure.untake(key, taken) > 0,
             _ => false,
         }
     }
@@ -291,13 +293,13 @@ impl Lane {
 
     async fn refund_once(&self, key: &str, taken: Taken) -> Result<Refunded, Error> {
         match (&self.engine, taken.origin) {
-            (_, Origin::None) => Ok(Refunded::Now(0)),
-            (Engine::Local(local), Origin::Local) => Ok(local.refund(key, taken)),
-            (_, Origin::Fallback) => Ok(Refunded::Now(self.failure.untake(key, taken))),
-            (Engine::Hybrid(hybrid), Origin::Lease | Origin::Store | Origin::Credit) => {
+            (_, TakenFrom::None) => Ok(Refunded::Now(0)),
+            (Engine::Local(local), TakenFrom::Local) => Ok(local.refund(key, taken)),
+            (_, TakenFrom::Fallback) => Ok(Refunded::Now(self.failure.untake(key, taken))),
+            (Engine::Hybrid(hybrid), TakenFrom::Lease | TakenFrom::Store | TakenFrom::Credit) => {
                 hybrid.refund(key, taken).await
             }
-            (Engine::Exact(exact), Origin::Store) => exact.refund(key, taken).await,
+            (Engine::Exact(exact), TakenFrom::Store) => exact.refund(key, taken).await,
             // A decision of another engine (a lane rebuilt in another
             // mode cannot happen; a decision of another limiter is refused
             // before it gets here).

@@ -29,7 +29,7 @@ use super::lane::{Lane, Recipe};
 use super::tiers::{LaneRef, Tiers};
 use super::undo::Undo;
 use crate::algorithm::{Algorithm, CheckAll};
-use crate::decision::{binding_denial, Decision, Origin, Taken};
+use crate::decision::{binding_denial, Decision, Taken, TakenFrom};
 use crate::error::{Error, ErrorKind};
 use crate::hybrid::HybridConfig;
 use crate::key::{Key, KeyEncoder};
@@ -439,7 +439,7 @@ impl Quotas {
             undo.keep();
             return Ok(Some(binding(parts, Vec::new())));
         }
-        if parts.iter().all(|d| d.taken.origin == Origin::Lease) {
+        if parts.iter().all(|d| d.taken.origin == TakenFrom::Lease) {
             return Ok(None);
         }
         // Some part was decided by the store (or by the failure policy): it
@@ -452,7 +452,7 @@ impl Quotas {
         let windowed = self.algorithm.spec().leases.windowed();
         let stale = parts.iter().zip(&decided).any(|(d, started)| {
             windowed
-                && matches!(d.taken.origin, Origin::Store | Origin::Local)
+                && matches!(d.taken.origin, TakenFrom::Store | TakenFrom::Local)
                 && now.duration_since(*started) >= d.taken.lasts()
         });
         if stale || !self.retake_leases(&undo, key, cost, &mut parts) {
@@ -475,7 +475,7 @@ impl Quotas {
     ) -> bool {
         let _stripe = self.stripe(&key);
         for (index, part) in parts.iter_mut().enumerate() {
-            if part.taken.origin != Origin::Lease {
+            if part.taken.origin != TakenFrom::Lease {
                 continue;
             }
             let lane = self.lane(key, index);
