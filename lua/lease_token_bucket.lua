@@ -28,7 +28,7 @@
 -- one burst below zero (what lies beyond is overshoot all the same, and is
 -- counted in `uncovered`), so credit never becomes free. The key expires
 -- when the bucket would be full. Complexity: O(1). Runs after
--- lua/refill_wait.lua.
+-- lua/bucket.lua.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local limit = tonumber(ARGV[1])
@@ -40,18 +40,7 @@ local debt = tonumber(ARGV[6])
 local need = tonumber(ARGV[7])
 local ceiling = tonumber(ARGV[8] or '0')
 
-local state = redis.call('HMGET', KEYS[1], 'tk', 'ts', 'gb')
-local kept = tonumber(state[1])
-local ts = tonumber(state[2])
-local gb = tonumber(state[3])
-if kept == nil or ts == nil then
-  kept = burst
-  ts = now
-end
-local tokens = kept
-if now > ts then
-  tokens = math.min(burst, kept + (now - ts) * limit / period)
-end
+local kept, ts, tokens, gb = read_bucket(KEYS[1], now, limit, period, burst)
 
 local uncovered = 0
 if debt > 0 and KEYS[2] then

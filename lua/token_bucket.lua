@@ -20,7 +20,7 @@
 -- validated so that this TTL stays far below 2^53 ms (formatted with %d).
 -- Complexity: O(1).
 --
--- Defines check(KEYS, ARGV, apply) after lua/refill_wait.lua;
+-- Defines check(KEYS, ARGV, apply) after lua/bucket.lua;
 -- lua/check_one.lua calls it once,
 -- lua/check_all.lua once per quota. With apply false it decides and writes
 -- nothing.
@@ -32,18 +32,8 @@ local function check(KEYS, ARGV, apply)
   local burst = tonumber(ARGV[3])
   local cost = tonumber(ARGV[4])
 
-  local state = redis.call('HMGET', KEYS[1], 'tk', 'ts', 'gb')
-  local kept = tonumber(state[1])
-  local ts = tonumber(state[2])
-  local gb = tonumber(state[3]) or 0
-  if kept == nil or ts == nil then
-    kept = burst
-    ts = now
-  end
-  local tokens = kept
-  if now > ts then
-    tokens = math.min(burst, kept + (now - ts) * limit / period)
-  end
+  local kept, ts, tokens, gb = read_bucket(KEYS[1], now, limit, period, burst)
+  gb = gb or 0
 
   local allowed = 0
   local retry = 0

@@ -14,7 +14,7 @@ pub(super) static SPEC: Spec = Spec {
     exact: Lua::new(
         "token_bucket",
         concat!(
-            include_str!("../../lua/refill_wait.lua"),
+            include_str!("../../lua/bucket.lua"),
             include_str!("../../lua/token_bucket.lua"),
             include_str!("../../lua/check_one.lua")
         ),
@@ -22,7 +22,7 @@ pub(super) static SPEC: Spec = Spec {
     exact_all: Lua::new(
         "token_bucket_all",
         concat!(
-            include_str!("../../lua/refill_wait.lua"),
+            include_str!("../../lua/bucket.lua"),
             include_str!("../../lua/token_bucket.lua"),
             include_str!("../../lua/check_all.lua")
         ),
@@ -30,7 +30,7 @@ pub(super) static SPEC: Spec = Spec {
     lease: Lua::new(
         "lease_token_bucket",
         concat!(
-            include_str!("../../lua/refill_wait.lua"),
+            include_str!("../../lua/bucket.lua"),
             include_str!("../../lua/lease_token_bucket.lua")
         ),
     ),
@@ -83,7 +83,7 @@ fn bucket_tokens(entry: &Option<Entry>, p: &Params, now: u64, key: &str) -> Resu
 /// How long from `now` until a bucket holding `tokens` at `ts` holds
 /// `need`, in whole microseconds: the rounded-up quotient, grown by 1, 2,
 /// 4 ... µs until the sum a later call computes reaches `need` (floating
-/// point can leave it a hair short). Mirrors `lua/refill_wait.lua`.
+/// point can leave it a hair short). Mirrors `refill_wait` in `lua/bucket.lua`.
 fn refill_wait(tokens: f64, ts: u64, now: u64, need: f64, p: &Params) -> u64 {
     let (limit, period) = (p.limit as f64, p.period_us as f64);
     let mut at = ts + ((need - tokens) * period / limit).ceil().max(0.0) as u64;
