@@ -10,8 +10,8 @@
 --
 -- Returns  {allowed (0|1), remaining, reset_after_us (until the TAT, when the
 --          full burst is available again), retry_after_us (0 allowed,
---          -1 never), now_us, level (permits available after it, rounded
---          up), given_back (the key's "gb", 0 if none)}
+--          -1 never), now_us, level (permits available after it, in
+--          thousandths, rounded up), given_back (the key's "gb", 0 if none)}
 --          `now_us`, `level` and `given_back` are what this decision took
 --          permits at: a refund (give_back.lua) sends them back.
 --
@@ -56,6 +56,6 @@ local function check(KEYS, ARGV, apply)
 
   local remaining = math.floor((tolerance - (tat - now)) / interval + 1e-9)
   if remaining < 0 then remaining = 0 end
-  local level = math.max(0, math.ceil((tolerance - (tat - now)) / interval - 1e-9))
+  local level = math.max(0, math.ceil(((tolerance - (tat - now)) / interval - 1e-9) * 1000))
   return {allowed, remaining, math.ceil(tat - now), retry, now, level, gb}
 end

@@ -20,7 +20,7 @@
 -- ARGV[8]  w: "1" for a refund: a second delivery answers 2^52 plus the
 --          first answer, so the caller can tell a repeat from a first send
 -- ARGV[7]  tb, gc: the bucket's level right after that lease (its reply's
---          level), rounded up
+--          level), in thousandths of a permit, rounded up
 -- ARGV[8]  tb, gc: the key's give-back counter then (its reply's given_back;
 --          0 from an exact check of a key that had none)
 -- ARGV[9]  tb, gc: "1" for a refund (as ARGV[8] for w)
@@ -82,7 +82,7 @@ if algorithm == 'w' then
 end
 
 local origin = tonumber(ARGV[6])
-local level = tonumber(ARGV[7])
+local level = tonumber(ARGV[7]) / 1000
 local gb_then = tonumber(ARGV[8])
 local rate = limit / period
 -- A key no lease has written has no counter: nothing was given back to it.

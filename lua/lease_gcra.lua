@@ -18,7 +18,7 @@
 -- Returns  {granted, remaining, 0, reset_after_us (until the TAT),
 --          retry_after_us (when nothing was granted: until the
 --          `need` permits are available; else 0), now_us, uncovered, 0, level
---          (permits available after the grant, rounded up), given_back}
+--          (permits available after the grant, in thousandths, rounded up), given_back}
 --
 -- Leasing n permits advances the TAT by n emission intervals, exactly as n
 -- admissions would; debt advances it too, past the tolerance if need be,
@@ -90,4 +90,4 @@ if granted == 0 then
   retry = math.max(1, math.ceil(tat + math.min(need, burst) * interval - tolerance - now))
 end
 return {granted, math.max(0, available_at(tat)), 0, math.ceil(tat - now), retry, now, uncovered, 0,
-  math.ceil(level_at(tat) - 1e-9), gb or 0}
+  math.ceil((level_at(tat) - 1e-9) * 1000), gb or 0}

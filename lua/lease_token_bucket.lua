@@ -19,7 +19,7 @@
 -- Returns  {granted, remaining (whole tokens left), 0, reset_after_us (until
 --          full), retry_after_us (when nothing was granted: until the
 --          `need` tokens are present; else 0), now_us, uncovered (debt beyond the
---          tokens present), 0, level (tokens left, rounded up), given_back
+--          tokens present), 0, level (tokens left, in thousandths, rounded up), given_back
 --          (the key's "gb")}
 --
 -- `now_us`, `level` and `given_back` are the lease's origin: a later
@@ -91,4 +91,4 @@ if granted == 0 then
   retry = math.max(1, retry)
 end
 return {granted, math.max(0, math.floor(tokens)), 0, reset, retry, now, math.ceil(uncovered), 0,
-  math.ceil(tokens), gb or 0}
+  math.ceil(tokens * 1000), gb or 0}

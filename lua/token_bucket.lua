@@ -11,7 +11,7 @@
 --
 -- Returns  {allowed (0|1), remaining (whole tokens), reset_after_us (until
 --          full), retry_after_us (0 allowed, -1 never), now_us, level (tokens
---          left, rounded up), given_back (the key's "gb", 0 if none)}
+--          left, in thousandths, rounded up), given_back (the key's "gb", 0 if none)}
 --          `now_us`, `level` and `given_back` are what this decision took
 --          tokens at: a refund (give_back.lua) sends them back.
 --
@@ -53,5 +53,5 @@ local function check(KEYS, ARGV, apply)
     redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil(reset / 1000) + 1))
   end
   return {allowed, math.max(0, math.floor(tokens)), reset, retry, now,
-    math.max(0, math.ceil(tokens)), gb}
+    math.max(0, math.ceil(tokens * 1000)), gb}
 end

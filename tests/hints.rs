@@ -619,3 +619,71 @@ async fn two_bucket_quotas_paced_below_both_are_told_a_wait_that_admits() {
         }
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_quotas_permit_outlives_its_lapsed_lease_while_another_quota_binds() {
+    // 1 per 2 s binds; the hour's quota admitted, then gave its permit back
+    // when the first quota denied. The hint (2 s) outlasts the hour
+    // quota's lease: its permit must still be there after the wait.
+    let quotas = [
+        Quota::new(1, Duration::from_secs(2)).unwrap(),
+        Quota::per_hour(nonzero!(2)),
+    ];
+    for algorithm in ALGORITHMS {
+        for mode in MODES {
+            let l = fresh(&quotas, algorithm, mode);
+            assert!(l.check("k", 1).await.is_allowed());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let d = l.check("k", 1).await;
+            assert!(!d.is_allowed(), "{mode:?} {algorithm:?}");
+            let hint = d.retry_after().unwrap();
+            tokio::time::sleep(hint).await;
+            let after = l.check("k", 1).await;
+            assert!(
+                after.is_allowed(),
+                "{mode:?} {algorithm:?}: waited {hint:?} and was denied: {after:?}\n{:?}",
+                l.stats()
+            );
+            l.shutdown().await;
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_smaller_cost_behind_a_larger_ones_denial_is_told_its_own_wait() {
+    // A bucket spent, then a request of 8 denied (8 tokens: 8 s), then one
+    // of 1: it fits in 1 s, and is told so, as the exact limiter tells.
+    let quota = Quota::new(10, Duration::from_secs(10)).unwrap();
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        let mut hints = Vec::new();
+        for mode in MODES {
+            let l = fresh(&[quota], algorithm, mode);
+            // Spent to the last token, no denial yet: the first denial is
+            // the larger cost's.
+            for _ in 0..10 {
+                assert!(l.check("k", 1).await.is_allowed(), "{mode:?} {algorithm:?}");
+            }
+            let big = l.check("k", 8).await;
+            assert!(!big.is_allowed(), "{mode:?} {algorithm:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let small = l.check("k", 1).await;
+            assert!(!small.is_allowed(), "{mode:?} {algorithm:?}");
+            let hint = small.retry_after().unwrap();
+            tokio::time::sleep(hint).await;
+            let after = l.check("k", 1).await;
+            assert!(
+                after.is_allowed(),
+                "{mode:?} {algorithm:?}: waited {hint:?} and was denied: {after:?}"
+            );
+            hints.push((mode, hint));
+            l.shutdown().await;
+        }
+        let exact = hints[0].1;
+        for (mode, hint) in &hints[1..] {
+            assert!(
+                *mode == Mode::Optimistic || hint.abs_diff(exact) <= SLACK,
+                "{mode:?} {algorithm:?}: told {hint:?}, the exact limiter {exact:?}"
+            );
+        }
+    }
+}

@@ -92,8 +92,17 @@ pub(crate) fn peak(p: &Params, origin: LeaseOrigin, gb: Option<u64>, now: u64) -
         return None;
     }
     let rate = p.limit as f64 / p.period_us as f64;
-    Some(origin.level as f64 + (now - origin.at_us) as f64 * rate + (gb - origin.given_back) as f64)
+    let level = origin.level as f64 / LEVEL_SCALE;
+    Some(level + (now - origin.at_us) as f64 * rate + (gb - origin.given_back) as f64)
 }
+
+/// A bucket's level travels in thousandths of a permit, rounded up (the
+/// scripts' `level`, [`LeaseOrigin::level`]): rounded up to whole permits,
+/// a lease that left 0.00001 in the bucket said 1, and a give-back capped
+/// by that level plus the refill since refused the one permit it returned.
+/// (A burst is at most `Quota::MAX_LIMIT`, 10^12: 10^15 thousandths, an
+/// exact Lua number.)
+pub(crate) const LEVEL_SCALE: f64 = 1000.0;
 
 /// The grant rule of the token-bucket and GCRA lease scripts: nothing
 /// below the waiting request's need, else `min(want, available, max(need,

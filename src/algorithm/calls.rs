@@ -35,8 +35,8 @@ pub(crate) struct AcquireReply {
     /// 0 when allowed, `None` when the cost can never be admitted.
     pub(crate) retry_after_us: Option<u64>,
     pub(crate) now_us: u64,
-    /// Buckets: the level right after the decision, rounded up (0 for
-    /// windows). With `now_us` and `given_back`, where a refund of this
+    /// Buckets: the level right after the decision, in thousandths,
+    /// rounded up (0 for windows). With `now_us` and `given_back`, where a refund of this
     /// decision's take starts from (see [`LeaseOrigin`]).
     pub(crate) level: u64,
     /// Buckets: the key's give-back counter at the decision.
@@ -267,8 +267,9 @@ pub(crate) struct LeaseReply {
     pub(crate) uncovered: u64,
     /// Fixed window: the index of the window the grant belongs to.
     pub(crate) window: i64,
-    /// Token bucket, GCRA: the bucket's level right after this grant,
-    /// rounded up (part of the lease's origin, see [`LeaseOrigin`]).
+    /// Token bucket, GCRA: the bucket's level right after this grant, in
+    /// thousandths, rounded up (part of the lease's origin, see
+    /// [`LeaseOrigin`]).
     pub(crate) level: u64,
     /// Token bucket, GCRA: the key's give-back counter at this grant.
     pub(crate) given_back: u64,
@@ -281,7 +282,8 @@ pub(crate) struct LeaseReply {
 pub(crate) struct LeaseOrigin {
     /// Store time of the grant (µs).
     pub(crate) at_us: u64,
-    /// The bucket's level right after it, rounded up.
+    /// The bucket's level right after it, in thousandths of a permit,
+    /// rounded up (`bucket::LEVEL_SCALE`).
     pub(crate) level: u64,
     /// The key's give-back counter then.
     pub(crate) given_back: u64,

@@ -1,7 +1,7 @@
 //! GCRA: one theoretical arrival time per key, the same admissions as a
 //! token bucket with one number of state; hybrid leases are bucket leases.
 
-use super::bucket;
+use super::bucket::{self, LEVEL_SCALE};
 use super::calls::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use super::state::{ceil_ms_to_us, wrong_type, Entry, State};
 use super::{LeaseKind, Lua, Spec};
@@ -114,7 +114,7 @@ fn check(
         reset_after_us: (tat - nowf).ceil().max(0.0) as u64,
         retry_after_us: retry,
         now_us: now,
-        level: (g.level(tat, nowf) - 1e-9).ceil().max(0.0) as u64,
+        level: ((g.level(tat, nowf) - 1e-9) * LEVEL_SCALE).ceil().max(0.0) as u64,
         given_back: gb.unwrap_or(0),
     })
 }
@@ -160,7 +160,7 @@ fn lease(
         now_us: now,
         uncovered: uncovered as u64,
         window: 0,
-        level: (g.level(tat, nowf) - 1e-9).ceil().max(0.0) as u64,
+        level: ((g.level(tat, nowf) - 1e-9) * LEVEL_SCALE).ceil().max(0.0) as u64,
         given_back: gb.unwrap_or(0),
     })
 }

@@ -2,7 +2,7 @@
 //! period`. One hash per key (tokens, timestamp, give-back counter);
 //! hybrid leases are bucket leases.
 
-use super::bucket;
+use super::bucket::{self, LEVEL_SCALE};
 use super::calls::{AcquireReply, GiveBackCall, LeaseCall, LeaseReply, Params};
 use super::state::{ceil_ms_to_us, wrong_type, Entry, State};
 use super::{LeaseKind, Lua, Spec};
@@ -143,7 +143,7 @@ fn check(
         reset_after_us: bucket_reset(p, tokens).max(0.0) as u64,
         retry_after_us: retry,
         now_us: now,
-        level: tokens.ceil().max(0.0) as u64,
+        level: (tokens * LEVEL_SCALE).ceil().max(0.0) as u64,
         given_back: gb.unwrap_or(0),
     })
 }
@@ -195,7 +195,7 @@ fn lease(
         now_us: now,
         uncovered: uncovered.ceil() as u64,
         window: 0,
-        level: tokens.ceil().max(0.0) as u64,
+        level: (tokens * LEVEL_SCALE).ceil().max(0.0) as u64,
         given_back: gb.unwrap_or(0),
     })
 }

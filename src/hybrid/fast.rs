@@ -115,7 +115,7 @@ impl HybridEngine {
                 holding.touch(now);
                 *decided = Some(s.spent(holding, left + permits, now, cost, window));
             }
-            (Take::Late { lost, .. }, _) => s.expired(holding, lost as u64),
+            (Take::Late { lost, .. }, _) => s.lapsed(holding, lost),
             // A pre-lease to promote, or a denial to answer: the common way.
             (Take::Empty, _) => self.fast_on(holding, cost, decided),
         }
@@ -163,13 +163,13 @@ impl HybridEngine {
                 let now = s.time.now_us();
                 holding
                     .denied(now)
-                    .filter(|&until| s.denial_covers(holding, until, cost))
+                    .filter(|&until| s.denial_covers(holding, until, now, cost))
                     .map(|until| s.cached_denial(holding, until, now, cost))
             }
             // The lease ended (its permits are void): the next window's
             // may be held already.
             late @ Take::Late { lost, .. } => {
-                s.expired(holding, lost as u64);
+                s.lapsed(holding, lost);
                 self.promoted(holding, cost, late.paid(cost))
             }
         }

@@ -280,7 +280,7 @@ impl HybridEngine {
                     return Ok(s.spent(&holding, left, now, cost, window))
                 }
                 late @ Take::Late { lost, .. } => {
-                    s.expired(&holding, lost as u64);
+                    s.lapsed(&holding, lost);
                     paid = late.paid(cost);
                 }
                 Take::Empty => {}
@@ -304,9 +304,9 @@ impl HybridEngine {
                 return Ok(decided);
             }
             if let Some(until) = holding.denied(now) {
-                if !asked_for_cost && !s.denial_covers(&holding, until, cost) {
-                    // The store's wait was for a smaller cost (a sliding
-                    // window's depends on it): asked once for this one.
+                if !asked_for_cost && !s.denial_covers(&holding, until, now, cost) {
+                    // The store's wait was for another cost (see
+                    // `denial_covers`): asked once for this one.
                     asked_for_cost = true;
                     holding.need_at_least(cost);
                     s.request_refill(&holding, true);

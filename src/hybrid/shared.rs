@@ -246,17 +246,34 @@ impl Shared {
         }
     }
 
+    /// Whether a cached denial (until `until`, local µs) can answer a
+    /// request of `cost` at `now`. A sliding window's wait depends on the
+    /// cost (its carry fades over time): a larger cost than the store's
+    /// answer was for asks the store. A bucket's smaller cost fits sooner
+    /// (it refills at `limit` per `period`): once that time has come, it
+    /// asks the store rather than wait for the larger cost's tokens.
+    pub(super) fn denial_covers(&self, holding: &Holding, until: u64, now: u64, cost: u64) -> bool {
+        let hint = holding.retry_hint(until);
+        match self.params.algorithm {
+            crate::algorithm::Algorithm::SlidingWindow => cost <= hint.cost,
+            _ if self.leases.windowed() => true,
+            _ => now < hint.at.saturating_sub(self.refill_us(cost, hint.cost)),
+        }
+    }
+
+    /// How long a bucket takes to refill `more - fewer` tokens (rounded
+    /// down), 0 for a window or when `fewer >= more`.
+    fn refill_us(&self, fewer: u64, more: u64) -> u64 {
+        if self.leases.windowed() || fewer >= more {
+            return 0;
+        }
+        ((more - fewer) as u128 * self.params.period_us as u128 / self.params.limit.max(1) as u128)
+            .min(u64::MAX as u128) as u64
+    }
+
     /// A denial from the holding's cache (denied until `until`, local µs):
     /// its hint is when the store said the request can succeed, not when
     /// the cache is re-checked.
-    /// Whether a cached denial can answer a request of `cost`: a sliding
-    /// window's wait depends on the cost (its carry fades over time), so
-    /// a larger cost than the store's answer was for asks the store.
-    pub(super) fn denial_covers(&self, holding: &Holding, until: u64, cost: u64) -> bool {
-        self.params.algorithm != crate::algorithm::Algorithm::SlidingWindow
-            || cost <= holding.retry_hint(until).cost
-    }
-
     pub(super) fn cached_denial(
         &self,
         holding: &Holding,
@@ -269,16 +286,12 @@ impl Shared {
             cost: for_cost,
         } = holding.retry_hint(until);
         // A bucket refills at `limit` per `period`: a larger cost than the
-        // answer was for waits for its extra tokens too. (A window's end
-        // serves any cost the limit can hold.)
-        let extra = if self.leases.windowed() || cost <= for_cost {
-            0
-        } else {
-            ((cost - for_cost) as u128 * self.params.period_us as u128
-                / self.params.limit.max(1) as u128)
-                .min(u64::MAX as u128) as u64
-        };
-        let mut wait = Duration::from_micros(retry_at.saturating_add(extra).saturating_sub(now));
+        // answer was for waits for its extra tokens too, a smaller one
+        // less. (A window's end serves any cost the limit can hold.)
+        let at = retry_at
+            .saturating_add(self.refill_us(for_cost, cost))
+            .saturating_sub(self.refill_us(cost, for_cost));
+        let mut wait = Duration::from_micros(at.saturating_sub(now));
         let reset = self.reset_after(holding, now);
         // A fixed window the store found full admits nothing more before
         // it ends: the cache may be re-checked sooner (for permits an idle
@@ -527,6 +540,19 @@ impl Shared {
         self.keys.store_key(holding.key(), self.params.algorithm)
     }
 
+    /// A take found its lease over (`Take::Late`): the permits it took go
+    /// where [`expired`](Shared::expired) sends them. A bucket lease's rest
+    /// goes with them, in one give-back ahead of the key's next lease call
+    /// (a window's stays for a take across the boundary, see
+    /// `Holding::take_across`).
+    pub(super) fn lapsed(&self, holding: &Holding, lost: i64) {
+        let rest = match self.leases {
+            LeaseKind::Bucket => holding.expire(self.time.precise_us()),
+            LeaseKind::Window => 0,
+        };
+        self.expired(holding, (lost.max(0) + rest) as u64);
+    }
+
     /// Permits of `holding`'s lease that ran out unspent: stranded under a
     /// window lease (their window is over), given back under a bucket
     /// lease (capped by what the bucket could have held since the lease's
@@ -539,8 +565,12 @@ impl Shared {
         match self.leases {
             LeaseKind::Window => self.counters.stranded.add(permits),
             LeaseKind::Bucket => {
-                let origin = holding.books().origin();
+                let origin = holding.books().origin_for(permits);
                 self.give_back(&self.store_key(holding), permits, None, origin);
+                // The store will hold them again (the give-back goes before
+                // the key's next lease call): a denial it answered while
+                // they were out no longer says when the key can pass.
+                holding.forget_denial();
             }
         }
     }

@@ -543,7 +543,8 @@ async fn token_bucket_leases_expire_after_their_horizon_and_go_back() {
     // are void: a new lease replaces them and they go back to the bucket.
     r.clock.set(ORIGIN + Duration::from_micros(996_500));
     assert!(r.check("k", 1).await.is_allowed());
-    // The new lease, then (same round, after the leases) the give-back.
+    // The give-back of the 18 (a key's give-backs go before its lease
+    // calls), then the new lease.
     assert_eq!(r.round_trips(), 3);
     r.sync().await;
     // Had the 18 stayed in the bucket (30 + 18 = 48), the second of refill

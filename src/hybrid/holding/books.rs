@@ -21,8 +21,12 @@ pub(crate) struct Books {
     /// spent), updated by the sync task and by a promotion.
     pub(crate) sizing: Sizing,
     /// Token bucket, GCRA: where the permits held came from, for the
-    /// give-back of those left unused.
+    /// give-back of those left unused: every grant merged into the lease
+    /// (`LeaseOrigin::merge`, the most cautious), and the newest alone
+    /// with its size (see [`origin_for`](Books::origin_for)).
     pub(super) origin: LeaseOrigin,
+    pub(super) newest: LeaseOrigin,
+    pub(super) newest_granted: u32,
     /// Fixed window: the identity of a lease whose reply was lost (0:
     /// none). The next lease is sent under it, so the store hands back
     /// what it granted then instead of counting a second grant.
@@ -90,18 +94,40 @@ impl Books {
         self.used_up == window as u32
     }
 
-    /// Where the permits held came from (buckets).
+    /// Where every permit held came from (buckets): all grants merged.
     pub(crate) fn origin(&self) -> LeaseOrigin {
         self.origin
     }
 
-    /// Permits of a new lease from `origin` are in place (`added`: to
-    /// permits still held, which then answer to both origins).
-    pub(crate) fn set_origin(&mut self, origin: LeaseOrigin, added: bool) {
+    /// The origin that `permits` of those held go back under (buckets).
+    ///
+    /// Permits are alike: `permits` given back of a lease that had grants
+    /// added to it can be counted as never taken from the newest grant,
+    /// while what went back of it so far leaves room, and then answer to
+    /// its origin alone. (The merged origin holds for any number, but its
+    /// earlier grant time and higher level can cap a give-back to nothing:
+    /// a permit undone into a lease that then lapsed was lost.)
+    pub(crate) fn origin_for(&mut self, permits: u64) -> LeaseOrigin {
+        let room = u64::from(self.newest_granted);
+        if permits <= room {
+            self.newest_granted = (room - permits) as u32;
+            self.newest
+        } else {
+            self.newest_granted = 0;
+            self.origin
+        }
+    }
+
+    /// `granted` permits of a new lease from `origin` are in place
+    /// (`added`: to permits still held, which then answer to both
+    /// origins).
+    pub(crate) fn set_origin(&mut self, origin: LeaseOrigin, granted: u64, added: bool) {
         self.origin = if added {
             self.origin.merge(origin)
         } else {
             origin
         };
+        self.newest = origin;
+        self.newest_granted = granted.min(u64::from(u32::MAX)) as u32;
     }
 }

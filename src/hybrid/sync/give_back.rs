@@ -1,7 +1,9 @@
 //! Give-backs: unused permits returned to the store, a batch at a time
 //! behind the leases somebody waits for (all of them at the last round).
 
-use crate::algorithm::GiveBack;
+use std::collections::HashSet;
+
+use crate::algorithm::{GiveBack, GiveBackCall};
 use crate::hybrid::shared::Shared;
 
 /// Sends the queued give-backs. They go last: a waiter's lease matters
@@ -23,6 +25,43 @@ pub(super) async fn give_back_some(shared: &Shared, batches: Option<usize>) -> b
         let take = batches.map_or(queued.len(), |b| queued.len().min(b * batch_size));
         queued.drain(..take).collect::<Vec<_>>()
     };
+    send(shared, &returns).await;
+    !shared
+        .outbox
+        .returns
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .is_empty()
+}
+
+/// Sends the queued give-backs of the keys `leased` is about to ask a
+/// lease for, ahead of those leases: a key's permits that went back when
+/// its lease lapsed must be in the store before it asks again, or the ask
+/// is refused and its denial tells a wait those permits would not have
+/// needed.
+pub(super) async fn give_back_before(shared: &Shared, leased: &HashSet<&str>) {
+    let returns = {
+        let mut queued = shared
+            .outbox
+            .returns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if queued.is_empty() {
+            return;
+        }
+        let (first, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *queued)
+            .into_iter()
+            .partition(|call| leased.contains(call.key.as_str()));
+        *queued = rest;
+        first
+    };
+    send(shared, &returns).await;
+}
+
+/// Sends `returns`, a batch at a time, and counts what the store took
+/// back and what it refused (stranded).
+async fn send(shared: &Shared, returns: &[GiveBackCall]) {
+    let batch_size = shared.config.load().batch_size;
     for chunk in returns.chunks(batch_size) {
         let calls: Vec<GiveBack<'_>> = chunk
             .iter()
@@ -58,10 +97,4 @@ pub(super) async fn give_back_some(shared: &Shared, batches: Option<usize>) -> b
             }
         }
     }
-    !shared
-        .outbox
-        .returns
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .is_empty()
 }

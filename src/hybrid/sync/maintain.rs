@@ -174,7 +174,7 @@ pub(super) fn trim_idle(shared: &Shared, holding: &Holding, idle_ms: u64, now: u
         return;
     }
     if let Some(Trimmed { permits, window }) = holding.trim(keep, now) {
-        let origin = holding.books().origin();
+        let origin = holding.books().origin_for(permits as u64);
         shared.give_back(&shared.store_key(holding), permits as u64, window, origin);
     }
 }

@@ -2,7 +2,7 @@
 //! before the rest), each lease call sized, sent in pipelines, and the
 //! replies placed in time.
 
-use super::give_back::give_back_some;
+use super::give_back::{give_back_before, give_back_some};
 use super::reply::apply;
 use super::reply::give_recalled_back;
 use super::watch::add_peeks;
@@ -25,6 +25,7 @@ use crate::hybrid::policy::SizingRule;
 use crate::hybrid::policy::THIN_AHEAD_CAP_DIVISOR;
 use crate::hybrid::shared::Shared;
 use futures_util::future::join_all;
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -218,6 +219,20 @@ pub(crate) async fn round(shared: &Shared) -> bool {
         }
         if batches.is_empty() {
             break;
+        }
+        let returns_queued = !shared
+            .outbox
+            .returns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty();
+        if returns_queued {
+            let leased: HashSet<&str> = batches
+                .iter()
+                .flatten()
+                .map(|p| p.call.key.as_str())
+                .collect();
+            give_back_before(shared, &leased).await;
         }
         let calls: Vec<Vec<LeaseCall>> = batches
             .iter()
