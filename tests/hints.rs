@@ -687,3 +687,44 @@ async fn a_smaller_cost_behind_a_larger_ones_denial_is_told_its_own_wait() {
         }
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_larger_costs_wait_is_told_afresh_after_a_smaller_one_took_tokens() {
+    // Cost 8 denied (8 s); cost 1 told its own 1 s, waits, is admitted:
+    // the bucket now holds a token less, so cost 8 is told a second more
+    // than its first denial said, not that first time.
+    let quota = Quota::new(10, Duration::from_secs(10)).unwrap();
+    for algorithm in [Algorithm::TokenBucket, Algorithm::Gcra] {
+        for mode in MODES {
+            let l = fresh(&[quota], algorithm, mode);
+            for _ in 0..10 {
+                assert!(l.check("k", 1).await.is_allowed(), "{mode:?} {algorithm:?}");
+            }
+            assert!(!l.check("k", 8).await.is_allowed());
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let small = l.check("k", 1).await;
+            tokio::time::sleep(small.retry_after().unwrap()).await;
+            let mut again = l.check("k", 1).await;
+            if !again.is_allowed() && mode == Mode::Optimistic {
+                tokio::time::sleep(again.retry_after().unwrap()).await;
+                again = l.check("k", 1).await;
+            }
+            assert!(again.is_allowed(), "{mode:?} {algorithm:?}: {again:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            let big = l.check("k", 8).await;
+            assert!(!big.is_allowed(), "{mode:?} {algorithm:?}");
+            let hint = big.retry_after().unwrap();
+            tokio::time::sleep(hint).await;
+            let mut after = l.check("k", 8).await;
+            if !after.is_allowed() && mode == Mode::Optimistic {
+                tokio::time::sleep(after.retry_after().unwrap()).await;
+                after = l.check("k", 8).await;
+            }
+            assert!(
+                after.is_allowed(),
+                "{mode:?} {algorithm:?}: waited {hint:?} and was denied: {after:?}"
+            );
+            l.shutdown().await;
+        }
+    }
+}

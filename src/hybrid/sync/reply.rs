@@ -225,6 +225,12 @@ pub(super) fn lease_answered(
                 // that found it full was overtaken by a give-back).
                 holding.forget_denial();
             }
+            if !windowed {
+                // Tokens were just taken: a denial cached for a larger
+                // cost (a smaller one was granted before its time) tells a
+                // time they now push back. The next such request asks.
+                holding.forget_denial();
+            }
             if windowed && !shared.store.is_sharded() {
                 expect_refill(shared, holding, r, low_water, now);
             }
