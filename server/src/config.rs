@@ -18,12 +18,15 @@
 //!
 //! A request's descriptor (a list of key/value entries) is matched level
 //! by level: an entry takes the node with its key and its exact value,
-//! else one with its key and a `prefix*` value that matches (the longest
-//! prefix), else one with its key and no value. The node the last entry
+//! else the first (in file order) with its key and a value with `*` in it
+//! that matches (each `*` any run of characters: `10.0.*`, `bar*b`,
+//! `foo*bar*baz`), else one with its key and no value. The node the last entry
 //! reaches decides: its rule, or none (the descriptor counts nothing).
-//! Whatever slicelimit cannot honour — another unit, a field it does not
-//! know (`replaces`, `detailed_metric` …), a bad number — is an error
-//! naming the file, the descriptor and the field, never ignored.
+//! `rate_limit` takes envoyproxy/ratelimit's fields: `unit` (second to
+//! year), `requests_per_unit`, `name` and `unlimited`. Whatever slicelimit
+//! cannot honour — a field it does not know (`replaces`, `detailed_metric`
+//! …), a bad number — is an error naming the file, the descriptor and the
+//! field, never ignored.
 
 use std::time::Duration;
 
@@ -76,7 +79,9 @@ struct Node {
 enum Match {
     Any,
     Exact(String),
-    Prefix(String),
+    /// A value with `*` in it, split there: each `*` stands for any run
+    /// of characters (none included), as envoyproxy/ratelimit reads it.
+    Wildcard(Vec<String>),
 }
 
 const DESCRIPTOR_FIELDS: [&str; 8] = [
@@ -169,22 +174,36 @@ impl Config {
     }
 }
 
-/// The node `entry` takes among `nodes`: exact value, else the longest
-/// matching prefix, else the key alone.
+/// The node `entry` takes among `nodes`: exact value, else the first
+/// wildcard value that matches, in file order (as envoyproxy/ratelimit
+/// takes it), else the key alone.
 fn best<'a>(nodes: &'a [Node], (key, value): &(&str, &str)) -> Option<&'a Node> {
     let of_key = || nodes.iter().filter(move |n| n.key == *key);
     of_key()
         .find(|n| matches!(&n.value, Match::Exact(v) if v == value))
         .or_else(|| {
-            of_key()
-                .filter_map(|n| match &n.value {
-                    Match::Prefix(p) if value.starts_with(p.as_str()) => Some((p.len(), n)),
-                    _ => None,
-                })
-                .max_by_key(|(len, _)| *len)
-                .map(|(_, n)| n)
+            of_key().find(|n| matches!(&n.value, Match::Wildcard(parts) if glob(parts, value)))
         })
         .or_else(|| of_key().find(|n| n.value == Match::Any))
+}
+
+/// Whether `value` matches a wildcard value split on `*` (two parts at
+/// least): it starts with the first part, ends with the last, and holds
+/// the ones between in order, none overlapping.
+fn glob(parts: &[String], value: &str) -> bool {
+    let (Some((first, rest)), Some(last)) = (parts.split_first(), parts.last()) else {
+        return false;
+    };
+    let Some(mut left) = value.strip_prefix(first.as_str()) else {
+        return false;
+    };
+    for part in &rest[..rest.len().saturating_sub(1)] {
+        match left.find(part.as_str()) {
+            Some(at) => left = &left[at + part.len()..],
+            None => return false,
+        }
+    }
+    left.ends_with(last.as_str())
 }
 
 type Fail<'a> = &'a dyn Fn(&str, String) -> Error;
@@ -222,7 +241,10 @@ fn segment(node: &Node) -> String {
     match &node.value {
         Match::Any => key,
         Match::Exact(v) => format!("{key}={}", escape(v)),
-        Match::Prefix(p) => format!("{key}={}*", escape(p)),
+        Match::Wildcard(parts) => {
+            let parts: Vec<String> = parts.iter().map(|p| escape(p)).collect();
+            format!("{key}={}", parts.join("*"))
+        }
     }
 }
 
@@ -257,7 +279,9 @@ fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node,
     let value = match map.get("value") {
         None => Match::Any,
         Some(v) => match scalar(v) {
-            Some(v) if v.ends_with('*') => Match::Prefix(v.trim_end_matches('*').to_owned()),
+            Some(v) if v.contains('*') => {
+                Match::Wildcard(v.split('*').map(str::to_owned).collect())
+            }
             Some(v) => Match::Exact(v),
             None => return Err(fail(here, "`value` must be a string".into())),
         },
@@ -282,9 +306,11 @@ fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node,
                 .ok_or_else(|| fail(at, format!("`{field}` must be true or false"))),
         }
     };
-    let unlimited = flag("unlimited")?;
+    // `unlimited` and `name` belong in `rate_limit` (envoyproxy/ratelimit's
+    // form); beside it, on the descriptor, they are read as well.
+    let mut unlimited = flag("unlimited")?;
     let shadow_mode = flag("shadow_mode")?;
-    let name = match map.get("name") {
+    let mut name = match map.get("name") {
         None => None,
         Some(v) => Some(
             v.as_str()
@@ -297,10 +323,22 @@ fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node,
         (Some(_), true) => {
             return Err(fail(
                 at,
-                "`unlimited` and `rate_limit` exclude each other".into(),
+                "`unlimited` and `rate_limit` exclude each other \
+                 (write `rate_limit: { unlimited: true }`)"
+                    .into(),
             ))
         }
-        (Some(limit), false) => Some(quota(limit, at, fail)?),
+        (Some(limit), false) => {
+            let limit = rate_limit(limit, at, fail)?;
+            if limit.name.is_some() {
+                if name.is_some() {
+                    return Err(fail(at, "`name` is given twice".into()));
+                }
+                name = limit.name;
+            }
+            unlimited = limit.unlimited;
+            limit.quota
+        }
         (None, _) => None,
     };
     if let Some(quota) = &quota {
@@ -340,13 +378,41 @@ fn field_name(field: &Value) -> String {
     scalar(field).unwrap_or_else(|| format!("{field:?}"))
 }
 
-fn quota(limit: &Value, at: &str, fail: Fail<'_>) -> Result<Quota, Error> {
+/// The units envoyproxy/ratelimit accepts, by name, and their length in
+/// seconds: a month is 30 days and a year 365, as it counts them.
+pub const UNITS: [(&str, u64); 7] = [
+    ("second", 1),
+    ("minute", 60),
+    ("hour", 3_600),
+    ("day", 86_400),
+    ("week", 604_800),
+    ("month", 2_592_000),
+    ("year", 31_536_000),
+];
+
+/// The length of the unit called `name` (any case).
+pub fn unit_period(name: &str) -> Option<Duration> {
+    UNITS
+        .iter()
+        .find(|(unit, _)| unit.eq_ignore_ascii_case(name))
+        .map(|&(_, secs)| Duration::from_secs(secs))
+}
+
+/// A `rate_limit` section, in envoyproxy/ratelimit's form: `unit` and
+/// `requests_per_unit`, or `unlimited: true` (and no unit), and a `name`.
+struct RateLimit {
+    quota: Option<Quota>,
+    unlimited: bool,
+    name: Option<String>,
+}
+
+fn rate_limit(limit: &Value, at: &str, fail: Fail<'_>) -> Result<RateLimit, Error> {
     let map = limit
         .as_mapping()
         .ok_or_else(|| fail(at, "`rate_limit` must be a mapping".into()))?;
     for (field, _) in map {
         match field.as_str() {
-            Some("unit" | "requests_per_unit") => {}
+            Some("unit" | "requests_per_unit" | "unlimited" | "name") => {}
             _ => {
                 return Err(fail(
                     at,
@@ -355,21 +421,40 @@ fn quota(limit: &Value, at: &str, fail: Fail<'_>) -> Result<Quota, Error> {
             }
         }
     }
-    let period = match map
-        .get("unit")
-        .and_then(Value::as_str)
-        .map(str::to_ascii_lowercase)
-    {
-        Some(unit) if unit == "second" => Duration::from_secs(1),
-        Some(unit) if unit == "minute" => Duration::from_secs(60),
-        Some(unit) if unit == "hour" => Duration::from_secs(3_600),
-        Some(unit) if unit == "day" => Duration::from_secs(86_400),
-        other => {
+    let name = match map.get("name") {
+        None => None,
+        Some(v) => Some(
+            v.as_str()
+                .ok_or_else(|| fail(at, "`rate_limit.name` must be a string".into()))?
+                .to_owned(),
+        ),
+    };
+    let unlimited = match map.get("unlimited") {
+        None => false,
+        Some(v) => v
+            .as_bool()
+            .ok_or_else(|| fail(at, "`rate_limit.unlimited` must be true or false".into()))?,
+    };
+    if unlimited {
+        if map.get("unit").is_some() || map.get("requests_per_unit").is_some() {
             return Err(fail(
                 at,
-                format!("`rate_limit.unit` {other:?}: one of second, minute, hour, day"),
-            ))
+                "`rate_limit`: an unlimited rule has no `unit` or `requests_per_unit`".into(),
+            ));
         }
+        return Ok(RateLimit {
+            quota: None,
+            unlimited,
+            name,
+        });
+    }
+    let unit = map.get("unit").and_then(Value::as_str);
+    let Some(period) = unit.and_then(unit_period) else {
+        let known: Vec<&str> = UNITS.iter().map(|(u, _)| *u).collect();
+        return Err(fail(
+            at,
+            format!("`rate_limit.unit` {unit:?}: one of {}", known.join(", ")),
+        ));
     };
     let requests = map
         .get("requests_per_unit")
@@ -381,7 +466,30 @@ fn quota(limit: &Value, at: &str, fail: Fail<'_>) -> Result<Quota, Error> {
                 "`rate_limit.requests_per_unit` must be a whole number of at least 1".into(),
             )
         })?;
-    Quota::new(requests, period).map_err(|e| fail(at, format!("`rate_limit`: {e}")))
+    let quota = Quota::new(requests, period).map_err(|e| fail(at, format!("`rate_limit`: {e}")))?;
+    Ok(RateLimit {
+        quota: Some(quota),
+        unlimited: false,
+        name,
+    })
+}
+
+/// A `rate_limit` that must limit (an RLQS bucket's): no `unlimited`, no
+/// `name`.
+fn quota(limit: &Value, at: &str, fail: Fail<'_>) -> Result<Quota, Error> {
+    let parsed = rate_limit(limit, at, fail)?;
+    if parsed.name.is_some() {
+        return Err(fail(
+            at,
+            "`rate_limit.name` is not for an RLQS bucket".into(),
+        ));
+    }
+    parsed.quota.ok_or_else(|| {
+        fail(
+            at,
+            "`rate_limit.unlimited` is not for an RLQS bucket (leave the bucket out)".into(),
+        )
+    })
 }
 
 fn algorithm(section: Option<&Value>, at: &str, fail: Fail<'_>) -> Result<Algorithm, Error> {

@@ -196,6 +196,10 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
     health
         .set_serving::<RateLimitServiceServer<RateLimiter>>()
         .await;
+    // envoyproxy/ratelimit's name for itself, which its users' probes ask.
+    health
+        .set_service_status(REFERENCE_HEALTH_NAME, tonic_health::ServingStatus::Serving)
+        .await;
 
     let watcher = tokio::spawn(files::watch(
         options.config.clone(),
@@ -238,6 +242,12 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
     health
         .set_not_serving::<RateLimitServiceServer<RateLimiter>>()
         .await;
+    health
+        .set_service_status(
+            REFERENCE_HEALTH_NAME,
+            tonic_health::ServingStatus::NotServing,
+        )
+        .await;
     let _ = stop_tx.send(true);
     watcher.abort();
     renewer.abort();
@@ -268,6 +278,11 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
     eprintln!("slicelimit-server: stopped");
     Ok(())
 }
+
+/// The gRPC health service name envoyproxy/ratelimit answers for, served
+/// here too (besides `envoy.service.ratelimit.v3.RateLimitService` and the
+/// server as a whole, `""`).
+pub const REFERENCE_HEALTH_NAME: &str = "ratelimit";
 
 /// `/metrics` and `/healthz` (503 once shutting down, so a load balancer
 /// stops sending first).

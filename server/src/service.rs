@@ -104,8 +104,10 @@ impl RateLimiter {
         let mut over = false;
         for plan in &plans {
             let Some(p) = plan.counted() else {
+                let unlimited = matches!(plan, Plan::Unlimited);
                 statuses.push(DescriptorStatus {
                     code: Code::Ok as i32,
+                    limit_remaining: if unlimited { u32::MAX } else { 0 },
                     ..Default::default()
                 });
                 continue;
@@ -195,7 +197,7 @@ impl RateLimiter {
             .limiter(limit, &self.settings)
             .map_err(|e| Status::invalid_argument(format!("descriptor {index}: {e}")))?;
         let Some(limiter) = limiter else {
-            return Ok(Plan::Nothing);
+            return Ok(Plan::Unlimited);
         };
         let cost = descriptor
             .hits_addend
@@ -221,8 +223,11 @@ impl RateLimitService for RateLimiter {
 }
 
 enum Plan {
-    /// Counts nothing: no rule, an unlimited one, an unknown domain.
+    /// Counts nothing: no rule, an unknown domain.
     Nothing,
+    /// An unlimited rule: counts nothing, and says so with every permit
+    /// left (`u32::MAX`, as envoyproxy/ratelimit answers).
+    Unlimited,
     Counted(Counted),
 }
 
@@ -236,7 +241,7 @@ struct Counted {
 impl Plan {
     fn counted(&self) -> Option<&Counted> {
         match self {
-            Plan::Nothing => None,
+            Plan::Nothing | Plan::Unlimited => None,
             Plan::Counted(c) => Some(c),
         }
     }
@@ -259,23 +264,21 @@ fn key_of(entries: &[(&str, &str)]) -> String {
 /// The quota of a descriptor's own `limit`.
 fn override_quota(requests: u32, unit: i32) -> Result<Quota, slicelimit::Error> {
     use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
-    let period = match RateLimitUnit::try_from(unit) {
-        Ok(RateLimitUnit::Second) => 1,
-        Ok(RateLimitUnit::Minute) => 60,
-        Ok(RateLimitUnit::Hour) => 3_600,
-        Ok(RateLimitUnit::Day) => 86_400,
-        _ => {
-            return Err(slicelimit::Error::invalid(format!(
-                "unit {unit}: one of SECOND, MINUTE, HOUR, DAY"
-            )))
-        }
+    let name = match RateLimitUnit::try_from(unit) {
+        Ok(RateLimitUnit::Unknown) | Err(_) => None,
+        Ok(known) => Some(known.as_str_name()),
+    };
+    let Some(period) = name.and_then(crate::config::unit_period) else {
+        return Err(slicelimit::Error::invalid(format!(
+            "unit {unit}: one of SECOND, MINUTE, HOUR, DAY, MONTH, YEAR"
+        )));
     };
     if requests == 0 {
         return Err(slicelimit::Error::invalid(
             "requests_per_unit must be at least 1",
         ));
     }
-    Quota::new(u64::from(requests), Duration::from_secs(period))
+    Quota::new(u64::from(requests), period)
 }
 
 fn unit_of(period: Duration) -> Unit {
@@ -284,6 +287,9 @@ fn unit_of(period: Duration) -> Unit {
         60 => Unit::Minute,
         3_600 => Unit::Hour,
         86_400 => Unit::Day,
+        604_800 => Unit::Week,
+        2_592_000 => Unit::Month,
+        31_536_000 => Unit::Year,
         _ => Unit::Unknown,
     }
 }

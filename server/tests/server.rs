@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::UInt64Value;
@@ -125,6 +126,7 @@ async fn the_most_specific_rule_decides_and_unmatched_or_unlimited_count_nothing
                 .unwrap();
             assert!(is_ok(&r), "{entries:?}");
             assert_eq!(r.statuses[0].current_limit, None);
+            assert_eq!(r.statuses[0].limit_remaining, 0);
         }
     }
     for _ in 0..10 {
@@ -133,6 +135,9 @@ async fn the_most_specific_rule_decides_and_unmatched_or_unlimited_count_nothing
             .await
             .unwrap();
         assert!(is_ok(&free));
+        // Every permit left, as envoyproxy/ratelimit says of an unlimited
+        // rule; a descriptor that reaches no rule says 0.
+        assert_eq!(free.statuses[0].limit_remaining, u32::MAX);
         let unknown = service
             .decide(request("elsewhere", vec![descriptor(&[("user", "x")])]))
             .await
@@ -173,15 +178,31 @@ async fn costs_come_from_the_descriptor_else_the_request_and_overrides_get_their
     let limit = r.statuses[0].current_limit.as_ref().unwrap();
     assert_eq!((limit.requests_per_unit, limit.unit), (10, 1));
     assert_eq!(r.statuses[0].limit_remaining, 9);
+    // A month is 30 days, as envoyproxy/ratelimit counts it.
     custom.limit = Some(RateLimitOverride {
         requests_per_unit: 10,
-        unit: 5, // MONTH: no fixed length
+        unit: 5, // MONTH
     });
-    let e = service
-        .decide(request("api", vec![custom]))
+    let r = service
+        .decide(request("api", vec![custom.clone()]))
         .await
-        .unwrap_err();
-    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        .unwrap();
+    let limit = r.statuses[0].current_limit.as_ref().unwrap();
+    assert_eq!(
+        (limit.requests_per_unit, limit.unit),
+        (10, Unit::Month as i32)
+    );
+    for unit in [0, 99] {
+        custom.limit = Some(RateLimitOverride {
+            requests_per_unit: 10,
+            unit, // UNKNOWN, and none at all
+        });
+        let e = service
+            .decide(request("api", vec![custom.clone()]))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "unit {unit}");
+    }
 }
 
 #[tokio::test]
@@ -450,6 +471,36 @@ async fn malformed_requests_get_defined_answers_and_no_key_lacks_a_ttl() {
     }
     assert_eq!(overrides, slicelimit_server::table::MAX_OVERRIDES);
     assert_eq!(server.get("/healthz").unwrap().0, 200);
+    // gRPC health, by envoyproxy/ratelimit's service name, the service's
+    // own and the server's (""); an unknown name is NOT_FOUND.
+    let channel =
+        tonic::transport::Channel::from_shared(format!("http://127.0.0.1:{}", server.grpc_port))
+            .expect("a URL")
+            .connect()
+            .await
+            .expect("connect to gRPC health");
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    for name in [
+        slicelimit_server::run::REFERENCE_HEALTH_NAME,
+        "envoy.service.ratelimit.v3.RateLimitService",
+        "",
+    ] {
+        let status = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: name.into(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("health of {name:?}: {e}"))
+            .into_inner()
+            .status;
+        assert_eq!(status, 1, "{name:?} is not SERVING");
+    }
+    let unknown = health
+        .check(tonic_health::pb::HealthCheckRequest {
+            service: "nope".into(),
+        })
+        .await;
+    assert_eq!(unknown.unwrap_err().code(), tonic::Code::NotFound);
 
     let mut conn = redis.conn();
     let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).unwrap();

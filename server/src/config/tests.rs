@@ -60,7 +60,7 @@ fn a_descriptor_reaches_the_rule_of_the_node_its_last_entry_reaches() {
 }
 
 #[test]
-fn an_exact_value_beats_the_longest_prefix_which_beats_the_key_alone() {
+fn an_exact_value_beats_the_first_wildcard_which_beats_the_key_alone() {
     let config = example();
     assert_eq!(
         path(&config, &[("remote_address", "10.9.9.9")]),
@@ -112,8 +112,12 @@ fn what_cannot_be_honoured_is_refused_naming_file_descriptor_and_field() {
         &["#1", "replaces"],
     );
     refused(
-        "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n        rate_limit: {unit: week, requests_per_unit: 3}\n",
-        &["a/b", "unit", "week"],
+        "domain: d\ndescriptors:\n  - key: a\n    descriptors:\n      - key: b\n        rate_limit: {unit: fortnight, requests_per_unit: 3}\n",
+        &["a/b", "unit", "fortnight", "week"],
+    );
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unlimited: true, unit: day, requests_per_unit: 25}\n",
+        &["a", "unlimited", "unit"],
     );
     refused(
         "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 0}\n",
@@ -183,4 +187,179 @@ descriptors:
     assert_eq!(paths, ["a=b%2Fc%3Dd", "a=b/c=d"]);
     let flat = config.rule(&[("a", "b/c=d")]).unwrap();
     assert_eq!(flat.quota.unwrap().limit(), 1);
+}
+
+/// envoyproxy/ratelimit's `test/config/basic_config.yaml` and
+/// `test/config/wildcard.yaml` (Apache License 2.0, copyright the Envoy
+/// Project Authors), whole: `name` and `unlimited` inside `rate_limit`,
+/// `detailed_metric` aside (refused until it is honoured).
+const REFERENCE_BASIC: &str = r#"
+domain: test-domain
+descriptors:
+  - key: key1
+    value: value1
+    descriptors:
+      - key: subkey1
+        rate_limit:
+          unit: second
+          requests_per_unit: 5
+      - key: subkey1
+        value: subvalue1
+        rate_limit:
+          unit: second
+          requests_per_unit: 10
+  - key: key2
+    rate_limit:
+      unit: minute
+      requests_per_unit: 20
+  - key: key2
+    value: value2
+    rate_limit:
+      unit: minute
+      requests_per_unit: 30
+  - key: key2
+    value: value3
+  - key: key3
+    rate_limit:
+      unit: hour
+      requests_per_unit: 1
+  - key: key4
+    rate_limit:
+      name: key4_rate_limit
+      unit: day
+      requests_per_unit: 1
+  - key: key5
+    value: value5
+    rate_limit:
+      unit: day
+      requests_per_unit: 15
+    descriptors:
+      - key: subkey5
+        value: subvalue5
+        rate_limit:
+          unit: day
+          requests_per_unit: 25
+  - key: key6
+    rate_limit:
+      unlimited: true
+"#;
+
+const REFERENCE_WILDCARD: &str = r#"
+domain: test-domain
+descriptors:
+  - key: wild
+    value: foo*
+    rate_limit:
+      unit: minute
+      requests_per_unit: 20
+  - key: noWild
+    value: foo
+    rate_limit:
+      unit: minute
+      requests_per_unit: 20
+  - key: noVal
+    rate_limit:
+      unit: minute
+      requests_per_unit: 20
+  - key: midWild
+    value: bar*b
+    rate_limit:
+      unit: minute
+      requests_per_unit: 20
+  - key: multiWild
+    value: foo*bar*baz
+    rate_limit:
+      unit: minute
+      requests_per_unit: 10
+  - key: nestedWild
+    value: val1
+    descriptors:
+      - key: wild
+        value: goo*
+        rate_limit:
+          unit: minute
+          requests_per_unit: 20
+"#;
+
+#[test]
+fn the_reference_format_names_and_unlimited_rules_inside_rate_limit() {
+    let config = Config::parse("basic_config.yaml", REFERENCE_BASIC).expect("parses");
+    let key4 = config.rule(&[("key4", "x")]).unwrap();
+    assert_eq!(key4.name.as_deref(), Some("key4_rate_limit"));
+    assert_eq!(key4.quota.unwrap().period(), Duration::from_secs(86_400));
+    let key6 = config.rule(&[("key6", "x")]).unwrap();
+    assert_eq!(key6.quota, None, "unlimited");
+    // A value with no rule of its own counts nothing (the reference's
+    // allow-list idiom).
+    assert!(config.rule(&[("key2", "value3")]).is_none());
+    assert_eq!(
+        config
+            .rule(&[("key2", "other")])
+            .unwrap()
+            .quota
+            .unwrap()
+            .limit(),
+        20
+    );
+    assert_eq!(
+        config
+            .rule(&[("key1", "value1"), ("subkey1", "subvalue1")])
+            .unwrap()
+            .quota
+            .unwrap()
+            .limit(),
+        10
+    );
+}
+
+#[test]
+fn every_unit_the_reference_knows_is_honoured() {
+    for (unit, secs) in UNITS {
+        let text = format!(
+            "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {{unit: {}, requests_per_unit: 3}}\n",
+            unit.to_uppercase()
+        );
+        let config = Config::parse("units.yaml", &text).expect(unit);
+        let quota = config.rule(&[("a", "x")]).unwrap().quota.unwrap();
+        assert_eq!(quota.period(), Duration::from_secs(secs), "{unit}");
+    }
+}
+
+#[test]
+fn wildcards_match_anywhere_in_a_value_as_the_reference_reads_them() {
+    let config = Config::parse("wildcard.yaml", REFERENCE_WILDCARD).expect("parses");
+    let limit = |entries: &[(&str, &str)]| {
+        config
+            .rule(entries)
+            .and_then(|r| r.quota)
+            .map(|q| (q.limit(), config.rule(entries).unwrap().path.clone()))
+    };
+    assert_eq!(limit(&[("wild", "foo")]).unwrap().1, "wild=foo*");
+    assert_eq!(limit(&[("wild", "foo123")]).unwrap().1, "wild=foo*");
+    assert_eq!(limit(&[("wild", "fo")]), None);
+    assert_eq!(limit(&[("noWild", "foo1")]), None);
+    assert_eq!(limit(&[("midWild", "barab")]).unwrap().1, "midWild=bar*b");
+    assert_eq!(limit(&[("midWild", "barb")]).unwrap().1, "midWild=bar*b");
+    assert_eq!(limit(&[("midWild", "bar")]), None);
+    assert_eq!(limit(&[("midWild", "barba")]), None);
+    assert_eq!(
+        limit(&[("multiWild", "foo1bar2baz")]).unwrap(),
+        (10, "multiWild=foo*bar*baz".to_owned())
+    );
+    assert_eq!(limit(&[("multiWild", "foobarbaz")]).unwrap().0, 10);
+    assert_eq!(limit(&[("multiWild", "foobaz")]), None);
+    assert_eq!(limit(&[("multiWild", "foo1bar2ba")]), None);
+    assert_eq!(
+        limit(&[("nestedWild", "val1"), ("wild", "goose")])
+            .unwrap()
+            .1,
+        "nestedWild=val1/wild=goo*"
+    );
+    // The first wildcard in file order wins, as in the reference.
+    let ordered = Config::parse(
+        "order.yaml",
+        "domain: d\ndescriptors:\n  - key: a\n    value: \"1*\"\n    rate_limit: {unit: second, requests_per_unit: 1}\n  - key: a\n    value: \"12*\"\n    rate_limit: {unit: second, requests_per_unit: 2}\n",
+    )
+    .unwrap();
+    assert_eq!(ordered.rule(&[("a", "123")]).unwrap().path, "a=1*");
 }
