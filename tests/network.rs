@@ -185,13 +185,7 @@ async fn a_healthy_redis_five_ms_away_never_looks_unhealthy() {
         tally.hot
     );
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
-    // A call times out after the default 25 ms; the round trip is 7 ms at
-    // most. Only a machine that held its threads back for the difference
-    // (other work on both cores) can make a healthy Redis look slow: that
-    // is the machine's doing, not the network's, and is said, not judged.
-    let timeout = RedisOptions::default().get_response_timeout();
-    if stalled >= timeout.saturating_sub(Duration::from_millis(7)) {
-        println!("the machine stalled for {stalled:?}: timeouts not judged");
+    if !network_judged(stalled) {
         return;
     }
     assert_eq!(stats.store_timeouts, 0, "{stats:?}");
@@ -217,7 +211,9 @@ async fn the_optimistic_bound_holds_five_ms_away() {
     let server = RedisServer::start();
     let proxy = five_ms_away(&server).await;
     let limiters = fleet(&proxy, HybridConfig::optimistic(MAX_DEBT), "net-optimistic").await;
+    let stalls = StallWatch::start();
     let tally = drive(&limiters, Duration::from_secs(10)).await;
+    let stalled = stalls.worst();
     let stats = total(&limiters);
     for l in &limiters {
         l.shutdown().await;
@@ -230,8 +226,10 @@ async fn the_optimistic_bound_holds_five_ms_away() {
         "hot key admitted {worst} > {bound}: {:?}",
         tally.hot
     );
-    assert_eq!(stats.policy_decisions, 0, "{stats:?}");
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
+    if network_judged(stalled) {
+        assert_eq!(stats.policy_decisions, 0, "{stats:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -243,7 +241,9 @@ async fn the_bucket_bound_holds_five_ms_away() {
     let horizon = Duration::from_secs(1); // the default lease_ttl
     let limiters = fleet_of(&proxy, config, Algorithm::TokenBucket, "net-bucket").await;
     let started = wall_us();
+    let stalls = StallWatch::start();
     let tally = drive(&limiters, Duration::from_secs(10)).await;
+    let stalled = stalls.worst();
     let run = Duration::from_micros(wall_us() - started);
     let stats = total(&limiters);
     for l in &limiters {
@@ -270,6 +270,23 @@ async fn the_bucket_bound_holds_five_ms_away() {
         worst_second as f64 <= bound(Duration::from_secs(1)),
         "{worst_second} admitted within one second"
     );
-    assert_eq!(stats.policy_decisions, 0, "{stats:?}");
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
+    if network_judged(stalled) {
+        assert_eq!(stats.policy_decisions, 0, "{stats:?}");
+    }
+}
+
+/// Whether a run's timeouts are the network's to answer for. A call times
+/// out after the default 25 ms and the round trip is 7 ms at most: only a
+/// machine that held this process's threads back for the difference
+/// (other work on both cores) can make a healthy Redis look slow. That is
+/// the machine's doing, and is said, not judged; the bounds and the TTLs
+/// are judged whatever the machine did.
+fn network_judged(stalled: Duration) -> bool {
+    let timeout = RedisOptions::default().get_response_timeout();
+    let judged = stalled < timeout.saturating_sub(Duration::from_millis(7));
+    if !judged {
+        println!("the machine stalled for {stalled:?}: timeouts not judged");
+    }
+    judged
 }
