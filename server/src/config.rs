@@ -58,8 +58,11 @@ pub struct Rule {
     pub path: String,
     /// The rule's `name`, if it has one.
     pub name: Option<String>,
-    /// Its limit; `None` for an `unlimited` rule.
+    /// Its limit; `None` for an `unlimited` rule, or one that blocks.
     pub quota: Option<Quota>,
+    /// `requests_per_unit: 0`, envoyproxy/ratelimit's block-list idiom:
+    /// every request is over the limit. The unit it names, told back.
+    pub blocks: Option<Duration>,
     /// How its permits are counted (`slicelimit: { algorithm: … }`; a
     /// fixed window unless chosen).
     pub algorithm: Algorithm,
@@ -319,6 +322,7 @@ fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node,
         ),
     };
     let algorithm = algorithm(map.get("slicelimit"), at, fail)?;
+    let mut blocks = None;
     let quota = match (map.get("rate_limit"), unlimited) {
         (Some(_), true) => {
             return Err(fail(
@@ -337,6 +341,7 @@ fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node,
                 name = limit.name;
             }
             unlimited = limit.unlimited;
+            blocks = limit.blocks;
             limit.quota
         }
         (None, _) => None,
@@ -346,11 +351,12 @@ fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node,
             .check_quota(quota)
             .map_err(|e| fail(at, format!("`rate_limit`: {e}")))?;
     }
-    if quota.is_some() || unlimited {
+    if quota.is_some() || unlimited || blocks.is_some() {
         node.rule = Some(Rule {
             path: path.clone(),
             name,
             quota,
+            blocks,
             algorithm,
             shadow_mode,
         });
@@ -403,6 +409,8 @@ pub fn unit_period(name: &str) -> Option<Duration> {
 struct RateLimit {
     quota: Option<Quota>,
     unlimited: bool,
+    /// `requests_per_unit: 0`: the unit of a rule that blocks.
+    blocks: Option<Duration>,
     name: Option<String>,
 }
 
@@ -445,6 +453,7 @@ fn rate_limit(limit: &Value, at: &str, fail: Fail<'_>) -> Result<RateLimit, Erro
         return Ok(RateLimit {
             quota: None,
             unlimited,
+            blocks: None,
             name,
         });
     }
@@ -459,17 +468,26 @@ fn rate_limit(limit: &Value, at: &str, fail: Fail<'_>) -> Result<RateLimit, Erro
     let requests = map
         .get("requests_per_unit")
         .and_then(Value::as_u64)
-        .filter(|&n| n > 0)
         .ok_or_else(|| {
             fail(
                 at,
-                "`rate_limit.requests_per_unit` must be a whole number of at least 1".into(),
+                "`rate_limit.requests_per_unit` must be a whole number (0 blocks every request)"
+                    .into(),
             )
         })?;
+    if requests == 0 {
+        return Ok(RateLimit {
+            quota: None,
+            unlimited: false,
+            blocks: Some(period),
+            name,
+        });
+    }
     let quota = Quota::new(requests, period).map_err(|e| fail(at, format!("`rate_limit`: {e}")))?;
     Ok(RateLimit {
         quota: Some(quota),
         unlimited: false,
+        blocks: None,
         name,
     })
 }
@@ -478,6 +496,12 @@ fn rate_limit(limit: &Value, at: &str, fail: Fail<'_>) -> Result<RateLimit, Erro
 /// `name`.
 fn quota(limit: &Value, at: &str, fail: Fail<'_>) -> Result<Quota, Error> {
     let parsed = rate_limit(limit, at, fail)?;
+    if parsed.blocks.is_some() {
+        return Err(fail(
+            at,
+            "`rate_limit.requests_per_unit` 0 is not for an RLQS bucket".into(),
+        ));
+    }
     if parsed.name.is_some() {
         return Err(fail(
             at,

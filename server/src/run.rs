@@ -77,6 +77,16 @@ pub struct Options {
         value_parser = parse_timeout
     )]
     pub redis_timeout: Duration,
+    /// Answer every rule as a `shadow_mode` rule: OK whatever the count,
+    /// would-be denials only counted (as envoyproxy/ratelimit's
+    /// SHADOW_MODE). `true` or `false`.
+    #[arg(
+        long,
+        env = "SHADOW_MODE",
+        default_value_t = false,
+        action = clap::ArgAction::Set
+    )]
+    pub shadow_mode: bool,
 }
 
 /// `--redis-timeout`: a whole number of milliseconds (`ms`) or seconds
@@ -174,7 +184,11 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
         options.on_store_error,
     );
     let table = Arc::new(ArcSwap::from_pointee(first));
-    let service = RateLimiter::new(table.clone(), settings.clone());
+    let service =
+        RateLimiter::new(table.clone(), settings.clone()).shadow_everything(options.shadow_mode);
+    if options.shadow_mode {
+        eprintln!("slicelimit-server: shadow mode: every rule answers OK, denials only counted");
+    }
     let rlqs = Rlqs::new(
         table.clone(),
         settings.store.clone(),

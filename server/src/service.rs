@@ -42,6 +42,8 @@ pub const MAX_ENTRIES: usize = 16;
 pub struct RateLimiter {
     table: Arc<ArcSwap<Table>>,
     settings: Arc<Settings>,
+    /// Every rule in shadow mode (envoyproxy/ratelimit's `SHADOW_MODE`).
+    shadow_everything: bool,
 }
 
 impl RateLimiter {
@@ -51,7 +53,22 @@ impl RateLimiter {
         RateLimiter {
             table,
             settings: Arc::new(settings),
+            shadow_everything: false,
         }
+    }
+
+    /// Every rule answered as a `shadow_mode` rule is (`SHADOW_MODE=true`
+    /// in envoyproxy/ratelimit): OK whatever the count, a would-be denial
+    /// only counted.
+    #[must_use]
+    pub fn shadow_everything(mut self, on: bool) -> RateLimiter {
+        self.shadow_everything = on;
+        self
+    }
+
+    /// Whether `rule` only counts its would-be denials.
+    fn shadow(&self, rule: &crate::config::Rule) -> bool {
+        rule.shadow_mode || self.shadow_everything
     }
 
     /// Answers one request, as `ShouldRateLimit` does.
@@ -95,7 +112,7 @@ impl RateLimiter {
         let enforced: Vec<(&Limiter, &str, u64)> = plans
             .iter()
             .filter_map(Plan::counted)
-            .filter(|p| !p.rule.rule.shadow_mode)
+            .filter(|p| !self.shadow(&p.rule.rule))
             .map(|p| (&p.limiter, p.key.as_str(), p.cost))
             .collect();
         let together = check_each(&enforced).await;
@@ -103,6 +120,26 @@ impl RateLimiter {
         let mut statuses = Vec::with_capacity(plans.len());
         let mut over = false;
         for plan in &plans {
+            if let Plan::Blocked(rule, unit) = plan {
+                rule.stats.total_hits.increment(1);
+                let shadow = self.shadow(&rule.rule);
+                if shadow {
+                    rule.stats.shadow_mode.increment(1);
+                } else {
+                    rule.stats.over_limit.increment(1);
+                    over = true;
+                }
+                statuses.push(DescriptorStatus {
+                    code: if shadow { Code::Ok } else { Code::OverLimit } as i32,
+                    current_limit: Some(RateLimit {
+                        name: rule.rule.name.clone().unwrap_or_default(),
+                        requests_per_unit: 0,
+                        unit: unit_of(*unit) as i32,
+                    }),
+                    ..Default::default()
+                });
+                continue;
+            }
             let Some(p) = plan.counted() else {
                 let unlimited = matches!(plan, Plan::Unlimited);
                 statuses.push(DescriptorStatus {
@@ -119,7 +156,8 @@ impl RateLimiter {
             let hits = p.cost.min(u64::from(u32::MAX) + 1);
             stats.total_hits.increment(hits);
             let mut peeked = false;
-            let decision = if p.rule.rule.shadow_mode {
+            let shadow = self.shadow(&p.rule.rule);
+            let decision = if shadow {
                 let decision = p.limiter.check(&p.key, p.cost).await;
                 if !decision.is_allowed() {
                     stats.shadow_mode.increment(hits);
@@ -139,7 +177,7 @@ impl RateLimiter {
             // A descriptor whose permits went back because another
             // denied reads `GivenBack`: it was within its limit.
             let given_back = decision.source() == Source::GivenBack;
-            let denied = !decision.is_allowed() && !given_back && !p.rule.rule.shadow_mode;
+            let denied = !decision.is_allowed() && !given_back && !shadow;
             if denied {
                 over = true;
                 stats.over_limit.increment(hits);
@@ -197,7 +235,10 @@ impl RateLimiter {
             .limiter(limit, &self.settings)
             .map_err(|e| Status::invalid_argument(format!("descriptor {index}: {e}")))?;
         let Some(limiter) = limiter else {
-            return Ok(Plan::Unlimited);
+            return Ok(match rule.rule.blocks {
+                Some(unit) => Plan::Blocked(rule.clone(), unit),
+                None => Plan::Unlimited,
+            });
         };
         let cost = descriptor
             .hits_addend
@@ -228,6 +269,9 @@ enum Plan {
     /// An unlimited rule: counts nothing, and says so with every permit
     /// left (`u32::MAX`, as envoyproxy/ratelimit answers).
     Unlimited,
+    /// A rule of `requests_per_unit: 0` (and its unit): every request is
+    /// over its limit, none is counted.
+    Blocked(Arc<RuleLimiter>, Duration),
     Counted(Counted),
 }
 
@@ -241,7 +285,7 @@ struct Counted {
 impl Plan {
     fn counted(&self) -> Option<&Counted> {
         match self {
-            Plan::Nothing | Plan::Unlimited => None,
+            Plan::Nothing | Plan::Unlimited | Plan::Blocked(..) => None,
             Plan::Counted(c) => Some(c),
         }
     }

@@ -38,6 +38,8 @@ descriptors:
     rate_limit: { unit: minute, requests_per_unit: 2 }
   - key: free
     unlimited: true
+  - key: banned
+    rate_limit: { unit: hour, requests_per_unit: 0 }
 "#;
 
 fn in_process(mode: Mode) -> RateLimiter {
@@ -97,6 +99,10 @@ async fn a_denied_request_counts_against_none_of_its_descriptors() {
         assert_eq!(codes(&over), [OK, OVER], "{mode:?}");
         // Bob's own count was given back: 2 used of 3.
         assert_eq!(over.statuses[0].limit_remaining, 1, "{mode:?}");
+        // Ann and the organisation both over: each says so, as
+        // envoyproxy/ratelimit tells every descriptor over its limit.
+        let both = service.decide(ask("ann")).await.unwrap();
+        assert_eq!(codes(&both), [OVER, OVER], "{mode:?}");
     }
 }
 
@@ -135,6 +141,17 @@ async fn the_most_specific_rule_decides_and_unmatched_or_unlimited_count_nothing
             .await
             .unwrap();
         assert!(is_ok(&free));
+        // `requests_per_unit: 0` blocks: over the limit, every time.
+        let banned = service
+            .decide(request("api", vec![descriptor(&[("banned", "x")])]))
+            .await
+            .unwrap();
+        assert_eq!(codes(&banned), [OVER]);
+        let limit = banned.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit),
+            (0, Unit::Hour as i32)
+        );
         // Every permit left, as envoyproxy/ratelimit says of an unlimited
         // rule; a descriptor that reaches no rule says 0.
         assert_eq!(free.statuses[0].limit_remaining, u32::MAX);
@@ -215,6 +232,29 @@ async fn a_shadow_rule_admits_everything_and_counts_what_it_would_deny() {
             .unwrap();
         assert!(is_ok(&r), "request {i}");
         assert_eq!(r.statuses[0].limit_remaining, 2_u32.saturating_sub(i + 1));
+    }
+}
+
+#[tokio::test]
+async fn global_shadow_mode_answers_every_rule_ok_and_still_counts() {
+    for mode in [Mode::Exact, Mode::HybridStrict] {
+        let service = in_process(mode).shadow_everything(true);
+        for i in 0..6 {
+            let r = service
+                .decide(request(
+                    "api",
+                    vec![descriptor(&[("user", "u")]), descriptor(&[("banned", "b")])],
+                ))
+                .await
+                .unwrap();
+            assert_eq!(codes(&r), [OK, OK], "{mode:?} request {i}");
+            // Counted all the same: the user's 3 a minute run out.
+            assert_eq!(
+                r.statuses[0].limit_remaining,
+                3_u32.saturating_sub(i + 1),
+                "{mode:?} request {i}"
+            );
+        }
     }
 }
 

@@ -120,7 +120,7 @@ fn what_cannot_be_honoured_is_refused_naming_file_descriptor_and_field() {
         &["a", "unlimited", "unit"],
     );
     refused(
-        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 0}\n",
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: -1}\n",
         &["a", "requests_per_unit"],
     );
     refused(
@@ -362,4 +362,18 @@ fn wildcards_match_anywhere_in_a_value_as_the_reference_reads_them() {
     )
     .unwrap();
     assert_eq!(ordered.rule(&[("a", "123")]).unwrap().path, "a=1*");
+}
+
+#[test]
+fn zero_requests_per_unit_blocks_every_request_as_in_the_reference() {
+    let config = Config::parse(
+        "block.yaml",
+        "domain: d\ndescriptors:\n  - key: ip\n    value: 203.0.113.9\n    rate_limit: {unit: hour, requests_per_unit: 0}\n  - key: ip\n    rate_limit: {unit: second, requests_per_unit: 9}\n",
+    )
+    .unwrap();
+    let blocked = config.rule(&[("ip", "203.0.113.9")]).unwrap();
+    assert_eq!(blocked.quota, None);
+    assert_eq!(blocked.blocks, Some(Duration::from_secs(3_600)));
+    let other = config.rule(&[("ip", "198.51.100.1")]).unwrap();
+    assert_eq!((other.blocks, other.quota.unwrap().limit()), (None, 9));
 }
