@@ -430,11 +430,6 @@ impl Sizing {
         self.level = level.clamp(0, i64::from(u32::MAX)) as u32;
     }
 
-    /// When the last refill was applied (local µs; 0: never).
-    pub(crate) fn applied_at(&self) -> u64 {
-        self.at
-    }
-
     /// The last lease asked for.
     pub(crate) fn last_want(&self) -> u64 {
         u64::from(self.last_want)

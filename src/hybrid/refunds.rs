@@ -81,7 +81,7 @@ impl HybridEngine {
                 let Some(taken_at) = taken.leased_at_us() else {
                     return false;
                 };
-                holding.books().sizing.applied_at() <= taken_at
+                holding.books().granted_at() <= taken_at
                     && holding.untake(0, taken.cost, s.time.precise_us())
             }
             TakenFrom::Credit => taken

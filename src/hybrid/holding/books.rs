@@ -27,6 +27,11 @@ pub(crate) struct Books {
     pub(super) origin: LeaseOrigin,
     pub(super) newest: LeaseOrigin,
     pub(super) newest_granted: u32,
+    /// Token bucket, GCRA: when (local µs) the last grant was put in
+    /// place. A permit taken before it goes back into the lease no more
+    /// (it would be one the bucket never had at that grant's level); a
+    /// reply that granted nothing does not count.
+    pub(super) granted_at: u64,
     /// Fixed window: the identity of a lease whose reply was lost (0:
     /// none). The next lease is sent under it, so the store hands back
     /// what it granted then instead of counting a second grant.
@@ -118,10 +123,16 @@ impl Books {
         }
     }
 
+    /// When the last bucket grant was put in place (local µs; 0: never).
+    pub(crate) fn granted_at(&self) -> u64 {
+        self.granted_at
+    }
+
     /// `granted` permits of a new lease from `origin` are in place
     /// (`added`: to permits still held, which then answer to both
     /// origins).
-    pub(crate) fn set_origin(&mut self, origin: LeaseOrigin, granted: u64, added: bool) {
+    pub(crate) fn set_origin(&mut self, origin: LeaseOrigin, granted: u64, added: bool, now: u64) {
+        self.granted_at = now;
         self.origin = if added {
             self.origin.merge(origin)
         } else {

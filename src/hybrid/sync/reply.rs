@@ -385,16 +385,16 @@ pub(super) fn install_grant(
                 Installed::Added if before.at_us != 0 => {
                     // Added to permits still held: the merged lease
                     // answers to the older origin too.
-                    books.set_origin(origin, r.granted, true);
+                    books.set_origin(origin, r.granted, true, now);
                 }
                 // In place of a lease whose permits were all spent or void
                 // (none replaced) or are given back here: the new lease
                 // answers to its own origin alone. Merging in the old one
                 // would cap its give-backs by a level long gone.
-                Installed::Added => books.set_origin(origin, r.granted, false),
+                Installed::Added => books.set_origin(origin, r.granted, false, now),
                 Installed::Replaced(replaced) => {
                     let before = books.origin_for(replaced as u64);
-                    books.set_origin(origin, r.granted, false);
+                    books.set_origin(origin, r.granted, false, now);
                     drop(books);
                     if replaced > 0 {
                         let key = shared.store_key(holding);
