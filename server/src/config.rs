@@ -136,6 +136,48 @@ impl Config {
         })
     }
 
+    /// `self` and `other`, a configuration of the same domain from another
+    /// file, as one (envoyproxy/ratelimit's `MERGE_DOMAIN_CONFIG`): their
+    /// top-level descriptors side by side.
+    ///
+    /// # Errors
+    /// Another domain; a top-level descriptor (key and value) in both;
+    /// an `rlqs` section in both.
+    pub fn merge(mut self, other: Config) -> Result<Config, Error> {
+        let both = format!("{} and {}", self.source, other.source);
+        if self.domain != other.domain {
+            return Err(Error::invalid(format!(
+                "{both}: domains {:?} and {:?} cannot be merged",
+                self.domain, other.domain
+            )));
+        }
+        for node in other.descriptors {
+            if self
+                .descriptors
+                .iter()
+                .any(|n| n.key == node.key && n.value == node.value)
+            {
+                return Err(Error::invalid(format!(
+                    "{both}: descriptor {} of domain {:?} is in both",
+                    segment(&node),
+                    self.domain
+                )));
+            }
+            self.descriptors.push(node);
+        }
+        self.rlqs = match (self.rlqs, other.rlqs) {
+            (Some(_), Some(_)) => {
+                return Err(Error::invalid(format!(
+                    "{both}: an `rlqs` section for domain {:?} in both",
+                    self.domain
+                )))
+            }
+            (one, other) => one.or(other),
+        };
+        self.source = both;
+        Ok(self)
+    }
+
     /// Where it was read from (as given to [`parse`](Config::parse)).
     pub fn source(&self) -> &str {
         &self.source
@@ -212,7 +254,8 @@ fn glob(parts: &[String], value: &str) -> bool {
 type Fail<'a> = &'a dyn Fn(&str, String) -> Error;
 
 fn nodes(list: Option<&Value>, parent: &str, fail: Fail<'_>) -> Result<Vec<Node>, Error> {
-    let Some(list) = list else {
+    // No list, or `descriptors:` with nothing after it (YAML's null).
+    let Some(list) = list.filter(|v| !v.is_null()) else {
         return Ok(Vec::new());
     };
     let at = if parent.is_empty() { "(top)" } else { parent };

@@ -81,13 +81,36 @@ pub fn parse(sources: &Sources) -> Result<Vec<Config>, Error> {
         .collect()
 }
 
+/// Every file's configuration, those of one domain merged into one when
+/// `merge_domains` (in file order).
+///
+/// # Errors
+/// As [`parse`]; with `merge_domains`, what [`Config::merge`] refuses.
+pub fn configs(sources: &Sources, merge_domains: bool) -> Result<Vec<Config>, Error> {
+    let parsed = parse(sources)?;
+    if !merge_domains {
+        return Ok(parsed);
+    }
+    let mut merged: Vec<Config> = Vec::with_capacity(parsed.len());
+    for config in parsed {
+        match merged.iter().position(|c| c.domain() == config.domain()) {
+            Some(i) => {
+                let first = merged.swap_remove(i);
+                merged.push(first.merge(config)?);
+            }
+            None => merged.push(config),
+        }
+    }
+    Ok(merged)
+}
+
 /// Reads, parses and builds the first table.
 ///
 /// # Errors
 /// Whatever [`read`], [`parse`] or [`Table::build`] refuses.
 pub fn load(path: &Path, settings: &Settings) -> Result<(Table, Sources), Error> {
     let sources = read(path)?;
-    let (table, _) = Table::build(parse(&sources)?, settings, None)?;
+    let (table, _) = Table::build(configs(&sources, settings.merge_domains)?, settings, None)?;
     loaded(&table);
     Ok((table, sources))
 }
@@ -135,7 +158,9 @@ pub async fn watch(
         }
         seen = sources;
         let current = table.load_full();
-        match parse(&seen).and_then(|configs| Table::build(configs, &settings, Some(&current))) {
+        let built = configs(&seen, settings.merge_domains)
+            .and_then(|configs| Table::build(configs, &settings, Some(&current)));
+        match built {
             Ok((next, retired)) => {
                 table.store(Arc::new(next));
                 loaded(&table.load());

@@ -87,6 +87,15 @@ pub struct Options {
         action = clap::ArgAction::Set
     )]
     pub shadow_mode: bool,
+    /// Merge the files of one domain instead of refusing them (as
+    /// envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG). `true` or `false`.
+    #[arg(
+        long,
+        env = "MERGE_DOMAIN_CONFIG",
+        default_value_t = false,
+        action = clap::ArgAction::Set
+    )]
+    pub merge_domain_config: bool,
 }
 
 /// `--redis-timeout`: a whole number of milliseconds (`ms`) or seconds
@@ -172,6 +181,7 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
         store,
         mode: options.mode(),
         on_store_error: options.policy(),
+        merge_domains: options.merge_domain_config,
     };
     let (first, seen) = files::load(&options.config, &settings)?;
     eprintln!(

@@ -55,6 +55,9 @@ pub struct Settings {
     pub mode: Mode,
     /// What to decide when the store cannot answer.
     pub on_store_error: FailurePolicy,
+    /// Several files of one domain are merged (envoyproxy/ratelimit's
+    /// `MERGE_DOMAIN_CONFIG`), not refused.
+    pub merge_domains: bool,
 }
 
 /// Every domain, by name.

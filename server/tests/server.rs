@@ -47,6 +47,7 @@ fn in_process(mode: Mode) -> RateLimiter {
         store: MemoryStore::new().into(),
         mode,
         on_store_error: FailurePolicy::FailOpen,
+        merge_domains: false,
     };
     let config = Config::parse("rules.yaml", RULES).expect("parses");
     let (table, _) = Table::build(vec![config], &settings, None).expect("builds");
@@ -662,6 +663,7 @@ async fn a_token_bucket_keeps_its_tokens_when_another_descriptor_denies() {
             store: MemoryStore::new().into(),
             mode,
             on_store_error: FailurePolicy::FailOpen,
+            merge_domains: false,
         };
         let config = Config::parse("tb.yaml", text).unwrap();
         let (table, _) = Table::build(vec![config], &settings, None).unwrap();

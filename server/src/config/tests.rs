@@ -377,3 +377,36 @@ fn zero_requests_per_unit_blocks_every_request_as_in_the_reference() {
     let other = config.rule(&[("ip", "198.51.100.1")]).unwrap();
     assert_eq!((other.blocks, other.quota.unwrap().limit()), (None, 9));
 }
+
+/// envoyproxy/ratelimit's `test/config/merge_domain_key1.yaml` and
+/// `merge_domain_key2.yaml` (Apache License 2.0, copyright the Envoy
+/// Project Authors).
+const MERGE_KEY1: &str = "domain: test-domain\ndescriptors:\n  - key: key1\n    value: value1\n    rate_limit:\n      unit: minute\n      requests_per_unit: 10\n";
+const MERGE_KEY2: &str = "domain: test-domain\ndescriptors:\n  - key: key2\n    value: value2\n    rate_limit:\n      unit: minute\n      requests_per_unit: 20\n";
+
+#[test]
+fn files_of_one_domain_merge_and_a_descriptor_in_both_is_refused() {
+    let one = Config::parse("merge_domain_key1.yaml", MERGE_KEY1).unwrap();
+    let two = Config::parse("merge_domain_key2.yaml", MERGE_KEY2).unwrap();
+    let merged = one.clone().merge(two).unwrap();
+    let limit = |entries: &[(&str, &str)]| merged.rule(entries).unwrap().quota.unwrap().limit();
+    assert_eq!(limit(&[("key1", "value1")]), 10);
+    assert_eq!(limit(&[("key2", "value2")]), 20);
+    assert!(merged.rule(&[]).is_none());
+    let twice = Config::parse("again.yaml", MERGE_KEY1).unwrap();
+    let err = one.merge(twice).unwrap_err().to_string();
+    for word in [
+        "merge_domain_key1.yaml",
+        "again.yaml",
+        "key1=value1",
+        "both",
+    ] {
+        assert!(err.contains(word), "{word:?} missing from: {err}");
+    }
+}
+
+#[test]
+fn an_empty_descriptors_list_is_no_descriptors() {
+    let config = Config::parse("empty.yaml", "domain: d\ndescriptors:\n").unwrap();
+    assert!(config.rules().is_empty());
+}

@@ -234,6 +234,7 @@ impl Fleet {
             store: store.clone().into(),
             mode: Mode::Exact,
             on_store_error: FailurePolicy::FailClosed,
+            merge_domains: false,
         };
         let limit = [1, 2, 3, 5, 10, 20, 100, 100][rng.below(8) as usize];
         let table = table(limit, false, &settings);

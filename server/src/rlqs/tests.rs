@@ -71,6 +71,7 @@ impl Replica {
             store: store.into(),
             mode: Mode::Exact,
             on_store_error: FailurePolicy::FailClosed,
+            merge_domains: false,
         };
         let table = table(&rules(limit), &settings);
         let rlqs = Rlqs::new(table, settings.store.clone(), FailurePolicy::FailClosed);
