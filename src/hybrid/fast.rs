@@ -115,7 +115,7 @@ impl HybridEngine {
                 holding.touch(now);
                 *decided = Some(s.spent(holding, left + permits, now, cost, window));
             }
-            (Take::Late { lost, .. }, _) => s.lapsed(holding, lost),
+            (Take::Late { lost, .. }, _) => s.expired(holding, lost as u64),
             // A pre-lease to promote, or a denial to answer: the common way.
             (Take::Empty, _) => self.fast_on(holding, cost, decided),
         }
@@ -169,7 +169,7 @@ impl HybridEngine {
             // The lease ended (its permits are void): the next window's
             // may be held already.
             late @ Take::Late { lost, .. } => {
-                s.lapsed(holding, lost);
+                s.expired(holding, lost as u64);
                 self.promoted(holding, cost, late.paid(cost))
             }
         }

@@ -280,7 +280,7 @@ impl HybridEngine {
                     return Ok(s.spent(&holding, left, now, cost, window))
                 }
                 late @ Take::Late { lost, .. } => {
-                    s.lapsed(&holding, lost);
+                    s.expired(&holding, lost as u64);
                     paid = late.paid(cost);
                 }
                 Take::Empty => {}

@@ -540,19 +540,6 @@ impl Shared {
         self.keys.store_key(holding.key(), self.params.algorithm)
     }
 
-    /// A take found its lease over (`Take::Late`): the permits it took go
-    /// where [`expired`](Shared::expired) sends them. A bucket lease's rest
-    /// goes with them, in one give-back ahead of the key's next lease call
-    /// (a window's stays for a take across the boundary, see
-    /// `Holding::take_across`).
-    pub(super) fn lapsed(&self, holding: &Holding, lost: i64) {
-        let rest = match self.leases {
-            LeaseKind::Bucket => holding.expire(self.time.precise_us()),
-            LeaseKind::Window => 0,
-        };
-        self.expired(holding, (lost.max(0) + rest) as u64);
-    }
-
     /// Permits of `holding`'s lease that ran out unspent: stranded under a
     /// window lease (their window is over), given back under a bucket
     /// lease (capped by what the bucket could have held since the lease's
