@@ -353,7 +353,11 @@ impl Rng {
 /// 2603, 6355: a bucket permit undone by a several-quota round could not
 /// go back into its lease (a reply that granted nothing counted as a new
 /// lease), went by refund, and the next ask was refused before it landed.
-const FOUND: &[u64] = &[41, 344, 867, 12487, 13340, 13770, 1782, 17997, 2603, 6355];
+/// 1760: voiding the rest of a bucket lease when a take found it over
+/// (optimistic, two quotas) made each quota deny in turn.
+const FOUND: &[u64] = &[
+    41, 344, 867, 12487, 13340, 13770, 1782, 17997, 2603, 6355, 1760,
+];
 
 /// The seeded search for a hint that is not true: `SIM_SEEDS=N` scenarios
 /// (default 40), `SIM_SEED=S` one. Each draws an algorithm, a mode, 1–3
