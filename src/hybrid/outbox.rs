@@ -29,6 +29,11 @@ pub(crate) struct Outbox {
 }
 
 impl Outbox {
+    /// The permits queued to go back.
+    pub(super) fn returns(&self) -> std::sync::MutexGuard<'_, Vec<GiveBackCall>> {
+        self.returns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(super) fn new() -> Self {
         Outbox {
             refills: Mutex::new(RefillQueue::default()),

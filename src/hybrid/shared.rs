@@ -589,10 +589,6 @@ impl Shared {
             remember_us: 0,
             refund: false,
         };
-        self.outbox
-            .returns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(call);
+        self.outbox.returns().push(call);
     }
 }

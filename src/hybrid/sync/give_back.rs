@@ -17,21 +17,12 @@ pub(crate) async fn give_back_all(shared: &Shared) {
 pub(super) async fn give_back_some(shared: &Shared, batches: Option<usize>) -> bool {
     let batch_size = shared.config.load().batch_size;
     let returns = {
-        let mut queued = shared
-            .outbox
-            .returns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut queued = shared.outbox.returns();
         let take = batches.map_or(queued.len(), |b| queued.len().min(b * batch_size));
         queued.drain(..take).collect::<Vec<_>>()
     };
     send(shared, &returns).await;
-    !shared
-        .outbox
-        .returns
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .is_empty()
+    !shared.outbox.returns().is_empty()
 }
 
 /// Sends the queued give-backs of the keys `leased` is about to ask a
@@ -41,11 +32,7 @@ pub(super) async fn give_back_some(shared: &Shared, batches: Option<usize>) -> b
 /// needed.
 pub(super) async fn give_back_before(shared: &Shared, leased: &HashSet<&str>) {
     let returns = {
-        let mut queued = shared
-            .outbox
-            .returns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut queued = shared.outbox.returns();
         if queued.is_empty() {
             return;
         }

@@ -220,12 +220,7 @@ pub(crate) async fn round(shared: &Shared) -> bool {
         if batches.is_empty() {
             break;
         }
-        let returns_queued = !shared
-            .outbox
-            .returns
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty();
+        let returns_queued = !shared.outbox.returns().is_empty();
         if returns_queued {
             let leased: HashSet<&str> = batches
                 .iter()
