@@ -1,6 +1,7 @@
 -- bucket.lua: a token bucket's hash as its scripts read it, and how long
--- it takes to refill. Defines read_bucket and refill_wait; token_bucket.lua
--- and lease_token_bucket.lua run after it.
+-- it takes to refill. No KEYS or ARGV of its own, no return value: it
+-- defines read_bucket and refill_wait, and token_bucket.lua and
+-- lease_token_bucket.lua run after it.
 
 -- The bucket at `key` at `now`: the tokens it keeps (`kept`, stored at
 -- `ts`; a missing key is a full bucket, now), those refilled to now (at

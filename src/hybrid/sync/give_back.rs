@@ -29,13 +29,14 @@ pub(super) async fn give_back_some(shared: &Shared, batches: Option<usize>) -> b
 /// lease for, ahead of those leases: a key's permits that went back when
 /// its lease lapsed must be in the store before it asks again, or the ask
 /// is refused and its denial tells a wait those permits would not have
-/// needed.
-pub(super) async fn give_back_before(shared: &Shared, leased: &HashSet<&str>) {
+/// needed. (Nothing queued, the usual case: no work.)
+pub(super) async fn give_back_before<'a>(shared: &Shared, leased: impl Iterator<Item = &'a str>) {
     let returns = {
         let mut queued = shared.outbox.returns();
         if queued.is_empty() {
             return;
         }
+        let leased: HashSet<&str> = leased.collect();
         let (first, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut *queued)
             .into_iter()
             .partition(|call| leased.contains(call.key.as_str()));

@@ -25,7 +25,6 @@ use crate::hybrid::policy::SizingRule;
 use crate::hybrid::policy::THIN_AHEAD_CAP_DIVISOR;
 use crate::hybrid::shared::Shared;
 use futures_util::future::join_all;
-use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -220,15 +219,11 @@ pub(crate) async fn round(shared: &Shared) -> bool {
         if batches.is_empty() {
             break;
         }
-        let returns_queued = !shared.outbox.returns().is_empty();
-        if returns_queued {
-            let leased: HashSet<&str> = batches
-                .iter()
-                .flatten()
-                .map(|p| p.call.key.as_str())
-                .collect();
-            give_back_before(shared, &leased).await;
-        }
+        give_back_before(
+            shared,
+            batches.iter().flatten().map(|p| p.call.key.as_str()),
+        )
+        .await;
         let calls: Vec<Vec<LeaseCall>> = batches
             .iter()
             .map(|b| b.iter().map(|p| p.call.clone()).collect())
