@@ -26,7 +26,10 @@ pub(super) async fn run(
     let mut next = tokio::time::Instant::now() + renew;
     loop {
         let mut batch = Vec::new();
+        // `biased`: polled in order, so a paused-clock run replays the
+        // same way; the renewal first, so releases cannot starve it.
         let woken = tokio::select! {
+            biased;
             () = tokio::time::sleep_until(next) => false,
             () = wake.notified() => true,
             first = released.recv() => match first {

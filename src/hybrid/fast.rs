@@ -143,6 +143,24 @@ impl HybridEngine {
         }
     }
 
+    /// The denial `key`'s cache gives a request of `cost` now, taking
+    /// nothing; `None` if the holding would admit it or knows no denial.
+    /// For a request another quota denied: a part admitted on credit
+    /// while its lease call was out may have heard since that its quota
+    /// is spent, and the client is told that wait too.
+    pub(crate) fn cached_denial(&self, key: &str, cost: u64) -> Option<Decision> {
+        let s = &*self.shared;
+        let holding = s.holdings.get(key)?.value().clone();
+        if cost == 0 || holding.permits() >= cost as i64 {
+            return None;
+        }
+        let now = s.time.precise_us();
+        holding
+            .denied(now)
+            .filter(|&until| s.denial_covers(&holding, until, now, cost))
+            .map(|until| s.cached_denial(&holding, until, now, cost))
+    }
+
     /// [`fast_on`](HybridEngine::fast_on) when the holding's lease could not
     /// pay: a pre-lease to promote, a window to spend across, or a denial
     /// known until a time.

@@ -147,6 +147,17 @@ impl Lane {
         decided
     }
 
+    /// The denial this lane's cache gives `key` at `cost` now, taking
+    /// nothing (hybrid lanes; see `HybridEngine::cached_denial`).
+    pub(crate) fn cached_denial(&self, key: &str, cost: u64) -> Option<Decision> {
+        match &self.engine {
+            Engine::Hybrid(hybrid) => hybrid
+                .cached_denial(key, cost)
+                .map(|d| d.with_period(self.quota.period())),
+            _ => None,
+        }
+    }
+
     /// [`check_now`](Lane::check_now), written into `decided` (see
     /// `Limiter::check_now`).
     #[inline(always)]

@@ -433,6 +433,17 @@ impl Quotas {
         let results = results.into_iter().collect::<Result<Vec<_>, _>>()?;
         let (mut parts, decided): (Vec<Decision>, Vec<_>) = results.into_iter().unzip();
         if parts.iter().any(|d| !d.is_allowed()) {
+            // A part admitted on credit while its lease call was out may
+            // have heard since that its quota is spent: the client is
+            // told that wait too, if it is the longer. (What the part
+            // took goes back all the same, as `undo` drops.)
+            for (index, part) in parts.iter_mut().enumerate() {
+                if part.is_allowed() {
+                    if let Some(denied) = self.lane(key, index).cached_denial(&key, cost) {
+                        *part = denied;
+                    }
+                }
+            }
             return Ok(Some(binding(parts, Vec::new())));
         }
         if cost == 0 {

@@ -161,6 +161,9 @@ pub(crate) struct Holding {
     /// Whether `next` holds a lease (checked without the lock). Set and
     /// cleared only under the `next` lock, by the methods below.
     has_next: AtomicBool,
+    /// A hash of the key, fixed at creation: where maintenance's sweep
+    /// and a boundary's spread place the holding (see [`Holding::place`]).
+    place: u16,
     /// A pre-leased slice of the next window. Boxed: most holdings never
     /// hold one, and a box is one word.
     next: Mutex<Option<Box<NextLease>>>,
@@ -185,9 +188,31 @@ pub(crate) struct Retired {
     pub(crate) next: Option<NextLease>,
 }
 
+/// FNV-1a over the key, folded to 32 bits. From the key, not the
+/// holding's address: the sweep then visits a key at the same point of
+/// every run, so a seeded simulation replays the same way whatever else
+/// the thread allocated before. (Keys chosen to share one place only make
+/// one slice of the sweep as long as a full walk.)
+fn place_of(key: &str) -> u16 {
+    let h = key.bytes().fold(0xCBF2_9CE4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01B3)
+    });
+    let h = h ^ h >> 32;
+    (h ^ h >> 16) as u16
+}
+
 impl Holding {
+    /// A number fixed for the key (see `place_of`), spread evenly over
+    /// `u16` (two bytes the holding had as padding): maintenance's sweep
+    /// slice and a boundary's spread derive from it.
+    #[inline]
+    pub(crate) fn place(&self) -> u16 {
+        self.place
+    }
+
     pub(crate) fn new(key: Arc<str>, now: u64) -> Self {
         Holding {
+            place: place_of(&key),
             key,
             permits: AtomicI64::new(0),
             deadline: AtomicU64::new(0),

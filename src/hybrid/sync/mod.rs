@@ -98,7 +98,10 @@ async fn run(alive: Alive) {
             }
             false
         } else {
+            // `biased`: the branches are polled in order, so a run on a
+            // paused clock replays the same way (see the seeded searches).
             tokio::select! {
+                biased;
                 _ = shared.outbox.wake.notified() => true,
                 _ = maintenance.tick() => {
                     sweep = tick(shared, sweep);
@@ -111,6 +114,7 @@ async fn run(alive: Alive) {
             let until = tokio::time::Instant::now() + shared.config.load().coalesce;
             loop {
                 tokio::select! {
+                    biased;
                     _ = tokio::time::sleep_until(until) => break,
                     _ = shared.outbox.wake.notified() => {
                         if shared.outbox.urgent.load(Ordering::Acquire) || shared.life.stopping.load(Ordering::Acquire) {
