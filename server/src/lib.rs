@@ -14,12 +14,14 @@
 //! - [`share`]: how replicas share an RLQS bucket's rate in the store
 //!   (its script, `lua/rate_share.lua`, and the script's mirror);
 //! - [`stats`]: the server's own metrics;
+//! - [`log`]: lines about trouble that can repeat, throttled;
 //! - [`run`]: the process (flags, listeners, shutdown).
 //!
 //! [`guide`] (`docs/envoy.md`) tells how to put it behind Envoy.
 
 pub mod config;
 pub mod files;
+pub mod log;
 pub mod rlqs;
 pub mod run;
 pub mod service;

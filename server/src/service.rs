@@ -26,6 +26,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tonic::{Request, Response, Status};
 
+use crate::log::Throttled;
 use crate::table::{RuleLimiter, Settings, Table};
 use slicelimit::limiter::check_each;
 use slicelimit::Limiter;
@@ -64,6 +65,15 @@ impl RateLimiter {
     pub fn shadow_everything(mut self, on: bool) -> RateLimiter {
         self.shadow_everything = on;
         self
+    }
+
+    /// How many limiters of requests' own `limit`s `domain` keeps live
+    /// (0 for a domain not configured).
+    pub fn overrides_live(&self, domain: &str) -> usize {
+        self.table
+            .load()
+            .domain(domain)
+            .map_or(0, |d| d.overrides.live_count())
     }
 
     /// Whether `rule` only counts its would-be denials.
@@ -222,28 +232,56 @@ impl RateLimiter {
             .iter()
             .map(|e| (e.key.as_str(), e.value.as_str()))
             .collect();
-        let Some(rule) = domain.rule(&entries) else {
+        let rule = domain.rule(&entries);
+        let cost = descriptor
+            .hits_addend
+            .as_ref()
+            .map_or(default_cost, |h| h.value);
+        // A request's own limit applies wherever the domain is configured,
+        // matched by a rule or not, as envoyproxy/ratelimit applies it.
+        // One the server cannot honour falls back to the rule (logged):
+        // refusing the request would let Envoy's default failure mode
+        // admit it, past every limit.
+        if let Some(limit) = &descriptor.limit {
+            let overrides = &domain.overrides;
+            match override_limit(limit.requests_per_unit, limit.unit).and_then(|o| match o {
+                OverrideLimit::Blocks(unit) => Ok(Plan::Blocked(overrides.rule.clone(), unit)),
+                OverrideLimit::Quota(quota) => {
+                    let limiter = overrides.limiter(rule.map(|r| &**r), quota, &self.settings)?;
+                    Ok(Plan::Counted(Counted {
+                        rule: overrides.rule.clone(),
+                        limiter,
+                        key: if rule.is_some() {
+                            key_of(&entries)
+                        } else {
+                            key_with_names(&entries)
+                        },
+                        cost,
+                    }))
+                }
+            }) {
+                Ok(plan) => return Ok(plan),
+                Err(e) => {
+                    metrics::counter!(crate::stats::OVERRIDES_IGNORED).increment(1);
+                    IGNORED_OVERRIDE.say(|| {
+                        format!(
+                            "domain {:?}, descriptor {index}: its `limit` is ignored, \
+                             the rule's applies: {e}",
+                            domain.config.domain()
+                        )
+                    });
+                }
+            }
+        }
+        let Some(rule) = rule else {
             return Ok(Plan::Nothing);
         };
-        let limit = match &descriptor.limit {
-            Some(limit) => Some(override_quota(limit.requests_per_unit, limit.unit).map_err(
-                |e| Status::invalid_argument(format!("descriptor {index}: `limit`: {e}")),
-            )?),
-            None => None,
-        };
-        let limiter = rule
-            .limiter(limit, &self.settings)
-            .map_err(|e| Status::invalid_argument(format!("descriptor {index}: {e}")))?;
-        let Some(limiter) = limiter else {
+        let Some(limiter) = rule.limiter().cloned() else {
             return Ok(match rule.rule.blocks {
                 Some(unit) => Plan::Blocked(rule.clone(), unit),
                 None => Plan::Unlimited,
             });
         };
-        let cost = descriptor
-            .hits_addend
-            .as_ref()
-            .map_or(default_cost, |h| h.value);
         Ok(Plan::Counted(Counted {
             rule: rule.clone(),
             limiter,
@@ -295,8 +333,25 @@ impl Plan {
 /// length so that no two descriptors of one rule share a key (the keys of
 /// the entries are the rule's own, the same for all).
 fn key_of(entries: &[(&str, &str)]) -> String {
+    key_from(entries, false)
+}
+
+/// The limiter key of a descriptor that no rule reaches (its own
+/// `limit` counts it): its entries' names and values, each prefixed
+/// with its length.
+fn key_with_names(entries: &[(&str, &str)]) -> String {
+    key_from(entries, true)
+}
+
+fn key_from(entries: &[(&str, &str)], names: bool) -> String {
     let mut key = String::new();
-    for (_, value) in entries {
+    for (name, value) in entries {
+        if names {
+            key.push_str(&name.len().to_string());
+            key.push(':');
+            key.push_str(name);
+            key.push('=');
+        }
         key.push_str(&value.len().to_string());
         key.push(':');
         key.push_str(value);
@@ -305,8 +360,19 @@ fn key_of(entries: &[(&str, &str)]) -> String {
     key
 }
 
-/// The quota of a descriptor's own `limit`.
-fn override_quota(requests: u32, unit: i32) -> Result<Quota, slicelimit::Error> {
+/// Ignored `limit` overrides, logged at most once a minute.
+static IGNORED_OVERRIDE: Throttled = Throttled::new(Duration::from_secs(60));
+
+/// What a descriptor's own `limit` asks for.
+enum OverrideLimit {
+    Quota(Quota),
+    /// `requests_per_unit: 0`: every request over the limit, as a rule of
+    /// 0 blocks (the unit, told back).
+    Blocks(Duration),
+}
+
+/// The limit a descriptor's own `limit` asks for.
+fn override_limit(requests: u32, unit: i32) -> Result<OverrideLimit, slicelimit::Error> {
     use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
     let name = match RateLimitUnit::try_from(unit) {
         Ok(RateLimitUnit::Unknown) | Err(_) => None,
@@ -318,11 +384,9 @@ fn override_quota(requests: u32, unit: i32) -> Result<Quota, slicelimit::Error> 
         )));
     };
     if requests == 0 {
-        return Err(slicelimit::Error::invalid(
-            "requests_per_unit must be at least 1",
-        ));
+        return Ok(OverrideLimit::Blocks(period));
     }
-    Quota::new(u64::from(requests), period)
+    Quota::new(u64::from(requests), period).map(OverrideLimit::Quota)
 }
 
 fn unit_of(period: Duration) -> Unit {

@@ -17,6 +17,12 @@ pub const WITHIN_LIMIT: &str = "slicelimit_server_within_limit_total";
 pub const SHADOW_MODE: &str = "slicelimit_server_shadow_mode_total";
 /// `ShouldRateLimit` calls, by `result`: `ok`, `over_limit`, `error`.
 pub const CALLS: &str = "slicelimit_server_calls_total";
+/// Descriptors whose own `limit` could not be honoured (an unknown
+/// unit, a limit the rule's algorithm cannot count): the rule's limit
+/// applied instead.
+pub const OVERRIDES_IGNORED: &str = "slicelimit_server_overrides_ignored_total";
+/// Live limiters of requests' own `limit`s, by `domain`.
+pub const OVERRIDES_LIVE: &str = "slicelimit_server_overrides_live";
 /// Configuration loads, by `result`: `ok` or `error`.
 pub const CONFIG_LOADS: &str = "slicelimit_server_config_loads_total";
 /// 1 while the configuration on disk fails to load (the last good one
@@ -106,6 +112,16 @@ pub fn describe() {
         "Hits a shadow_mode rule admitted but would have denied."
     );
     describe_counter!(CALLS, Unit::Count, "ShouldRateLimit calls, by result.");
+    describe_counter!(
+        OVERRIDES_IGNORED,
+        Unit::Count,
+        "Descriptors whose own limit was ignored (the rule's applied)."
+    );
+    describe_gauge!(
+        OVERRIDES_LIVE,
+        Unit::Count,
+        "Live limiters of requests' own limits, by domain."
+    );
     describe_counter!(CONFIG_LOADS, Unit::Count, "Configuration loads, by result.");
     describe_gauge!(
         CONFIG_FAILING,

@@ -42,9 +42,16 @@ pub const OPTIMISTIC_MAX_DEBT: u64 = 5;
 /// denial; shorter than the 250 ms Envoy timeout `docs/envoy.md` advises.
 pub const MAX_WAIT: Duration = Duration::from_millis(150);
 
-/// The most distinct `limit` overrides one rule keeps limiters for; a
-/// request bringing another one is refused.
-pub const MAX_OVERRIDES: usize = 64;
+/// The most override limiters a domain keeps live (see [`Overrides`]):
+/// past it, the least recently used is retired, never a request refused.
+pub const MAX_OVERRIDES: usize = 256;
+
+/// An override limiter unused this long is retired the next time its
+/// domain builds one.
+pub const OVERRIDE_IDLE: Duration = Duration::from_secs(120);
+
+/// The rule label of decisions made under a request's own `limit`.
+pub const OVERRIDE_RULE: &str = "(override)";
 
 /// What every rule's limiter is built with.
 #[derive(Debug, Clone)]
@@ -70,6 +77,162 @@ pub struct Table {
 pub(crate) struct Domain {
     pub(crate) config: Config,
     rules: HashMap<String, Arc<RuleLimiter>>,
+    /// Kept across reloads while the domain is configured.
+    pub(crate) overrides: Arc<Overrides>,
+}
+
+/// The limiters of requests that bring a `limit` of their own, for one
+/// domain. As envoyproxy/ratelimit keys its counters by descriptor and
+/// window, not by limit, every override of one period draws on one
+/// count: a descriptor that matches a rule of that period shares the
+/// rule's own count (its namespace), one of another period or of no rule
+/// counts under the domain's namespace for that period. A limit that
+/// changes between requests (10, then 9, … then 5 per minute) therefore
+/// admits at most the largest of them in a window, and each request is
+/// admitted only while the count leaves room under its own limit.
+///
+/// At most [`MAX_OVERRIDES`] limiters are live: the least recently used
+/// is retired past it, and any unused for [`OVERRIDE_IDLE`] when another
+/// is built. A retired limiter's count stays in the store, so a limiter
+/// built again for the same override carries on from it.
+pub(crate) struct Overrides {
+    /// The stand-in rule of override decisions: counted under the rule
+    /// label [`OVERRIDE_RULE`], never in shadow mode, without a name (the
+    /// reference treats an override as a limit of its own, not the
+    /// rule's).
+    pub(crate) rule: Arc<RuleLimiter>,
+    live: Mutex<HashMap<(String, Quota), Live>>,
+}
+
+struct Live {
+    limiter: Limiter,
+    used: std::time::Instant,
+}
+
+impl std::fmt::Debug for Overrides {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Overrides")
+            .field("live", &self.live_count())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Overrides {
+    fn new(domain: &str) -> Overrides {
+        let rule = Rule {
+            path: OVERRIDE_RULE.to_owned(),
+            name: None,
+            quota: None,
+            blocks: None,
+            algorithm: slicelimit::Algorithm::FixedWindow,
+            shadow_mode: false,
+        };
+        Overrides {
+            rule: Arc::new(RuleLimiter {
+                namespace: namespace(domain, OVERRIDE_RULE),
+                domain: domain.to_owned(),
+                limiter: None,
+                stats: RuleStats::new(domain, &rule),
+                rule,
+            }),
+            live: Mutex::default(),
+        }
+    }
+
+    /// How many override limiters are live.
+    pub(crate) fn live_count(&self) -> usize {
+        self.live.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// The limiter for `quota`, a request's own limit, on a descriptor
+    /// that reaches `rule` (or none).
+    ///
+    /// # Errors
+    /// A quota the rule's algorithm cannot count; a limiter that cannot be
+    /// built.
+    pub(crate) fn limiter(
+        &self,
+        rule: Option<&RuleLimiter>,
+        quota: Quota,
+        settings: &Settings,
+    ) -> Result<Limiter, Error> {
+        let algorithm = rule.map_or(slicelimit::Algorithm::FixedWindow, |r| r.rule.algorithm);
+        let own_period = rule
+            .and_then(|r| r.limiter.as_ref())
+            .map(|l| l.quota().period());
+        let namespace = match rule {
+            Some(r) if own_period == Some(quota.period()) => r.namespace.clone(),
+            Some(r) => format!("{}#{}ms", r.namespace, quota.period().as_millis()),
+            None => format!("{}#{}ms", self.rule.namespace, quota.period().as_millis()),
+        };
+        let now = std::time::Instant::now();
+        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = (namespace, quota);
+        if let Some(found) = live.get_mut(&slot) {
+            found.used = now;
+            return Ok(found.limiter.clone());
+        }
+        algorithm.check_quota(&quota)?;
+        let mut gone: Vec<(String, Quota)> = live
+            .iter()
+            .filter(|(_, l)| now.duration_since(l.used) >= OVERRIDE_IDLE)
+            .map(|(k, _)| k.clone())
+            .collect();
+        if live.len() - gone.len() >= MAX_OVERRIDES {
+            if let Some(oldest) = live
+                .iter()
+                .filter(|(k, _)| !gone.contains(k))
+                .min_by_key(|(_, l)| l.used)
+                .map(|(k, _)| k.clone())
+            {
+                gone.push(oldest);
+            }
+        }
+        let retired: Vec<Limiter> = gone
+            .iter()
+            .filter_map(|k| live.remove(k))
+            .map(|l| l.limiter)
+            .collect();
+        retire(retired);
+        let domain = &self.rule.domain;
+        let path = rule.map_or(OVERRIDE_RULE, |r| r.rule.path.as_str());
+        let builder = Limiter::builder(quota)
+            .name(&format!("{domain}:{path}{OVERRIDE_RULE}"))
+            .namespace(&slot.0)
+            .algorithm(algorithm);
+        let limiter = with_settings(builder, settings)?;
+        live.insert(
+            slot,
+            Live {
+                limiter: limiter.clone(),
+                used: now,
+            },
+        );
+        metrics::gauge!(crate::stats::OVERRIDES_LIVE, "domain" => domain.clone())
+            .set(live.len() as f64);
+        Ok(limiter)
+    }
+
+    fn limiters(&self) -> Vec<Limiter> {
+        let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        live.values().map(|l| l.limiter.clone()).collect()
+    }
+}
+
+/// Shuts `limiters` down once requests still holding them are done
+/// ([`RETIRE_AFTER`]), where a runtime runs.
+fn retire(limiters: Vec<Limiter>) {
+    if limiters.is_empty() {
+        return;
+    }
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        runtime.spawn(async move {
+            tokio::time::sleep(RETIRE_AFTER).await;
+            for limiter in limiters {
+                limiter.shutdown().await;
+            }
+        });
+    }
 }
 
 /// One rule and what counts for it.
@@ -78,9 +241,6 @@ pub(crate) struct RuleLimiter {
     pub(crate) domain: String,
     /// `None` for an `unlimited` rule.
     limiter: Option<Limiter>,
-    /// Limiters for requests that bring a `limit` of their own, by
-    /// quota; shared with the next table while the rule's algorithm stays.
-    overrides: Arc<Mutex<HashMap<Quota, Limiter>>>,
     namespace: String,
     pub(crate) stats: RuleStats,
 }
@@ -169,21 +329,32 @@ impl Table {
                 };
                 rules.insert(rule.path.clone(), Arc::new(entry));
             }
-            domains.insert(name, Domain { config, rules });
+            let overrides = previous
+                .and_then(|t| t.domains.get(&name))
+                .map_or_else(|| Arc::new(Overrides::new(&name)), |d| d.overrides.clone());
+            domains.insert(
+                name,
+                Domain {
+                    config,
+                    rules,
+                    overrides,
+                },
+            );
         }
         for (limiter, quota) in changes {
             limiter.set_quota(quota)?;
         }
         let mut retired = Vec::new();
         if let Some(previous) = previous {
-            for domain in previous.domains.values() {
+            for (name, domain) in &previous.domains {
                 for old in domain.rules.values() {
                     if kept.contains(&Arc::as_ptr(old)) {
                         continue;
                     }
                     retired.extend(old.limiter.clone());
-                    let overrides = old.overrides.lock().unwrap_or_else(|e| e.into_inner());
-                    retired.extend(overrides.values().cloned());
+                }
+                if !domains.contains_key(name) {
+                    retired.extend(domain.overrides.limiters());
                 }
             }
         }
@@ -206,9 +377,8 @@ impl Table {
         for domain in self.domains.values() {
             for rule in domain.rules.values() {
                 out.extend(rule.limiter.clone());
-                let overrides = rule.overrides.lock().unwrap_or_else(|e| e.into_inner());
-                out.extend(overrides.values().cloned());
             }
+            out.extend(domain.overrides.limiters());
         }
         out
     }
@@ -233,7 +403,6 @@ impl RuleLimiter {
             rule: rule.clone(),
             domain: domain.to_owned(),
             limiter,
-            overrides: Arc::default(),
             namespace,
             stats: RuleStats::new(domain, rule),
         })
@@ -252,48 +421,15 @@ impl RuleLimiter {
             rule: rule.clone(),
             domain: self.domain.clone(),
             limiter: self.limiter.clone(),
-            overrides: self.overrides.clone(),
             namespace: self.namespace.clone(),
             stats: RuleStats::new(&self.domain, rule),
         }
     }
 
-    /// The limiter for a request of this rule: the rule's own, or, for a
-    /// request that brings its own `limit`, one for that quota.
-    ///
-    /// # Errors
-    /// More than [`MAX_OVERRIDES`] distinct overrides on this rule.
-    pub(crate) fn limiter(
-        &self,
-        limit: Option<Quota>,
-        settings: &Settings,
-    ) -> Result<Option<Limiter>, Error> {
-        let (Some(own), Some(quota)) = (&self.limiter, limit) else {
-            return Ok(self.limiter.clone());
-        };
-        if own.quota() == quota {
-            return Ok(Some(own.clone()));
-        }
-        let mut overrides = self.overrides.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(limiter) = overrides.get(&quota) {
-            return Ok(Some(limiter.clone()));
-        }
-        if overrides.len() >= MAX_OVERRIDES {
-            return Err(Error::invalid(format!(
-                "rule {} already has {MAX_OVERRIDES} distinct limit overrides",
-                self.rule.path
-            )));
-        }
-        self.rule.algorithm.check_quota(&quota)?;
-        let namespace = format!(
-            "{}#{}/{}ms",
-            self.namespace,
-            quota.limit(),
-            quota.period().as_millis()
-        );
-        let limiter = build(&self.domain, &self.rule, quota, &namespace, settings)?;
-        overrides.insert(quota, limiter.clone());
-        Ok(Some(limiter))
+    /// The rule's own limiter; `None` for an unlimited rule or one that
+    /// blocks.
+    pub(crate) fn limiter(&self) -> Option<&Limiter> {
+        self.limiter.as_ref()
     }
 }
 
@@ -307,7 +443,13 @@ fn build(
     let builder = Limiter::builder(quota)
         .name(&format!("{domain}:{}", rule.path))
         .namespace(namespace)
-        .algorithm(rule.algorithm)
+        .algorithm(rule.algorithm);
+    with_settings(builder, settings)
+}
+
+/// `builder` with the server's store, failure policy and mode, built.
+fn with_settings(builder: slicelimit::Builder, settings: &Settings) -> Result<Limiter, Error> {
+    let builder = builder
         .store(settings.store.clone())
         .on_store_error(settings.on_store_error);
     match settings.mode {

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
@@ -52,6 +53,19 @@ fn in_process(mode: Mode) -> RateLimiter {
     let config = Config::parse("rules.yaml", RULES).expect("parses");
     let (table, _) = Table::build(vec![config], &settings, None).expect("builds");
     RateLimiter::new(Arc::new(ArcSwap::from_pointee(table)), settings)
+}
+
+/// Waits until `done` holds (polled every 20 ms), or fails after 20 s
+/// saying `what` did not happen.
+async fn eventually(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: not within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 fn codes(response: &RateLimitResponse) -> Vec<i32> {
@@ -210,16 +224,132 @@ async fn costs_come_from_the_descriptor_else_the_request_and_overrides_get_their
         (limit.requests_per_unit, limit.unit),
         (10, Unit::Month as i32)
     );
+    // A limit the server cannot read (UNKNOWN, none at all) is not
+    // refused, which Envoy's default failure mode would admit: the
+    // rule's own limit applies.
     for unit in [0, 99] {
         custom.limit = Some(RateLimitOverride {
             requests_per_unit: 10,
-            unit, // UNKNOWN, and none at all
+            unit,
         });
-        let e = service
+        let r = service
             .decide(request("api", vec![custom.clone()]))
             .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::InvalidArgument, "unit {unit}");
+            .unwrap();
+        let limit = r.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!(
+            (limit.requests_per_unit, limit.unit),
+            (3, Unit::Minute as i32),
+            "unit {unit}"
+        );
+    }
+    // `requests_per_unit: 0` blocks, as a rule of 0 does.
+    custom.limit = Some(RateLimitOverride {
+        requests_per_unit: 0,
+        unit: 2, // MINUTE
+    });
+    let r = service.decide(request("api", vec![custom])).await.unwrap();
+    assert_eq!(codes(&r), [OVER]);
+}
+
+fn with_limit(entries: &[(&str, &str)], requests_per_unit: u32, unit: i32) -> RateLimitDescriptor {
+    let mut d = descriptor(entries);
+    d.limit = Some(RateLimitOverride {
+        requests_per_unit,
+        unit,
+    });
+    d
+}
+
+const MINUTE: i32 = Unit::Minute as i32;
+
+#[tokio::test]
+async fn overrides_of_one_period_share_one_count_whatever_their_limit() {
+    for mode in [Mode::Exact, Mode::HybridStrict] {
+        let service = in_process(mode);
+        // 10, 9, … 5 per minute, five requests each: one count, so at
+        // most 10 in the minute (each override got a fresh budget before:
+        // 45 admitted). Exactly: 5 under 10, then 4 under 9.
+        let mut admitted = 0;
+        for limit in (5..=10).rev() {
+            for _ in 0..5 {
+                let d = with_limit(&[("user", "stepper")], limit, MINUTE);
+                if is_ok(&service.decide(request("api", vec![d])).await.unwrap()) {
+                    admitted += 1;
+                }
+            }
+        }
+        match mode {
+            Mode::Exact => assert_eq!(admitted, 9),
+            _ => assert!((1..=9).contains(&admitted), "{mode:?}: {admitted}"),
+        }
+        // The rule's own requests (3 per minute) draw on the same count.
+        let own = service
+            .decide(request("api", vec![descriptor(&[("user", "stepper")])]))
+            .await
+            .unwrap();
+        assert_eq!(codes(&own), [OVER], "{mode:?}");
+    }
+}
+
+#[tokio::test]
+async fn distinct_override_values_are_all_answered_and_never_admit_past_their_own_limit() {
+    for mode in [Mode::Exact, Mode::HybridStrict] {
+        let service = in_process(mode);
+        // 300 distinct values (more than the live limiters kept) in a
+        // scrambled order: each answered, never refused; a request is
+        // admitted only while the one count is under its own limit.
+        let mut count = 0u32;
+        for i in 0..300u32 {
+            let limit = 1 + (i * 7919) % 300;
+            let d = with_limit(&[("user", "many")], limit, MINUTE);
+            let r = service.decide(request("api", vec![d])).await.unwrap();
+            if is_ok(&r) {
+                assert!(
+                    count < limit,
+                    "{mode:?}: admitted at {count} under a limit of {limit}"
+                );
+                count += 1;
+            } else if mode == Mode::Exact {
+                assert!(
+                    count >= limit,
+                    "{mode:?}: denied at {count} under a limit of {limit}"
+                );
+            }
+        }
+        assert!(count > 0, "{mode:?}");
+        let live = service.overrides_live("api");
+        assert!(
+            live <= slicelimit_server::table::MAX_OVERRIDES,
+            "{mode:?}: {live} override limiters live"
+        );
+    }
+}
+
+#[tokio::test]
+async fn an_override_applies_where_no_rule_matches_while_the_domain_exists() {
+    let service = in_process(Mode::Exact);
+    for i in 0..3 {
+        let d = with_limit(&[("tenant", "t1"), ("plan", "pro")], 2, MINUTE);
+        let r = service.decide(request("api", vec![d])).await.unwrap();
+        assert_eq!(codes(&r), [if i < 2 { OK } else { OVER }], "request {i}");
+        let limit = r.statuses[0].current_limit.as_ref().unwrap();
+        assert_eq!((limit.requests_per_unit, limit.unit), (2, MINUTE));
+    }
+    // Another value of the entries is another count; an unknown domain
+    // still counts nothing.
+    let other = with_limit(&[("tenant", "t2"), ("plan", "pro")], 2, MINUTE);
+    assert!(is_ok(
+        &service.decide(request("api", vec![other])).await.unwrap()
+    ));
+    for _ in 0..3 {
+        let elsewhere = with_limit(&[("tenant", "t1")], 1, MINUTE);
+        assert!(is_ok(
+            &service
+                .decide(request("nowhere", vec![elsewhere]))
+                .await
+                .unwrap()
+        ));
     }
 }
 
@@ -334,21 +464,23 @@ async fn a_changed_file_applies_within_a_second_and_a_broken_one_changes_nothing
     let config = config_file(&dir, &per_minute(2));
     let server = RlsServer::start(&config, &["--redis-url", &redis.url()]);
     assert_eq!(admitted(&[&server], "u", 5, 1).await, 2);
-
-    // Raised to 5: the two already counted stay counted.
-    write_config(&config, &per_minute(5));
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    assert_eq!(admitted(&[&server], "u", 5, 1).await, 3);
-
-    // A broken file: the last good configuration stays, and it is counted.
-    write_config(&config, "domain: api\ndescriptors:\n  - key: user\n    rate_limit: { unit: fortnight, requests_per_unit: 1 }\n");
-    tokio::time::sleep(Duration::from_secs(1)).await;
     let loads = |result: &str| {
         server.metric(
             "slicelimit_server_config_loads_total",
             &format!("{{result=\"{result}\"}}"),
         )
     };
+
+    // Raised to 5: the two already counted stay counted. (Applied within
+    // a second, `files::POLL` apart; waited for longer, so a loaded
+    // machine does not fail the test.)
+    write_config(&config, &per_minute(5));
+    eventually("the raise applied", || loads("ok") == 2.0).await;
+    assert_eq!(admitted(&[&server], "u", 5, 1).await, 3);
+
+    // A broken file: the last good configuration stays, and it is counted.
+    write_config(&config, "domain: api\ndescriptors:\n  - key: user\n    rate_limit: { unit: fortnight, requests_per_unit: 1 }\n");
+    eventually("the broken file seen", || loads("error") == 1.0).await;
     assert_eq!(loads("error"), 1.0);
     assert_eq!(server.metric("slicelimit_server_config_failing", ""), 1.0);
     let mut client = server.client().await;
@@ -367,7 +499,7 @@ async fn a_changed_file_applies_within_a_second_and_a_broken_one_changes_nothing
     );
     assert!(server.log().contains("fortnight"), "{}", server.log());
     write_config(&config, &per_minute(6));
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    eventually("the fixed file applied", || loads("ok") == 3.0).await;
     assert_eq!(server.metric("slicelimit_server_config_failing", ""), 0.0);
     assert_eq!(loads("ok"), 3.0);
 }
@@ -401,7 +533,10 @@ async fn a_configmap_symlink_swap_is_seen() {
     );
     std::os::unix::fs::symlink("..v2", dir.join("..data_tmp")).unwrap();
     std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).unwrap();
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    eventually("the swap applied", || {
+        server.metric("slicelimit_server_config_loads_total", "{result=\"ok\"}") == 2.0
+    })
+    .await;
     let r = client.should_rate_limit(ask()).await.unwrap().into_inner();
     assert_eq!(limit(r.clone()), 7);
     assert_eq!(r.statuses[0].limit_remaining, 5, "the count of 2 was kept");
@@ -499,18 +634,18 @@ async fn malformed_requests_get_defined_answers_and_no_key_lacks_a_ttl() {
         .await,
         Ok(OK)
     );
-    let mut overrides = 0;
-    for limit in 1..=100 {
+    // Distinct overrides past the live limiters kept are all answered.
+    for limit in 1..=(slicelimit_server::table::MAX_OVERRIDES as u32 + 20) {
         let mut d = descriptor(&[("user", "o")]);
         d.limit = Some(RateLimitOverride {
             requests_per_unit: limit,
             unit: 1, // SECOND: none of them is the rule's own quota
         });
-        if code_of(&mut client, request("api", vec![d])).await.is_ok() {
-            overrides += 1;
-        }
+        assert!(
+            code_of(&mut client, request("api", vec![d])).await.is_ok(),
+            "override {limit}"
+        );
     }
-    assert_eq!(overrides, slicelimit_server::table::MAX_OVERRIDES);
     assert_eq!(server.get("/healthz").unwrap().0, 200);
     // gRPC health, by envoyproxy/ratelimit's service name, the service's
     // own and the server's (""); an unknown name is NOT_FOUND.
