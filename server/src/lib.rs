@@ -14,6 +14,8 @@
 //! - [`share`]: how replicas share an RLQS bucket's rate in the store
 //!   (its script, `lua/rate_share.lua`, and the script's mirror);
 //! - [`stats`]: the server's own metrics;
+//! - [`store_watch`]: the store from `--redis-url`, and what the server
+//!   says when it stops and starts answering;
 //! - [`log`]: lines about trouble that can repeat, throttled;
 //! - [`run`]: the process (flags, listeners, shutdown).
 //!
@@ -27,6 +29,7 @@ pub mod run;
 pub mod service;
 pub mod share;
 pub mod stats;
+pub mod store_watch;
 pub mod table;
 
 /// How to run slicelimit-server behind Envoy (`docs/envoy.md`).

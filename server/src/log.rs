@@ -33,6 +33,14 @@ impl Throttled {
         }
     }
 
+    /// Holds every line back for an interval from now (after a line of
+    /// another kind said the same).
+    pub fn hold(&self) {
+        self.next_ms
+            .store(since_start_ms() + self.every_ms, Ordering::Relaxed);
+        self.held.store(0, Ordering::Relaxed);
+    }
+
     /// Prints `line()` (prefixed with the server's name) if none was
     /// printed in the interval, saying how many were held back; else
     /// counts it held back. Returns whether it printed.
@@ -74,6 +82,9 @@ mod tests {
         assert!(log.say(|| "first".into()));
         assert!(!log.say(|| unreachable!("not formatted when held back")));
         assert_eq!(log.held.load(Ordering::Relaxed), 1);
+        let held = Throttled::new(Duration::from_secs(3600));
+        held.hold();
+        assert!(!held.say(|| unreachable!("held back after `hold`")));
         let every = Throttled::new(Duration::ZERO);
         assert!(every.say(|| "a".into()));
         assert!(every.say(|| "b".into()));

@@ -14,10 +14,11 @@ use crate::files;
 use crate::rlqs::Rlqs;
 use crate::service::RateLimiter;
 use crate::stats;
+use crate::store_watch;
 use crate::table::{Mode, Settings};
 use slicelimit::metrics::PrometheusExporter;
 use slicelimit::FailurePolicy;
-use slicelimit::{store::RedisOptions, MemoryStore, RedisStore, Store};
+use slicelimit::{store::RedisOptions, MemoryStore, Store};
 use slicelimit::{Error, ErrorKind};
 
 /// How long a shutdown waits for calls in flight before it closes their
@@ -37,8 +38,13 @@ pub struct Options {
     /// them (one domain per file). Changes apply within a second.
     #[arg(long, env = "SLICELIMIT_CONFIG")]
     pub config: PathBuf,
-    /// Redis (or Valkey) shared by every replica: redis://, rediss://,
-    /// redis+sentinel:// … Without it, counts in this process alone.
+    /// Redis (or Valkey) shared by every replica: redis://host:port,
+    /// rediss://host:port (TLS), or
+    /// redis+sentinel://[user:password@]host:port[,host:port…]/service.
+    /// Without it, counts in this process alone. The server starts while
+    /// a Redis node is unreachable, deciding by --on-store-error until it
+    /// answers, and says on standard error when Redis stops and starts
+    /// answering.
     #[arg(long, env = "REDIS_URL")]
     pub redis_url: Option<String>,
     /// The rate limit service and grpc.health.v1.
@@ -68,7 +74,7 @@ pub struct Options {
     )]
     pub on_store_error: OnStoreError,
     /// How long one Redis call may take before the failure policy
-    /// decides for it (`25ms`, `2s`). While Redis answers slowly it
+    /// decides for it (25ms, 2s). While Redis answers slowly it
     /// stretches on its own, up to four times this.
     #[arg(
         long,
@@ -77,9 +83,9 @@ pub struct Options {
         value_parser = parse_timeout
     )]
     pub redis_timeout: Duration,
-    /// Answer every rule as a `shadow_mode` rule: OK whatever the count,
+    /// Answer every rule as a shadow_mode rule: OK whatever the count,
     /// would-be denials only counted (as envoyproxy/ratelimit's
-    /// SHADOW_MODE). `true` or `false`.
+    /// SHADOW_MODE): true or false.
     #[arg(
         long,
         env = "SHADOW_MODE",
@@ -88,7 +94,7 @@ pub struct Options {
     )]
     pub shadow_mode: bool,
     /// Merge the files of one domain instead of refusing them (as
-    /// envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG). `true` or `false`.
+    /// envoyproxy/ratelimit's MERGE_DOMAIN_CONFIG): true or false.
     #[arg(
         long,
         env = "MERGE_DOMAIN_CONFIG",
@@ -119,11 +125,13 @@ fn parse_timeout(text: &str) -> Result<Duration, String> {
 /// `--mode`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum ModeFlag {
-    /// [`Mode::HybridStrict`].
+    /// Each replica leases slices of every key's budget and decides
+    /// locally, waiting for a refill rather than admitting past the limit
     HybridStrict,
-    /// [`Mode::HybridOptimistic`].
+    /// As hybrid-strict, but admitting a few requests per key on credit
+    /// while a refill is in flight
     HybridOptimistic,
-    /// [`Mode::Exact`].
+    /// One Redis call per descriptor: exact, a round trip per request
     Exact,
 }
 
@@ -158,16 +166,29 @@ impl Options {
 /// every leased permit back (at most [`SHUTDOWN_STEP`] again).
 ///
 /// # Errors
-/// A configuration that does not load, a Redis that cannot be reached at
-/// start, an address that cannot be bound, a metrics recorder already
-/// installed in this process.
+/// A configuration that does not load, a Redis URL that is not one, a
+/// Sentinel that cannot be reached at start, an address that cannot be
+/// bound, a metrics recorder already installed in this process. (A Redis
+/// node that cannot be reached is no error: the server starts and decides
+/// by `--on-store-error` until it answers.)
 pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
     let exporter = slicelimit::metrics::install_prometheus_recorder()?;
     stats::describe();
+    let mut watch = None;
     let store: Store = match &options.redis_url {
         Some(url) => {
             let redis = RedisOptions::default().response_timeout(options.redis_timeout);
-            RedisStore::connect_with(url, redis).await?.into()
+            let store = store_watch::connect(url, redis).await?;
+            let policy = match options.on_store_error {
+                OnStoreError::Open => {
+                    "each request it would decide is admitted (--on-store-error open)"
+                }
+                OnStoreError::Closed => {
+                    "each request it would decide is denied (--on-store-error closed)"
+                }
+            };
+            watch = Some(tokio::spawn(store_watch::watch(store.clone(), policy)));
+            store
         }
         None => {
             eprintln!(
@@ -298,6 +319,9 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
         eprintln!("slicelimit-server: leases not all given back after {SHUTDOWN_STEP:?}");
     }
     upkeep.abort();
+    if let Some(watch) = watch {
+        watch.abort();
+    }
     metrics_server.abort();
     eprintln!("slicelimit-server: stopped");
     Ok(())

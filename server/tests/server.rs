@@ -849,3 +849,78 @@ fn the_grafana_dashboard_charts_the_server() {
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_starts_while_redis_is_down_and_counts_once_it_answers() {
+    let mut redis = RedisServer::start();
+    redis.kill();
+    let dir = scratch("redis-later");
+    let config = config_file(&dir, &per_minute(2));
+    let server = RlsServer::start(
+        &config,
+        &["--redis-url", &redis.url(), "--on-store-error", "closed"],
+    );
+    // Up and healthy, deciding by the failure policy: closed denies.
+    eventually("the outage logged", || {
+        server.log().contains("Redis does not answer")
+    })
+    .await;
+    assert!(
+        server.log().contains("--on-store-error closed"),
+        "{}",
+        server.log()
+    );
+    assert_eq!(admitted(&[&server], "u", 3, 1).await, 0);
+    assert_eq!(server.get("/healthz").unwrap().0, 200);
+
+    redis.restart();
+    eventually("Redis seen answering", || {
+        server.log().contains("Redis answers again")
+    })
+    .await;
+    // Counted in Redis now: the rule's 2 a minute, then denied. (Retried
+    // while the hybrid lease of the outage's denials lapses.)
+    let mut counted = 0;
+    for _ in 0..100 {
+        counted = admitted(&[&server], "fresh", 3, 1).await;
+        if counted > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(counted, 2, "{}", server.log());
+    assert!(
+        !redis.keys().is_empty(),
+        "the count lives in Redis: {:?}",
+        redis.keys()
+    );
+    // One line for the outage, one for the recovery: not one a request.
+    let lines = server.log().lines().filter(|l| l.contains("Redis")).count();
+    assert!(lines <= 4, "{}", server.log());
+    println!("{}", server.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sentinel_url_counts_in_the_primary_the_sentinels_name() {
+    use support::sentinel::{SentinelSetup, SERVICE};
+    let setup = SentinelSetup::start();
+    let hosts: Vec<String> = setup
+        .sentinel_urls()
+        .iter()
+        .map(|u| {
+            u.trim_start_matches("redis://")
+                .trim_end_matches('/')
+                .to_owned()
+        })
+        .collect();
+    let url = format!("redis+sentinel://{}/{SERVICE}", hosts.join(","));
+    let dir = scratch("sentinel");
+    let config = config_file(&dir, &per_minute(2));
+    let server = RlsServer::start(&config, &["--redis-url", &url]);
+    assert_eq!(admitted(&[&server], "s", 4, 1).await, 2, "{}", server.log());
+    assert!(
+        setup.primary.keys().iter().any(|k| k.contains("api")),
+        "counted in the primary: {:?}",
+        setup.primary.keys()
+    );
+}
