@@ -68,6 +68,31 @@ pub struct Rule {
     pub algorithm: Algorithm,
     /// Answered OK whatever the count; a would-be denial is only counted.
     pub shadow_mode: bool,
+    /// `quota_mode`: over its limit, this descriptor's status says so,
+    /// but the request is over only if every quota-mode descriptor of it
+    /// is (and no other one is), as envoyproxy/ratelimit decides.
+    pub quota_mode: bool,
+    /// `rate_limit.replaces`: the names of rules this one replaces in a
+    /// request that reaches both (the replaced one is not checked).
+    pub replaces: Vec<String>,
+    /// `detailed_metric`: the rule's stats are labelled with every
+    /// entry's value as requested (see [`Level`]), up to a bound of
+    /// series.
+    pub detailed_metric: bool,
+    /// What each descriptor on the way to the rule (the rule's own last)
+    /// adds to how it counts and is labelled.
+    pub levels: Vec<Level>,
+}
+
+/// One descriptor on the way to a rule, as it bears on the rule's
+/// counter and labels.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Level {
+    /// `share_threshold` on a wildcard value: every value it matches
+    /// counts as this one (the pattern), sharing one count.
+    pub shared: Option<String>,
+    /// `value_to_metric`: the requested value goes into the stats label.
+    pub value_to_metric: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -87,7 +112,7 @@ enum Match {
     Wildcard(Vec<String>),
 }
 
-const DESCRIPTOR_FIELDS: [&str; 8] = [
+const DESCRIPTOR_FIELDS: [&str; 13] = [
     "key",
     "value",
     "rate_limit",
@@ -96,6 +121,13 @@ const DESCRIPTOR_FIELDS: [&str; 8] = [
     "name",
     "descriptors",
     "slicelimit",
+    "quota_mode",
+    "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
+    // Free-form annotations (envoyproxy/ratelimit reads them for nothing
+    // a decision depends on): accepted and left alone.
+    "metadata",
 ];
 
 impl Config {
@@ -121,7 +153,7 @@ impl Config {
             Some(domain) if !domain.is_empty() => domain.to_owned(),
             _ => return Err(fail("`domain` must be a non-empty string".into())),
         };
-        let descriptors = nodes(top.get("descriptors"), "", &|at, what| {
+        let descriptors = nodes(top.get("descriptors"), "", &[], &|at, what| {
             fail(format!("descriptor {at}: {what}"))
         })?;
         let rlqs = match top.get("rlqs") {
@@ -253,7 +285,12 @@ fn glob(parts: &[String], value: &str) -> bool {
 
 type Fail<'a> = &'a dyn Fn(&str, String) -> Error;
 
-fn nodes(list: Option<&Value>, parent: &str, fail: Fail<'_>) -> Result<Vec<Node>, Error> {
+fn nodes(
+    list: Option<&Value>,
+    parent: &str,
+    above: &[Level],
+    fail: Fail<'_>,
+) -> Result<Vec<Node>, Error> {
     // No list, or `descriptors:` with nothing after it (YAML's null).
     let Some(list) = list.filter(|v| !v.is_null()) else {
         return Ok(Vec::new());
@@ -268,7 +305,7 @@ fn nodes(list: Option<&Value>, parent: &str, fail: Fail<'_>) -> Result<Vec<Node>
         let map = item
             .as_mapping()
             .ok_or_else(|| fail(&here, "expected a mapping".into()))?;
-        let node = node(map, parent, &here, fail)?;
+        let node = node(map, parent, above, &here, fail)?;
         if out
             .iter()
             .any(|n| n.key == node.key && n.value == node.value)
@@ -294,7 +331,8 @@ fn segment(node: &Node) -> String {
     }
 }
 
-fn escape(text: &str) -> String {
+/// `text` as it stands in a rule's path (see `segment`).
+pub(crate) fn escape(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for c in text.chars() {
         match c {
@@ -308,7 +346,13 @@ fn escape(text: &str) -> String {
     out
 }
 
-fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node, Error> {
+fn node(
+    map: &Mapping,
+    parent: &str,
+    above: &[Level],
+    here: &str,
+    fail: Fail<'_>,
+) -> Result<Node, Error> {
     for (field, _) in map {
         let name = field.as_str().unwrap_or("");
         if !DESCRIPTOR_FIELDS.contains(&name) {
@@ -356,6 +400,23 @@ fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node,
     // form); beside it, on the descriptor, they are read as well.
     let mut unlimited = flag("unlimited")?;
     let shadow_mode = flag("shadow_mode")?;
+    let quota_mode = flag("quota_mode")?;
+    let detailed_metric = flag("detailed_metric")?;
+    let shared = match (flag("share_threshold")?, &node.value) {
+        (false, _) => None,
+        (true, Match::Wildcard(parts)) => Some(parts.join("*")),
+        (true, _) => {
+            return Err(fail(
+                at,
+                "`share_threshold` needs a wildcard `value` (with a `*`)".into(),
+            ))
+        }
+    };
+    let mut levels = above.to_vec();
+    levels.push(Level {
+        shared,
+        value_to_metric: flag("value_to_metric")?,
+    });
     let mut name = match map.get("name") {
         None => None,
         Some(v) => Some(
@@ -366,6 +427,7 @@ fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node,
     };
     let algorithm = algorithm(map.get("slicelimit"), at, fail)?;
     let mut blocks = None;
+    let mut replaces = Vec::new();
     let quota = match (map.get("rate_limit"), unlimited) {
         (Some(_), true) => {
             return Err(fail(
@@ -385,6 +447,13 @@ fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node,
             }
             unlimited = limit.unlimited;
             blocks = limit.blocks;
+            replaces = limit.replaces;
+            if let Some(own) = name.as_deref().filter(|n| replaces.iter().any(|r| r == n)) {
+                return Err(fail(
+                    at,
+                    format!("`rate_limit.replaces`: a rule cannot replace itself ({own:?})"),
+                ));
+            }
             limit.quota
         }
         (None, _) => None,
@@ -402,14 +471,20 @@ fn node(map: &Mapping, parent: &str, here: &str, fail: Fail<'_>) -> Result<Node,
             blocks,
             algorithm,
             shadow_mode,
+            quota_mode,
+            replaces,
+            detailed_metric,
+            levels: levels.clone(),
         });
-    } else if shadow_mode || name.is_some() {
+    } else if shadow_mode || quota_mode || name.is_some() {
         return Err(fail(
             at,
-            "`shadow_mode` and `name` need a rule (`rate_limit`)".into(),
+            "`shadow_mode`, `quota_mode` and `name` need a rule (`rate_limit`)".into(),
         ));
     }
-    node.descriptors = nodes(map.get("descriptors"), &path, fail)?;
+    // (`detailed_metric` on a descriptor without a rule labels nothing,
+    // as in envoyproxy/ratelimit.)
+    node.descriptors = nodes(map.get("descriptors"), &path, &levels, fail)?;
     Ok(node)
 }
 
@@ -455,6 +530,8 @@ struct RateLimit {
     /// `requests_per_unit: 0`: the unit of a rule that blocks.
     blocks: Option<Duration>,
     name: Option<String>,
+    /// `replaces: [{ name: … }]`.
+    replaces: Vec<String>,
 }
 
 fn rate_limit(limit: &Value, at: &str, fail: Fail<'_>) -> Result<RateLimit, Error> {
@@ -463,7 +540,7 @@ fn rate_limit(limit: &Value, at: &str, fail: Fail<'_>) -> Result<RateLimit, Erro
         .ok_or_else(|| fail(at, "`rate_limit` must be a mapping".into()))?;
     for (field, _) in map {
         match field.as_str() {
-            Some("unit" | "requests_per_unit" | "unlimited" | "name") => {}
+            Some("unit" | "requests_per_unit" | "unlimited" | "name" | "replaces") => {}
             _ => {
                 return Err(fail(
                     at,
@@ -479,6 +556,33 @@ fn rate_limit(limit: &Value, at: &str, fail: Fail<'_>) -> Result<RateLimit, Erro
                 .ok_or_else(|| fail(at, "`rate_limit.name` must be a string".into()))?
                 .to_owned(),
         ),
+    };
+    let replaces = match map.get("replaces") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Sequence(list)) => list
+            .iter()
+            .map(|item| {
+                item.as_mapping()
+                    .filter(|m| m.len() == 1)
+                    .and_then(|m| m.get("name"))
+                    .and_then(Value::as_str)
+                    .filter(|n| !n.is_empty())
+                    .map(str::to_owned)
+                    .ok_or_else(|| {
+                        fail(
+                            at,
+                            "`rate_limit.replaces`: each item is `{ name: <a rule's name> }`"
+                                .into(),
+                        )
+                    })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(_) => {
+            return Err(fail(
+                at,
+                "`rate_limit.replaces` must be a list of `{ name: … }`".into(),
+            ))
+        }
     };
     let unlimited = match map.get("unlimited") {
         None => false,
@@ -498,6 +602,7 @@ fn rate_limit(limit: &Value, at: &str, fail: Fail<'_>) -> Result<RateLimit, Erro
             unlimited,
             blocks: None,
             name,
+            replaces,
         });
     }
     let unit = map.get("unit").and_then(Value::as_str);
@@ -524,6 +629,7 @@ fn rate_limit(limit: &Value, at: &str, fail: Fail<'_>) -> Result<RateLimit, Erro
             unlimited: false,
             blocks: Some(period),
             name,
+            replaces,
         });
     }
     let quota = Quota::new(requests, period).map_err(|e| fail(at, format!("`rate_limit`: {e}")))?;
@@ -532,6 +638,7 @@ fn rate_limit(limit: &Value, at: &str, fail: Fail<'_>) -> Result<RateLimit, Erro
         unlimited: false,
         blocks: None,
         name,
+        replaces,
     })
 }
 

@@ -102,6 +102,16 @@ pub struct Options {
         action = clap::ArgAction::Set
     )]
     pub merge_domain_config: bool,
+    /// Answer every rule as a quota_mode rule: a request is over only if
+    /// every descriptor it is limited by is over (as envoyproxy/ratelimit's
+    /// QUOTA_MODE): true or false.
+    #[arg(
+        long,
+        env = "QUOTA_MODE",
+        default_value_t = false,
+        action = clap::ArgAction::Set
+    )]
+    pub quota_mode: bool,
 }
 
 /// `--redis-timeout`: a whole number of milliseconds (`ms`) or seconds
@@ -215,10 +225,16 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
         options.on_store_error,
     );
     let table = Arc::new(ArcSwap::from_pointee(first));
-    let service =
-        RateLimiter::new(table.clone(), settings.clone()).shadow_everything(options.shadow_mode);
+    let service = RateLimiter::new(table.clone(), settings.clone())
+        .shadow_everything(options.shadow_mode)
+        .quota_everything(options.quota_mode);
     if options.shadow_mode {
         eprintln!("slicelimit-server: shadow mode: every rule answers OK, denials only counted");
+    }
+    if options.quota_mode {
+        eprintln!(
+            "slicelimit-server: quota mode: a request is over only if every descriptor of it is"
+        );
     }
     let rlqs = Rlqs::new(
         table.clone(),

@@ -13,6 +13,7 @@
 //! - a descriptor that reaches no rule, or an `unlimited` one, is OK and
 //!   counts nothing; so does every descriptor of a domain not configured.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,9 +27,10 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tonic::{Request, Response, Status};
 
+use crate::config::Rule;
 use crate::log::Throttled;
-use crate::table::{RuleLimiter, Settings, Table};
-use slicelimit::limiter::check_each;
+use crate::table::{RuleLimiter, RuleStats, Settings, Table};
+use slicelimit::limiter::{check_each, refund_all};
 use slicelimit::Limiter;
 use slicelimit::Quota;
 use slicelimit::{Decision, Source};
@@ -45,6 +47,8 @@ pub struct RateLimiter {
     settings: Arc<Settings>,
     /// Every rule in shadow mode (envoyproxy/ratelimit's `SHADOW_MODE`).
     shadow_everything: bool,
+    /// Every rule in quota mode (envoyproxy/ratelimit's `QUOTA_MODE`).
+    quota_everything: bool,
 }
 
 impl RateLimiter {
@@ -55,6 +59,7 @@ impl RateLimiter {
             table,
             settings: Arc::new(settings),
             shadow_everything: false,
+            quota_everything: false,
         }
     }
 
@@ -76,8 +81,22 @@ impl RateLimiter {
             .map_or(0, |d| d.overrides.live_count())
     }
 
+    /// Whether `rule` is in quota mode (see [`Rule::quota_mode`]).
+    fn quota(&self, rule: &Rule) -> bool {
+        rule.quota_mode || self.quota_everything
+    }
+
+    /// Every rule in quota mode (`QUOTA_MODE=true` in
+    /// envoyproxy/ratelimit): the request is over only if every
+    /// descriptor is.
+    #[must_use]
+    pub fn quota_everything(mut self, on: bool) -> RateLimiter {
+        self.quota_everything = on;
+        self
+    }
+
     /// Whether `rule` only counts its would-be denials.
-    fn shadow(&self, rule: &crate::config::Rule) -> bool {
+    fn shadow(&self, rule: &Rule) -> bool {
         rule.shadow_mode || self.shadow_everything
     }
 
@@ -114,93 +133,157 @@ impl RateLimiter {
         }
         let table = self.table.load_full();
         let default_cost = u64::from(request.hits_addend.max(1));
-        let mut plans = Vec::with_capacity(request.descriptors.len());
+        let mut plans: Vec<Plan> = Vec::with_capacity(request.descriptors.len());
         for (i, descriptor) in request.descriptors.iter().enumerate() {
             plans.push(self.plan(&table, &request.domain, descriptor, default_cost, i)?);
         }
 
+        // A rule another one the request reaches `replaces` is not
+        // checked (as envoyproxy/ratelimit drops it).
+        let replaced: HashSet<String> = plans
+            .iter()
+            .filter_map(Plan::rule)
+            .flat_map(|r| r.rule.replaces.iter().cloned())
+            .collect();
+        if !replaced.is_empty() {
+            for plan in &mut plans {
+                let name = plan.rule().and_then(|r| r.rule.name.as_deref());
+                if name.is_some_and(|n| replaced.contains(n)) {
+                    *plan = Plan::Nothing;
+                }
+            }
+        }
+        // Enforced descriptors are decided together, all or nothing;
+        // shadow and quota-mode ones each on its own.
         let enforced: Vec<(&Limiter, &str, u64)> = plans
             .iter()
             .filter_map(Plan::counted)
-            .filter(|p| !self.shadow(&p.rule.rule))
+            .filter(|p| !self.shadow(&p.rule.rule) && !self.quota(&p.rule.rule))
             .map(|p| (&p.limiter, p.key.as_str(), p.cost))
             .collect();
         let together = check_each(&enforced).await;
-        let mut decided = together.quotas().iter();
-        let mut statuses = Vec::with_capacity(plans.len());
-        let mut over = false;
+        let mut in_together = together.quotas().iter();
+        let mut decided: Vec<Option<Decided>> = Vec::with_capacity(plans.len());
         for plan in &plans {
-            if let Plan::Blocked(rule, unit) = plan {
-                rule.stats.total_hits.increment(1);
-                let shadow = self.shadow(&rule.rule);
-                if shadow {
-                    rule.stats.shadow_mode.increment(1);
-                } else {
-                    rule.stats.over_limit.increment(1);
-                    over = true;
-                }
-                statuses.push(DescriptorStatus {
-                    code: if shadow { Code::Ok } else { Code::OverLimit } as i32,
-                    current_limit: Some(RateLimit {
-                        name: rule.rule.name.clone().unwrap_or_default(),
-                        requests_per_unit: 0,
-                        unit: unit_of(*unit) as i32,
-                    }),
-                    ..Default::default()
-                });
-                continue;
-            }
             let Some(p) = plan.counted() else {
-                let unlimited = matches!(plan, Plan::Unlimited);
-                statuses.push(DescriptorStatus {
-                    code: Code::Ok as i32,
-                    limit_remaining: if unlimited { u32::MAX } else { 0 },
-                    ..Default::default()
-                });
+                decided.push(None);
                 continue;
             };
-            let stats = &p.rule.stats;
-            // Hits as counted: a cost past any limit counts as one past
-            // u32::MAX (Envoy's own hits_addend is a u32), so a client
-            // cannot wrap the counters.
-            let hits = p.cost.min(u64::from(u32::MAX) + 1);
-            stats.total_hits.increment(hits);
-            let mut peeked = false;
             let shadow = self.shadow(&p.rule.rule);
-            let decision = if shadow {
-                let decision = p.limiter.check(&p.key, p.cost).await;
-                if !decision.is_allowed() {
-                    stats.shadow_mode.increment(hits);
+            let quota = self.quota(&p.rule.rule);
+            let (decision, peeked) = if shadow {
+                (p.limiter.check(&p.key, p.cost).await, false)
+            } else if quota {
+                // Counted only if the request can pass: after the
+                // enforced descriptors denied, only looked at.
+                if together.is_allowed() {
+                    (p.limiter.check(&p.key, p.cost).await, false)
+                } else {
+                    (p.limiter.check(&p.key, 0).await, true)
                 }
-                decision
             } else {
-                match decided.next() {
-                    Some(decision) => decision.clone(),
-                    // Past the denying descriptor: nothing was asked of
-                    // this one; what it has left, without taking any.
-                    None => {
-                        peeked = true;
-                        p.limiter.check(&p.key, 0).await
-                    }
+                match in_together.next() {
+                    Some(decision) => (decision.clone(), false),
+                    None => (p.limiter.check(&p.key, 0).await, true),
                 }
             };
-            // A descriptor whose permits went back because another
-            // denied reads `GivenBack`: it was within its limit.
-            let given_back = decision.source() == Source::GivenBack;
-            let denied = !decision.is_allowed() && !given_back && !shadow;
-            if denied {
-                over = true;
-                stats.over_limit.increment(hits);
-            } else if decision.is_allowed() && !peeked {
-                // Admitted and kept (not given back because another
-                // descriptor denied, not merely peeked at).
-                stats.within_limit.increment(hits);
-                let used = decision.limit().saturating_sub(decision.remaining());
-                if used.saturating_mul(5) > decision.limit().saturating_mul(4) {
-                    stats.near_limit.increment(hits);
+            // A descriptor whose permits went back because another denied
+            // reads `GivenBack`: it was within its limit. One only looked
+            // at is over if its cost does not fit what is left.
+            let over = if peeked {
+                decision.remaining() < p.cost
+            } else {
+                !decision.is_allowed() && decision.source() != Source::GivenBack
+            };
+            decided.push(Some(Decided {
+                decision,
+                over,
+                peeked,
+            }));
+        }
+        // Over if an enforced descriptor is, or if every quota-mode one is
+        // (envoyproxy/ratelimit's rule); shadow rules never make it over.
+        let mut quota_total = 0;
+        let mut quota_over = 0;
+        let mut enforced_over = false;
+        for (plan, d) in plans.iter().zip(&decided) {
+            let (rule, over) = match (plan, d) {
+                (Plan::Blocked(rule, _), _) => (&rule.rule, true),
+                (Plan::Counted(p), Some(d)) => (&p.rule.rule, d.over),
+                _ => continue,
+            };
+            if self.shadow(rule) {
+                continue;
+            }
+            if self.quota(rule) {
+                quota_total += 1;
+                quota_over += usize::from(over);
+            } else {
+                enforced_over |= over;
+            }
+        }
+        let over = enforced_over || (quota_total > 0 && quota_over == quota_total);
+        if over && together.is_allowed() && !enforced.is_empty() {
+            // Every quota-mode descriptor is over: the request is, and
+            // what the enforced ones took goes back.
+            let pairs: Vec<(&Limiter, &str)> = enforced.iter().map(|&(l, k, _)| (l, k)).collect();
+            refund_all(&pairs, &together).await;
+        }
+        let mut statuses = Vec::with_capacity(plans.len());
+        for (plan, d) in plans.iter().zip(decided) {
+            match (plan, d) {
+                (Plan::Blocked(rule, unit), _) => {
+                    let stats = rule.stats.for_request(&rule.rule, &[]);
+                    stats.total_hits.increment(1);
+                    let shadow = self.shadow(&rule.rule);
+                    if shadow {
+                        stats.shadow_mode.increment(1);
+                    } else {
+                        stats.over_limit.increment(1);
+                    }
+                    statuses.push(DescriptorStatus {
+                        code: if shadow { Code::Ok } else { Code::OverLimit } as i32,
+                        current_limit: Some(RateLimit {
+                            name: rule.rule.name.clone().unwrap_or_default(),
+                            requests_per_unit: 0,
+                            unit: unit_of(*unit) as i32,
+                        }),
+                        ..Default::default()
+                    });
+                }
+                (Plan::Counted(p), Some(d)) => {
+                    let stats = &p.stats;
+                    // Hits as counted: a cost past any limit counts as one
+                    // past u32::MAX (Envoy's own hits_addend is a u32), so
+                    // a client cannot wrap the counters.
+                    let hits = p.cost.min(u64::from(u32::MAX) + 1);
+                    stats.total_hits.increment(hits);
+                    let shadow = self.shadow(&p.rule.rule);
+                    let denied = d.over && !shadow;
+                    if shadow && d.over {
+                        stats.shadow_mode.increment(hits);
+                    } else if denied {
+                        stats.over_limit.increment(hits);
+                    } else if d.decision.is_allowed() && !d.peeked && !over {
+                        // Admitted and kept (not given back because
+                        // another descriptor denied, not merely looked at).
+                        stats.within_limit.increment(hits);
+                        let used = d.decision.limit().saturating_sub(d.decision.remaining());
+                        if used.saturating_mul(5) > d.decision.limit().saturating_mul(4) {
+                            stats.near_limit.increment(hits);
+                        }
+                    }
+                    statuses.push(status(p, &d.decision, denied));
+                }
+                (plan, _) => {
+                    let unlimited = matches!(plan, Plan::Unlimited(_));
+                    statuses.push(DescriptorStatus {
+                        code: Code::Ok as i32,
+                        limit_remaining: if unlimited { u32::MAX } else { 0 },
+                        ..Default::default()
+                    });
                 }
             }
-            statuses.push(status(p, &decision, denied));
         }
         Ok(RateLimitResponse {
             overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
@@ -249,12 +332,12 @@ impl RateLimiter {
                 OverrideLimit::Quota(quota) => {
                     let limiter = overrides.limiter(rule.map(|r| &**r), quota, &self.settings)?;
                     Ok(Plan::Counted(Counted {
+                        stats: overrides.rule.stats.for_request(&overrides.rule.rule, &[]),
                         rule: overrides.rule.clone(),
                         limiter,
-                        key: if rule.is_some() {
-                            key_of(&entries)
-                        } else {
-                            key_with_names(&entries)
+                        key: match rule {
+                            Some(rule) => key_of(&entries, &rule.rule),
+                            None => key_with_names(&entries),
                         },
                         cost,
                     }))
@@ -279,13 +362,14 @@ impl RateLimiter {
         let Some(limiter) = rule.limiter().cloned() else {
             return Ok(match rule.rule.blocks {
                 Some(unit) => Plan::Blocked(rule.clone(), unit),
-                None => Plan::Unlimited,
+                None => Plan::Unlimited(rule.clone()),
             });
         };
         Ok(Plan::Counted(Counted {
+            stats: rule.stats.for_request(&rule.rule, &entries),
             rule: rule.clone(),
             limiter,
-            key: key_of(&entries),
+            key: key_of(&entries, &rule.rule),
             cost,
         }))
     }
@@ -302,11 +386,11 @@ impl RateLimitService for RateLimiter {
 }
 
 enum Plan {
-    /// Counts nothing: no rule, an unknown domain.
+    /// Counts nothing: no rule, an unknown domain, a replaced rule.
     Nothing,
     /// An unlimited rule: counts nothing, and says so with every permit
     /// left (`u32::MAX`, as envoyproxy/ratelimit answers).
-    Unlimited,
+    Unlimited(Arc<RuleLimiter>),
     /// A rule of `requests_per_unit: 0` (and its unit): every request is
     /// over its limit, none is counted.
     Blocked(Arc<RuleLimiter>, Duration),
@@ -318,13 +402,34 @@ struct Counted {
     limiter: Limiter,
     key: String,
     cost: u64,
+    /// The stats this descriptor counts in (its rule's, or a series of
+    /// them with the requested values: `detailed_metric`).
+    stats: Arc<RuleStats>,
+}
+
+/// One counted descriptor's decision.
+struct Decided {
+    decision: Decision,
+    /// Over its limit (a decision given back because another descriptor
+    /// denied is not).
+    over: bool,
+    /// Only looked at (cost 0), not counted.
+    peeked: bool,
 }
 
 impl Plan {
     fn counted(&self) -> Option<&Counted> {
         match self {
-            Plan::Nothing | Plan::Unlimited | Plan::Blocked(..) => None,
             Plan::Counted(c) => Some(c),
+            _ => None,
+        }
+    }
+
+    fn rule(&self) -> Option<&Arc<RuleLimiter>> {
+        match self {
+            Plan::Nothing => None,
+            Plan::Unlimited(rule) | Plan::Blocked(rule, _) => Some(rule),
+            Plan::Counted(c) => Some(&c.rule),
         }
     }
 }
@@ -332,8 +437,20 @@ impl Plan {
 /// The limiter key of a descriptor: its values, each prefixed with its
 /// length so that no two descriptors of one rule share a key (the keys of
 /// the entries are the rule's own, the same for all).
-fn key_of(entries: &[(&str, &str)]) -> String {
-    key_from(entries, false)
+fn key_of(entries: &[(&str, &str)], rule: &Rule) -> String {
+    // A wildcard with `share_threshold` counts every value it matches as
+    // its pattern: one count for them all.
+    let shared: Vec<(&str, &str)> = entries
+        .iter()
+        .enumerate()
+        .map(
+            |(i, &(name, value))| match rule.levels.get(i).and_then(|l| l.shared.as_deref()) {
+                Some(pattern) => (name, pattern),
+                None => (name, value),
+            },
+        )
+        .collect();
+    key_from(&shared, false)
 }
 
 /// The limiter key of a descriptor that no rule reaches (its own

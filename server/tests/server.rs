@@ -44,13 +44,17 @@ descriptors:
 "#;
 
 fn in_process(mode: Mode) -> RateLimiter {
+    in_process_with(RULES, mode)
+}
+
+fn in_process_with(rules: &str, mode: Mode) -> RateLimiter {
     let settings = Settings {
         store: MemoryStore::new().into(),
         mode,
         on_store_error: FailurePolicy::FailOpen,
         merge_domains: false,
     };
-    let config = Config::parse("rules.yaml", RULES).expect("parses");
+    let config = Config::parse("rules.yaml", rules).expect("parses");
     let (table, _) = Table::build(vec![config], &settings, None).expect("builds");
     RateLimiter::new(Arc::new(ArcSwap::from_pointee(table)), settings)
 }
@@ -923,4 +927,120 @@ async fn a_sentinel_url_counts_in_the_primary_the_sentinels_name() {
         "counted in the primary: {:?}",
         setup.primary.keys()
     );
+}
+
+/// The reference's `replaces`, `quota_mode` and `share_threshold`.
+const REFERENCE_FIELDS: &str = r#"
+domain: api
+descriptors:
+  - key: user
+    rate_limit: { name: per_user, unit: minute, requests_per_unit: 2 }
+  - key: vip
+    rate_limit:
+      unit: minute
+      requests_per_unit: 5
+      replaces: [{ name: per_user }]
+  - key: soft
+    quota_mode: true
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: soft2
+    quota_mode: true
+    rate_limit: { unit: minute, requests_per_unit: 1 }
+  - key: hard
+    rate_limit: { unit: minute, requests_per_unit: 10 }
+  - key: files
+    value: files/*
+    share_threshold: true
+    rate_limit: { unit: minute, requests_per_unit: 2 }
+"#;
+
+#[tokio::test]
+async fn a_rule_that_replaces_another_leaves_it_unchecked() {
+    for mode in [Mode::Exact, Mode::HybridStrict] {
+        let service = in_process_with(REFERENCE_FIELDS, mode);
+        let both = || {
+            request(
+                "api",
+                vec![
+                    descriptor(&[("user", "ann")]),
+                    descriptor(&[("vip", "ann")]),
+                ],
+            )
+        };
+        // per_user (2 a minute) is replaced: the vip rule's 5 apply.
+        for i in 0..5 {
+            let r = service.decide(both()).await.unwrap();
+            assert!(is_ok(&r), "{mode:?} request {i}");
+            assert_eq!(r.statuses[0].current_limit, None, "replaced: no limit told");
+        }
+        assert_eq!(codes(&service.decide(both()).await.unwrap()), [OK, OVER]);
+        // Alone, per_user counted nothing meanwhile.
+        let alone = request("api", vec![descriptor(&[("user", "ann")])]);
+        assert!(is_ok(&service.decide(alone).await.unwrap()), "{mode:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_quota_mode_descriptor_over_its_limit_denies_only_when_every_one_is() {
+    for mode in [Mode::Exact, Mode::HybridStrict] {
+        let service = in_process_with(REFERENCE_FIELDS, mode);
+        let ask = |soft: &str| {
+            request(
+                "api",
+                vec![
+                    descriptor(&[("soft", soft)]),
+                    descriptor(&[("soft2", "s")]),
+                    descriptor(&[("hard", "h")]),
+                ],
+            )
+        };
+        // soft2 is spent by the first request; then one quota descriptor
+        // is over and the other is not: OK, with the over one told so.
+        assert!(is_ok(&service.decide(ask("a")).await.unwrap()), "{mode:?}");
+        let r = service.decide(ask("b")).await.unwrap();
+        assert!(is_ok(&r), "{mode:?}");
+        assert_eq!(codes(&r), [OK, OVER, OK], "{mode:?}");
+        // Both over: the request is, and the hard limit's permit goes back.
+        let r = service.decide(ask("a")).await.unwrap();
+        assert_eq!(r.overall_code, OVER, "{mode:?}");
+        let mut more = 0;
+        for _ in 0..20 {
+            let hard = request("api", vec![descriptor(&[("hard", "h")])]);
+            more += usize::from(is_ok(&service.decide(hard).await.unwrap()));
+        }
+        assert_eq!(
+            more, 8,
+            "{mode:?}: the two admitted requests counted, not this one"
+        );
+    }
+}
+
+#[tokio::test]
+async fn global_quota_mode_makes_every_descriptor_a_quota() {
+    let service = in_process_with(REFERENCE_FIELDS, Mode::Exact).quota_everything(true);
+    let ask = || {
+        request(
+            "api",
+            vec![descriptor(&[("user", "q")]), descriptor(&[("hard", "q")])],
+        )
+    };
+    for _ in 0..2 {
+        assert!(is_ok(&service.decide(ask()).await.unwrap()));
+    }
+    // per_user is over, hard is not: not every descriptor is over.
+    let r = service.decide(ask()).await.unwrap();
+    assert!(is_ok(&r));
+    assert_eq!(codes(&r), [OVER, OK]);
+}
+
+#[tokio::test]
+async fn values_a_sharing_wildcard_matches_draw_on_one_count() {
+    for mode in [Mode::Exact, Mode::HybridStrict] {
+        let service = in_process_with(REFERENCE_FIELDS, mode);
+        let file = |name: &str| request("api", vec![descriptor(&[("files", name)])]);
+        assert!(is_ok(&service.decide(file("files/a.pdf")).await.unwrap()));
+        assert!(is_ok(&service.decide(file("files/b.csv")).await.unwrap()));
+        let r = service.decide(file("files/c.txt")).await.unwrap();
+        assert_eq!(codes(&r), [OVER], "{mode:?}: one count of 2 for every file");
+    }
 }

@@ -189,61 +189,15 @@ descriptors:
     assert_eq!(flat.quota.unwrap().limit(), 1);
 }
 
-/// envoyproxy/ratelimit's `test/config/basic_config.yaml` and
-/// `test/config/wildcard.yaml` (Apache License 2.0, copyright the Envoy
-/// Project Authors), whole: `name` and `unlimited` inside `rate_limit`,
-/// `detailed_metric` aside (refused until it is honoured).
-const REFERENCE_BASIC: &str = r#"
-domain: test-domain
-descriptors:
-  - key: key1
-    value: value1
-    descriptors:
-      - key: subkey1
-        rate_limit:
-          unit: second
-          requests_per_unit: 5
-      - key: subkey1
-        value: subvalue1
-        rate_limit:
-          unit: second
-          requests_per_unit: 10
-  - key: key2
-    rate_limit:
-      unit: minute
-      requests_per_unit: 20
-  - key: key2
-    value: value2
-    rate_limit:
-      unit: minute
-      requests_per_unit: 30
-  - key: key2
-    value: value3
-  - key: key3
-    rate_limit:
-      unit: hour
-      requests_per_unit: 1
-  - key: key4
-    rate_limit:
-      name: key4_rate_limit
-      unit: day
-      requests_per_unit: 1
-  - key: key5
-    value: value5
-    rate_limit:
-      unit: day
-      requests_per_unit: 15
-    descriptors:
-      - key: subkey5
-        value: subvalue5
-        rate_limit:
-          unit: day
-          requests_per_unit: 25
-  - key: key6
-    rate_limit:
-      unlimited: true
-"#;
+/// envoyproxy/ratelimit's `test/config/` fixtures (Apache License 2.0,
+/// copyright the Envoy Project Authors; see `tests/reference/README.md`).
+const REFERENCE_BASIC: &str = include_str!("../../tests/reference/basic_config.yaml");
+const REFERENCE_SHARE_THRESHOLD: &str = include_str!("../../tests/reference/share_threshold.yaml");
+const REFERENCE_METADATA: &str = include_str!("../../tests/reference/metadata.yaml");
+const REFERENCE_REPLACES_SELF: &str = include_str!("../../tests/reference/replaces_self.yaml");
+const REFERENCE_REPLACES_EMPTY: &str = include_str!("../../tests/reference/replaces_empty.yaml");
 
+/// envoyproxy/ratelimit's `test/config/wildcard.yaml` (as above).
 const REFERENCE_WILDCARD: &str = r#"
 domain: test-domain
 descriptors:
@@ -409,4 +363,53 @@ fn files_of_one_domain_merge_and_a_descriptor_in_both_is_refused() {
 fn an_empty_descriptors_list_is_no_descriptors() {
     let config = Config::parse("empty.yaml", "domain: d\ndescriptors:\n").unwrap();
     assert!(config.rules().is_empty());
+}
+
+#[test]
+fn the_references_fixtures_load_with_their_metric_and_sharing_fields() {
+    let basic = Config::parse("basic_config.yaml", REFERENCE_BASIC).expect("parses");
+    let key7 = basic.rule(&[("key7", "anything")]).expect("key7's rule");
+    assert!(key7.detailed_metric);
+    assert_eq!(key7.quota.unwrap().limit(), 70);
+
+    let shared = Config::parse("share_threshold.yaml", REFERENCE_SHARE_THRESHOLD).expect("parses");
+    let files = shared.rule(&[("files", "files/a.pdf")]).expect("files/*");
+    assert_eq!(files.levels[0].shared.as_deref(), Some("files/*"));
+    // An exact value wins over a sharing wildcard.
+    let exact = shared.rule(&[("file", "test1")]).expect("test1");
+    assert_eq!(exact.quota.unwrap().limit(), 50);
+    assert_eq!(exact.levels[0].shared, None);
+    // Mixed: the first level shares, the second does not.
+    let mixed = shared
+        .rule(&[("path", "path/x"), ("file", "file/y"), ("type", "pdf")])
+        .expect("path/file/type");
+    let levels: Vec<bool> = mixed.levels.iter().map(|l| l.shared.is_some()).collect();
+    assert_eq!(levels, [true, false, false]);
+    let route = shared
+        .rule(&[("route", "api/v1"), ("method", "GET")])
+        .expect("route/method");
+    assert!(route.levels[0].value_to_metric);
+
+    let metadata = Config::parse("metadata.yaml", REFERENCE_METADATA).expect("parses");
+    assert_eq!(metadata.rules().len(), 3);
+}
+
+#[test]
+fn a_rule_that_replaces_itself_or_nothing_is_refused_naming_the_field() {
+    for (file, text) in [
+        ("replaces_self.yaml", REFERENCE_REPLACES_SELF),
+        ("replaces_empty.yaml", REFERENCE_REPLACES_EMPTY),
+    ] {
+        let e = Config::parse(file, text).unwrap_err().to_string();
+        assert!(
+            e.contains(file) && e.contains("key1=value1/subkey1") && e.contains("replaces"),
+            "{e}"
+        );
+    }
+    let literal = "domain: d\ndescriptors:\n  - key: k\n    value: plain\n    share_threshold: true\n    rate_limit: { unit: minute, requests_per_unit: 1 }\n";
+    let e = Config::parse("d.yaml", literal).unwrap_err().to_string();
+    assert!(
+        e.contains("share_threshold") && e.contains("k=plain"),
+        "{e}"
+    );
 }
