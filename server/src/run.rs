@@ -12,7 +12,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::R
 
 use crate::files;
 use crate::rlqs::Rlqs;
-use crate::service::RateLimiter;
+use crate::service::{HeaderNames, RateLimiter};
 use crate::stats;
 use crate::store_watch;
 use crate::table::{Mode, Settings};
@@ -35,9 +35,20 @@ pub const SHUTDOWN_STEP: Duration = Duration::from_secs(5);
 )]
 pub struct Options {
     /// A YAML file in envoyproxy/ratelimit's format, or a directory of
-    /// them (one domain per file). Changes apply within a second.
+    /// them (one domain per file). Changes apply within a second. Without
+    /// it, envoyproxy/ratelimit's layout: RUNTIME_ROOT, then
+    /// RUNTIME_SUBDIRECTORY if set, then RUNTIME_APPDIRECTORY.
     #[arg(long, env = "SLICELIMIT_CONFIG")]
-    pub config: PathBuf,
+    pub config: Option<PathBuf>,
+    /// envoyproxy/ratelimit's configuration root (used without --config).
+    #[arg(long, env = "RUNTIME_ROOT")]
+    pub runtime_root: Option<PathBuf>,
+    /// The directory under --runtime-root, if any.
+    #[arg(long, env = "RUNTIME_SUBDIRECTORY")]
+    pub runtime_subdirectory: Option<PathBuf>,
+    /// The directory of the configuration files under them.
+    #[arg(long, env = "RUNTIME_APPDIRECTORY", default_value = "config")]
+    pub runtime_appdirectory: PathBuf,
     /// Redis (or Valkey) shared by every replica: redis://host:port,
     /// rediss://host:port (TLS), or
     /// redis+sentinel://[user:password@]host:port[,host:port…]/service.
@@ -112,6 +123,74 @@ pub struct Options {
         action = clap::ArgAction::Set
     )]
     pub quota_mode: bool,
+    /// Add response headers telling the limit, what is left and the
+    /// seconds to its reset of the descriptor nearest its limit (as
+    /// envoyproxy/ratelimit's LIMIT_RESPONSE_HEADERS_ENABLED): true or
+    /// false.
+    #[arg(
+        long,
+        env = "LIMIT_RESPONSE_HEADERS_ENABLED",
+        default_value_t = false,
+        action = clap::ArgAction::Set
+    )]
+    pub response_headers: bool,
+    /// The name of the limit header.
+    #[arg(long, env = "LIMIT_LIMIT_HEADER", default_value = "RateLimit-Limit")]
+    pub limit_header: String,
+    /// The name of the header telling what is left.
+    #[arg(
+        long,
+        env = "LIMIT_REMAINING_HEADER",
+        default_value = "RateLimit-Remaining"
+    )]
+    pub remaining_header: String,
+    /// The name of the header telling the seconds to the reset.
+    #[arg(long, env = "LIMIT_RESET_HEADER", default_value = "RateLimit-Reset")]
+    pub reset_header: String,
+}
+
+/// envoyproxy/ratelimit's settings that ask for something this server
+/// does not do, each with the value that asks for it and why not. A
+/// migrating deployment that sets one fails at start, saying so, rather
+/// than running without what it asked for.
+const REFUSED_SETTINGS: [(&str, &str, &str); 4] = [
+    (
+        "RESPONSE_DYNAMIC_METADATA",
+        "true",
+        "the response's dynamic metadata is not sent",
+    ),
+    (
+        "BACKEND_TYPE",
+        "memcache",
+        "the store is Redis (or Valkey); there is no memcache backend",
+    ),
+    (
+        "CONFIG_TYPE",
+        "GRPC_XDS_SOTW",
+        "the configuration comes from files; there is no xDS provider",
+    ),
+    (
+        "REDIS_TYPE",
+        "cluster",
+        "give --redis-url a single node or redis+sentinel://; Redis Cluster is not served by the server",
+    ),
+];
+
+/// Refuses the reference's settings this server does not honour (see
+/// [`REFUSED_SETTINGS`]), read through `var`.
+///
+/// # Errors
+/// The first such setting found, named, with why.
+pub fn refuse_reference_settings(var: impl Fn(&str) -> Option<String>) -> Result<(), Error> {
+    for (name, value, why) in REFUSED_SETTINGS {
+        if var(name).is_some_and(|v| v.trim().eq_ignore_ascii_case(value)) {
+            return Err(Error::new(
+                ErrorKind::Unsupported,
+                format!("{name}={value} is envoyproxy/ratelimit's, not supported here: {why}"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `--redis-timeout`: a whole number of milliseconds (`ms`) or seconds
@@ -155,6 +234,29 @@ pub enum OnStoreError {
 }
 
 impl Options {
+    /// The file or directory the configuration is read from: --config,
+    /// else envoyproxy/ratelimit's runtime layout.
+    ///
+    /// # Errors
+    /// Neither given.
+    pub fn config_path(&self) -> Result<PathBuf, Error> {
+        if let Some(config) = &self.config {
+            return Ok(config.clone());
+        }
+        let Some(root) = &self.runtime_root else {
+            return Err(Error::invalid(
+                "no configuration: give --config (SLICELIMIT_CONFIG), or RUNTIME_ROOT as \
+                 envoyproxy/ratelimit reads it",
+            ));
+        };
+        let mut path = root.clone();
+        if let Some(sub) = &self.runtime_subdirectory {
+            path.push(sub);
+        }
+        path.push(&self.runtime_appdirectory);
+        Ok(path)
+    }
+
     fn mode(&self) -> Mode {
         match self.mode {
             ModeFlag::HybridStrict => Mode::HybridStrict,
@@ -182,6 +284,8 @@ impl Options {
 /// node that cannot be reached is no error: the server starts and decides
 /// by `--on-store-error` until it answers.)
 pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) -> Result<(), Error> {
+    refuse_reference_settings(|name| std::env::var(name).ok())?;
+    let config = options.config_path()?;
     let exporter = slicelimit::metrics::install_prometheus_recorder()?;
     stats::describe();
     let mut watch = None;
@@ -214,11 +318,11 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
         on_store_error: options.policy(),
         merge_domains: options.merge_domain_config,
     };
-    let (first, seen) = files::load(&options.config, &settings)?;
+    let (first, seen) = files::load(&config, &settings)?;
     eprintln!(
         "slicelimit-server: {} rules from {}; gRPC on {}, metrics on {}, mode {:?}, on store error {:?}",
         first.rules(),
-        options.config.display(),
+        config.display(),
         options.grpc_addr,
         options.metrics_addr,
         options.mode,
@@ -227,7 +331,12 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
     let table = Arc::new(ArcSwap::from_pointee(first));
     let service = RateLimiter::new(table.clone(), settings.clone())
         .shadow_everything(options.shadow_mode)
-        .quota_everything(options.quota_mode);
+        .quota_everything(options.quota_mode)
+        .response_headers(options.response_headers.then(|| HeaderNames {
+            limit: options.limit_header.clone(),
+            remaining: options.remaining_header.clone(),
+            reset: options.reset_header.clone(),
+        }));
     if options.shadow_mode {
         eprintln!("slicelimit-server: shadow mode: every rule answers OK, denials only counted");
     }
@@ -262,12 +371,7 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
         .set_service_status(REFERENCE_HEALTH_NAME, tonic_health::ServingStatus::Serving)
         .await;
 
-    let watcher = tokio::spawn(files::watch(
-        options.config.clone(),
-        table.clone(),
-        settings,
-        seen,
-    ));
+    let watcher = tokio::spawn(files::watch(config.clone(), table.clone(), settings, seen));
     let upkeep = {
         let exporter = exporter.clone();
         tokio::spawn(async move {
@@ -395,5 +499,48 @@ mod tests {
         for bad in ["", "25", "0ms", "1.5s", "-1s", "2m", "ms", "99999999999s"] {
             assert!(parse_timeout(bad).is_err(), "{bad:?}");
         }
+    }
+}
+
+#[cfg(test)]
+mod reference_settings {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn without_config_the_references_runtime_layout_is_read() {
+        let options = Options::try_parse_from([
+            "slicelimit-server",
+            "--runtime-root",
+            "/srv/runtime_data/current",
+            "--runtime-subdirectory",
+            "ratelimit",
+        ])
+        .unwrap();
+        assert_eq!(
+            options.config_path().unwrap(),
+            PathBuf::from("/srv/runtime_data/current/ratelimit/config")
+        );
+        let explicit =
+            Options::try_parse_from(["slicelimit-server", "--config", "a.yaml"]).unwrap();
+        assert_eq!(explicit.config_path().unwrap(), PathBuf::from("a.yaml"));
+        let neither = Options::try_parse_from(["slicelimit-server"]).unwrap();
+        let e = neither.config_path().unwrap_err().to_string();
+        assert!(e.contains("--config") && e.contains("RUNTIME_ROOT"), "{e}");
+    }
+
+    #[test]
+    fn a_reference_setting_asking_for_what_is_not_done_is_refused_by_name() {
+        let set = |name: &'static str, value: &'static str| {
+            move |n: &str| (n == name).then(|| value.to_owned())
+        };
+        let e = refuse_reference_settings(set("RESPONSE_DYNAMIC_METADATA", "True"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("RESPONSE_DYNAMIC_METADATA"), "{e}");
+        assert!(refuse_reference_settings(set("BACKEND_TYPE", "memcache")).is_err());
+        assert!(refuse_reference_settings(set("BACKEND_TYPE", "redis")).is_ok());
+        assert!(refuse_reference_settings(set("RESPONSE_DYNAMIC_METADATA", "false")).is_ok());
+        assert!(refuse_reference_settings(|_| None).is_ok());
     }
 }

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
     rate_limit::Unit, Code, DescriptorStatus, RateLimit,
@@ -49,6 +50,34 @@ pub struct RateLimiter {
     shadow_everything: bool,
     /// Every rule in quota mode (envoyproxy/ratelimit's `QUOTA_MODE`).
     quota_everything: bool,
+    /// Response headers for the descriptor nearest its limit
+    /// (envoyproxy/ratelimit's `LIMIT_RESPONSE_HEADERS_ENABLED`).
+    headers: Option<Arc<HeaderNames>>,
+}
+
+/// The names of the response headers that tell a client its limit, what
+/// is left and when it resets (envoyproxy/ratelimit's
+/// `LIMIT_LIMIT_HEADER`, `LIMIT_REMAINING_HEADER`, `LIMIT_RESET_HEADER`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderNames {
+    /// The limit's header.
+    pub limit: String,
+    /// The header telling what is left.
+    pub remaining: String,
+    /// The header telling the seconds to the reset.
+    pub reset: String,
+}
+
+impl Default for HeaderNames {
+    /// The reference's: `RateLimit-Limit`, `RateLimit-Remaining`,
+    /// `RateLimit-Reset`.
+    fn default() -> HeaderNames {
+        HeaderNames {
+            limit: "RateLimit-Limit".into(),
+            remaining: "RateLimit-Remaining".into(),
+            reset: "RateLimit-Reset".into(),
+        }
+    }
 }
 
 impl RateLimiter {
@@ -60,6 +89,7 @@ impl RateLimiter {
             settings: Arc::new(settings),
             shadow_everything: false,
             quota_everything: false,
+            headers: None,
         }
     }
 
@@ -92,6 +122,16 @@ impl RateLimiter {
     #[must_use]
     pub fn quota_everything(mut self, on: bool) -> RateLimiter {
         self.quota_everything = on;
+        self
+    }
+
+    /// Adds response headers telling the limit, what is left and the
+    /// seconds to its reset of the descriptor nearest its limit (the one
+    /// over it, if any), as envoyproxy/ratelimit's
+    /// `LIMIT_RESPONSE_HEADERS_ENABLED` does; `None`: no headers.
+    #[must_use]
+    pub fn response_headers(mut self, names: Option<HeaderNames>) -> RateLimiter {
+        self.headers = names.map(Arc::new);
         self
     }
 
@@ -285,9 +325,14 @@ impl RateLimiter {
                 }
             }
         }
+        let response_headers_to_add = match &self.headers {
+            Some(names) => headers_for(names, &statuses),
+            None => Vec::new(),
+        };
         Ok(RateLimitResponse {
             overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
             statuses,
+            response_headers_to_add,
             ..Default::default()
         })
     }
@@ -504,6 +549,38 @@ fn override_limit(requests: u32, unit: i32) -> Result<OverrideLimit, slicelimit:
         return Ok(OverrideLimit::Blocks(period));
     }
     Quota::new(u64::from(requests), period).map(OverrideLimit::Quota)
+}
+
+/// The headers for the status nearest its limit: the last one over it,
+/// else the one with the fewest left (the first of equals), among those
+/// that tell a limit; none if no status does.
+fn headers_for(names: &HeaderNames, statuses: &[DescriptorStatus]) -> Vec<HeaderValue> {
+    let limited = || statuses.iter().filter(|s| s.current_limit.is_some());
+    let nearest = limited()
+        .rev()
+        .find(|s| s.code == Code::OverLimit as i32)
+        .or_else(|| limited().min_by_key(|s| s.limit_remaining));
+    let Some(status) = nearest else {
+        return Vec::new();
+    };
+    let limit = status
+        .current_limit
+        .as_ref()
+        .map_or(0, |l| l.requests_per_unit);
+    let reset = status
+        .duration_until_reset
+        .as_ref()
+        .map_or(0, |d| d.seconds);
+    let header = |key: &str, value: String| HeaderValue {
+        key: key.to_owned(),
+        value,
+        ..Default::default()
+    };
+    vec![
+        header(&names.limit, limit.to_string()),
+        header(&names.remaining, status.limit_remaining.to_string()),
+        header(&names.reset, reset.to_string()),
+    ]
 }
 
 fn unit_of(period: Duration) -> Unit {

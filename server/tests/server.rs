@@ -1044,3 +1044,32 @@ async fn values_a_sharing_wildcard_matches_draw_on_one_count() {
         assert_eq!(codes(&r), [OVER], "{mode:?}: one count of 2 for every file");
     }
 }
+
+#[tokio::test]
+async fn response_headers_tell_the_descriptor_nearest_its_limit() {
+    use slicelimit_server::service::HeaderNames;
+    let service = in_process(Mode::Exact).response_headers(Some(HeaderNames::default()));
+    let ask = || {
+        request(
+            "api",
+            vec![descriptor(&[("org", "o")]), descriptor(&[("user", "h")])],
+        )
+    };
+    let headers = |r: &RateLimitResponse| -> Vec<(String, String)> {
+        r.response_headers_to_add
+            .iter()
+            .map(|h| (h.key.clone(), h.value.clone()))
+            .collect()
+    };
+    // user (3 a minute) is nearer its limit than org (5 a minute).
+    let r = service.decide(ask()).await.unwrap();
+    let told = headers(&r);
+    assert_eq!(told[0], ("RateLimit-Limit".into(), "3".into()));
+    assert_eq!(told[1], ("RateLimit-Remaining".into(), "2".into()));
+    assert_eq!(told[2].0, "RateLimit-Reset");
+    let reset: u64 = told[2].1.parse().unwrap();
+    assert!((1..=60).contains(&reset), "{reset}");
+    // Without the setting, none.
+    let plain = in_process(Mode::Exact).decide(ask()).await.unwrap();
+    assert!(plain.response_headers_to_add.is_empty());
+}
