@@ -19,7 +19,8 @@
 //! - [`log`]: lines about trouble that can repeat, throttled;
 //! - [`run`]: the process (flags, listeners, shutdown).
 //!
-//! [`guide`] (`docs/envoy.md`) tells how to put it behind Envoy.
+//! [`guide`] (`docs/envoy.md`) tells how to put it behind Envoy, and
+//! [`migrating`] (`docs/migrating.md`) how to come from envoyproxy/ratelimit.
 
 pub mod config;
 pub mod files;
@@ -35,3 +36,7 @@ pub mod table;
 /// How to run slicelimit-server behind Envoy (`docs/envoy.md`).
 #[doc = include_str!("../docs/envoy.md")]
 pub mod guide {}
+
+/// Coming from envoyproxy/ratelimit (`docs/migrating.md`).
+#[doc = include_str!("../docs/migrating.md")]
+pub mod migrating {}

@@ -51,7 +51,8 @@ pub struct Options {
     pub runtime_appdirectory: PathBuf,
     /// Redis (or Valkey) shared by every replica: redis://host:port,
     /// rediss://host:port (TLS), or
-    /// redis+sentinel://[user:password@]host:port[,host:port…]/service.
+    /// redis+sentinel://user:password@host:port,host:port/service (the
+    /// credentials optional, one Sentinel or more).
     /// Without it, counts in this process alone. The server starts while
     /// a Redis node is unreachable, deciding by --on-store-error until it
     /// answers, and says on standard error when Redis stops and starts
@@ -177,7 +178,7 @@ const REFUSED_SETTINGS: [(&str, &str, &str); 4] = [
 ];
 
 /// Refuses the reference's settings this server does not honour (see
-/// [`REFUSED_SETTINGS`]), read through `var`.
+/// `REFUSED_SETTINGS`), read through `var`.
 ///
 /// # Errors
 /// The first such setting found, named, with why.

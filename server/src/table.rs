@@ -42,7 +42,7 @@ pub const OPTIMISTIC_MAX_DEBT: u64 = 5;
 /// denial; shorter than the 250 ms Envoy timeout `docs/envoy.md` advises.
 pub const MAX_WAIT: Duration = Duration::from_millis(150);
 
-/// The most override limiters a domain keeps live (see [`Overrides`]):
+/// The most override limiters a domain keeps live (see `Overrides`):
 /// past it, the least recently used is retired, never a request refused.
 pub const MAX_OVERRIDES: usize = 256;
 
