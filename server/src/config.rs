@@ -146,7 +146,12 @@ impl Config {
         for (field, _) in top {
             match field.as_str() {
                 Some("domain" | "descriptors" | "rlqs") => {}
-                other => return Err(fail(format!("unsupported top-level field {other:?}"))),
+                _ => {
+                    return Err(fail(format!(
+                        "unsupported top-level field {:?}",
+                        field_name(field)
+                    )))
+                }
             }
         }
         let domain = match top.get("domain").and_then(Value::as_str) {

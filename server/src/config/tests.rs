@@ -413,3 +413,83 @@ fn a_rule_that_replaces_itself_or_nothing_is_refused_naming_the_field() {
         "{e}"
     );
 }
+
+/// The reference's `config_test.go` refusals: each of its broken
+/// fixtures is refused here too, naming the file (and what it names).
+#[test]
+fn the_references_broken_files_are_refused_naming_what_is_wrong() {
+    let cases: [(&str, &str, &[&str]); 11] = [
+        (
+            "empty_domain.yaml",
+            include_str!("../../tests/reference/empty_domain.yaml"),
+            &["domain"],
+        ),
+        (
+            "empty_key.yaml",
+            include_str!("../../tests/reference/empty_key.yaml"),
+            &["key"],
+        ),
+        (
+            "duplicate_key.yaml",
+            include_str!("../../tests/reference/duplicate_key.yaml"),
+            &["key1=value1", "twice"],
+        ),
+        (
+            "bad_limit_unit.yaml",
+            include_str!("../../tests/reference/bad_limit_unit.yaml"),
+            &["unit", "foo"],
+        ),
+        (
+            "bad_yaml.yaml",
+            include_str!("../../tests/reference/bad_yaml.yaml"),
+            &["YAML"],
+        ),
+        (
+            "misspelled_key.yaml",
+            include_str!("../../tests/reference/misspelled_key.yaml"),
+            &["ratelimit"],
+        ),
+        (
+            "misspelled_key2.yaml",
+            include_str!("../../tests/reference/misspelled_key2.yaml"),
+            &["requestsperunit"],
+        ),
+        (
+            "non_string_key.yaml",
+            include_str!("../../tests/reference/non_string_key.yaml"),
+            &["0.25"],
+        ),
+        (
+            "non_map_list.yaml",
+            include_str!("../../tests/reference/non_map_list.yaml"),
+            &["mapping"],
+        ),
+        (
+            "unlimited_with_unit.yaml",
+            include_str!("../../tests/reference/unlimited_with_unit.yaml"),
+            &["unlimited", "unit"],
+        ),
+        ("replaces_self.yaml", REFERENCE_REPLACES_SELF, &["replace"]),
+    ];
+    for (file, text, words) in cases {
+        let e = Config::parse(file, text).unwrap_err().to_string();
+        assert!(e.contains(file), "{file}: {e}");
+        for word in words {
+            assert!(e.contains(word), "{file}: {e} (expected {word:?})");
+        }
+    }
+    // Two files of one domain: refused unless merged.
+    let basic = Config::parse("basic_config.yaml", REFERENCE_BASIC).unwrap();
+    let duplicate = Config::parse(
+        "duplicate_domain.yaml",
+        include_str!("../../tests/reference/duplicate_domain.yaml"),
+    )
+    .unwrap();
+    assert_eq!(basic.domain(), duplicate.domain());
+    let shadow = Config::parse(
+        "shadowmode_config.yaml",
+        include_str!("../../tests/reference/shadowmode_config.yaml"),
+    )
+    .expect("the shadow mode fixture loads");
+    assert!(shadow.rules().iter().any(|r| r.shadow_mode));
+}
