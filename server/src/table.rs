@@ -223,15 +223,18 @@ impl Overrides {
     }
 }
 
-/// Shuts `limiters` down once requests still holding them are done
-/// ([`RETIRE_AFTER`]), where a runtime runs.
+/// Shuts evicted override limiters down at once, where a runtime runs
+/// (their unused permits go back). Not after [`RETIRE_AFTER`], as a
+/// reload's are: a client sending a new limit on every request would
+/// keep that many seconds' worth of limiters alive (10,000 in a second
+/// held 460 MB). A request still deciding on one when it stops is
+/// decided by the store directly, as a stopped hybrid limiter decides.
 fn retire(limiters: Vec<Limiter>) {
     if limiters.is_empty() {
         return;
     }
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         runtime.spawn(async move {
-            tokio::time::sleep(RETIRE_AFTER).await;
             for limiter in limiters {
                 limiter.shutdown().await;
             }
