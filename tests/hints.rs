@@ -735,3 +735,41 @@ async fn a_larger_costs_wait_is_told_afresh_after_a_smaller_one_took_tokens() {
         }
     }
 }
+
+/// A quota that took leased permits in a round another quota denied has
+/// them back at once: a denial its holding cached earlier (a refill the
+/// store refused) is not what a retry meets, and is not told. (Told
+/// 42.8 s, admitted 810 ms later; found by an attack on the credit
+/// change, 1 per 2 s and 10 a minute, strict, 700 ms apart.)
+#[tokio::test(start_paused = true)]
+async fn a_quota_whose_leased_take_went_back_does_not_tell_a_stale_denial() {
+    let quotas = [
+        Quota::new(1, Duration::from_secs(2)).unwrap(),
+        Quota::new(10, Duration::from_secs(60)).unwrap(),
+    ];
+    let clock = VirtualClock::new(Duration::from_millis(1_700_000_017_300));
+    let store = MemoryStore::with_clock(clock.clone());
+    let l = limiter(
+        &quotas,
+        Algorithm::FixedWindow,
+        Mode::Strict,
+        &clock,
+        &store,
+    );
+    let mut last = None;
+    for i in 0..=57 {
+        last = Some(l.check("k", 1).await);
+        if i < 57 {
+            tokio::time::sleep(Duration::from_millis(700)).await;
+        }
+    }
+    let denial = last.unwrap();
+    tokio::time::sleep(Duration::from_millis(810)).await;
+    let after = l.check("k", 1).await;
+    let told = denial.retry_after().expect("a denial");
+    assert!(
+        told < Duration::from_secs(2) || !after.is_allowed(),
+        "told {told:?}, admitted 810 ms later: {denial:?}"
+    );
+    l.shutdown().await;
+}

@@ -102,7 +102,8 @@ pub struct Options {
         long,
         env = "SHADOW_MODE",
         default_value_t = false,
-        action = clap::ArgAction::Set
+        action = clap::ArgAction::Set,
+        value_parser = reference_bool
     )]
     pub shadow_mode: bool,
     /// Merge the files of one domain instead of refusing them (as
@@ -111,7 +112,8 @@ pub struct Options {
         long,
         env = "MERGE_DOMAIN_CONFIG",
         default_value_t = false,
-        action = clap::ArgAction::Set
+        action = clap::ArgAction::Set,
+        value_parser = reference_bool
     )]
     pub merge_domain_config: bool,
     /// Answer every rule as a quota_mode rule: a request is over only if
@@ -121,7 +123,8 @@ pub struct Options {
         long,
         env = "QUOTA_MODE",
         default_value_t = false,
-        action = clap::ArgAction::Set
+        action = clap::ArgAction::Set,
+        value_parser = reference_bool
     )]
     pub quota_mode: bool,
     /// Add response headers telling the limit, what is left and the
@@ -132,7 +135,8 @@ pub struct Options {
         long,
         env = "LIMIT_RESPONSE_HEADERS_ENABLED",
         default_value_t = false,
-        action = clap::ArgAction::Set
+        action = clap::ArgAction::Set,
+        value_parser = reference_bool
     )]
     pub response_headers: bool,
     /// The name of the limit header.
@@ -184,7 +188,11 @@ const REFUSED_SETTINGS: [(&str, &str, &str); 4] = [
 /// The first such setting found, named, with why.
 pub fn refuse_reference_settings(var: impl Fn(&str) -> Option<String>) -> Result<(), Error> {
     for (name, value, why) in REFUSED_SETTINGS {
-        if var(name).is_some_and(|v| v.trim().eq_ignore_ascii_case(value)) {
+        let asks = |v: &str| match value {
+            "true" => reference_bool(v) == Ok(true),
+            _ => v.trim().eq_ignore_ascii_case(value),
+        };
+        if var(name).is_some_and(|v| asks(&v)) {
             return Err(Error::new(
                 ErrorKind::Unsupported,
                 format!("{name}={value} is envoyproxy/ratelimit's, not supported here: {why}"),
@@ -192,6 +200,19 @@ pub fn refuse_reference_settings(var: impl Fn(&str) -> Option<String>) -> Result
         }
     }
     Ok(())
+}
+
+/// A boolean setting as envoyproxy/ratelimit reads one (Go's
+/// `strconv.ParseBool`): `1`, `t`, `T`, `true`, `TRUE`, `True`, and their
+/// false counterparts.
+pub fn reference_bool(text: &str) -> Result<bool, String> {
+    match text.trim() {
+        "1" | "t" | "T" | "true" | "TRUE" | "True" => Ok(true),
+        "0" | "f" | "F" | "false" | "FALSE" | "False" => Ok(false),
+        other => Err(format!(
+            "{other:?} is not true or false (1, t, true, 0, f, false)"
+        )),
+    }
 }
 
 /// `--redis-timeout`: a whole number of milliseconds (`ms`) or seconds
@@ -531,6 +552,33 @@ mod reference_settings {
     }
 
     #[test]
+    fn booleans_read_as_the_reference_reads_them() {
+        for (text, want) in [
+            ("1", true),
+            ("T", true),
+            ("True", true),
+            ("false", false),
+            ("F", false),
+            ("0", false),
+        ] {
+            let options = Options::try_parse_from([
+                "slicelimit-server",
+                "--shadow-mode",
+                text,
+                "--quota-mode",
+                text,
+            ])
+            .unwrap();
+            assert_eq!(
+                (options.shadow_mode, options.quota_mode),
+                (want, want),
+                "{text}"
+            );
+        }
+        assert!(Options::try_parse_from(["slicelimit-server", "--shadow-mode", "yes"]).is_err());
+    }
+
+    #[test]
     fn a_reference_setting_asking_for_what_is_not_done_is_refused_by_name() {
         let set = |name: &'static str, value: &'static str| {
             move |n: &str| (n == name).then(|| value.to_owned())
@@ -539,6 +587,8 @@ mod reference_settings {
             .unwrap_err()
             .to_string();
         assert!(e.contains("RESPONSE_DYNAMIC_METADATA"), "{e}");
+        assert!(refuse_reference_settings(set("RESPONSE_DYNAMIC_METADATA", "1")).is_err());
+        assert!(refuse_reference_settings(set("RESPONSE_DYNAMIC_METADATA", "T")).is_err());
         assert!(refuse_reference_settings(set("BACKEND_TYPE", "memcache")).is_err());
         assert!(refuse_reference_settings(set("BACKEND_TYPE", "redis")).is_ok());
         assert!(refuse_reference_settings(set("RESPONSE_DYNAMIC_METADATA", "false")).is_ok());

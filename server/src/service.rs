@@ -202,6 +202,13 @@ impl RateLimiter {
             .map(|p| (&p.limiter, p.key.as_str(), p.cost))
             .collect();
         let together = check_each(&enforced).await;
+        // A rule of 0 (or an override of 0) denies the request whatever
+        // the others say.
+        let blocked = plans.iter().any(|p| match p {
+            Plan::Blocked(rule, _) => !self.shadow(&rule.rule) && !self.quota(&rule.rule),
+            _ => false,
+        });
+        let can_pass = together.is_allowed() && !blocked;
         let mut in_together = together.quotas().iter();
         let mut decided: Vec<Option<Decided>> = Vec::with_capacity(plans.len());
         for plan in &plans {
@@ -216,7 +223,7 @@ impl RateLimiter {
             } else if quota {
                 // Counted only if the request can pass: after the
                 // enforced descriptors denied, only looked at.
-                if together.is_allowed() {
+                if can_pass {
                     (p.limiter.check(&p.key, p.cost).await, false)
                 } else {
                     (p.limiter.check(&p.key, 0).await, true)

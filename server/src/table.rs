@@ -101,8 +101,11 @@ pub(crate) struct Overrides {
     /// reference treats an override as a limit of its own, not the
     /// rule's).
     pub(crate) rule: Arc<RuleLimiter>,
-    live: Mutex<HashMap<(String, Quota), Live>>,
+    live: Mutex<HashMap<Slot, Live>>,
 }
+
+/// Where an override limiter counts, and how.
+type Slot = (String, Quota, slicelimit::Algorithm);
 
 struct Live {
     limiter: Limiter,
@@ -136,7 +139,7 @@ impl Overrides {
                 namespace: namespace(domain, OVERRIDE_RULE),
                 domain: domain.to_owned(),
                 limiter: None,
-                stats: RuleSeries::new(domain, &rule),
+                stats: Arc::new(RuleSeries::new(domain, &rule)),
                 rule,
             }),
             live: Mutex::default(),
@@ -151,9 +154,16 @@ impl Overrides {
     /// The limiter for `quota`, a request's own limit, on a descriptor
     /// that reaches `rule` (or none).
     ///
+    /// Override limiters decide by one store call each (the exact mode),
+    /// whatever `--mode`: they lease nothing, so permits a denied request
+    /// gives back, or a limit used once, are never stranded in a slice
+    /// the rule's own requests cannot reach.
+    ///
     /// # Errors
-    /// A quota the rule's algorithm cannot count; a limiter that cannot be
-    /// built.
+    /// A rule counted as a bucket (token bucket, GCRA): its level cannot
+    /// be shared by different rates (a large one refills it for a small
+    /// one), so a request's own limit does not apply there. A quota the
+    /// rule's algorithm cannot count; a limiter that cannot be built.
     pub(crate) fn limiter(
         &self,
         rule: Option<&RuleLimiter>,
@@ -161,6 +171,15 @@ impl Overrides {
         settings: &Settings,
     ) -> Result<Limiter, Error> {
         let algorithm = rule.map_or(slicelimit::Algorithm::FixedWindow, |r| r.rule.algorithm);
+        if matches!(
+            algorithm,
+            slicelimit::Algorithm::TokenBucket | slicelimit::Algorithm::Gcra
+        ) {
+            return Err(Error::invalid(format!(
+                "a rule counted as a {} does not take a request's own limit",
+                algorithm.as_str()
+            )));
+        }
         let own_period = rule
             .and_then(|r| r.limiter.as_ref())
             .map(|l| l.quota().period());
@@ -171,13 +190,13 @@ impl Overrides {
         };
         let now = std::time::Instant::now();
         let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
-        let slot = (namespace, quota);
+        let slot = (namespace, quota, algorithm);
         if let Some(found) = live.get_mut(&slot) {
             found.used = now;
             return Ok(found.limiter.clone());
         }
         algorithm.check_quota(&quota)?;
-        let mut gone: Vec<(String, Quota)> = live
+        let mut gone: Vec<Slot> = live
             .iter()
             .filter(|(_, l)| now.duration_since(l.used) >= OVERRIDE_IDLE)
             .map(|(k, _)| k.clone())
@@ -204,7 +223,11 @@ impl Overrides {
             .name(&format!("{domain}:{path}{OVERRIDE_RULE}"))
             .namespace(&slot.0)
             .algorithm(algorithm);
-        let limiter = with_settings(builder, settings)?;
+        let exact = Settings {
+            mode: Mode::Exact,
+            ..settings.clone()
+        };
+        let limiter = with_settings(builder, &exact)?;
         live.insert(
             slot,
             Live {
@@ -249,7 +272,9 @@ pub(crate) struct RuleLimiter {
     /// `None` for an `unlimited` rule.
     limiter: Option<Limiter>,
     namespace: String,
-    pub(crate) stats: RuleSeries,
+    /// Carried across reloads while the rule's path stays, so the bound
+    /// on its detailed series holds across them.
+    pub(crate) stats: Arc<RuleSeries>,
 }
 
 impl std::fmt::Debug for RuleLimiter {
@@ -392,6 +417,7 @@ impl Table {
                 let old = previous
                     .and_then(|t| t.domains.get(&name))
                     .and_then(|d| d.rules.get(&rule.path));
+                let series = old.map(|o| o.stats.clone());
                 let entry = match old {
                     Some(old) if old.can_become(rule) => {
                         kept.insert(Arc::as_ptr(old));
@@ -402,7 +428,7 @@ impl Table {
                         }
                         old.become_(rule)
                     }
-                    _ => RuleLimiter::new(&name, rule, settings)?,
+                    _ => RuleLimiter::new(&name, rule, settings, series)?,
                 };
                 rules.insert(rule.path.clone(), Arc::new(entry));
             }
@@ -470,7 +496,12 @@ impl Domain {
 }
 
 impl RuleLimiter {
-    fn new(domain: &str, rule: &Rule, settings: &Settings) -> Result<RuleLimiter, Error> {
+    fn new(
+        domain: &str,
+        rule: &Rule,
+        settings: &Settings,
+        series: Option<Arc<RuleSeries>>,
+    ) -> Result<RuleLimiter, Error> {
         let namespace = namespace(domain, &rule.path);
         let limiter = match rule.quota {
             Some(quota) => Some(build(domain, rule, quota, &namespace, settings)?),
@@ -481,14 +512,18 @@ impl RuleLimiter {
             domain: domain.to_owned(),
             limiter,
             namespace,
-            stats: RuleSeries::new(domain, rule),
+            stats: series.unwrap_or_else(|| Arc::new(RuleSeries::new(domain, rule))),
         })
     }
 
     /// Whether this rule's limiter can serve `rule`, a new version of it:
-    /// the same algorithm, and limited both times (or unlimited both).
+    /// the same algorithm and unit, and limited both times (or unlimited
+    /// both). A changed unit is a new count, as in envoyproxy/ratelimit
+    /// (its counters are keyed by the window), and the rebuilt limiter
+    /// counts where a request's own `limit` of that unit counts.
     fn can_become(&self, rule: &Rule) -> bool {
-        self.rule.algorithm == rule.algorithm && self.rule.quota.is_some() == rule.quota.is_some()
+        self.rule.algorithm == rule.algorithm
+            && self.rule.quota.map(|q| q.period()) == rule.quota.map(|q| q.period())
     }
 
     /// This rule's limiter serving `rule`, its counters and leases kept
@@ -499,7 +534,7 @@ impl RuleLimiter {
             domain: self.domain.clone(),
             limiter: self.limiter.clone(),
             namespace: self.namespace.clone(),
-            stats: RuleSeries::new(&self.domain, rule),
+            stats: self.stats.clone(),
         }
     }
 

@@ -436,9 +436,12 @@ impl Quotas {
             // A part admitted on credit while its lease call was out may
             // have heard since that its quota is spent: the client is
             // told that wait too, if it is the longer. (What the part
-            // took goes back all the same, as `undo` drops.)
+            // took goes back all the same, as `undo` drops.) Only credit:
+            // a part that took leased permits has them back at once, and
+            // a denial its holding cached before (a refill refused) is
+            // not what a retry meets.
             for (index, part) in parts.iter_mut().enumerate() {
-                if part.is_allowed() {
+                if part.is_allowed() && part.taken.origin == TakenFrom::Credit {
                     if let Some(denied) = self.lane(key, index).cached_denial(&key, cost) {
                         *part = denied;
                     }
