@@ -18,22 +18,26 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
-    rate_limit::Unit, Code, DescriptorStatus, RateLimit,
+    Code, DescriptorStatus, RateLimit,
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use tonic::{Request, Response, Status};
 
 use crate::config::Rule;
+mod answer;
+mod descriptor;
+
+pub use answer::HeaderNames;
+use answer::{headers_for, status, unit_of};
+use descriptor::{key_of, key_with_names, override_limit, OverrideLimit};
+
 use crate::log::Throttled;
 use crate::table::{RuleLimiter, RuleStats, Settings, Table};
 use slicelimit::limiter::{check_each, refund_all};
 use slicelimit::Limiter;
-use slicelimit::Quota;
 use slicelimit::{Decision, Source};
 
 /// The most descriptors one request may carry.
@@ -53,31 +57,6 @@ pub struct RateLimiter {
     /// Response headers for the descriptor nearest its limit
     /// (envoyproxy/ratelimit's `LIMIT_RESPONSE_HEADERS_ENABLED`).
     headers: Option<Arc<HeaderNames>>,
-}
-
-/// The names of the response headers that tell a client its limit, what
-/// is left and when it resets (envoyproxy/ratelimit's
-/// `LIMIT_LIMIT_HEADER`, `LIMIT_REMAINING_HEADER`, `LIMIT_RESET_HEADER`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HeaderNames {
-    /// The limit's header.
-    pub limit: String,
-    /// The header telling what is left.
-    pub remaining: String,
-    /// The header telling the seconds to the reset.
-    pub reset: String,
-}
-
-impl Default for HeaderNames {
-    /// The reference's: `RateLimit-Limit`, `RateLimit-Remaining`,
-    /// `RateLimit-Reset`.
-    fn default() -> HeaderNames {
-        HeaderNames {
-            limit: "RateLimit-Limit".into(),
-            remaining: "RateLimit-Remaining".into(),
-            reset: "RateLimit-Reset".into(),
-        }
-    }
 }
 
 impl RateLimiter {
@@ -486,144 +465,5 @@ impl Plan {
     }
 }
 
-/// The limiter key of a descriptor: its values, each prefixed with its
-/// length so that no two descriptors of one rule share a key (the keys of
-/// the entries are the rule's own, the same for all).
-fn key_of(entries: &[(&str, &str)], rule: &Rule) -> String {
-    // A wildcard with `share_threshold` counts every value it matches as
-    // its pattern: one count for them all.
-    let shared: Vec<(&str, &str)> = entries
-        .iter()
-        .enumerate()
-        .map(
-            |(i, &(name, value))| match rule.levels.get(i).and_then(|l| l.shared.as_deref()) {
-                Some(pattern) => (name, pattern),
-                None => (name, value),
-            },
-        )
-        .collect();
-    key_from(&shared, false)
-}
-
-/// The limiter key of a descriptor that no rule reaches (its own
-/// `limit` counts it): its entries' names and values, each prefixed
-/// with its length.
-fn key_with_names(entries: &[(&str, &str)]) -> String {
-    key_from(entries, true)
-}
-
-fn key_from(entries: &[(&str, &str)], names: bool) -> String {
-    let mut key = String::new();
-    for (name, value) in entries {
-        if names {
-            key.push_str(&name.len().to_string());
-            key.push(':');
-            key.push_str(name);
-            key.push('=');
-        }
-        key.push_str(&value.len().to_string());
-        key.push(':');
-        key.push_str(value);
-        key.push(';');
-    }
-    key
-}
-
 /// Ignored `limit` overrides, logged at most once a minute.
 static IGNORED_OVERRIDE: Throttled = Throttled::new(Duration::from_secs(60));
-
-/// What a descriptor's own `limit` asks for.
-enum OverrideLimit {
-    Quota(Quota),
-    /// `requests_per_unit: 0`: every request over the limit, as a rule of
-    /// 0 blocks (the unit, told back).
-    Blocks(Duration),
-}
-
-/// The limit a descriptor's own `limit` asks for.
-fn override_limit(requests: u32, unit: i32) -> Result<OverrideLimit, slicelimit::Error> {
-    use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
-    let name = match RateLimitUnit::try_from(unit) {
-        Ok(RateLimitUnit::Unknown) | Err(_) => None,
-        Ok(known) => Some(known.as_str_name()),
-    };
-    let Some(period) = name.and_then(crate::config::unit_period) else {
-        return Err(slicelimit::Error::invalid(format!(
-            "unit {unit}: one of SECOND, MINUTE, HOUR, DAY, MONTH, YEAR"
-        )));
-    };
-    if requests == 0 {
-        return Ok(OverrideLimit::Blocks(period));
-    }
-    Quota::new(u64::from(requests), period).map(OverrideLimit::Quota)
-}
-
-/// The headers for the status nearest its limit: the last one over it,
-/// else the one with the fewest left (the first of equals), among those
-/// that tell a limit; none if no status does.
-fn headers_for(names: &HeaderNames, statuses: &[DescriptorStatus]) -> Vec<HeaderValue> {
-    let limited = || statuses.iter().filter(|s| s.current_limit.is_some());
-    let nearest = limited()
-        .rev()
-        .find(|s| s.code == Code::OverLimit as i32)
-        .or_else(|| limited().min_by_key(|s| s.limit_remaining));
-    let Some(status) = nearest else {
-        return Vec::new();
-    };
-    let limit = status
-        .current_limit
-        .as_ref()
-        .map_or(0, |l| l.requests_per_unit);
-    let reset = status
-        .duration_until_reset
-        .as_ref()
-        .map_or(0, |d| d.seconds);
-    let header = |key: &str, value: String| HeaderValue {
-        key: key.to_owned(),
-        value,
-        ..Default::default()
-    };
-    vec![
-        header(&names.limit, limit.to_string()),
-        header(&names.remaining, status.limit_remaining.to_string()),
-        header(&names.reset, reset.to_string()),
-    ]
-}
-
-fn unit_of(period: Duration) -> Unit {
-    match period.as_secs() {
-        1 => Unit::Second,
-        60 => Unit::Minute,
-        3_600 => Unit::Hour,
-        86_400 => Unit::Day,
-        604_800 => Unit::Week,
-        2_592_000 => Unit::Month,
-        31_536_000 => Unit::Year,
-        _ => Unit::Unknown,
-    }
-}
-
-/// A descriptor's status: its limit, what is left and when it resets, so
-/// Envoy's `x-ratelimit-*` headers tell what happened.
-fn status(plan: &Counted, decision: &Decision, denied: bool) -> DescriptorStatus {
-    let reset = decision.reset_after();
-    let limiter_quota = plan.limiter.quota();
-    DescriptorStatus {
-        code: if denied { Code::OverLimit } else { Code::Ok } as i32,
-        current_limit: Some(RateLimit {
-            name: plan.rule.rule.name.clone().unwrap_or_default(),
-            requests_per_unit: u32::try_from(limiter_quota.limit()).unwrap_or(u32::MAX),
-            unit: unit_of(limiter_quota.period()) as i32,
-        }),
-        limit_remaining: u32::try_from(decision.remaining()).unwrap_or(u32::MAX),
-        // Whole seconds, rounded up: Envoy's `x-ratelimit-reset` header
-        // drops the fraction, and a client told 0 in a window's last
-        // second would be denied again if it came back at once.
-        duration_until_reset: Some(ProtoDuration {
-            seconds: i64::try_from(reset.as_secs() + u64::from(reset.subsec_nanos() > 0))
-                .unwrap_or(i64::MAX),
-            nanos: 0,
-        }),
-        quota: None,
-    }
-}
