@@ -116,6 +116,7 @@ async fn unit_reload_override_shares_rule_count() {
         eprintln!(
             "{mode:?}: unit reload: admitted {admitted} (3/hour rule + 3/hour override, one count)"
         );
+        assert_eq!(admitted, 3, "{mode:?}: one count of 3 an hour");
     }
 }
 
@@ -153,6 +154,13 @@ async fn algorithm_reload_override_shares_rule_count() {
                 ));
             }
             eprintln!("{mode:?} warm {warm}: algorithm reload: admitted {admitted}");
+            assert!(
+                admitted <= 3,
+                "{mode:?} warm {warm}: {admitted} under one count of 3"
+            );
+            if mode == Mode::Exact {
+                assert_eq!(admitted, 3, "warm {warm}");
+            }
         }
     }
 }
@@ -260,6 +268,10 @@ async fn unknown_unit_never_unlimited() {
                 ));
             }
             eprintln!("{mode:?}: {key} unit {unit} rpu {rpu}: {admitted}/10");
+            assert!(
+                admitted <= 3,
+                "{mode:?}: {key} unit {unit}: {admitted} past the rule's 3"
+            );
         }
     }
 }
@@ -499,6 +511,11 @@ async fn matrix(global: bool) {
         for f in failures.iter().take(200) {
             eprintln!("  {f}");
         }
+        assert!(
+            failures.is_empty(),
+            "global {global} {mode:?}: {} failures",
+            failures.len()
+        );
     }
 }
 
@@ -521,6 +538,7 @@ async fn hybrid_override_leases_starve() {
             ));
         }
         eprintln!("{mode:?}: rule used once, then 100/hour override admits {n} (99 expected)");
+        assert!((90..=99).contains(&n), "{mode:?}: {n}");
         // 20 requests under 20 distinct limits 200..219 (20 used), then 300/hour: 280 expected.
         for i in 0..20u32 {
             s.ask(request(
@@ -537,6 +555,7 @@ async fn hybrid_override_leases_starve() {
             ));
         }
         eprintln!("{mode:?}: 20 used under 20 limits, then 300/hour admits {n} (280 expected)");
+        assert!((270..=280).contains(&n), "{mode:?}: {n}");
         for wait in [1u64, 5, 10] {
             tokio::time::sleep(Duration::from_secs(wait)).await;
             let r = s
@@ -743,6 +762,7 @@ async fn process_detailed_series_across_reloads() {
             .filter(|l| l.starts_with("slicelimit_server_total_hits_total{"))
             .count();
         eprintln!("P2: after round {round} (+ reload): {series} total_hits series (bound: 100 + 1 per rule)");
+        assert!(series <= 110, "round {round}: {series} series");
     }
 }
 
@@ -782,6 +802,7 @@ async fn big_override_then_plain_requests() {
                 ));
             }
             eprintln!("A1 {algo} {mode:?}: {o} under 1e6/min override, then plain (10/min) admitted {plain} (<= 7 expected); 3/min override admits {small}");
+            assert!(plain <= 10, "{algo} {mode:?}: {plain} past the rule's 10");
         }
     }
 }
@@ -816,6 +837,7 @@ async fn interleaved_big_override_refills_bucket() {
                 }
             }
             eprintln!("A2 {algo} {mode:?}: in {:?}: {big} big-override requests, plain (rule 10/min) admitted {plain}", start.elapsed());
+            assert!(plain <= 10, "{algo} {mode:?}: {plain} past the rule's 10");
         }
     }
 }
@@ -847,6 +869,7 @@ async fn hybrid_starvation_recovery() {
             ));
         }
         eprintln!("starve: {used} admitted under 100..399; +{wait}s: a 1000/hour override admits {n} of 50 (room: {})", 1000 - used);
+        assert_eq!(n, 50usize.min(1000 - used), "room left: {}", 1000 - used);
     }
 }
 
