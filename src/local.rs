@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::algorithm::Algorithm;
 use crate::algorithm::OpIds;
-use crate::algorithm::{Check, GiveBack, Params, Refunded};
+use crate::algorithm::{Check, GiveBack, Lease, LeaseCall, LeaseReply, Params, Refunded};
 use crate::checked::{decision_from, refund_call, taken_by_check};
 use crate::clock::Clock;
 use crate::decision::Decision;
@@ -52,6 +52,20 @@ impl LocalEngine {
             // happen; deny rather than panic if it ever does.
             Err(_) => Decision::deny(self.params.limit, 0, Duration::ZERO, None, self.source),
         }
+    }
+
+    /// Counts `cost` against `key` whatever is left, past the limit if
+    /// need be (see `Limiter::charge`): the count (or the bucket's debt)
+    /// the next decisions see.
+    /// Returns the store's reply (`None` cannot happen: a private store
+    /// holds one layout per limiter).
+    pub(crate) fn force(&self, key: &str, cost: u64) -> Option<LeaseReply> {
+        let call = LeaseCall::report(key.to_owned(), cost, self.ops.next());
+        let lease = Lease {
+            params: &self.params,
+            call: &call,
+        };
+        self.store.run_now(&lease).ok()
     }
 
     /// Gives `taken` back to its window while that window lasts, or to

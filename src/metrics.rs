@@ -63,6 +63,9 @@ pub const SHADOW_DENIALS: &str = "slicelimit_http_shadow_denials_total";
 pub const REFUNDED: &str = "slicelimit_refunded_permits_total";
 /// Permits refunds could not give back (their window had ended).
 pub const REFUNDS_IGNORED: &str = "slicelimit_refunds_ignored_permits_total";
+/// Permits counted by `Limiter::charge` and reservations settled past
+/// their estimate, whatever was left.
+pub const CHARGED: &str = "slicelimit_charged_permits_total";
 /// Sleeps `Limiter::acquire` took before asking again.
 pub const ACQUIRE_WAITS: &str = "slicelimit_acquire_waits_total";
 /// `Limiter::acquire` calls that slept and were still denied when their
@@ -145,7 +148,7 @@ pub fn describe() {
     describe_counter!(
         RECONCILED,
         Unit::Count,
-        "Fallback admissions reported to the store after an outage."
+        "Permits reported to the store after the fact: fallback admissions after an outage, and charges."
     );
     describe_counter!(
         SHADOW_DENIALS,
@@ -161,6 +164,11 @@ pub fn describe() {
         REFUNDS_IGNORED,
         Unit::Count,
         "Permits refunds could not give back: their window had ended."
+    );
+    describe_counter!(
+        CHARGED,
+        Unit::Count,
+        "Permits counted by charges (costs known after the work), whatever was left."
     );
     describe_counter!(
         ACQUIRE_WAITS,

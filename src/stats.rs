@@ -170,6 +170,7 @@ pub(crate) struct Counters {
     pub(crate) shadow_denials: Tally,
     pub(crate) refunded: Tally,
     pub(crate) refunds_ignored: Tally,
+    pub(crate) charged: Tally,
     pub(crate) acquire_waits: Tally,
     pub(crate) acquire_timeouts: Tally,
     pub(crate) peeks: Tally,
@@ -202,6 +203,7 @@ impl Counters {
             shadow_denials: Tally::new(limiter, names::SHADOW_DENIALS),
             refunded: Tally::new(limiter, names::REFUNDED),
             refunds_ignored: Tally::new(limiter, names::REFUNDS_IGNORED),
+            charged: Tally::new(limiter, names::CHARGED),
             acquire_waits: Tally::new(limiter, names::ACQUIRE_WAITS),
             acquire_timeouts: Tally::new(limiter, names::ACQUIRE_TIMEOUTS),
             peeks: Tally::unmetered(),
@@ -272,6 +274,7 @@ impl Counters {
             shadow_denials: self.shadow_denials.get(),
             refunded: self.refunded.get(),
             refunds_ignored: self.refunds_ignored.get(),
+            charged: self.charged.get(),
             acquire_waits: self.acquire_waits.get(),
             acquire_timeouts: self.acquire_timeouts.get(),
             peeks: self.peeks.get(),
@@ -320,8 +323,9 @@ pub struct Stats {
     pub stranded: u64,
     /// Leased permits given back to the store unused.
     pub given_back: u64,
-    /// Permits the local fallback admitted during an outage, reported to
-    /// the store once it answered again.
+    /// Permits reported to the store after the fact: what the local
+    /// fallback admitted during an outage, once the store answered again,
+    /// and charges.
     pub reconciled: u64,
     /// Permits the local fallback admitted while the store was unavailable.
     pub fallback_admitted: u64,
@@ -343,6 +347,10 @@ pub struct Stats {
     /// Permits a refund could not give back: their window had ended, or
     /// the decision took nothing refundable.
     pub refunds_ignored: u64,
+    /// Permits counted by [`Limiter::charge`](crate::Limiter::charge)
+    /// (and reservations charged past their estimate), whatever was left;
+    /// what went past a limit is in `overshoot` too.
+    pub charged: u64,
     /// Sleeps [`Limiter::acquire`](crate::Limiter::acquire) (or
     /// `acquire_until`, `wait_out`: slicelimit-tower's `wait_up_to`) took
     /// before asking again.

@@ -67,7 +67,7 @@ impl Reconciler {
         }
     }
 
-    pub(super) fn record(&self, key: &str, cost: u64) {
+    pub(crate) fn record(&self, key: &str, cost: u64) {
         if cost == 0 {
             return;
         }
@@ -266,6 +266,44 @@ pub(crate) async fn reconcile(
         available &= ledger.settle(report, &reply, counters);
     }
     available
+}
+
+/// Reports `cost` permits for `key` (a user key) now, under an identity
+/// of its own: a charge counted past the limit if need be. If the store
+/// does not answer, or this future is dropped before it has, the report
+/// stays in the ledger and is resent under the same identity before the
+/// next decision, so it counts once whatever happened to the first
+/// delivery. Returns the store's reply when it answered.
+pub(crate) async fn report_now(
+    ledger: &Reconciler,
+    store: &Store,
+    keys: &KeyEncoder,
+    params: &Params,
+    counters: &Counters,
+    key: &str,
+    cost: u64,
+) -> Option<crate::algorithm::LeaseReply> {
+    let mut report = Report::new(key.to_owned(), cost, None, ledger.ops.next());
+    report.sending(micros(&*ledger.clock));
+    let call = report_call(&report, keys, params);
+    let guard = RestoreOnDrop {
+        ledger,
+        counters,
+        reports: Some(vec![report]),
+    };
+    let (answer, _) = store
+        .run_counted(
+            &Lease {
+                params,
+                call: &call,
+            },
+            counters,
+        )
+        .await;
+    for report in guard.disarm() {
+        ledger.settle(report, &answer, counters);
+    }
+    answer.ok()
 }
 
 #[cfg(test)]

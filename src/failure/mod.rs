@@ -147,6 +147,29 @@ impl FailureLayer {
         back
     }
 
+    /// Reports a charge of `cost` for `key` now (see
+    /// [`ledger::report_now`]): the store's reply, or `None` if it did not
+    /// answer (the charge then waits in the ledger).
+    pub(crate) async fn report_now(
+        &self,
+        key: &str,
+        cost: u64,
+    ) -> Option<crate::algorithm::LeaseReply> {
+        let Some(store) = &self.store else {
+            return None;
+        };
+        ledger::report_now(
+            &self.reconciler,
+            store,
+            &self.keys,
+            &self.params,
+            &self.counters,
+            key,
+            cost,
+        )
+        .await
+    }
+
     /// After an outage, reports what the fallback admitted meanwhile;
     /// `false` if the store is still unavailable (see
     /// [`ledger::reconcile`]).

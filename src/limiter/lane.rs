@@ -27,6 +27,21 @@ use crate::quota::Quota;
 use crate::stats::Counters;
 use crate::store::Store;
 
+/// What a charge past the limit did, as far as the lane knows now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Forced {
+    /// Taken from permits this process held.
+    Covered,
+    /// Counted by the store: `uncovered` of it beyond the limit,
+    /// `remaining` left after it.
+    Counted { uncovered: u64, remaining: u64 },
+    /// On its way to the store, which had said the key has nothing left.
+    Over,
+    /// On its way to the store (a hybrid engine's debt, or a store that
+    /// did not answer): not known yet.
+    Unknown,
+}
+
 /// How decisions are made.
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Mode {
@@ -315,6 +330,38 @@ impl Lane {
             // mode cannot happen; a decision of another limiter is refused
             // before it gets here).
             _ => Ok(Refunded::Now(0)),
+        }
+    }
+
+    /// Counts `cost` against `key` whatever is left, past the limit if
+    /// need be (see `Limiter::charge`). A per-process count takes it at
+    /// once; a hybrid engine from its local lease first, the rest as debt
+    /// its sync task reports; an exact one reports it before this returns,
+    /// or, if the store does not answer (or this future is dropped), before
+    /// its next decision. Every report carries an identity, so one
+    /// delivered twice counts once. Returns what the store said of it, if
+    /// it has said yet.
+    pub(crate) async fn force(&self, key: &str, cost: u64) -> Forced {
+        if cost == 0 {
+            return Forced::Unknown;
+        }
+        let reply = match &self.engine {
+            Engine::Local(local) => local.force(key, cost),
+            Engine::Hybrid(hybrid) => {
+                return match hybrid.force(key, cost) {
+                    (covered, _) if covered == cost => Forced::Covered,
+                    (_, true) => Forced::Over,
+                    (_, false) => Forced::Unknown,
+                };
+            }
+            Engine::Exact(_) => self.failure.report_now(key, cost).await,
+        };
+        match reply {
+            Some(reply) => Forced::Counted {
+                uncovered: reply.uncovered,
+                remaining: reply.remaining,
+            },
+            None => Forced::Unknown,
         }
     }
 

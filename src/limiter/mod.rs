@@ -26,12 +26,14 @@ mod all;
 mod builder;
 mod lane;
 mod quotas;
+mod reserve;
 mod tiers;
 mod undo;
 
 pub use all::{check_all, check_each, refund_all};
 pub use builder::Builder;
 use quotas::Quotas;
+pub use reserve::{Charge, Reservation, Reserve, Settled};
 
 /// The most quotas one limiter enforces on a key (see [`Builder::and`]).
 pub const MAX_QUOTAS: usize = 8;

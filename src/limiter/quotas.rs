@@ -257,7 +257,7 @@ impl Quotas {
     }
 
     /// Gives `taken` back to quota `index`, counted.
-    async fn refund_taken(&self, key: Key<'_>, index: usize, taken: Taken) -> u64 {
+    pub(super) async fn refund_taken(&self, key: Key<'_>, index: usize, taken: Taken) -> u64 {
         if !taken.refundable() {
             self.counters.refunds_ignored.add(taken.cost);
             return 0;
