@@ -39,7 +39,7 @@ use slicelimit::Quota;
 mod limit;
 mod rlqs;
 
-use limit::{algorithm, quota, rate_limit};
+use limit::{quota, rate_limit};
 pub use limit::{unit_period, UNITS};
 
 pub use self::rlqs::{BucketRule, NoMatch, RlqsConfig};
@@ -76,6 +76,13 @@ pub struct Rule {
     /// but the request is over only if every quota-mode descriptor of it
     /// is (and no other one is), as envoyproxy/ratelimit decides.
     pub quota_mode: bool,
+    /// `slicelimit: { post_hoc: true }`: every hit is the cost of work
+    /// already done (Envoy's `apply_on_stream_done` charges, tokens an
+    /// LLM streamed), counted whatever is left, past the limit if need be
+    /// (a debt the next requests wait out); a hit of 0 asks whether
+    /// anything is left. Decided on its own, outside the all-or-nothing
+    /// of the other descriptors, as envoyproxy/ratelimit counts every hit.
+    pub post_hoc: bool,
     /// `rate_limit.replaces`: the names of rules this one replaces in a
     /// request that reaches both (the replaced one is not checked).
     pub replaces: Vec<String>,
@@ -434,7 +441,10 @@ fn node(
                 .to_owned(),
         ),
     };
-    let algorithm = algorithm(map.get("slicelimit"), at, fail)?;
+    let limit::Extensions {
+        algorithm,
+        post_hoc,
+    } = limit::extensions(map.get("slicelimit"), at, fail)?;
     let mut blocks = None;
     let mut replaces = Vec::new();
     let quota = match (map.get("rate_limit"), unlimited) {
@@ -481,14 +491,17 @@ fn node(
             algorithm,
             shadow_mode,
             quota_mode,
+            post_hoc,
             replaces,
             detailed_metric,
             levels: levels.clone(),
         });
-    } else if shadow_mode || quota_mode || name.is_some() {
+    } else if shadow_mode || quota_mode || post_hoc || name.is_some() {
         return Err(fail(
             at,
-            "`shadow_mode`, `quota_mode` and `name` need a rule (`rate_limit`)".into(),
+            "`shadow_mode`, `quota_mode`, `slicelimit.post_hoc` and `name` need a rule \
+             (`rate_limit`)"
+                .into(),
         ));
     }
     // (`detailed_metric` on a descriptor without a rule labels nothing,

@@ -10,6 +10,10 @@
 //!   others);
 //! - each shadow rule is decided on its own and always answered OK; the
 //!   hits it would have denied are counted;
+//! - each post-hoc rule (`slicelimit: { post_hoc: true }`) counts every
+//!   hit whatever is left, past the limit if need be, and is over when
+//!   nothing is left: costs of work already done (Envoy's
+//!   `apply_on_stream_done`), as envoyproxy/ratelimit counts them;
 //! - a descriptor that reaches no rule, or an `unlimited` one, is OK and
 //!   counts nothing; so does every descriptor of a domain not configured.
 
@@ -177,7 +181,9 @@ impl RateLimiter {
         let enforced: Vec<(&Limiter, &str, u64)> = plans
             .iter()
             .filter_map(Plan::counted)
-            .filter(|p| !self.shadow(&p.rule.rule) && !self.quota(&p.rule.rule))
+            .filter(|p| {
+                !self.shadow(&p.rule.rule) && !self.quota(&p.rule.rule) && !p.rule.rule.post_hoc
+            })
             .map(|p| (&p.limiter, p.key.as_str(), p.cost))
             .collect();
         let together = check_each(&enforced).await;
@@ -197,6 +203,15 @@ impl RateLimiter {
             };
             let shadow = self.shadow(&p.rule.rule);
             let quota = self.quota(&p.rule.rule);
+            if p.rule.rule.post_hoc {
+                let (decision, over) = post_hoc(p).await;
+                decided.push(Some(Decided {
+                    decision,
+                    over,
+                    peeked: false,
+                }));
+                continue;
+            }
             let (decision, peeked) = if shadow {
                 (p.limiter.check(&p.key, p.cost).await, false)
             } else if quota {
@@ -299,7 +314,13 @@ impl RateLimiter {
                             stats.near_limit.increment(hits);
                         }
                     }
-                    statuses.push(status(p, &d.decision, denied));
+                    let mut answer = status(p, &d.decision, denied);
+                    if p.rule.rule.post_hoc && d.over {
+                        // Charged past the limit (or nothing left): a
+                        // replica's look may predate what others charged.
+                        answer.limit_remaining = 0;
+                    }
+                    statuses.push(answer);
                 }
                 (plan, _) => {
                     let unlimited = matches!(plan, Plan::Unlimited(_));
@@ -404,6 +425,16 @@ impl RateLimiter {
             cost,
         }))
     }
+}
+
+/// A post-hoc rule's hit (see `Rule::post_hoc`): its cost charged
+/// whatever is left, then what is left looked at. Over when the charge
+/// went past the limit or nothing is left (a hit of 0 asks only that).
+async fn post_hoc(p: &Counted) -> (Decision, bool) {
+    let exhausted = p.cost > 0 && p.limiter.charge(&p.key, p.cost).await.exhausted();
+    let left = p.limiter.check(&p.key, 0).await;
+    let over = exhausted || left.remaining() == 0;
+    (left, over)
 }
 
 #[tonic::async_trait]

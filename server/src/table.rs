@@ -130,6 +130,7 @@ impl Overrides {
             algorithm: slicelimit::Algorithm::FixedWindow,
             shadow_mode: false,
             quota_mode: false,
+            post_hoc: false,
             replaces: Vec::new(),
             detailed_metric: false,
             levels: Vec::new(),

@@ -126,3 +126,63 @@ fn with_the_servers_gone_envoys_failure_mode_deny_decides() {
         assert_eq!(reply.header("x-envoy-ratelimited"), None);
     }
 }
+
+/// A rule whose hits are costs of work already done.
+const POST_HOC: &str = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: { unit: minute, requests_per_unit: 1000 }\n    slicelimit: { post_hoc: true }\n";
+
+/// Waits (up to 30 s) until the server has counted `hits` for the rule:
+/// Envoy sends a stream's end charge after it has answered the client.
+fn await_hits(server: &RlsServer, hits: f64, what: &str) {
+    let labels = "{domain=\"api\",rule=\"user\"}";
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let seen = server.metric("slicelimit_server_total_hits_total", labels);
+        if seen >= hits {
+            assert_eq!(seen, hits, "{what}: more hits than sent");
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: {seen} hits counted, {hits} sent:\n{}",
+            server.log()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// Tokens charged when a stream is done (Envoy 1.40's
+/// `apply_on_stream_done`, the cost from dynamic metadata) are counted
+/// even past the limit, in both modes: the key's next request is denied
+/// for the debt. (Without `post_hoc`, a charge that does not fit took
+/// nothing: every request of the minute passed.)
+#[test]
+fn tokens_charged_when_the_stream_is_done_count_past_the_limit() {
+    let redis = RedisServer::start();
+    let dir = scratch("envoy-post-hoc");
+    let config = dir.join("api.yaml");
+    write_config(&config, POST_HOC);
+    for mode in ["hybrid-strict", "exact"] {
+        // Every request of a mode in one minute (the check costs under 5 s).
+        while support::load::wall_us() % 60_000_000 > 45_000_000 {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        let server = RlsServer::start(&config, &["--redis-url", &redis.url(), "--mode", mode]);
+        let envoy = Envoy::start_post_hoc(&[server.grpc_port]);
+        let user = format!("tenant-{mode}");
+        // 900 of 1,000 tokens used.
+        assert_eq!(envoy.get_costing(&user, 900).status, 200, "{mode}");
+        await_hits(&server, 900.0, mode);
+        // 100 left: admitted; the stream then costs 500, 400 past the limit.
+        assert_eq!(envoy.get_costing(&user, 500).status, 200, "{mode}");
+        await_hits(&server, 1_400.0, mode);
+        for i in 0..3 {
+            let reply = envoy.get_costing(&user, 10);
+            assert_eq!(reply.status, 429, "{mode} {i}: the debt let it pass");
+        }
+        // Denied requests did no work: nothing more was charged.
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        await_hits(&server, 1_400.0, mode);
+        // Another tenant is untouched.
+        assert_eq!(envoy.get_costing("other", 1).status, 200, "{mode}");
+    }
+}

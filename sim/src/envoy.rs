@@ -130,17 +130,27 @@ impl Envoy {
     /// Starts Envoy with both `rls_ports` in its rate limit cluster and
     /// waits until its front listener answers.
     pub fn start(rls_ports: &[u16], failure_mode_deny: bool) -> Envoy {
-        Envoy::start_with(rls_ports, &ratelimit_filter(failure_mode_deny), true)
+        Envoy::start_with(rls_ports, &ratelimit_filter(failure_mode_deny), RATE_LIMITS)
     }
 
     /// Starts Envoy with the `rate_limit_quota` filter (RLQS) instead:
     /// bucket id `{name: api, user: <x-user>}`, reports every second, all
     /// admitted until the first assignment, all denied when one expires.
     pub fn start_rlqs(rls_ports: &[u16]) -> Envoy {
-        Envoy::start_with(rls_ports, RLQS_FILTER, false)
+        Envoy::start_with(rls_ports, RLQS_FILTER, "")
     }
 
-    fn start_with(rls_ports: &[u16], filter: &str, with_rate_limits: bool) -> Envoy {
+    /// Starts Envoy as an LLM gateway charging after the work: the
+    /// request asks `user` with `hits_addend` 0 (is anything left?), and
+    /// when the stream is done, `user` again with `hits_addend` taken from
+    /// the dynamic metadata `llm.tokens`, which the backend's `x-tokens`
+    /// answer header sets (the backend echoes the request's `x-cost`).
+    pub fn start_post_hoc(rls_ports: &[u16]) -> Envoy {
+        let filters = format!("{POST_HOC_METADATA}{}", ratelimit_filter(false));
+        Envoy::start_with(rls_ports, &filters, POST_HOC_RATE_LIMITS)
+    }
+
+    fn start_with(rls_ports: &[u16], filter: &str, rate_limits: &str) -> Envoy {
         let port = free_port();
         let backend = free_port();
         let admin = free_port();
@@ -150,7 +160,7 @@ impl Envoy {
         let config = dir.join("envoy.yaml");
         std::fs::write(
             &config,
-            config_yaml(port, backend, admin, rls_ports, filter, with_rate_limits),
+            config_yaml(port, backend, admin, rls_ports, filter, rate_limits),
         )
         .expect("write Envoy's configuration");
         let log = std::fs::File::create(dir.join("envoy.log")).expect("create Envoy's log");
@@ -200,6 +210,14 @@ impl Envoy {
     /// GET / as `user`.
     pub fn get(&self, user: &str) -> Reply {
         get_port(self.port, "/", &[("x-user", user)]).expect("an answer from Envoy")
+    }
+
+    /// GET / as `user`, for work the backend says cost `cost` (see
+    /// [`start_post_hoc`](Envoy::start_post_hoc)).
+    pub fn get_costing(&self, user: &str, cost: u64) -> Reply {
+        let cost = cost.to_string();
+        get_port(self.port, "/", &[("x-user", user), ("x-cost", &cost)])
+            .expect("an answer from Envoy")
     }
 }
 
@@ -332,19 +350,43 @@ const RLQS_FILTER: &str = r#"          - name: envoy.filters.http.rate_limit_quo
                             fallback_rate_limit: { blanket_rule: DENY_ALL }
 "#;
 
+/// The route's rate limits: the `x-user` header as the descriptor `user`.
+const RATE_LIMITS: &str = "                  rate_limits:\n                  - actions:\n                    - request_headers: { header_name: x-user, descriptor_key: user }\n";
+
+/// A request asks with 0 hits; the stream's end charges the tokens. (In
+/// the route's own `rate_limits`, Envoy 1.40 sends no `hits_addend`; in
+/// the filter's per-route configuration it does.)
+const POST_HOC_RATE_LIMITS: &str = r#"                typed_per_filter_config:
+                  envoy.filters.http.ratelimit:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+                    rate_limits:
+                    - actions:
+                      - request_headers: { header_name: x-user, descriptor_key: user }
+                      hits_addend: { number: 0 }
+                    - actions:
+                      - request_headers: { header_name: x-user, descriptor_key: user }
+                      apply_on_stream_done: true
+                      hits_addend: { format: "%DYNAMIC_METADATA(llm:tokens)%" }
+"#;
+
+/// The backend's `x-tokens` answer header into the dynamic metadata
+/// `llm.tokens`.
+const POST_HOC_METADATA: &str = r#"          - name: envoy.filters.http.header_to_metadata
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config
+              response_rules:
+              - header: x-tokens
+                on_header_present: { metadata_namespace: llm, key: tokens, type: STRING }
+"#;
+
 fn config_yaml(
     port: u16,
     backend: u16,
     admin: u16,
     rls_ports: &[u16],
     filter: &str,
-    with_rate_limits: bool,
+    rate_limits: &str,
 ) -> String {
-    let rate_limits = if with_rate_limits {
-        "                  rate_limits:\n                  - actions:\n                    - request_headers: { header_name: x-user, descriptor_key: user }\n"
-    } else {
-        ""
-    };
     let endpoint = |p: u16| {
         format!(
             "        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {p} }} }} }}\n"
@@ -361,7 +403,7 @@ fn config_yaml(
     let back = listener(
         "backend",
         backend,
-        "                direct_response: { status: 200, body: { inline_string: \"hello\\n\" } }\n",
+        "                direct_response: { status: 200, body: { inline_string: \"hello\\n\" } }\n                response_headers_to_add:\n                - header: { key: x-tokens, value: \"%REQ(x-cost)%\" }\n",
         "",
     );
     format!(

@@ -428,17 +428,13 @@ impl HybridEngine {
         }
     }
 
-    /// Counts `cost` against `key` past the limit if need be (see
-    /// `Limiter::charge`): from what this process holds of the key's lease
-    /// first, the rest reported to the store as debt through the failure
-    /// layer's ledger, under an identity, by the sync task's next round,
-    /// which sends it before any lease (the store counts it before it
-    /// grants anything new). Returns the permits the local lease covered,
-    /// and whether the store had said the key has nothing left.
-    pub(crate) fn force(&self, key: &str, cost: u64) -> (u64, bool) {
+    /// Takes up to `cost` of `key`'s leased permits for a charge (see
+    /// `Limiter::charge`; the caller reports the rest to the store) and,
+    /// if they fall short, asks for a refill, so the next decision knows
+    /// what is left. Returns the permits taken.
+    pub(crate) fn force(&self, key: &str, cost: u64) -> u64 {
         let s = &*self.shared;
         let mut covered = 0;
-        let mut denied = false;
         if let Some(holding) = s.holdings.get(key).map(|h| h.value().clone()) {
             let want = cost.min(i64::MAX as u64) as i64;
             if let (Take::Taken { .. }, spare) =
@@ -446,20 +442,21 @@ impl HybridEngine {
             {
                 covered = spare.permits as u64;
             }
-            denied = holding.denied(s.time.precise_us()).is_some();
         }
-        let rest = cost - covered;
-        if rest > 0 {
-            s.reconciler.record(key, rest);
-            s.outbox.urgent.store(true, Ordering::Release);
-            s.outbox.wake.notify_one();
-            // Asked for permits (after the debt, in the same round), so
-            // the next decision for the key knows what is left.
+        if covered < cost {
             if let Some(holding) = s.insert(key, s.time.now_us()) {
                 s.request_refill(&holding, false);
             }
         }
-        (covered, denied)
+        covered
+    }
+
+    /// The store said `remaining` is left of `key` after a charge: what
+    /// this process's next answers for it tell.
+    pub(crate) fn charged(&self, key: &str, remaining: u64) {
+        if let Some(holding) = self.shared.holdings.get(key) {
+            holding.set_store_remaining(remaining);
+        }
     }
 
     /// Forgets every cached denial: each key asks the store again on its

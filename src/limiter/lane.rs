@@ -35,10 +35,7 @@ pub(crate) enum Forced {
     /// Counted by the store: `uncovered` of it beyond the limit,
     /// `remaining` left after it.
     Counted { uncovered: u64, remaining: u64 },
-    /// On its way to the store, which had said the key has nothing left.
-    Over,
-    /// On its way to the store (a hybrid engine's debt, or a store that
-    /// did not answer): not known yet.
+    /// Waiting for a store that did not answer: not known yet.
     Unknown,
 }
 
@@ -335,10 +332,10 @@ impl Lane {
 
     /// Counts `cost` against `key` whatever is left, past the limit if
     /// need be (see `Limiter::charge`). A per-process count takes it at
-    /// once; a hybrid engine from its local lease first, the rest as debt
-    /// its sync task reports; an exact one reports it before this returns,
-    /// or, if the store does not answer (or this future is dropped), before
-    /// its next decision. Every report carries an identity, so one
+    /// once; a hybrid engine takes what it can from its local lease; the
+    /// rest is reported to the store before this returns, or, if the store
+    /// does not answer (or this future is dropped), before the lane's next
+    /// decision (exact) or with its sync task's next round (hybrid). Every report carries an identity, so one
     /// delivered twice counts once. Returns what the store said of it, if
     /// it has said yet.
     pub(crate) async fn force(&self, key: &str, cost: u64) -> Forced {
@@ -348,11 +345,15 @@ impl Lane {
         let reply = match &self.engine {
             Engine::Local(local) => local.force(key, cost),
             Engine::Hybrid(hybrid) => {
-                return match hybrid.force(key, cost) {
-                    (covered, _) if covered == cost => Forced::Covered,
-                    (_, true) => Forced::Over,
-                    (_, false) => Forced::Unknown,
-                };
+                let covered = hybrid.force(key, cost);
+                if covered == cost {
+                    return Forced::Covered;
+                }
+                let reply = self.failure.report_now(key, cost - covered).await;
+                if let Some(reply) = &reply {
+                    hybrid.charged(key, reply.remaining);
+                }
+                reply
             }
             Engine::Exact(_) => self.failure.report_now(key, cost).await,
         };

@@ -34,9 +34,8 @@ impl Charge {
 
     /// Whether the whole cost fit within every quota: `Some(true)` counted
     /// within the limits, `Some(false)` partly past one (a debt the key
-    /// pays before its next admission), `None` not known yet (a hybrid
-    /// limiter's debt on its way to the store, or a store that did not
-    /// answer: the charge is counted when it does).
+    /// pays before its next admission), `None` not known yet (the store
+    /// did not answer: the charge is counted when it does).
     pub fn fit(&self) -> Option<bool> {
         self.fit
     }
@@ -80,10 +79,6 @@ impl From<Forced> for Charge {
             } => Charge {
                 fit: Some(uncovered == 0),
                 remaining: Some(remaining),
-            },
-            Forced::Over => Charge {
-                fit: Some(false),
-                remaining: Some(0),
             },
             Forced::Unknown => Charge {
                 fit: None,
@@ -143,9 +138,10 @@ impl Limiter {
     /// - exact: one store call now; if the store does not answer, or this
     ///   future is dropped first, the charge waits in the limiter and is
     ///   sent before its next decision;
-    /// - hybrid: from this process's leased permits first, the rest
-    ///   reported to the store as debt by the background task's next
-    ///   round, before any lease it asks for;
+    /// - hybrid: from this process's leased permits first (no store
+    ///   call), the rest reported to the store as in exact mode (if it does
+    ///   not answer, the background task resends it before any lease it
+    ///   asks for);
     /// - local: the per-process count takes it at once.
     ///
     /// Each report carries an identity: one delivered twice (a lost reply,

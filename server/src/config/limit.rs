@@ -173,26 +173,54 @@ pub(super) fn quota(limit: &Value, at: &str, fail: Fail<'_>) -> Result<Quota, Er
     })
 }
 
-pub(super) fn algorithm(
+/// slicelimit's own fields of a descriptor (`slicelimit: { … }`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Extensions {
+    /// How the rule counts (`algorithm`; a fixed window unless chosen).
+    pub(super) algorithm: Algorithm,
+    /// `post_hoc: true`: every hit is a cost of work already done,
+    /// counted whatever is left (see `Rule::post_hoc`).
+    pub(super) post_hoc: bool,
+}
+
+/// Reads a descriptor's `slicelimit` section.
+pub(super) fn extensions(
     section: Option<&Value>,
     at: &str,
     fail: Fail<'_>,
-) -> Result<Algorithm, Error> {
+) -> Result<Extensions, Error> {
+    let mut extensions = Extensions {
+        algorithm: Algorithm::FixedWindow,
+        post_hoc: false,
+    };
     let Some(section) = section else {
-        return Ok(Algorithm::FixedWindow);
+        return Ok(extensions);
     };
     let map = section
         .as_mapping()
         .ok_or_else(|| fail(at, "`slicelimit` must be a mapping".into()))?;
-    for (field, _) in map {
-        if field.as_str() != Some("algorithm") {
-            return Err(fail(
-                at,
-                format!("`slicelimit`: unsupported field {:?}", field_name(field)),
-            ));
+    for (field, value) in map {
+        match field.as_str() {
+            Some("algorithm") => extensions.algorithm = algorithm(value, at, fail)?,
+            Some("post_hoc") => {
+                extensions.post_hoc = value.as_bool().ok_or_else(|| {
+                    fail(at, "`slicelimit.post_hoc` must be true or false".into())
+                })?;
+            }
+            _ => {
+                return Err(fail(
+                    at,
+                    format!("`slicelimit`: unsupported field {:?}", field_name(field)),
+                ))
+            }
         }
     }
-    let name = map.get("algorithm").and_then(Value::as_str).unwrap_or("");
+    Ok(extensions)
+}
+
+/// `slicelimit.algorithm`, by the algorithm's own name.
+fn algorithm(value: &Value, at: &str, fail: Fail<'_>) -> Result<Algorithm, Error> {
+    let name = value.as_str().unwrap_or("");
     // `token_bucket` or `token-bucket`, as the algorithm's own name.
     let wanted = name.replace('_', "-");
     Algorithm::all()

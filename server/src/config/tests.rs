@@ -143,10 +143,35 @@ fn what_cannot_be_honoured_is_refused_naming_file_descriptor_and_field() {
         "domain: d\ndescriptors:\n  - key: a\n    slicelimit: {algorithm: leaky}\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
         &["a", "algorithm", "leaky", "gcra"],
     );
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    slicelimit: {post_hoc: true}\n",
+        &["a", "post_hoc", "rule"],
+    );
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    slicelimit: {post_hoc: yes please}\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+        &["a", "post_hoc", "true or false"],
+    );
+    refused(
+        "domain: d\ndescriptors:\n  - key: a\n    slicelimit: {postHoc: true}\n    rate_limit: {unit: second, requests_per_unit: 1}\n",
+        &["a", "postHoc", "unsupported"],
+    );
     refused("descriptors: []\n", &["domain"]);
     refused("domain: d\nrlqs_only: 1\n", &["rlqs_only"]);
     refused("domain: [unclosed\n", &["not YAML"]);
     refused("domain: d\ndescriptors:\n  - value: v\n", &["#1", "key"]);
+}
+
+#[test]
+fn post_hoc_rules_are_read_with_their_algorithm() {
+    let config = Config::parse(
+        "llm.yaml",
+        "domain: llm\ndescriptors:\n  - key: tenant\n    rate_limit: {unit: minute, requests_per_unit: 1000}\n    slicelimit: {post_hoc: true, algorithm: token_bucket}\n  - key: other\n    rate_limit: {unit: minute, requests_per_unit: 1}\n",
+    )
+    .unwrap();
+    let tenant = config.rule(&[("tenant", "acme")]).unwrap();
+    assert!(tenant.post_hoc);
+    assert_eq!(tenant.algorithm, slicelimit::Algorithm::TokenBucket);
+    assert!(!config.rule(&[("other", "x")]).unwrap().post_hoc);
 }
 
 #[test]

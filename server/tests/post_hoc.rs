@@ -1,0 +1,137 @@
+//! Post-hoc rules (`slicelimit: { post_hoc: true }`): costs of work
+//! already done, counted whatever is left, asked of the service on a
+//! private Redis in the exact and the hybrid-strict mode.
+
+mod rls;
+use slicelimit_sim as support;
+
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
+use envoy_types::pb::google::protobuf::UInt64Value;
+use rls::{descriptor, is_ok, request};
+use slicelimit::{FailurePolicy, RedisStore};
+use slicelimit_server::config::Config;
+use slicelimit_server::service::RateLimiter;
+use slicelimit_server::table::{Mode, Settings, Table};
+use support::load::wall_us;
+use support::RedisServer;
+
+const CONFIG: &str = "domain: llm
+descriptors:
+  - key: tenant
+    rate_limit: { unit: hour, requests_per_unit: 1000 }
+    slicelimit: { post_hoc: true }
+  - key: route
+    rate_limit: { unit: hour, requests_per_unit: 100 }
+";
+
+async fn service(redis: &RedisServer, mode: Mode) -> RateLimiter {
+    let store = RedisStore::connect_with(&redis.url(), support::test_options())
+        .await
+        .expect("connect to the test Redis");
+    let settings = Settings {
+        store: store.into(),
+        mode,
+        on_store_error: FailurePolicy::FailClosed,
+        merge_domains: false,
+    };
+    let config = Config::parse("llm.yaml", CONFIG).expect("parses");
+    let (table, _) = Table::build(vec![config], &settings, None).expect("builds");
+    RateLimiter::new(Arc::new(ArcSwap::from_pointee(table)), settings)
+}
+
+/// `tenant` charged `hits` (0: only asked), alone.
+async fn tenant(service: &RateLimiter, who: &str, hits: u64) -> RateLimitResponse {
+    let mut d = descriptor(&[("tenant", who)]);
+    d.hits_addend = Some(UInt64Value { value: hits });
+    service.decide(request("llm", vec![d])).await.unwrap()
+}
+
+fn modes() -> [Mode; 2] {
+    [Mode::Exact, Mode::HybridStrict]
+}
+
+/// Away from an hour's end: every call of a test in one window.
+async fn in_one_hour() {
+    while wall_us() % 3_600_000_000 > 3_590_000_000 {
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// A charge that does not fit is counted past the limit: the next ask is
+/// over, and so is every request until the window ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_past_the_limit_is_counted_and_later_asks_are_over() {
+    let redis = RedisServer::start();
+    in_one_hour().await;
+    for mode in modes() {
+        let service = service(&redis, mode).await;
+        let who = format!("{mode:?}");
+        assert!(is_ok(&tenant(&service, &who, 0).await), "{mode:?}");
+        let spent = tenant(&service, &who, 900).await;
+        assert!(is_ok(&spent), "{mode:?}: {spent:?}");
+        // 100 left: the ask passes, the work then costs 500.
+        assert!(is_ok(&tenant(&service, &who, 0).await), "{mode:?}");
+        let charged = tenant(&service, &who, 500).await;
+        assert_eq!(charged.overall_code, Code::OverLimit as i32, "{mode:?}");
+        assert_eq!(charged.statuses[0].limit_remaining, 0, "{mode:?}");
+        for _ in 0..3 {
+            let asked = tenant(&service, &who, 0).await;
+            assert_eq!(asked.overall_code, Code::OverLimit as i32, "{mode:?}");
+        }
+        // Exact: Redis holds every token charged (hybrid leases some too).
+        if mode == Mode::Exact {
+            let counted: i64 = redis
+                .keys()
+                .iter()
+                .filter(|k| k.contains("tenant") && k.contains(&who))
+                .filter(|k| redis.cmd::<String>(&["TYPE", k]) == "hash")
+                .map(|k| {
+                    let values: Vec<i64> = redis.cmd(&["HVALS", k]);
+                    values.iter().sum::<i64>()
+                })
+                .sum();
+            assert_eq!(counted, 1_400, "{:?}", redis.keys());
+        }
+    }
+    assert_eq!(redis.immortal_keys(), Vec::<String>::new());
+}
+
+/// A post-hoc rule over its limit makes the request over, and what the
+/// request's other descriptors took goes back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exhausted_post_hoc_rule_denies_and_the_others_keep_their_budget() {
+    let redis = RedisServer::start();
+    in_one_hour().await;
+    for mode in modes() {
+        let service = service(&redis, mode).await;
+        let who = format!("full-{mode:?}");
+        let over = tenant(&service, &who, 1_200).await;
+        assert_eq!(over.overall_code, Code::OverLimit as i32, "{mode:?}");
+        let mut ask = descriptor(&[("tenant", &who)]);
+        ask.hits_addend = Some(UInt64Value { value: 0 });
+        let route = descriptor(&[("route", &who)]);
+        for _ in 0..5 {
+            let both = service
+                .decide(request("llm", vec![route.clone(), ask.clone()]))
+                .await
+                .unwrap();
+            assert_eq!(both.overall_code, Code::OverLimit as i32, "{mode:?}");
+            assert_eq!(both.statuses[1].code, Code::OverLimit as i32, "{mode:?}");
+        }
+        // The route's own budget is whole: 100 requests of it alone pass.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        let mut passed = 0;
+        for _ in 0..120 {
+            let alone = service
+                .decide(request("llm", vec![route.clone()]))
+                .await
+                .unwrap();
+            passed += usize::from(is_ok(&alone));
+        }
+        assert_eq!(passed, 100, "{mode:?}");
+    }
+}
