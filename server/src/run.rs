@@ -158,7 +158,7 @@ pub struct Options {
 /// does not do, each with the value that asks for it and why not. A
 /// migrating deployment that sets one fails at start, saying so, rather
 /// than running without what it asked for.
-const REFUSED_SETTINGS: [(&str, &str, &str); 4] = [
+const REFUSED_SETTINGS: [(&str, &str, &str); 9] = [
     (
         "RESPONSE_DYNAMIC_METADATA",
         "true",
@@ -179,10 +179,35 @@ const REFUSED_SETTINGS: [(&str, &str, &str); 4] = [
         "cluster",
         "give --redis-url a single node or redis+sentinel://; Redis Cluster is not served by the server",
     ),
+    (
+        "GRPC_SERVER_USE_TLS",
+        "true",
+        "the gRPC listener is plaintext; put TLS in front of it (Envoy, a sidecar)",
+    ),
+    (
+        "REDIS_TLS",
+        "true",
+        "write rediss:// in --redis-url (server feature `tls`)",
+    ),
+    (
+        "REDIS_AUTH",
+        "*",
+        "write the password in --redis-url (redis://:password@host:port)",
+    ),
+    (
+        "CACHE_KEY_PREFIX",
+        "*",
+        "store keys are named by domain and rule (see docs/migrating.md); there is no prefix",
+    ),
+    (
+        "EXTRA_TAGS",
+        "*",
+        "stats carry their domain and rule labels only",
+    ),
 ];
 
 /// Refuses the reference's settings this server does not honour (see
-/// `REFUSED_SETTINGS`), read through `var`.
+/// `REFUSED_SETTINGS`; `*`: any value), read through `var`.
 ///
 /// # Errors
 /// The first such setting found, named, with why.
@@ -190,12 +215,14 @@ pub fn refuse_reference_settings(var: impl Fn(&str) -> Option<String>) -> Result
     for (name, value, why) in REFUSED_SETTINGS {
         let asks = |v: &str| match value {
             "true" => reference_bool(v) == Ok(true),
+            "*" => !v.trim().is_empty(),
             _ => v.trim().eq_ignore_ascii_case(value),
         };
         if var(name).is_some_and(|v| asks(&v)) {
+            let set = if value == "*" { "set" } else { value };
             return Err(Error::new(
                 ErrorKind::Unsupported,
-                format!("{name}={value} is envoyproxy/ratelimit's, not supported here: {why}"),
+                format!("{name}={set} is envoyproxy/ratelimit's, not supported here: {why}"),
             ));
         }
     }
@@ -593,5 +620,15 @@ mod reference_settings {
         assert!(refuse_reference_settings(set("BACKEND_TYPE", "redis")).is_ok());
         assert!(refuse_reference_settings(set("RESPONSE_DYNAMIC_METADATA", "false")).is_ok());
         assert!(refuse_reference_settings(|_| None).is_ok());
+        // Asked for TLS, a prefix or tags: refused, never silently ignored.
+        let e = refuse_reference_settings(set("GRPC_SERVER_USE_TLS", "true")).unwrap_err();
+        assert!(e.to_string().contains("plaintext"), "{e}");
+        assert!(refuse_reference_settings(set("GRPC_SERVER_USE_TLS", "false")).is_ok());
+        let e = refuse_reference_settings(set("CACHE_KEY_PREFIX", "prefix:")).unwrap_err();
+        assert!(e.to_string().contains("CACHE_KEY_PREFIX=set"), "{e}");
+        assert!(refuse_reference_settings(set("CACHE_KEY_PREFIX", "")).is_ok());
+        assert!(refuse_reference_settings(set("EXTRA_TAGS", "foo:bar")).is_err());
+        assert!(refuse_reference_settings(set("REDIS_AUTH", "secret")).is_err());
+        assert!(refuse_reference_settings(set("REDIS_TLS", "1")).is_err());
     }
 }

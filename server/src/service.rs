@@ -118,9 +118,11 @@ impl RateLimiter {
         self
     }
 
-    /// Whether `rule` only counts its would-be denials.
+    /// Whether `rule` only counts its would-be denials (its own
+    /// `shadow_mode`; the global one keeps each descriptor's answer and
+    /// turns only the request's to OK, as envoyproxy/ratelimit does).
     fn shadow(&self, rule: &Rule) -> bool {
-        rule.shadow_mode || self.shadow_everything
+        rule.shadow_mode
     }
 
     /// Answers one request, as `ShouldRateLimit` does.
@@ -264,7 +266,13 @@ impl RateLimiter {
             }
         }
         let over = enforced_over || (quota_total > 0 && quota_over == quota_total);
-        if over && together.is_allowed() && !enforced.is_empty() {
+        // Global shadow mode: the request passes, so what it took stays.
+        let let_through = over && self.shadow_everything;
+        if let_through {
+            metrics::counter!(crate::stats::GLOBAL_SHADOW_MODE, "domain" => request.domain.clone())
+                .increment(1);
+        }
+        if over && !let_through && together.is_allowed() && !enforced.is_empty() {
             // Every quota-mode descriptor is over: the request is, and
             // what the enforced ones took goes back.
             let pairs: Vec<(&Limiter, &str)> = enforced.iter().map(|&(l, k, _)| (l, k)).collect();
@@ -277,10 +285,11 @@ impl RateLimiter {
                     let stats = rule.stats.for_request(&rule.rule, &[]);
                     stats.total_hits.increment(1);
                     let shadow = self.shadow(&rule.rule);
+                    // Over either way; a shadow rule's is also counted as
+                    // let through (as envoyproxy/ratelimit counts both).
+                    stats.over_limit.increment(1);
                     if shadow {
                         stats.shadow_mode.increment(1);
-                    } else {
-                        stats.over_limit.increment(1);
                     }
                     statuses.push(DescriptorStatus {
                         code: if shadow { Code::Ok } else { Code::OverLimit } as i32,
@@ -301,17 +310,20 @@ impl RateLimiter {
                     stats.total_hits.increment(hits);
                     let shadow = self.shadow(&p.rule.rule);
                     let denied = d.over && !shadow;
-                    if shadow && d.over {
-                        stats.shadow_mode.increment(hits);
-                    } else if denied {
+                    if d.over {
+                        // A shadow rule's would-be denial is over and let
+                        // through: counted in both (as the reference does).
                         stats.over_limit.increment(hits);
-                    } else if d.decision.is_allowed() && !d.peeked && !over {
+                        if shadow {
+                            stats.shadow_mode.increment(hits);
+                        }
+                    } else if d.decision.is_allowed() && !d.peeked && (!over || let_through) {
                         // Admitted and kept (not given back because
                         // another descriptor denied, not merely looked at).
                         stats.within_limit.increment(hits);
-                        let used = d.decision.limit().saturating_sub(d.decision.remaining());
-                        if used.saturating_mul(5) > d.decision.limit().saturating_mul(4) {
-                            stats.near_limit.increment(hits);
+                        let near = near_limit_hits(&d.decision, hits);
+                        if near > 0 {
+                            stats.near_limit.increment(near);
                         }
                     }
                     let mut answer = status(p, &d.decision, denied);
@@ -337,7 +349,11 @@ impl RateLimiter {
             None => Vec::new(),
         };
         Ok(RateLimitResponse {
-            overall_code: if over { Code::OverLimit } else { Code::Ok } as i32,
+            overall_code: if over && !let_through {
+                Code::OverLimit
+            } else {
+                Code::Ok
+            } as i32,
             statuses,
             response_headers_to_add,
             ..Default::default()
@@ -425,6 +441,18 @@ impl RateLimiter {
             cost,
         }))
     }
+}
+
+/// Of `hits` just admitted by `decision`, those past 80 % of its limit
+/// (the threshold rounded down, as envoyproxy/ratelimit's near-limit
+/// count): all of them when the count was past it before, else the part
+/// beyond it.
+fn near_limit_hits(decision: &Decision, hits: u64) -> u64 {
+    let limit = decision.limit();
+    let threshold = limit.saturating_mul(4) / 5;
+    let after = limit.saturating_sub(decision.remaining());
+    let before = after.saturating_sub(hits);
+    after.saturating_sub(before.max(threshold))
 }
 
 /// A post-hoc rule's hit (see `Rule::post_hoc`): its cost charged

@@ -7,7 +7,8 @@ use metrics::{describe_counter, describe_gauge, Unit};
 
 /// Hits on a rule.
 pub const TOTAL_HITS: &str = "slicelimit_server_total_hits_total";
-/// Hits denied (answered OVER_LIMIT).
+/// Hits over the limit: answered OVER_LIMIT, or let through by a
+/// `shadow_mode` rule (then counted in `SHADOW_MODE` too).
 pub const OVER_LIMIT: &str = "slicelimit_server_over_limit_total";
 /// Hits admitted with the rule's use past 80 % of its limit.
 pub const NEAR_LIMIT: &str = "slicelimit_server_near_limit_total";
@@ -15,6 +16,9 @@ pub const NEAR_LIMIT: &str = "slicelimit_server_near_limit_total";
 pub const WITHIN_LIMIT: &str = "slicelimit_server_within_limit_total";
 /// Hits a `shadow_mode` rule answered OK but would have denied.
 pub const SHADOW_MODE: &str = "slicelimit_server_shadow_mode_total";
+/// Requests over a limit let through by the global shadow mode
+/// (`SHADOW_MODE`), by `domain`.
+pub const GLOBAL_SHADOW_MODE: &str = "slicelimit_server_global_shadow_mode_total";
 /// `ShouldRateLimit` calls, by `result`: `ok`, `over_limit`, `error`.
 pub const CALLS: &str = "slicelimit_server_calls_total";
 /// Descriptors whose own `limit` could not be honoured (an unknown
@@ -110,6 +114,11 @@ pub fn describe() {
         SHADOW_MODE,
         Unit::Count,
         "Hits a shadow_mode rule admitted but would have denied."
+    );
+    describe_counter!(
+        GLOBAL_SHADOW_MODE,
+        Unit::Count,
+        "Requests over a limit let through by the global shadow mode."
     );
     describe_counter!(CALLS, Unit::Count, "ShouldRateLimit calls, by result.");
     describe_counter!(

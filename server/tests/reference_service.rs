@@ -543,3 +543,67 @@ async fn the_references_health_scenarios_answer_as_documented() {
         assert_eq!(limit, Some((10, Unit::Minute as i32)), "{mode:?}");
     }
 }
+
+/// `TestServiceGlobalShadowMode`, `TestServiceQuotaModeWithShadowMode`
+/// and `TestServiceMixedModeWithShadowMode`: with `SHADOW_MODE` every
+/// descriptor still tells its own answer (OVER_LIMIT when over), and only
+/// the request's is OK, counted as let through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_references_global_shadow_mode_scenarios_answer_as_it_does() {
+    use Code::OverLimit as OVER_;
+    for mode in MODES {
+        let redis = RedisServer::start();
+        let (c, domain) = rules(&redis, mode).await;
+        let c = c.limiter.clone().shadow_everything(true);
+        let what = format!("{mode:?}");
+        harness::clear_of_rollover(Duration::from_secs(60), Duration::from_secs(15)).await;
+
+        let v = fresh("g");
+        let plain = ask(&domain, &[("plain", &v), ("hello", "world")]);
+        for _ in 0..10 {
+            assert_eq!(c.decide(plain.clone()).await.unwrap().overall_code, OK);
+        }
+        let r = c.decide(plain).await.unwrap();
+        check_all(
+            mode,
+            &r,
+            OK,
+            &[status(OVER_, 10, Unit::Minute, 0), NONE],
+            &format!("{what}, plain"),
+        );
+
+        let q = fresh("q");
+        let quotas = ask(&domain, &[("quota1", &q), ("quota2", &q)]);
+        for _ in 0..5 {
+            c.decide(quotas.clone()).await.unwrap();
+        }
+        let r = c.decide(quotas).await.unwrap();
+        check_all(
+            mode,
+            &r,
+            OK,
+            &[
+                status(OVER_, 5, Unit::Minute, 0),
+                status(OVER_, 3, Unit::Minute, 0),
+            ],
+            &format!("{what}, quota"),
+        );
+
+        let m = fresh("m");
+        let mixed = ask(&domain, &[("regular", &m), ("quota", &m)]);
+        for _ in 0..5 {
+            c.decide(mixed.clone()).await.unwrap();
+        }
+        let r = c.decide(mixed).await.unwrap();
+        assert_eq!(r.overall_code, OK, "{what}, mixed");
+        assert_eq!(r.statuses[0].code, OVER_ as i32, "{what}, mixed");
+        assert_eq!(r.statuses[1].code, OVER_ as i32, "{what}, mixed");
+        let prefix = format!("slicelimit_server_global_shadow_mode_total{{domain=\"{domain}\"}} ");
+        let let_through: u64 = harness::stats()
+            .render()
+            .lines()
+            .find_map(|line| line.strip_prefix(&prefix))
+            .map_or(0, |v| v.trim().parse().unwrap());
+        assert!(let_through >= 3, "{what}: {let_through} let through");
+    }
+}
