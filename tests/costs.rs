@@ -439,3 +439,128 @@ async fn a_charge_on_redis_is_seen_by_every_process() {
     }
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
 }
+
+/// A charge of several quotas whose future is dropped while the store
+/// has not answered: every quota still counts it (each one's report was
+/// made before any was sent, and waits to be resent).
+#[tokio::test(start_paused = true)]
+async fn a_charge_of_several_quotas_cut_off_midway_counts_in_each() {
+    for mode in [Mode::Exact, Mode::Strict] {
+        let clock = VirtualClock::new(ORIGIN);
+        let slow = FaultyStore::slow(&clock, Duration::from_millis(10));
+        let limiter = build(
+            "cut",
+            &[
+                Quota::per_minute(nonzero!(1_000)),
+                Quota::per_hour(nonzero!(100)),
+            ],
+            Algorithm::FixedWindow,
+            mode,
+            &clock,
+            slow,
+        );
+        let cut = tokio::time::timeout(Duration::from_millis(3), limiter.charge("k", 80)).await;
+        assert!(cut.is_err(), "{mode:?}: the charge was not cut off");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(drain(&limiter, "k", 1_000).await, 20, "{mode:?}");
+        limiter.shutdown().await;
+    }
+}
+
+/// An exact limiter's charge that the store did not take is resent on
+/// its own (not only before the limiter's next decision) and at shutdown:
+/// another process sees it.
+#[tokio::test(start_paused = true)]
+async fn an_exact_charge_the_store_missed_reaches_it_without_another_decision() {
+    for shut_down in [false, true] {
+        let clock = VirtualClock::new(ORIGIN);
+        let memory = MemoryStore::with_clock(clock.clone());
+        let faulty = FaultyStore::new(memory.clone(), Faults::default(), 3, clock.clone());
+        let quota = [Quota::per_hour(nonzero!(100))];
+        let a = build(
+            "missed",
+            &quota,
+            Algorithm::FixedWindow,
+            Mode::Exact,
+            &clock,
+            faulty.clone(),
+        );
+        let b = build(
+            "missed",
+            &quota,
+            Algorithm::FixedWindow,
+            Mode::Exact,
+            &clock,
+            memory.clone(),
+        );
+        faulty.set_faults(Faults {
+            lost_before: 1.0,
+            ..Faults::default()
+        });
+        let charge = a.charge("k", 500).await;
+        assert_eq!(charge.fit(), None, "the store missed it");
+        faulty.set_faults(Faults::default());
+        if shut_down {
+            a.shutdown().await;
+            drop(a);
+        } else {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        assert_eq!(drain(&b, "k", 200).await, 0, "shut down {shut_down}");
+    }
+}
+
+/// A reservation of 0 is asked as 1: a key in debt denies it.
+#[tokio::test(start_paused = true)]
+async fn a_reservation_of_nothing_is_not_waved_through_a_debt() {
+    for mode in MODES {
+        let clock = VirtualClock::new(ORIGIN);
+        let store = MemoryStore::with_clock(clock.clone());
+        let limiter = build(
+            "zero",
+            &[Quota::per_hour(nonzero!(100))],
+            Algorithm::FixedWindow,
+            mode,
+            &clock,
+            store,
+        );
+        limiter.charge("k", 500).await;
+        settle_down().await;
+        let mut admitted = 0;
+        for _ in 0..10 {
+            let r = limiter.reserve("k", 0).await;
+            admitted += u64::from(r.is_allowed());
+            r.settle(100).await;
+        }
+        assert!(admitted <= credit(mode), "{mode:?}: {admitted} of 10");
+        limiter.shutdown().await;
+    }
+}
+
+/// A stream charged one unit a frame is told the budget is gone at the
+/// frame that spends it, in every mode.
+#[tokio::test(start_paused = true)]
+async fn the_frame_that_spends_the_budget_is_told_so() {
+    for mode in [Mode::Exact, Mode::Strict, Mode::Local] {
+        let clock = VirtualClock::new(ORIGIN);
+        let store = MemoryStore::with_clock(clock.clone());
+        let limiter = build(
+            "frames",
+            &[Quota::per_hour(nonzero!(100))],
+            Algorithm::FixedWindow,
+            mode,
+            &clock,
+            store,
+        );
+        let mut r = limiter.reserve("k", 1).await;
+        let mut told_at = None;
+        for frame in 1..=120u64 {
+            if r.consume(1).await.exhausted() {
+                told_at = Some(frame);
+                break;
+            }
+        }
+        assert_eq!(told_at, Some(100), "{mode:?}");
+        limiter.shutdown().await;
+    }
+}

@@ -95,9 +95,9 @@ pub struct Options {
         value_parser = parse_timeout
     )]
     pub redis_timeout: Duration,
-    /// Answer every rule as a shadow_mode rule: OK whatever the count,
-    /// would-be denials only counted (as envoyproxy/ratelimit's
-    /// SHADOW_MODE): true or false.
+    /// Let every request through (overall OK) while each descriptor
+    /// still tells its own answer, OVER_LIMIT included, and counts as
+    /// usual (as envoyproxy/ratelimit's SHADOW_MODE): true or false.
     #[arg(
         long,
         env = "SHADOW_MODE",
@@ -387,7 +387,9 @@ pub async fn run(options: Options, shutdown: impl Future<Output = ()> + Send) ->
             reset: options.reset_header.clone(),
         }));
     if options.shadow_mode {
-        eprintln!("slicelimit-server: shadow mode: every rule answers OK, denials only counted");
+        eprintln!(
+            "slicelimit-server: shadow mode: every request is let through; each descriptor still tells its own answer"
+        );
     }
     if options.quota_mode {
         eprintln!(

@@ -178,42 +178,56 @@ impl RateLimiter {
                 }
             }
         }
-        // Enforced descriptors are decided together, all or nothing;
-        // shadow and quota-mode ones each on its own.
+        // Post-hoc descriptors first: their charges are work already done,
+        // counted whatever the others say, and one over its limit makes
+        // the request over before anything else is counted.
+        let mut charged: Vec<Option<Decided>> = Vec::with_capacity(plans.len());
+        for plan in &plans {
+            charged.push(match plan.counted() {
+                Some(p) if p.post_hoc => Some(post_hoc(p).await),
+                _ => None,
+            });
+        }
+        let post_hoc_over = charged.iter().flatten().any(|d| d.over);
+        // Enforced descriptors are decided together, all or nothing
+        // (under the global shadow mode each on its own: the request
+        // passes, and each counts what it admitted); shadow and
+        // quota-mode ones each on its own.
         let enforced: Vec<(&Limiter, &str, u64)> = plans
             .iter()
             .filter_map(Plan::counted)
-            .filter(|p| {
-                !self.shadow(&p.rule.rule) && !self.quota(&p.rule.rule) && !p.rule.rule.post_hoc
-            })
+            .filter(|p| !self.shadow(&p.rule.rule) && !self.quota(&p.rule.rule) && !p.post_hoc)
             .map(|p| (&p.limiter, p.key.as_str(), p.cost))
             .collect();
-        let together = check_each(&enforced).await;
+        let together = if self.shadow_everything {
+            let mut each = Vec::with_capacity(enforced.len());
+            for &(limiter, key, cost) in &enforced {
+                each.push(limiter.check(key, cost).await);
+            }
+            Together::Each(each)
+        } else {
+            Together::All(check_each(&enforced).await)
+        };
         // A rule of 0 (or an override of 0) denies the request whatever
         // the others say.
         let blocked = plans.iter().any(|p| match p {
             Plan::Blocked(rule, _) => !self.shadow(&rule.rule) && !self.quota(&rule.rule),
             _ => false,
         });
-        let can_pass = together.is_allowed() && !blocked;
-        let mut in_together = together.quotas().iter();
+        let can_pass = together.is_allowed() && !blocked && !post_hoc_over;
+        let mut in_together = together.decisions().iter();
         let mut decided: Vec<Option<Decided>> = Vec::with_capacity(plans.len());
-        for plan in &plans {
+        for (plan, charged) in plans.iter().zip(charged) {
             let Some(p) = plan.counted() else {
                 decided.push(None);
                 continue;
             };
-            let shadow = self.shadow(&p.rule.rule);
-            let quota = self.quota(&p.rule.rule);
-            if p.rule.rule.post_hoc {
-                let (decision, over) = post_hoc(p).await;
-                decided.push(Some(Decided {
-                    decision,
-                    over,
-                    peeked: false,
-                }));
+            if charged.is_some() {
+                decided.push(charged);
                 continue;
             }
+            let shadow = self.shadow(&p.rule.rule);
+            let quota = self.quota(&p.rule.rule);
             let (decision, peeked) = if shadow {
                 (p.limiter.check(&p.key, p.cost).await, false)
             } else if quota {
@@ -242,6 +256,7 @@ impl RateLimiter {
                 decision,
                 over,
                 peeked,
+                past: None,
             }));
         }
         // Over if an enforced descriptor is, or if every quota-mode one is
@@ -272,11 +287,14 @@ impl RateLimiter {
             metrics::counter!(crate::stats::GLOBAL_SHADOW_MODE, "domain" => request.domain.clone())
                 .increment(1);
         }
-        if over && !let_through && together.is_allowed() && !enforced.is_empty() {
-            // Every quota-mode descriptor is over: the request is, and
-            // what the enforced ones took goes back.
-            let pairs: Vec<(&Limiter, &str)> = enforced.iter().map(|&(l, k, _)| (l, k)).collect();
-            refund_all(&pairs, &together).await;
+        if let (true, false, Together::All(all)) = (over, let_through, &together) {
+            if all.is_allowed() && !enforced.is_empty() {
+                // Over by a quota-mode or a post-hoc descriptor although
+                // the enforced ones admitted: what they took goes back.
+                let pairs: Vec<(&Limiter, &str)> =
+                    enforced.iter().map(|&(l, k, _)| (l, k)).collect();
+                refund_all(&pairs, all).await;
+            }
         }
         let mut statuses = Vec::with_capacity(plans.len());
         for (plan, d) in plans.iter().zip(decided) {
@@ -310,7 +328,22 @@ impl RateLimiter {
                     stats.total_hits.increment(hits);
                     let shadow = self.shadow(&p.rule.rule);
                     let denied = d.over && !shadow;
-                    if d.over {
+                    if let Some(past) = d.past {
+                        // A post-hoc charge: what fit is within (near the
+                        // limit past 80 %), what went past it is over.
+                        let past = past.min(hits);
+                        if past > 0 {
+                            stats.over_limit.increment(past);
+                        }
+                        let within = hits - past;
+                        if within > 0 {
+                            stats.within_limit.increment(within);
+                            let near = near_limit_hits(&d.decision, within);
+                            if near > 0 {
+                                stats.near_limit.increment(near);
+                            }
+                        }
+                    } else if d.over {
                         // A shadow rule's would-be denial is over and let
                         // through: counted in both (as the reference does).
                         stats.over_limit.increment(hits);
@@ -327,7 +360,7 @@ impl RateLimiter {
                         }
                     }
                     let mut answer = status(p, &d.decision, denied);
-                    if p.rule.rule.post_hoc && d.over {
+                    if p.post_hoc && d.over {
                         // Charged past the limit (or nothing left): a
                         // replica's look may predate what others charged.
                         answer.limit_remaining = 0;
@@ -401,6 +434,7 @@ impl RateLimiter {
                     let limiter = overrides.limiter(rule.map(|r| &**r), quota, &self.settings)?;
                     Ok(Plan::Counted(Counted {
                         stats: overrides.rule.stats.for_request(&overrides.rule.rule, &[]),
+                        post_hoc: rule.is_some_and(|r| r.rule.post_hoc),
                         rule: overrides.rule.clone(),
                         limiter,
                         key: match rule {
@@ -435,6 +469,7 @@ impl RateLimiter {
         };
         Ok(Plan::Counted(Counted {
             stats: rule.stats.for_request(&rule.rule, &entries),
+            post_hoc: rule.rule.post_hoc,
             rule: rule.clone(),
             limiter,
             key: key_of(&entries, &rule.rule),
@@ -456,13 +491,52 @@ fn near_limit_hits(decision: &Decision, hits: u64) -> u64 {
 }
 
 /// A post-hoc rule's hit (see `Rule::post_hoc`): its cost charged
-/// whatever is left, then what is left looked at. Over when the charge
-/// went past the limit or nothing is left (a hit of 0 asks only that).
-async fn post_hoc(p: &Counted) -> (Decision, bool) {
-    let exhausted = p.cost > 0 && p.limiter.charge(&p.key, p.cost).await.exhausted();
-    let left = p.limiter.check(&p.key, 0).await;
-    let over = exhausted || left.remaining() == 0;
-    (left, over)
+/// whatever is left, then what is left looked at. A charge is over when
+/// part of it went past the limit (a charge that uses the budget up
+/// exactly is not, as the reference counts it); an ask (a hit of 0) when
+/// nothing is left.
+async fn post_hoc(p: &Counted) -> Decided {
+    let past = if p.cost > 0 {
+        let charge = p.limiter.charge(&p.key, p.cost).await;
+        Some(charge.past_limit().unwrap_or(u64::from(charge.exhausted())))
+    } else {
+        None
+    };
+    let decision = p.limiter.check(&p.key, 0).await;
+    let over = match past {
+        Some(past) => past > 0,
+        None => decision.remaining() == 0,
+    };
+    Decided {
+        decision,
+        over,
+        peeked: false,
+        past,
+    }
+}
+
+/// The enforced descriptors' decisions: together (all or nothing, one
+/// decision of parts), or each on its own (global shadow mode).
+enum Together {
+    All(Decision),
+    Each(Vec<Decision>),
+}
+
+impl Together {
+    fn is_allowed(&self) -> bool {
+        match self {
+            Together::All(all) => all.is_allowed(),
+            Together::Each(each) => each.iter().all(Decision::is_allowed),
+        }
+    }
+
+    /// One decision per enforced descriptor, in order.
+    fn decisions(&self) -> &[Decision] {
+        match self {
+            Together::All(all) => all.quotas(),
+            Together::Each(each) => each,
+        }
+    }
 }
 
 #[tonic::async_trait]
@@ -489,6 +563,9 @@ enum Plan {
 
 struct Counted {
     rule: Arc<RuleLimiter>,
+    /// The rule matched counts costs of work already done (see
+    /// `Rule::post_hoc`; a request's own `limit` keeps it).
+    post_hoc: bool,
     limiter: Limiter,
     key: String,
     cost: u64,
@@ -505,6 +582,8 @@ struct Decided {
     over: bool,
     /// Only looked at (cost 0), not counted.
     peeked: bool,
+    /// A post-hoc charge: the hits counted past the limit.
+    past: Option<u64>,
 }
 
 impl Plan {

@@ -518,12 +518,13 @@ impl RuleLimiter {
     }
 
     /// Whether this rule's limiter can serve `rule`, a new version of it:
-    /// the same algorithm and unit, and limited both times (or unlimited
-    /// both). A changed unit is a new count, as in envoyproxy/ratelimit
+    /// the same algorithm, unit and `post_hoc` (which decides its mode),
+    /// and limited both times (or unlimited both). A changed unit is a new count, as in envoyproxy/ratelimit
     /// (its counters are keyed by the window), and the rebuilt limiter
     /// counts where a request's own `limit` of that unit counts.
     fn can_become(&self, rule: &Rule) -> bool {
         self.rule.algorithm == rule.algorithm
+            && self.rule.post_hoc == rule.post_hoc
             && self.rule.quota.map(|q| q.period()) == rule.quota.map(|q| q.period())
     }
 
@@ -557,6 +558,17 @@ fn build(
         .name(&format!("{domain}:{}", rule.path))
         .namespace(namespace)
         .algorithm(rule.algorithm);
+    if rule.post_hoc {
+        // A post-hoc rule's asks must see what every replica charged: a
+        // replica that only asks would hold a stale look in a hybrid mode
+        // (its leases would see the debt only when they ran out). Each
+        // ask and charge is one store call.
+        let exact = Settings {
+            mode: Mode::Exact,
+            ..settings.clone()
+        };
+        return with_settings(builder, &exact);
+    }
     with_settings(builder, settings)
 }
 

@@ -26,6 +26,9 @@ descriptors:
     slicelimit: { post_hoc: true }
   - key: route
     rate_limit: { unit: hour, requests_per_unit: 100 }
+  - key: q
+    quota_mode: true
+    rate_limit: { unit: hour, requests_per_unit: 100 }
 ";
 
 async fn service(redis: &RedisServer, mode: Mode) -> RateLimiter {
@@ -133,5 +136,102 @@ async fn an_exhausted_post_hoc_rule_denies_and_the_others_keep_their_budget() {
             passed += usize::from(is_ok(&alone));
         }
         assert_eq!(passed, 100, "{mode:?}");
+    }
+}
+
+/// Two replicas, asks on one and charges on the other (Envoy's round
+/// robin can split them so): the asking replica sees the other's charges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_only_asks_sees_what_another_charged() {
+    let redis = RedisServer::start();
+    in_one_hour().await;
+    for mode in modes() {
+        let a = service(&redis, mode).await;
+        let b = service(&redis, mode).await;
+        let who = format!("split-{mode:?}");
+        let mut passed = 0;
+        for _ in 0..10 {
+            if is_ok(&tenant(&a, &who, 0).await) {
+                passed += 1;
+                tenant(&b, &who, 600).await;
+            }
+        }
+        assert_eq!(passed, 2, "{mode:?}");
+    }
+}
+
+/// A charge that uses the budget up exactly fits (OK); the next goes
+/// past it. Stats split as the reference's: within, near (past 80 %),
+/// over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_charge_that_uses_the_budget_up_exactly_fits() {
+    let redis = RedisServer::start();
+    in_one_hour().await;
+    for mode in modes() {
+        let service = service(&redis, mode).await;
+        let who = format!("exactly-{mode:?}");
+        let codes: Vec<i32> = [
+            tenant(&service, &who, 400).await,
+            tenant(&service, &who, 600).await,
+            tenant(&service, &who, 100).await,
+        ]
+        .iter()
+        .map(|r| r.overall_code)
+        .collect();
+        let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+        assert_eq!(codes, [ok, ok, over], "{mode:?}");
+    }
+}
+
+/// Quota-mode descriptors are not charged by a request a post-hoc rule
+/// makes over; a request's own `limit` keeps the rule post-hoc.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_over_post_hoc_rule_charges_no_quota_descriptor_and_overrides_stay_post_hoc() {
+    let redis = RedisServer::start();
+    in_one_hour().await;
+    for mode in modes() {
+        let service = service(&redis, mode).await;
+        let who = format!("quota-{mode:?}");
+        tenant(&service, &who, 1_200).await;
+        let mut ask = descriptor(&[("tenant", &who)]);
+        ask.hits_addend = Some(UInt64Value { value: 0 });
+        let q = descriptor(&[("q", &who)]);
+        for _ in 0..20 {
+            let r = service
+                .decide(request("llm", vec![ask.clone(), q.clone()]))
+                .await
+                .unwrap();
+            assert_eq!(r.overall_code, Code::OverLimit as i32, "{mode:?}");
+        }
+        let mut passed = 0;
+        for _ in 0..120 {
+            let alone = service
+                .decide(request("llm", vec![q.clone()]))
+                .await
+                .unwrap();
+            passed += usize::from(is_ok(&alone));
+        }
+        assert_eq!(passed, 100, "{mode:?}: the quota descriptor was charged");
+
+        // With its own limit (1,000 an hour), the rule still counts every hit.
+        let with_limit = |hits: u64| {
+            let mut d = descriptor(&[("tenant", &format!("own-{who}"))]);
+            d.hits_addend = Some(UInt64Value { value: hits });
+            d.limit = Some(
+                envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride {
+                    requests_per_unit: 1_000,
+                    unit: envoy_types::pb::envoy::r#type::v3::RateLimitUnit::Hour as i32,
+                },
+            );
+            request("llm", vec![d])
+        };
+        let charged = service.decide(with_limit(1_500)).await.unwrap();
+        assert_eq!(charged.overall_code, Code::OverLimit as i32, "{mode:?}");
+        let asked = service.decide(with_limit(0)).await.unwrap();
+        assert_eq!(
+            asked.overall_code,
+            Code::OverLimit as i32,
+            "{mode:?}: the charge was lost"
+        );
     }
 }

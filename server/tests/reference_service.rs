@@ -598,6 +598,25 @@ async fn the_references_global_shadow_mode_scenarios_answer_as_it_does() {
         assert_eq!(r.overall_code, OK, "{what}, mixed");
         assert_eq!(r.statuses[0].code, OVER_ as i32, "{what}, mixed");
         assert_eq!(r.statuses[1].code, OVER_ as i32, "{what}, mixed");
+        // A request let through counts against every descriptor, over
+        // or not (plain2 allows 5, plain 10: eight requests leave plain 2).
+        let w = fresh("w");
+        let pair = ask(&domain, &[("plain2", &w), ("plain", &w)]);
+        for _ in 0..8 {
+            assert_eq!(
+                c.decide(pair.clone()).await.unwrap().overall_code,
+                OK,
+                "{what}"
+            );
+        }
+        let r = c.decide(ask(&domain, &[("plain", &w)])).await.unwrap();
+        check_all(
+            mode,
+            &r,
+            OK,
+            &[status(Code::Ok, 10, Unit::Minute, 1)],
+            &format!("{what}, counted while let through"),
+        );
         let prefix = format!("slicelimit_server_global_shadow_mode_total{{domain=\"{domain}\"}} ");
         let let_through: u64 = harness::stats()
             .render()

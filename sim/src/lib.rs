@@ -345,6 +345,11 @@ impl VirtualClock {
             start: tokio::time::Instant::now(),
         }
     }
+
+    /// Now, in µs since the Unix epoch.
+    pub fn now_us(&self) -> u64 {
+        (self.origin + self.start.elapsed()).as_micros() as u64
+    }
 }
 
 impl slicelimit::clock::Clock for VirtualClock {
@@ -379,8 +384,10 @@ pub mod faults;
 pub mod http;
 pub mod load;
 pub mod proxy;
+pub mod rng;
 pub mod seeds;
 pub mod sentinel;
 pub mod tls;
 
 pub use faults::{FaultCounts, Faults, FaultyStore};
+pub use rng::Rng;

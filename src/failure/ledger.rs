@@ -268,42 +268,65 @@ pub(crate) async fn reconcile(
     available
 }
 
-/// Reports `cost` permits for `key` (a user key) now, under an identity
-/// of its own: a charge counted past the limit if need be. If the store
-/// does not answer, or this future is dropped before it has, the report
-/// stays in the ledger and is resent under the same identity before the
-/// next decision, so it counts once whatever happened to the first
-/// delivery. Returns the store's reply when it answered.
-pub(crate) async fn report_now(
-    ledger: &Reconciler,
-    store: &Store,
-    keys: &KeyEncoder,
-    params: &Params,
-    counters: &Counters,
-    key: &str,
-    cost: u64,
-) -> Option<crate::algorithm::LeaseReply> {
-    let mut report = Report::new(key.to_owned(), cost, None, ledger.ops.next());
-    report.sending(micros(&*ledger.clock));
-    let call = report_call(&report, keys, params);
-    let guard = RestoreOnDrop {
-        ledger,
-        counters,
-        reports: Some(vec![report]),
-    };
-    let (answer, _) = store
-        .run_counted(
-            &Lease {
-                params,
-                call: &call,
+/// A charge of `cost` permits for a user key, made (its identity fixed,
+/// held for the ledger) but not yet sent: [`send`](PendingReport::send)
+/// sends it. Dropped unsent, or dropped while the store has not answered,
+/// it goes into the ledger under its identity, to be resent before the
+/// limiter's next decision (exact) or with its sync task's next round
+/// (hybrid): so it counts once whatever happened to a first delivery,
+/// and a caller that makes several (one per quota) before awaiting any
+/// loses none of them to a cancellation.
+pub(crate) struct PendingReport<'a> {
+    guard: RestoreOnDrop<'a>,
+    call: LeaseCall,
+    store: &'a Store,
+    params: &'a Params,
+}
+
+impl<'a> PendingReport<'a> {
+    pub(crate) fn new(
+        ledger: &'a Reconciler,
+        store: &'a Store,
+        keys: &KeyEncoder,
+        params: &'a Params,
+        counters: &'a Counters,
+        key: &str,
+        cost: u64,
+    ) -> Self {
+        let mut report = Report::new(key.to_owned(), cost, None, ledger.ops.next());
+        report.sending(micros(&*ledger.clock));
+        let call = report_call(&report, keys, params);
+        PendingReport {
+            guard: RestoreOnDrop {
+                ledger,
+                counters,
+                reports: Some(vec![report]),
             },
-            counters,
-        )
-        .await;
-    for report in guard.disarm() {
-        ledger.settle(report, &answer, counters);
+            call,
+            store,
+            params,
+        }
     }
-    answer.ok()
+
+    /// Sends it; the store's reply, or `None` if it did not answer (the
+    /// charge then waits in the ledger).
+    pub(crate) async fn send(self) -> Option<crate::algorithm::LeaseReply> {
+        let (answer, _) = self
+            .store
+            .run_counted(
+                &Lease {
+                    params: self.params,
+                    call: &self.call,
+                },
+                self.guard.counters,
+            )
+            .await;
+        let (ledger, counters) = (self.guard.ledger, self.guard.counters);
+        for report in self.guard.disarm() {
+            ledger.settle(report, &answer, counters);
+        }
+        answer.ok()
+    }
 }
 
 #[cfg(test)]

@@ -18,10 +18,11 @@ mod ledger;
 mod policy;
 mod report;
 
-pub(crate) use self::ledger::{report_call, Reconciler};
+pub(crate) use self::ledger::{report_call, PendingReport, Reconciler};
 pub use self::policy::FailurePolicy;
 pub(crate) use self::report::{Report, Resend};
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::algorithm::Algorithm;
@@ -52,6 +53,8 @@ pub(crate) struct FailureLayer {
     keys: KeyEncoder,
     params: Params,
     counters: Arc<Counters>,
+    /// A task resends what waits in the ledger (see `resend_later`).
+    resending: Arc<AtomicBool>,
 }
 
 /// What a [`FailureLayer`] is built from.
@@ -87,6 +90,7 @@ impl FailureLayer {
             keys: parts.keys,
             params: parts.params,
             counters: parts.counters,
+            resending: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -147,18 +151,11 @@ impl FailureLayer {
         back
     }
 
-    /// Reports a charge of `cost` for `key` now (see
-    /// [`ledger::report_now`]): the store's reply, or `None` if it did not
-    /// answer (the charge then waits in the ledger).
-    pub(crate) async fn report_now(
-        &self,
-        key: &str,
-        cost: u64,
-    ) -> Option<crate::algorithm::LeaseReply> {
-        let Some(store) = &self.store else {
-            return None;
-        };
-        ledger::report_now(
+    /// A charge of `cost` for `key`, made but not sent (see
+    /// [`ledger::PendingReport`]); `None` without a store.
+    pub(crate) fn report(&self, key: &str, cost: u64) -> Option<ledger::PendingReport<'_>> {
+        let store = self.store.as_ref()?;
+        Some(ledger::PendingReport::new(
             &self.reconciler,
             store,
             &self.keys,
@@ -166,8 +163,43 @@ impl FailureLayer {
             &self.counters,
             key,
             cost,
-        )
-        .await
+        ))
+    }
+
+    /// While charges wait in the ledger (their store did not answer), a
+    /// task of its own resends them, backing off, until they land or are
+    /// dropped (see `RESEND_FOR`): an exact limiter may make no further
+    /// decision to carry them, and other processes must see them. One
+    /// such task at a time; none without a runtime.
+    pub(crate) fn resend_later(&self) {
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        if !self.reconciler.has_pending() || self.resending.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.resending.store(false, Ordering::Release);
+            return;
+        };
+        let (ledger, keys, params, counters) = (
+            self.reconciler.clone(),
+            self.keys.clone(),
+            self.params,
+            self.counters.clone(),
+        );
+        let resending = self.resending.clone();
+        runtime.spawn(async move {
+            let mut pause = std::time::Duration::from_millis(100);
+            while ledger.has_pending() {
+                tokio::time::sleep(pause).await;
+                if ledger::reconcile(&ledger, &store, &keys, &params, &counters).await {
+                    break;
+                }
+                pause = (pause * 2).min(std::time::Duration::from_secs(5));
+            }
+            resending.store(false, Ordering::Release);
+        });
     }
 
     /// After an outage, reports what the fallback admitted meanwhile;

@@ -431,16 +431,20 @@ impl HybridEngine {
     /// Takes up to `cost` of `key`'s leased permits for a charge (see
     /// `Limiter::charge`; the caller reports the rest to the store) and,
     /// if they fall short, asks for a refill, so the next decision knows
-    /// what is left. Returns the permits taken.
-    pub(crate) fn force(&self, key: &str, cost: u64) -> u64 {
+    /// what is left. Returns the permits taken, and what this process
+    /// knows is left after them (what it holds and what the store last
+    /// said).
+    pub(crate) fn force(&self, key: &str, cost: u64) -> (u64, u64) {
         let s = &*self.shared;
         let mut covered = 0;
+        let mut left = 0;
         if let Some(holding) = s.holdings.get(key).map(|h| h.value().clone()) {
             let want = cost.min(i64::MAX as u64) as i64;
-            if let (Take::Taken { .. }, spare) =
+            if let (Take::Taken { left: held, .. }, spare) =
                 holding.take_spare(0, &s.time, |left| left.min(want))
             {
                 covered = spare.permits as u64;
+                left = held.max(0) as u64 + holding.store_remaining();
             }
         }
         if covered < cost {
@@ -448,7 +452,7 @@ impl HybridEngine {
                 s.request_refill(&holding, false);
             }
         }
-        covered
+        (covered, left)
     }
 
     /// The store said `remaining` is left of `key` after a charge: what

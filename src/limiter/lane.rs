@@ -30,13 +30,58 @@ use crate::store::Store;
 /// What a charge past the limit did, as far as the lane knows now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Forced {
-    /// Taken from permits this process held.
-    Covered,
+    /// Taken from permits this process held; `left` is what it knows
+    /// is left after them.
+    Covered { left: u64 },
     /// Counted by the store: `uncovered` of it beyond the limit,
     /// `remaining` left after it.
     Counted { uncovered: u64, remaining: u64 },
     /// Waiting for a store that did not answer: not known yet.
     Unknown,
+}
+
+/// A charge begun by [`Lane::begin_force`].
+pub(crate) enum Forcing<'a> {
+    Done(Forced),
+    Report {
+        report: Box<crate::failure::PendingReport<'a>>,
+        /// The hybrid engine whose holding learns what is left.
+        hybrid: Option<&'a HybridEngine>,
+        key: &'a str,
+        failure: &'a FailureLayer,
+    },
+}
+
+impl Forcing<'_> {
+    /// Sends what the charge reports, if anything.
+    pub(crate) async fn finish(self) -> Forced {
+        match self {
+            Forcing::Done(forced) => forced,
+            Forcing::Report {
+                report,
+                hybrid,
+                key,
+                failure,
+            } => match report.send().await {
+                Some(reply) => {
+                    if let Some(hybrid) = hybrid {
+                        hybrid.charged(key, reply.remaining);
+                    }
+                    Forced::Counted {
+                        uncovered: reply.uncovered,
+                        remaining: reply.remaining,
+                    }
+                }
+                None => {
+                    if hybrid.is_none() {
+                        // The sync task resends a hybrid engine's.
+                        failure.resend_later();
+                    }
+                    Forced::Unknown
+                }
+            },
+        }
+    }
 }
 
 /// How decisions are made.
@@ -331,38 +376,44 @@ impl Lane {
     }
 
     /// Counts `cost` against `key` whatever is left, past the limit if
-    /// need be (see `Limiter::charge`). A per-process count takes it at
-    /// once; a hybrid engine takes what it can from its local lease; the
-    /// rest is reported to the store before this returns, or, if the store
-    /// does not answer (or this future is dropped), before the lane's next
-    /// decision (exact) or with its sync task's next round (hybrid). Every report carries an identity, so one
-    /// delivered twice counts once. Returns what the store said of it, if
-    /// it has said yet.
-    pub(crate) async fn force(&self, key: &str, cost: u64) -> Forced {
+    /// need be (see `Limiter::charge`), in two steps: this one, at once
+    /// (a per-process count takes it; a hybrid engine what it can from its
+    /// local lease; the rest becomes a report under an identity, held for
+    /// the ledger), then [`Forcing::finish`], which sends the report. A
+    /// report dropped unsent waits in the ledger and is resent (see
+    /// `PendingReport`), so a caller that begins every quota's charge
+    /// before finishing any loses none to a cancellation.
+    pub(crate) fn begin_force<'a>(&'a self, key: &'a str, cost: u64) -> Forcing<'a> {
         if cost == 0 {
-            return Forced::Unknown;
+            return Forcing::Done(Forced::Covered { left: 0 });
         }
-        let reply = match &self.engine {
-            Engine::Local(local) => local.force(key, cost),
-            Engine::Hybrid(hybrid) => {
-                let covered = hybrid.force(key, cost);
-                if covered == cost {
-                    return Forced::Covered;
-                }
-                let reply = self.failure.report_now(key, cost - covered).await;
-                if let Some(reply) = &reply {
-                    hybrid.charged(key, reply.remaining);
-                }
-                reply
+        let (rest, hybrid) = match &self.engine {
+            Engine::Local(local) => {
+                return Forcing::Done(match local.force(key, cost) {
+                    Some(reply) => Forced::Counted {
+                        uncovered: reply.uncovered,
+                        remaining: reply.remaining,
+                    },
+                    None => Forced::Unknown,
+                })
             }
-            Engine::Exact(_) => self.failure.report_now(key, cost).await,
+            Engine::Hybrid(hybrid) => {
+                let (covered, left) = hybrid.force(key, cost);
+                if covered == cost {
+                    return Forcing::Done(Forced::Covered { left });
+                }
+                (cost - covered, Some(hybrid))
+            }
+            Engine::Exact(_) => (cost, None),
         };
-        match reply {
-            Some(reply) => Forced::Counted {
-                uncovered: reply.uncovered,
-                remaining: reply.remaining,
+        match self.failure.report(key, rest) {
+            Some(report) => Forcing::Report {
+                report: Box::new(report),
+                hybrid,
+                key,
+                failure: &self.failure,
             },
-            None => Forced::Unknown,
+            None => Forcing::Done(Forced::Unknown),
         }
     }
 
@@ -384,8 +435,14 @@ impl Lane {
     }
 
     pub(crate) async fn shutdown(&self) {
-        if let Engine::Hybrid(hybrid) = &self.engine {
-            hybrid.shutdown().await;
+        match &self.engine {
+            Engine::Hybrid(hybrid) => hybrid.shutdown().await,
+            // Charges (and a fallback's admissions) still waiting for the
+            // store go now, once more.
+            Engine::Exact(_) => {
+                self.reconciled().await;
+            }
+            Engine::Local(_) => {}
         }
     }
 

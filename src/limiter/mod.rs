@@ -217,8 +217,9 @@ impl Limiter {
     }
 
     /// Stops background work and gives unused leased permits back to the
-    /// store (hybrid). Decisions after shutdown are still answered, by one
-    /// store call each.
+    /// store (hybrid); sends once more what waits for the store (charges,
+    /// a fallback's admissions). Decisions after shutdown are still
+    /// answered, by one store call each.
     pub async fn shutdown(&self) {
         for tiers in self.inner.tiers.iter() {
             for lane in tiers.all() {

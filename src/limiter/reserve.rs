@@ -22,6 +22,8 @@ use crate::key::{local_key, Key};
 pub struct Charge {
     fit: Option<bool>,
     remaining: Option<u64>,
+    /// Counted past the limit, summed over the quotas (`None`: unknown).
+    past: Option<u64>,
 }
 
 impl Charge {
@@ -30,6 +32,7 @@ impl Charge {
     const NOTHING: Charge = Charge {
         fit: Some(true),
         remaining: None,
+        past: Some(0),
     };
 
     /// Whether the whole cost fit within every quota: `Some(true)` counted
@@ -54,6 +57,13 @@ impl Charge {
         self.remaining
     }
 
+    /// How much of the cost was counted past a limit: `Some(0)` when it
+    /// all fit, `None` when not known yet (see [`fit`](Charge::fit)). With
+    /// several quotas, the most any one quota counted past its limit.
+    pub fn past_limit(&self) -> Option<u64> {
+        self.past
+    }
+
     /// Both charges, as one (several quotas or limiters).
     fn and(self, other: Charge) -> Charge {
         let fit = match (self.fit, other.fit) {
@@ -65,24 +75,37 @@ impl Charge {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        Charge { fit, remaining }
+        let past = match (self.past, other.past) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            _ => None,
+        };
+        Charge {
+            fit,
+            remaining,
+            past,
+        }
     }
 }
 
 impl From<Forced> for Charge {
     fn from(forced: Forced) -> Charge {
         match forced {
-            Forced::Covered => Charge::NOTHING,
+            Forced::Covered { left } => Charge {
+                remaining: Some(left),
+                ..Charge::NOTHING
+            },
             Forced::Counted {
                 uncovered,
                 remaining,
             } => Charge {
                 fit: Some(uncovered == 0),
                 remaining: Some(remaining),
+                past: Some(uncovered),
             },
             Forced::Unknown => Charge {
                 fit: None,
                 remaining: None,
+                past: None,
             },
         }
     }
@@ -96,10 +119,16 @@ impl Quotas {
             return Charge::NOTHING;
         }
         self.counters.charged.add(cost);
+        // Every quota's charge is made before any is sent: a future
+        // dropped midway leaves each one in its ledger, none lost.
+        let lanes: Vec<_> = (0..self.tiers.len()).map(|i| self.lane(key, i)).collect();
+        let begun: Vec<_> = lanes
+            .iter()
+            .map(|lane| lane.begin_force(&key, cost))
+            .collect();
         let mut charge = Charge::NOTHING;
-        for index in 0..self.tiers.len() {
-            let forced = self.lane(key, index).force(&key, cost).await;
-            charge = charge.and(forced.into());
+        for forcing in begun {
+            charge = charge.and(forcing.finish().await.into());
         }
         charge
     }
@@ -137,7 +166,8 @@ impl Limiter {
     /// How it is counted, by mode:
     /// - exact: one store call now; if the store does not answer, or this
     ///   future is dropped first, the charge waits in the limiter and is
-    ///   sent before its next decision;
+    ///   resent by a task of its own, before the limiter's next decision,
+    ///   and at its shutdown;
     /// - hybrid: from this process's leased permits first (no store
     ///   call), the rest reported to the store as in exact mode (if it does
     ///   not answer, the background task resends it before any lease it
@@ -145,7 +175,11 @@ impl Limiter {
     /// - local: the per-process count takes it at once.
     ///
     /// Each report carries an identity: one delivered twice (a lost reply,
-    /// a retry) counts once. A cost of 0 charges nothing.
+    /// a retry) counts once. A charge the store has not taken is resent,
+    /// backing off, for 50 s: the store remembers an identity for 60 s, so
+    /// a later resend could count twice, and the charge is dropped instead
+    /// (counted in [`Stats::reports_dropped`](crate::Stats::reports_dropped)).
+    /// A cost of 0 charges nothing.
     pub async fn charge(&self, key: &str, cost: u64) -> Charge {
         let kept = local_key(key);
         let key = Key {
@@ -242,8 +276,11 @@ impl Reserve {
     /// Asks every limiter at once, all or nothing (as
     /// [`check_each`](crate::limiter::check_each)): `estimate` from those
     /// that count the cost, one from those that count requests. A denial
-    /// takes nothing and carries the binding `retry_after`.
+    /// takes nothing and carries the binding `retry_after`. An estimate
+    /// of 0 reserves 1: work of unknown cost is asked for like a request,
+    /// never waved through as a look (a key in debt is denied).
     pub async fn reserve(self, estimate: u64) -> Reservation {
+        let estimate = estimate.max(1);
         let asks: Vec<(&Limiter, &str, u64)> = self
             .items
             .iter()
