@@ -383,3 +383,49 @@ async fn limiters_sharing_a_store_do_not_time_each_other_out() {
     let errors: u64 = limiters.iter().map(|l| l.stats().store_errors).sum();
     assert_eq!(errors, 0);
 }
+
+/// Runs `scenario` on a paused-time runtime of its own in a thread, and
+/// fails if it has not finished after `limit` of real time: a decision
+/// that spins without letting virtual time move never finishes there.
+fn finishes_within(limit: Duration, scenario: impl FnOnce() + Send + 'static) {
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        scenario();
+        let _ = done_tx.send(());
+    });
+    match done_rx.recv_timeout(limit) {
+        Ok(()) => {}
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => panic!("the scenario panicked"),
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+            panic!("still deciding after {limit:?} of real time: a spin")
+        }
+    }
+}
+
+/// A waiter whose cost exceeds what its holding keeps, near the end of a
+/// window, must not be answered by asking for the next window (a thin
+/// holder's pre-lease the store refuses tells it nothing): it asked again
+/// at once, forever, and under paused time the 93rd check never returned.
+#[test]
+fn a_waiter_near_a_window_end_is_never_answered_by_a_refused_pre_lease() {
+    finishes_within(Duration::from_secs(60), || {
+        let runtime = support::seeds::paused_runtime();
+        runtime.block_on(async {
+            let clock = support::VirtualClock::new(Duration::from_millis(1_700_000_017_300));
+            let store = slicelimit::MemoryStore::with_clock(clock.clone());
+            let limiter = Limiter::builder(Quota::new(5, Duration::from_secs(2)).unwrap())
+                .and(Quota::new(17, Duration::from_secs(2)).unwrap())
+                .and(Quota::per_minute(nonzero!(16)))
+                .algorithm(slicelimit::Algorithm::FixedWindow)
+                .hybrid(HybridConfig::strict())
+                .store(store)
+                .clock(clock)
+                .build()
+                .unwrap();
+            for _ in 0..200 {
+                limiter.check("k", 2).await;
+                tokio::time::sleep(Duration::from_millis(964)).await;
+            }
+        });
+    });
+}

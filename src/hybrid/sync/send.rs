@@ -508,11 +508,12 @@ pub(super) fn lease_call(
         valid,
         near_end,
         ending: now + rtt >= deadline,
-        // An ended lease's holding is pre-leased only when swept for it
-        // with nobody waiting (a waiter needs the current window).
+        // A holding is pre-leased only with nobody waiting for more than
+        // it holds: a waiter needs the current window (a pre-lease the
+        // store refuses tells it nothing, and it would ask again at once).
         prelease: !shared.prelease_lead(config).is_zero()
             && if valid {
-                (near_end && permits > 0) || swept
+                ((near_end && permits > 0) || swept) && need <= permits.max(0) as u64
             } else {
                 swept && need == 0
             },
