@@ -89,6 +89,7 @@
 //! `docs/http.md` in this package.
 
 mod body;
+mod cost;
 mod future;
 mod headers;
 mod inflight;
@@ -100,6 +101,7 @@ mod reject;
 mod service;
 
 pub use self::body::RateLimitBody;
+pub use self::cost::{ActualCost, Cost, CostBody, CostLayer};
 pub use self::future::ResponseFuture;
 pub use self::headers::{
     PolicyHeaders, PROBLEM_TYPE, PROBLEM_TYPE_IN_FLIGHT, PROBLEM_TYPE_UNAVAILABLE, RATELIMIT,
