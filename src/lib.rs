@@ -209,3 +209,8 @@ pub struct ConcurrencyDoctests;
 #[cfg(doctest)]
 #[doc = include_str!("../docs/operations.md")]
 pub struct OperationsDoctests;
+
+/// The code blocks of `docs/costs.md`, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/costs.md")]
+pub struct CostsDoctests;

@@ -134,7 +134,8 @@ impl Quotas {
     }
 
     /// Gives `n` of an admission of this limiter back, quota by quota
-    /// (each at most what it took); returns the permits given back.
+    /// (each at most what it took), once (a reservation settles once);
+    /// returns the permits given back.
     pub(super) async fn refund_part(&self, key: Key<'_>, decision: &Decision, n: u64) -> u64 {
         let parts = decision.quotas();
         if n == 0 || decision.limiter != self.id || parts.len() != self.tiers.len() {
@@ -147,6 +148,14 @@ impl Quotas {
             }
             let mut taken = part.taken;
             taken.cost = taken.cost.min(n);
+            // Into the lease it came from while that lease lasts (no store
+            // call: a reservation settled at once costs none), else to
+            // its window in the store.
+            if taken.refundable() && self.lane(key, index).untake(&key, taken) {
+                self.counters.refunded.add(taken.cost);
+                back += taken.cost;
+                continue;
+            }
             back += self.refund_taken(key, index, taken).await;
         }
         back
@@ -193,7 +202,23 @@ impl Limiter {
     /// to the actual cost. [`Reserve`] reserves across several limiters
     /// (tokens per minute and requests per minute, say).
     pub async fn reserve(&self, key: &str, estimate: u64) -> Reservation {
-        Reserve::new().cost(self, key).reserve(estimate).await
+        // One limiter: its own decision, without `check_each`'s bookkeeping
+        // (a reservation from a held lease is as cheap as a check).
+        let estimate = estimate.max(1);
+        let decision = self.check(key, estimate).await;
+        Reservation {
+            items: vec![Item {
+                limiter: self.clone(),
+                key: key.to_owned(),
+                settles: true,
+                beyond: 0,
+            }],
+            estimate,
+            used: 0,
+            beyond: 0,
+            decision,
+            alone: true,
+        }
     }
 }
 
@@ -299,6 +324,7 @@ impl Reserve {
             used: 0,
             beyond: 0,
             decision,
+            alone: false,
         }
     }
 }
@@ -330,6 +356,9 @@ pub struct Reservation {
     /// to it (`Item::beyond`), from the drop if need be.
     beyond: u64,
     decision: Decision,
+    /// One limiter's own decision (its parts are its quotas'), not
+    /// `check_each`'s (one part per limiter).
+    alone: bool,
 }
 
 /// What settling a reservation did.
@@ -402,7 +431,11 @@ impl Reservation {
         let mut given_back = 0;
         let over = counted.saturating_sub(actual).min(self.estimate);
         if over > 0 {
-            let parts = self.decision.quotas().to_vec();
+            let parts = if self.alone {
+                vec![self.decision.clone()]
+            } else {
+                self.decision.quotas().to_vec()
+            };
             for (item, part) in self.items.iter().zip(parts) {
                 if item.settles {
                     given_back += item.limiter.refund_part(&item.key, &part, over).await;
