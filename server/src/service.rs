@@ -33,10 +33,12 @@ use tonic::{Request, Response, Status};
 use crate::config::Rule;
 mod answer;
 mod descriptor;
+mod post_hoc;
 
 pub use answer::HeaderNames;
-use answer::{headers_for, status, unit_of};
+use answer::{headers_for, near_limit_hits, status, unit_of};
 use descriptor::{key_of, key_with_names, override_limit, OverrideLimit};
+use post_hoc::post_hoc;
 
 use crate::log::Throttled;
 use crate::table::{RuleLimiter, RuleStats, Settings, Table};
@@ -475,43 +477,6 @@ impl RateLimiter {
             key: key_of(&entries, &rule.rule),
             cost,
         }))
-    }
-}
-
-/// Of `hits` just admitted by `decision`, those past 80 % of its limit
-/// (the threshold rounded down, as envoyproxy/ratelimit's near-limit
-/// count): all of them when the count was past it before, else the part
-/// beyond it.
-fn near_limit_hits(decision: &Decision, hits: u64) -> u64 {
-    let limit = decision.limit();
-    let threshold = limit.saturating_mul(4) / 5;
-    let after = limit.saturating_sub(decision.remaining());
-    let before = after.saturating_sub(hits);
-    after.saturating_sub(before.max(threshold))
-}
-
-/// A post-hoc rule's hit (see `Rule::post_hoc`): its cost charged
-/// whatever is left, then what is left looked at. A charge is over when
-/// part of it went past the limit (a charge that uses the budget up
-/// exactly is not, as the reference counts it); an ask (a hit of 0) when
-/// nothing is left.
-async fn post_hoc(p: &Counted) -> Decided {
-    let past = if p.cost > 0 {
-        let charge = p.limiter.charge(&p.key, p.cost).await;
-        Some(charge.past_limit().unwrap_or(u64::from(charge.exhausted())))
-    } else {
-        None
-    };
-    let decision = p.limiter.check(&p.key, 0).await;
-    let over = match past {
-        Some(past) => past > 0,
-        None => decision.remaining() == 0,
-    };
-    Decided {
-        decision,
-        over,
-        peeked: false,
-        past,
     }
 }
 

@@ -184,11 +184,7 @@ where
         let view = RequestView::new(&request);
         let grpc = crate::service::is_grpc(request.headers());
         let estimate = (config.estimate)(&view);
-        let key = match (config.key.extract(&view), &config.missing) {
-            (Some(key), _) => Ok(key),
-            (None, MissingKey::Shared(shared)) => Ok(shared.clone()),
-            (None, MissingKey::Reject(status)) => Err(*status),
-        };
+        let key = config.key.extract_or(&view, &config.missing);
         Box::pin(async move {
             let key = match key {
                 Ok(key) => key,

@@ -124,14 +124,9 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let config = self.config.clone();
         let grpc = crate::service::is_grpc(request.headers());
-        let key = match (
-            config.key.extract(&RequestView::new(&request)),
-            &config.missing,
-        ) {
-            (Some(key), _) => Ok(key),
-            (None, MissingKey::Shared(shared)) => Ok(shared.clone()),
-            (None, MissingKey::Reject(status)) => Err(*status),
-        };
+        let key = config
+            .key
+            .extract_or(&RequestView::new(&request), &config.missing);
         Box::pin(async move {
             let key = match key {
                 Ok(key) => key,

@@ -127,6 +127,20 @@ impl KeyExtractor {
         (self.extract)(request)
     }
 
+    /// The request's key, or, for a request without one, the shared key
+    /// `missing` names, or the status to answer it with.
+    pub(crate) fn extract_or(
+        &self,
+        request: &RequestView<'_>,
+        missing: &MissingKey,
+    ) -> Result<String, http::StatusCode> {
+        match (self.extract(request), missing) {
+            (Some(key), _) => Ok(key),
+            (None, MissingKey::Shared(shared)) => Ok(shared.clone()),
+            (None, MissingKey::Reject(status)) => Err(*status),
+        }
+    }
+
     /// The `WWW-Authenticate` challenge of a 401 for a request without
     /// this key.
     pub(crate) fn challenge(&self) -> String {

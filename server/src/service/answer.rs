@@ -107,3 +107,15 @@ pub(super) fn status(plan: &Counted, decision: &Decision, denied: bool) -> Descr
         quota: None,
     }
 }
+
+/// Of `hits` just admitted by `decision`, those past 80 % of its limit
+/// (the threshold rounded down, as envoyproxy/ratelimit's near-limit
+/// count): all of them when the count was past it before, else the part
+/// beyond it.
+pub(super) fn near_limit_hits(decision: &Decision, hits: u64) -> u64 {
+    let limit = decision.limit();
+    let threshold = limit.saturating_mul(4) / 5;
+    let after = limit.saturating_sub(decision.remaining());
+    let before = after.saturating_sub(hits);
+    after.saturating_sub(before.max(threshold))
+}
