@@ -2,9 +2,9 @@
 //! that streams tokens, limited per tenant in tokens per minute by
 //! slicelimit-tower's `CostLayer`. Each request reserves its prompt's
 //! tokens plus its `max_tokens` (denied with 429 and `Retry-After` when
-//! the tenant's budget cannot hold it); the response is charged one token
-//! per streamed frame and settles when the stream ends, or when the client
-//! goes away (it pays for what was sent).
+//! the tenant's budget cannot hold it); the response is charged its
+//! prompt's tokens and one token per streamed frame, and settles when the
+//! stream ends, or when the client goes away (it pays for what was sent).
 //!
 //! ```text
 //! cargo run --release -p slicelimit-examples --features gateway --example llm_gateway
@@ -30,17 +30,24 @@ use slicelimit_tower::{CostLayer, KeyExtractor, RequestView};
 /// Tokens per tenant per minute.
 const BUDGET: u32 = 2_000;
 
-/// The estimate: the prompt's tokens (about four bytes each) plus the
-/// `max-tokens` the client asks for (256 if it does not say).
+/// A number in a request header.
+fn header(request: &RequestView<'_>, name: &str) -> Option<u64> {
+    request
+        .headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// The prompt's tokens: about four bytes each.
+fn prompt_tokens(request: &RequestView<'_>) -> u64 {
+    header(request, "content-length").unwrap_or(0) / 4
+}
+
+/// The estimate: the prompt's tokens plus the `max-tokens` the client
+/// asks for (256 if it does not say).
 fn estimate(request: &RequestView<'_>) -> u64 {
-    let number = |name: &str| {
-        request
-            .headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok())
-    };
-    number("content-length").unwrap_or(0) / 4 + number("max-tokens").unwrap_or(256)
+    prompt_tokens(request) + header(request, "max-tokens").unwrap_or(256)
 }
 
 /// The fake model: answers with `max-tokens` words at most (fewer when the
@@ -70,8 +77,10 @@ async fn complete(headers: axum::http::HeaderMap, prompt: String) -> axum::body:
 }
 
 async fn gateway(limiter: Limiter) -> SocketAddr {
-    let layer =
-        CostLayer::new(limiter, KeyExtractor::header("x-tenant"), estimate).per_frame(|_frame| 1);
+    // The prompt's tokens, then one per streamed word.
+    let layer = CostLayer::new(limiter, KeyExtractor::header("x-tenant"), estimate)
+        .base_cost(prompt_tokens)
+        .per_frame(|_frame| 1);
     let app = Router::new()
         .route("/v1/completions", post(complete))
         .layer(layer);
@@ -102,6 +111,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let request = axum::http::Request::post(format!("http://{addr}/v1/completions"))
             .header("x-tenant", tenant)
             .header("max-tokens", max_tokens.to_string())
+            .header("content-length", prompt.len().to_string())
             .body(Full::new(Bytes::from_static(prompt.as_bytes())))
             .expect("a request");
         client.request(request)
@@ -142,7 +152,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let left = limiter.check("globex", 0).await.remaining();
     println!(
-        "globex hung up after {read} tokens of 1,000: charged {} (its reservation of about 1,000 went back)",
+        "globex hung up after {read} tokens of 1,000: charged {} with its prompt's (the rest of its reservation went back)",
         u64::from(BUDGET) - left
     );
     limiter.shutdown().await;

@@ -564,3 +564,44 @@ async fn the_frame_that_spends_the_budget_is_told_so() {
         limiter.shutdown().await;
     }
 }
+
+/// A reservation settled into its lease, then its decision refunded: the
+/// admission goes back once, whichever comes first.
+#[tokio::test(start_paused = true)]
+async fn a_settled_reservation_is_not_refunded_again() {
+    for mode in MODES {
+        for settle_first in [true, false] {
+            let clock = VirtualClock::new(ORIGIN);
+            let store = MemoryStore::with_clock(clock.clone());
+            let limiter = build(
+                "once",
+                &[Quota::per_hour(nonzero!(100))],
+                Algorithm::FixedWindow,
+                mode,
+                &clock,
+                store,
+            );
+            let r = limiter.reserve("k", 60).await;
+            let decision = r.decision().clone();
+            let (settled, refunded) = if settle_first {
+                let settled = r.settle(0).await.given_back;
+                (settled, limiter.refund("k", &decision).await)
+            } else {
+                let refunded = limiter.refund("k", &decision).await;
+                (r.settle(0).await.given_back, refunded)
+            };
+            assert_eq!(
+                settled + refunded,
+                60,
+                "{mode:?} settle first {settle_first}"
+            );
+            settle_down().await;
+            let left = drain(&limiter, "k", 1_000).await;
+            assert!(
+                (100..=100 + credit(mode)).contains(&left),
+                "{mode:?} settle first {settle_first}: {left} admitted"
+            );
+            limiter.shutdown().await;
+        }
+    }
+}

@@ -58,6 +58,37 @@ impl LocalRefunds {
 }
 
 impl HybridEngine {
+    /// Until when a local refund is remembered: past the lease or credit
+    /// it could go back into.
+    fn local_refund_horizon(&self, now: u64) -> u64 {
+        let s = &*self.shared;
+        now + s.config.load().lease_ttl.as_micros() as u64 + 2 * s.params.period_us + 1_000_000
+    }
+
+    /// Gives `taken` back into the lease (or credit) it came from, once
+    /// per admission, with no store call: `Some(permits)` when it went
+    /// there (0: it had gone back before), `None` when it must go to the
+    /// store (the lease is gone, or an earlier refund went there). For a
+    /// settlement made at once (`Reservation::settle`); a later
+    /// `Limiter::refund` of the same admission then gives nothing.
+    pub(crate) fn give_back_once(&self, key: &str, taken: Taken) -> Option<u64> {
+        if !matches!(taken.origin, TakenFrom::Lease | TakenFrom::Credit) {
+            return None;
+        }
+        let now = self.shared.time.precise_us();
+        let until = self.local_refund_horizon(now);
+        let mut refunds = self.local_refunds.lock().unwrap_or_else(|p| p.into_inner());
+        match refunds.route(taken.seq, now, until, Went::Local) {
+            Some(Went::Local) => Some(0),
+            Some(Went::Store) => None,
+            None if self.untake(key, taken) => Some(taken.cost),
+            None => {
+                refunds.set(taken.seq, Went::Store);
+                None
+            }
+        }
+    }
+
     /// Puts back what `taken` took locally: permits into the lease they
     /// were spent from, if this process still holds it, or credit into
     /// the debt not yet reported (no store call); `false` otherwise.
@@ -116,9 +147,7 @@ impl HybridEngine {
         }
         if local {
             let now = s.time.precise_us();
-            let config = s.config.load();
-            let until =
-                now + config.lease_ttl.as_micros() as u64 + 2 * s.params.period_us + 1_000_000;
+            let until = self.local_refund_horizon(now);
             let mut refunds = self.local_refunds.lock().unwrap_or_else(|p| p.into_inner());
             match refunds.route(taken.seq, now, until, Went::Local) {
                 // (What the first took back is not kept: none is told.)
@@ -135,6 +164,17 @@ impl HybridEngine {
                     }
                     refunds.set(taken.seq, Went::Store);
                 }
+            }
+        }
+        if taken.origin == TakenFrom::Lease && windowed {
+            // A window's permits go to the store, unless a settlement put
+            // them back into the lease already (`give_back_once`): then
+            // they went, once.
+            let now = s.time.precise_us();
+            let until = self.local_refund_horizon(now);
+            let mut refunds = self.local_refunds.lock().unwrap_or_else(|p| p.into_inner());
+            if refunds.route(taken.seq, now, until, Went::Store) == Some(Went::Local) {
+                return Ok(Refunded::Already(0));
             }
         }
         let back = s.exact.refund(key, taken).await?;

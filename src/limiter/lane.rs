@@ -338,6 +338,20 @@ impl Lane {
         }
     }
 
+    /// Gives `taken` back without a store call where it can, once per
+    /// admission: into the hybrid lease it came from, or the per-process
+    /// count; `Some(permits)` then (0: it went back before), `None` when
+    /// it must go to the store (see `refund`).
+    pub(crate) fn give_back_once(&self, key: &str, taken: Taken) -> Option<u64> {
+        match (&self.engine, taken.origin) {
+            (Engine::Hybrid(hybrid), TakenFrom::Lease | TakenFrom::Credit) => {
+                hybrid.give_back_once(key, taken)
+            }
+            (Engine::Local(local), TakenFrom::Local) => Some(local.refund(key, taken).now()),
+            _ => None,
+        }
+    }
+
     /// Gives `taken` back to the window it came from, while that window
     /// lasts; returns the permits given back (0: ignored).
     ///

@@ -151,9 +151,12 @@ impl Quotas {
             // Into the lease it came from while that lease lasts (no store
             // call: a reservation settled at once costs none), else to
             // its window in the store.
-            if taken.refundable() && self.lane(key, index).untake(&key, taken) {
-                self.counters.refunded.add(taken.cost);
-                back += taken.cost;
+            if !taken.refundable() {
+                continue;
+            }
+            if let Some(local) = self.lane(key, index).give_back_once(&key, taken) {
+                self.counters.refunded.add(local);
+                back += local;
                 continue;
             }
             back += self.refund_taken(key, index, taken).await;

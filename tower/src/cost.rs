@@ -48,6 +48,9 @@ struct Config {
     estimate: Arc<Estimate>,
     header: Option<HeaderName>,
     per_frame: Option<Arc<FrameCost>>,
+    /// What a metered response costs before its first frame (its
+    /// prompt's tokens).
+    base: Option<Arc<Estimate>>,
     stop_when_exhausted: bool,
     policy: PolicyHeaders,
     challenge: HeaderValue,
@@ -84,6 +87,7 @@ impl CostLayer {
                 estimate: Arc::new(estimate),
                 header: None,
                 per_frame: None,
+                base: None,
                 stop_when_exhausted: false,
                 policy,
                 challenge,
@@ -118,8 +122,22 @@ impl CostLayer {
         self
     }
 
-    /// Ends a metered body early once a charge says the key's budget is
-    /// gone (default: the body runs to its end, and is charged for it).
+    /// What a metered response costs besides its frames, from the
+    /// request (an LLM's prompt tokens): counted first, then each frame's
+    /// cost on top (default: nothing).
+    #[must_use]
+    pub fn base_cost(
+        mut self,
+        cost: impl Fn(&RequestView<'_>) -> u64 + Send + Sync + 'static,
+    ) -> Self {
+        Arc::make_mut(&mut self.config).base = Some(Arc::new(cost));
+        self
+    }
+
+    /// Ends a metered body early once the key's budget is gone: when
+    /// the frames have cost the estimate plus what the key had left when
+    /// it was admitted, or a charge says so (default: the body runs to
+    /// its end, and is charged for it).
     #[must_use]
     pub fn stop_when_exhausted(mut self, on: bool) -> Self {
         Arc::make_mut(&mut self.config).stop_when_exhausted = on;
@@ -184,6 +202,7 @@ where
         let view = RequestView::new(&request);
         let grpc = crate::service::is_grpc(request.headers());
         let estimate = (config.estimate)(&view);
+        let base = config.base.as_ref().map_or(0, |base| base(&view));
         let key = config.key.extract_or(&view, &config.missing);
         Box::pin(async move {
             let key = match key {
@@ -243,7 +262,7 @@ where
                     settle_later(reservation, actual);
                     None
                 }
-                (None, Some(cost)) => Some(Meter::new(reservation, cost.clone(), &config)),
+                (None, Some(cost)) => Some(Meter::new(reservation, cost.clone(), base, &config)),
                 // Settles at the estimate when the body is done with.
                 (None, None) => Some(Meter::flat(reservation)),
             };
@@ -280,25 +299,39 @@ struct Meter {
     /// Shared with the tasks charging frames; taken by the settlement.
     reservation: Arc<tokio::sync::Mutex<Option<Reservation>>>,
     cost: Option<Arc<FrameCost>>,
-    /// What the frames sent so far cost.
+    /// What the response cost so far: its base, and the frames sent.
     used: u64,
+    /// What the key may spend in all: the estimate and what it had left
+    /// when admitted (for `stop_when_exhausted`; the charges tell more).
+    allowance: u64,
     /// A charge said the key's budget is gone.
     exhausted: Arc<AtomicBool>,
     stop: bool,
+    /// A frame was asked for: the body is being sent. Dropped before,
+    /// it settles at its estimate (a HEAD answer, a client gone before
+    /// the first byte: the work may have been done all the same).
+    polled: bool,
     /// Settled (the body ended): nothing more happens on drop.
     done: bool,
 }
 
 impl Meter {
-    fn new(reservation: Reservation, cost: Arc<FrameCost>, config: &Config) -> Self {
-        Meter {
+    fn new(reservation: Reservation, cost: Arc<FrameCost>, base: u64, config: &Config) -> Self {
+        let allowance = reservation
+            .estimate()
+            .saturating_add(reservation.decision().remaining());
+        let mut meter = Meter {
             reservation: Arc::new(tokio::sync::Mutex::new(Some(reservation))),
             cost: Some(cost),
             used: 0,
+            allowance,
             exhausted: Arc::new(AtomicBool::new(false)),
             stop: config.stop_when_exhausted,
+            polled: false,
             done: false,
-        }
+        };
+        meter.charge(base);
+        meter
     }
 
     /// A reservation held until the body is done with, then settled at
@@ -308,19 +341,30 @@ impl Meter {
             reservation: Arc::new(tokio::sync::Mutex::new(Some(reservation))),
             cost: None,
             used: 0,
+            allowance: u64::MAX,
             exhausted: Arc::new(AtomicBool::new(false)),
             stop: false,
+            polled: false,
             done: false,
         }
+    }
+
+    /// Whether the body should end here (`stop_when_exhausted`).
+    fn spent(&self) -> bool {
+        self.stop && (self.used >= self.allowance || self.exhausted.load(Ordering::Acquire))
     }
 
     /// A data frame went out: its cost is counted now and charged in a
     /// task of its own.
     fn sent(&mut self, data: &Bytes) {
-        let Some(cost) = &self.cost else {
-            return;
-        };
-        let n = cost(data);
+        if let Some(cost) = &self.cost {
+            let n = cost(data);
+            self.charge(n);
+        }
+    }
+
+    /// Counts `n` and charges it in a task of its own.
+    fn charge(&mut self, n: u64) {
         if n == 0 {
             return;
         }
@@ -339,21 +383,21 @@ impl Meter {
     }
 
     /// The body ended or was dropped: the reservation settles to what the
-    /// frames cost (at its estimate, for a flat one), after the charges
-    /// already sent.
+    /// response cost (at its estimate, for a flat one or a body never
+    /// sent), after the charges already sent.
     fn finish(&mut self) {
         if std::mem::replace(&mut self.done, true) {
             return;
         }
         let reservation = self.reservation.clone();
-        let metered = self.cost.is_some();
+        let metered = self.cost.is_some() && self.polled;
         let used = self.used;
         let settle = async move {
             if let Some(r) = reservation.lock().await.take() {
                 if metered {
                     r.settle(used).await;
                 }
-                // (Flat: dropped, it settles at its estimate.)
+                // (Else dropped: it settles at its estimate.)
             }
         };
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
@@ -400,7 +444,8 @@ where
     ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
         let this = self.project();
         if let Some(meter) = this.meter.as_mut() {
-            if meter.stop && meter.exhausted.load(Ordering::Acquire) {
+            meter.polled = true;
+            if meter.spent() {
                 meter.finish();
                 return Poll::Ready(None);
             }

@@ -207,3 +207,84 @@ async fn a_response_that_states_its_cost_settles_to_it() {
         limiter.shutdown().await;
     }
 }
+
+/// A metered response's base cost (its prompt's tokens) is charged with
+/// its frames.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_base_cost_is_charged_with_the_frames() {
+    for (mode, limiter) in limiters() {
+        let layer = layer(&limiter).base_cost(|request| {
+            request
+                .headers
+                .get("prompt-tokens")
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        });
+        let addr = serve(layer).await;
+        let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+        let request = http::Request::get(format!("http://{addr}/stream?frames=3"))
+            .header("x-tenant", "based")
+            .header("max-tokens", "100")
+            .header("prompt-tokens", "40")
+            .body(Empty::new())
+            .unwrap();
+        let response = client.request(request).await.unwrap();
+        response.into_body().collect().await.unwrap();
+        left_becomes(&limiter, "based", |l| l == 300 - 40 - 30, mode).await;
+        limiter.shutdown().await;
+    }
+}
+
+/// A body never sent (a HEAD answer) settles at its estimate: HEAD is
+/// not free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_never_sent_is_charged_its_estimate() {
+    for (mode, limiter) in limiters() {
+        let addr = serve(layer(&limiter)).await;
+        let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+        for _ in 0..3 {
+            let request = http::Request::head(format!("http://{addr}/stream?frames=10"))
+                .header("x-tenant", "head")
+                .header("max-tokens", "50")
+                .body(Empty::new())
+                .unwrap();
+            let response = client.request(request).await.unwrap();
+            assert_eq!(response.status(), StatusCode::OK, "{mode}");
+        }
+        left_becomes(&limiter, "head", |l| l == 300 - 150, mode).await;
+        limiter.shutdown().await;
+    }
+}
+
+/// `stop_when_exhausted` ends a body whose frames are all ready at once
+/// where the budget ends, not thousands of frames later.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_ready_at_once_stops_where_the_budget_ends() {
+    for (mode, limiter) in limiters() {
+        let layer = layer(&limiter).stop_when_exhausted(true);
+        let app = Router::new()
+            .route(
+                "/fast",
+                get(|| async {
+                    axum::body::Body::from_stream(futures_util::stream::iter(
+                        (0..20_000)
+                            .map(|_| Ok::<_, std::io::Error>(Bytes::from_static(b"token-x10\n"))),
+                    ))
+                }),
+            )
+            .layer(layer);
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+        let response = get_(&client, addr, "/fast", "fast", 10).await;
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert!(
+            body.len() <= 300,
+            "{mode}: {} bytes sent of a 300 budget",
+            body.len()
+        );
+        limiter.shutdown().await;
+    }
+}
