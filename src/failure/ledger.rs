@@ -67,7 +67,7 @@ impl Reconciler {
         }
     }
 
-    pub(crate) fn record(&self, key: &str, cost: u64) {
+    pub(super) fn record(&self, key: &str, cost: u64) {
         if cost == 0 {
             return;
         }

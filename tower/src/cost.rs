@@ -320,16 +320,10 @@ impl Meter {
         let allowance = reservation
             .estimate()
             .saturating_add(reservation.decision().remaining());
-        let mut meter = Meter {
-            reservation: Arc::new(tokio::sync::Mutex::new(Some(reservation))),
-            cost: Some(cost),
-            used: 0,
-            allowance,
-            exhausted: Arc::new(AtomicBool::new(false)),
-            stop: config.stop_when_exhausted,
-            polled: false,
-            done: false,
-        };
+        let mut meter = Meter::flat(reservation);
+        meter.cost = Some(cost);
+        meter.allowance = allowance;
+        meter.stop = config.stop_when_exhausted;
         meter.charge(base);
         meter
     }
