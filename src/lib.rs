@@ -185,7 +185,7 @@ pub use decision::{Decision, DeniedBy, Source};
 pub use error::{Error, ErrorKind};
 pub use failure::FailurePolicy;
 pub use hybrid::{Consistency, HybridConfig};
-pub use limiter::{check_all, Builder, Charge, Check, Limiter, Reservation, Reserve};
+pub use limiter::{check_all, Builder, Charge, Check, Limiter, Receipt, Reservation, Reserve};
 pub use quota::Quota;
 pub use stats::Stats;
 pub use store::{MemoryStore, RedisStore, Store};

@@ -605,3 +605,89 @@ async fn a_settled_reservation_is_not_refunded_again() {
         }
     }
 }
+
+/// A receipt written by one process is refunded by another, through the
+/// store, in every algorithm and in exact and hybrid mode: what it gives
+/// back is what the next process can take, never more than was taken; a
+/// receipt of another quota, or of a window that has ended, gives nothing.
+#[tokio::test(start_paused = true)]
+async fn a_receipt_is_refunded_by_another_process() {
+    for algorithm in ALGORITHMS {
+        for mode in [Mode::Exact, Mode::Strict] {
+            let what = format!("{algorithm:?} {mode:?}");
+            let clock = VirtualClock::new(ORIGIN);
+            let store = MemoryStore::with_clock(clock.clone());
+            let ns = format!("receipt-{algorithm:?}-{mode:?}");
+            let quota = Quota::per_minute(nonzero!(1_000));
+            let here = build(&ns, &[quota], algorithm, mode, &clock, store.clone());
+            // The settling process decides by the store alone.
+            let there = build(&ns, &[quota], algorithm, Mode::Exact, &clock, store.clone());
+            let decision = here.reserve("k", 800).await;
+            assert!(decision.is_allowed(), "{what}");
+            let Some(receipt) = decision.decision().receipt() else {
+                // A bucket lease is spent locally: no receipt to give.
+                assert!(
+                    mode == Mode::Strict
+                        && matches!(algorithm, Algorithm::TokenBucket | Algorithm::Gcra),
+                    "{what}: no receipt"
+                );
+                continue;
+            };
+            let receipt: slicelimit::Receipt = receipt.to_string().parse().unwrap();
+            assert_eq!(receipt.cost(), 800, "{what}");
+            // Another quota's limiter gives nothing back.
+            let other = build(
+                &ns,
+                &[Quota::per_minute(nonzero!(999))],
+                algorithm,
+                Mode::Exact,
+                &clock,
+                store.clone(),
+            );
+            assert_eq!(other.refund_receipt("k", &receipt, 500).await, 0, "{what}");
+            // Never more than was taken.
+            assert_eq!(
+                there.refund_receipt("k", &receipt, 5_000).await,
+                800,
+                "{what}"
+            );
+            drop(decision);
+            here.shutdown().await;
+            // Everything is back: a new process takes the whole limit.
+            let next = build(&ns, &[quota], algorithm, Mode::Exact, &clock, store.clone());
+            assert!(next.check("k", 1_000).await.is_allowed(), "{what}");
+            // A receipt of a window that has ended gives nothing back.
+            if matches!(algorithm, Algorithm::FixedWindow) {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                assert_eq!(there.refund_receipt("k", &receipt, 100).await, 0, "{what}");
+            }
+        }
+    }
+}
+
+/// Receipts between processes on a real Redis: an exact admission made by
+/// one process, written down, and refunded by another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receipt_crosses_processes_on_redis() {
+    let server = RedisServer::start();
+    while wall_us() % 3_600_000_000 > 3_590_000_000 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let build = |store| {
+        Limiter::builder(Quota::per_hour(nonzero!(1_000)))
+            .namespace("receipts")
+            .store(store)
+            .build()
+            .unwrap()
+    };
+    let a = build(store(&server).await);
+    let b = build(store(&server).await);
+    let decision = a.check("k", 900).await;
+    let text = decision.receipt().expect("an exact admission").to_string();
+    assert_eq!(
+        b.refund_receipt("k", &text.parse().unwrap(), 600).await,
+        600
+    );
+    assert_eq!(b.check("k", 0).await.remaining(), 700);
+    assert_eq!(server.immortal_keys(), Vec::<String>::new());
+}

@@ -429,3 +429,46 @@ fn a_waiter_near_a_window_end_is_never_answered_by_a_refused_pre_lease() {
         });
     });
 }
+
+/// Waiters in the last milliseconds of a window, when its lease there is
+/// void (past its deadline, the clock margin before the window's end),
+/// are served by the next window within a few store calls, and in the
+/// time paused runtime lets pass (a waiter that asks again on every
+/// refill, without letting time move, never returns there).
+#[test]
+fn waiters_in_a_window_s_void_end_are_served_by_the_next_window() {
+    finishes_within(Duration::from_secs(60), || {
+        let runtime = support::seeds::paused_runtime();
+        runtime.block_on(async {
+            // The start of a minute.
+            let clock = support::VirtualClock::new(Duration::from_secs(1_700_000_040));
+            let store = slicelimit::MemoryStore::with_clock(clock.clone());
+            let limiter = Limiter::builder(Quota::per_minute(nonzero!(1_000_000)))
+                .algorithm(slicelimit::Algorithm::FixedWindow)
+                .hybrid(HybridConfig::strict())
+                .store(store)
+                .clock(clock)
+                .build()
+                .unwrap();
+            // A steady key: 1,000 a request, ten requests a second.
+            for _ in 0..599 {
+                assert!(limiter.check("k", 1_000).await.is_allowed());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            // 2 ms before the minute ends: more than the lease holds.
+            tokio::time::sleep(Duration::from_millis(98)).await;
+            let before = limiter.stats().store_calls;
+            let (a, b, c) = tokio::join!(
+                limiter.check("k", 150_000),
+                limiter.check("k", 140_000),
+                limiter.check("k", 200_000)
+            );
+            let calls = limiter.stats().store_calls - before;
+            assert!(calls <= 4, "{calls} store calls for three requests");
+            for decision in [a, b, c] {
+                assert!(decision.is_allowed(), "{decision:?}");
+                assert_eq!(decision.reset_after().as_secs(), 59, "{decision:?}");
+            }
+        });
+    });
+}

@@ -11,6 +11,8 @@
 //! - [`service`]: `ShouldRateLimit` on the table;
 //! - [`rlqs`]: the rate limit quota service (Envoys hold the quota;
 //!   experimental);
+//! - [`reservation`]: what a request reserved, kept in the store until
+//!   its settlement (its script, `lua/reservation.lua`, and the mirror);
 //! - [`share`]: how replicas share an RLQS bucket's rate in the store
 //!   (its script, `lua/rate_share.lua`, and the script's mirror);
 //! - [`stats`]: the server's own metrics;
@@ -25,6 +27,7 @@
 pub mod config;
 pub mod files;
 pub mod log;
+pub mod reservation;
 pub mod rlqs;
 pub mod run;
 pub mod service;

@@ -34,11 +34,14 @@ use crate::config::Rule;
 mod answer;
 mod descriptor;
 mod post_hoc;
+mod settle;
 
 pub use answer::HeaderNames;
 use answer::{headers_for, near_limit_hits, status, unit_of};
 use descriptor::{key_of, key_with_names, override_limit, OverrideLimit};
 use post_hoc::post_hoc;
+use settle::Role;
+pub use settle::{RESERVE_ENTRY, SETTLE_ENTRY};
 
 use crate::log::Throttled;
 use crate::table::{RuleLimiter, RuleStats, Settings, Table};
@@ -186,8 +189,12 @@ impl RateLimiter {
         let mut charged: Vec<Option<Decided>> = Vec::with_capacity(plans.len());
         for plan in &plans {
             charged.push(match plan.counted() {
-                Some(p) if p.post_hoc => Some(post_hoc(p).await),
-                _ => None,
+                Some(p) => match &p.role {
+                    Role::Settle(id) => Some(settle::settle(&self.settings.store, p, id).await),
+                    _ if p.charges() => Some(post_hoc(p).await),
+                    _ => None,
+                },
+                None => None,
             });
         }
         let post_hoc_over = charged.iter().flatten().any(|d| d.over);
@@ -198,7 +205,7 @@ impl RateLimiter {
         let enforced: Vec<(&Limiter, &str, u64)> = plans
             .iter()
             .filter_map(Plan::counted)
-            .filter(|p| !self.shadow(&p.rule.rule) && !self.quota(&p.rule.rule) && !p.post_hoc)
+            .filter(|p| !self.shadow(&p.rule.rule) && !self.quota(&p.rule.rule) && !p.charges())
             .map(|p| (&p.limiter, p.key.as_str(), p.cost))
             .collect();
         let together = if self.shadow_everything {
@@ -259,6 +266,7 @@ impl RateLimiter {
                 over,
                 peeked,
                 past: None,
+                hits: None,
             }));
         }
         // Over if an enforced descriptor is, or if every quota-mode one is
@@ -285,6 +293,18 @@ impl RateLimiter {
         let over = enforced_over || (quota_total > 0 && quota_over == quota_total);
         // Global shadow mode: the request passes, so what it took stays.
         let let_through = over && self.shadow_everything;
+        if !over || let_through {
+            // What a passing request reserved is kept for its settlement.
+            for (plan, d) in plans.iter().zip(&decided) {
+                if let (Plan::Counted(p), Some(d)) = (plan, d) {
+                    if let Role::Reserve(id) = &p.role {
+                        if d.decision.is_allowed() && !d.peeked && !self.shadow(&p.rule.rule) {
+                            settle::keep(&self.settings.store, p, id, &d.decision).await;
+                        }
+                    }
+                }
+            }
+        }
         if let_through {
             metrics::counter!(crate::stats::GLOBAL_SHADOW_MODE, "domain" => request.domain.clone())
                 .increment(1);
@@ -326,7 +346,7 @@ impl RateLimiter {
                     // Hits as counted: a cost past any limit counts as one
                     // past u32::MAX (Envoy's own hits_addend is a u32), so
                     // a client cannot wrap the counters.
-                    let hits = p.cost.min(u64::from(u32::MAX) + 1);
+                    let hits = d.hits.unwrap_or(p.cost).min(u64::from(u32::MAX) + 1);
                     stats.total_hits.increment(hits);
                     let shadow = self.shadow(&p.rule.rule);
                     let denied = d.over && !shadow;
@@ -362,7 +382,7 @@ impl RateLimiter {
                         }
                     }
                     let mut answer = status(p, &d.decision, denied);
-                    if p.post_hoc && d.over {
+                    if p.charges() && d.over {
                         // Charged past the limit (or nothing left): a
                         // replica's look may predate what others charged.
                         answer.limit_remaining = 0;
@@ -418,6 +438,7 @@ impl RateLimiter {
             .iter()
             .map(|e| (e.key.as_str(), e.value.as_str()))
             .collect();
+        let (role, entries) = Role::of(entries, index)?;
         let rule = domain.rule(&entries);
         let cost = descriptor
             .hits_addend
@@ -444,6 +465,7 @@ impl RateLimiter {
                             None => key_with_names(&entries),
                         },
                         cost,
+                        role: role.clone(),
                     }))
                 }
             }) {
@@ -476,6 +498,7 @@ impl RateLimiter {
             limiter,
             key: key_of(&entries, &rule.rule),
             cost,
+            role,
         }))
     }
 }
@@ -537,6 +560,20 @@ struct Counted {
     /// The stats this descriptor counts in (its rule's, or a series of
     /// them with the requested values: `detailed_metric`).
     stats: Arc<RuleStats>,
+    /// A reservation, its settlement, or neither (see `settle`).
+    role: Role,
+}
+
+impl Counted {
+    /// Whether its hits are charged whatever is left (a post-hoc rule's
+    /// that reserves nothing, and every settlement).
+    fn charges(&self) -> bool {
+        match self.role {
+            Role::Plain => self.post_hoc,
+            Role::Reserve(_) => false,
+            Role::Settle(_) => true,
+        }
+    }
 }
 
 /// One counted descriptor's decision.
@@ -549,6 +586,9 @@ struct Decided {
     peeked: bool,
     /// A post-hoc charge: the hits counted past the limit.
     past: Option<u64>,
+    /// The hits its stats count, where not the descriptor's (a
+    /// settlement counts what it charged beyond its reservation).
+    hits: Option<u64>,
 }
 
 impl Plan {

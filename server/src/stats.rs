@@ -27,6 +27,15 @@ pub const CALLS: &str = "slicelimit_server_calls_total";
 pub const OVERRIDES_IGNORED: &str = "slicelimit_server_overrides_ignored_total";
 /// Live limiters of requests' own `limit`s, by `domain`.
 pub const OVERRIDES_LIVE: &str = "slicelimit_server_overrides_live";
+/// Settlements of reservations (`slicelimit_settle`), by `outcome`:
+/// `charged` (the work cost more than reserved), `refunded` (less),
+/// `exact`, `again` (settled before: nothing), `unreserved` (no
+/// reservation found: charged in full).
+pub const SETTLEMENTS: &str = "slicelimit_server_settlements_total";
+/// Reservations (`slicelimit_reserve`) of passing requests, by `result`:
+/// `kept` for their settlement, `duplicate` (one of the same identity was
+/// kept), `failed` (the store did not answer).
+pub const RESERVATIONS: &str = "slicelimit_server_reservations_total";
 /// Configuration loads, by `result`: `ok` or `error`.
 pub const CONFIG_LOADS: &str = "slicelimit_server_config_loads_total";
 /// 1 while the configuration on disk fails to load (the last good one
@@ -104,6 +113,16 @@ pub fn describe() {
         "Hits (permits asked for) on a rule."
     );
     describe_counter!(OVER_LIMIT, Unit::Count, "Hits a rule denied.");
+    describe_counter!(
+        SETTLEMENTS,
+        Unit::Count,
+        "Settlements of reservations, by outcome."
+    );
+    describe_counter!(
+        RESERVATIONS,
+        Unit::Count,
+        "Reservations kept for their settlement."
+    );
     describe_counter!(
         NEAR_LIMIT,
         Unit::Count,

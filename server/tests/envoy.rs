@@ -150,6 +150,60 @@ fn await_hits(server: &RlsServer, hits: f64, what: &str) {
     }
 }
 
+const RESERVING: &str = "domain: api\ndescriptors:\n  - key: user\n    rate_limit: { unit: minute, requests_per_unit: 1000 }\n";
+
+/// Reserved when the request comes, settled when its stream is done,
+/// through a real Envoy 1.40 (Envoy's request id names the reservation):
+/// what the work did not use comes back, what it used beyond the
+/// estimate is charged past the limit, in both modes. (One replica: with
+/// two, a hybrid replica may hold part of what came back, and a second
+/// reservation landing on the other waits for it; `tests/reservations.rs`
+/// settles on another replica.)
+#[test]
+fn a_reservation_made_at_the_request_settles_when_the_stream_is_done() {
+    let redis = RedisServer::start();
+    let dir = scratch("envoy-reserving");
+    let config = dir.join("api.yaml");
+    write_config(&config, RESERVING);
+    for mode in ["hybrid-strict", "exact"] {
+        while support::load::wall_us() % 60_000_000 > 45_000_000 {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        let server = RlsServer::start(&config, &["--redis-url", &redis.url(), "--mode", mode]);
+        let envoy = Envoy::start_reserving(&[server.grpc_port]);
+        let user = format!("tenant-{mode}");
+        let settled = |outcome: &str, n: f64| {
+            let labels = format!("{{outcome=\"{outcome}\"}}");
+            let count = || server.metric("slicelimit_server_settlements_total", &labels);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            while count() < n {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{mode}: {outcome} settlements did not come:\n{}",
+                    server.log()
+                );
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            assert_eq!(count(), n, "{mode}: {outcome}");
+        };
+        // 800 reserved, 100 used: 700 come back when the stream is done.
+        assert_eq!(envoy.get_reserving(&user, 800, 100).status, 200, "{mode}");
+        settled("refunded", 1.0);
+        // 800 more fit only because they came back; 950 used.
+        assert_eq!(envoy.get_reserving(&user, 800, 950).status, 200, "{mode}");
+        settled("charged", 1.0);
+        // 1,050 of 1,000: over, and a denied request settles nothing.
+        for i in 0..3 {
+            assert_eq!(envoy.get_reserving(&user, 1, 1).status, 429, "{mode} {i}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        settled("unreserved", 0.0);
+        let other = format!("other-{mode}");
+        assert_eq!(envoy.get_reserving(&other, 800, 1).status, 200, "{mode}");
+    }
+    assert_eq!(redis.immortal_keys(), Vec::<String>::new());
+}
+
 /// Tokens charged when a stream is done (Envoy 1.40's
 /// `apply_on_stream_done`, the cost from dynamic metadata) are counted
 /// even past the limit, in both modes: the key's next request is denied

@@ -133,11 +133,14 @@ async fn run(url: &str, args: &Args, mode: &str) -> Outcome {
         limiters.push(limiter);
     }
     let period_us = args.period.as_micros() as u64;
-    // From the next window's start, `windows` full windows.
-    let start = (wall_us() / period_us + 1) * period_us;
+    // From the start of the window after next, `windows` full windows
+    // (the next one warms up).
+    let start = (wall_us() / period_us + 2) * period_us;
     let end = start + args.windows * period_us;
-    // Warm: the run begins a little before the first measured window.
-    let begin = start.saturating_sub(period_us / 10);
+    // Warm: the run begins a window before the first measured one, so
+    // every process has a window of its tenants' demand behind it (what a
+    // running gateway has; a lease is sized by what its process spent).
+    let begin = start.saturating_sub(period_us);
     tokio::time::sleep(Duration::from_micros(begin.saturating_sub(wall_us()))).await;
     let served = Arc::new(Mutex::new(Vec::<Served>::new()));
     let demand = Arc::new(Mutex::new(HashMap::<(usize, u64), u64>::new()));
@@ -170,9 +173,9 @@ async fn run(url: &str, args: &Args, mode: &str) -> Outcome {
                         let output =
                             ((50.0 / u.powf(1.0 / args.alpha)) as u64).min(args.max_tokens);
                         let actual = prompt + output;
+                        let key = format!("tenant-{tenant}");
                         let began = Instant::now();
-                        let reservation =
-                            limiter.reserve(&format!("tenant-{tenant}"), estimate).await;
+                        let reservation = limiter.reserve(&key, estimate).await;
                         let took = began.elapsed().as_nanos() as u64;
                         // The window it was decided in (the store's clock is
                         // this machine's).
@@ -197,11 +200,17 @@ async fn run(url: &str, args: &Args, mode: &str) -> Outcome {
             }));
         }
     }
-    let calls_before: u64 = limiters.iter().map(|l| l.stats().store_calls).sum();
+    // Store calls are counted over the measured windows only: the warm-up
+    // leases the window before them. (Each window's leases go out a little
+    // before it starts, so the count still holds one round of them per
+    // window: the next window's, made before `end`.)
+    let calls = || limiters.iter().map(|l| l.stats().store_calls).sum::<u64>();
+    tokio::time::sleep(Duration::from_micros(start.saturating_sub(wall_us()))).await;
+    let calls_before = calls();
     for handle in handles {
         handle.await.expect("a worker");
     }
-    let store_calls = limiters.iter().map(|l| l.stats().store_calls).sum::<u64>() - calls_before;
+    let store_calls = calls() - calls_before;
     if std::env::var_os("TOKENS_DEBUG").is_some() {
         println!("{mode}: {:?}", limiters[0].stats());
     }

@@ -150,6 +150,17 @@ impl Envoy {
         Envoy::start_with(rls_ports, &filters, POST_HOC_RATE_LIMITS)
     }
 
+    /// Starts Envoy as an LLM gateway that reserves and settles: the
+    /// request reserves `user` at its `x-estimate` (the descriptor carries
+    /// `slicelimit_reserve` with Envoy's `x-request-id`), and when the
+    /// stream is done, settles it at the dynamic metadata `llm.tokens`
+    /// (`slicelimit_settle`, the same request id), which the backend's
+    /// `x-tokens` answer header sets (it echoes the request's `x-cost`).
+    pub fn start_reserving(rls_ports: &[u16]) -> Envoy {
+        let filters = format!("{POST_HOC_METADATA}{}", ratelimit_filter(false));
+        Envoy::start_with(rls_ports, &filters, RESERVING_RATE_LIMITS)
+    }
+
     fn start_with(rls_ports: &[u16], filter: &str, rate_limits: &str) -> Envoy {
         let port = free_port();
         let backend = free_port();
@@ -210,6 +221,18 @@ impl Envoy {
     /// GET / as `user`.
     pub fn get(&self, user: &str) -> Reply {
         get_port(self.port, "/", &[("x-user", user)]).expect("an answer from Envoy")
+    }
+
+    /// GET / as `user`, reserving `estimate` for work the backend says
+    /// cost `cost` (see [`start_reserving`](Envoy::start_reserving)).
+    pub fn get_reserving(&self, user: &str, estimate: u64, cost: u64) -> Reply {
+        let (estimate, cost) = (estimate.to_string(), cost.to_string());
+        let headers = [
+            ("x-user", user),
+            ("x-estimate", &estimate),
+            ("x-cost", &cost),
+        ];
+        get_port(self.port, "/", &headers).expect("an answer from Envoy")
     }
 
     /// GET / as `user`, for work the backend says cost `cost` (see
@@ -365,6 +388,21 @@ const POST_HOC_RATE_LIMITS: &str = r#"                typed_per_filter_config:
                       hits_addend: { number: 0 }
                     - actions:
                       - request_headers: { header_name: x-user, descriptor_key: user }
+                      apply_on_stream_done: true
+                      hits_addend: { format: "%DYNAMIC_METADATA(llm:tokens)%" }
+"#;
+
+const RESERVING_RATE_LIMITS: &str = r#"                typed_per_filter_config:
+                  envoy.filters.http.ratelimit:
+                    "@type": type.googleapis.com/envoy.extensions.filters.http.ratelimit.v3.RateLimitPerRoute
+                    rate_limits:
+                    - actions:
+                      - request_headers: { header_name: x-user, descriptor_key: user }
+                      - request_headers: { header_name: x-request-id, descriptor_key: slicelimit_reserve }
+                      hits_addend: { format: "%REQ(x-estimate)%" }
+                    - actions:
+                      - request_headers: { header_name: x-user, descriptor_key: user }
+                      - request_headers: { header_name: x-request-id, descriptor_key: slicelimit_settle }
                       apply_on_stream_done: true
                       hits_addend: { format: "%DYNAMIC_METADATA(llm:tokens)%" }
 "#;

@@ -78,7 +78,7 @@ impl HybridEngine {
                 Some(now) if held.permits as u64 >= cost => {
                     held.permits -= cost as i64;
                     stock.set(held);
-                    holding.touch(now);
+                    holding.touch(now, cost);
                     let left = holding.permits();
                     *decided = Some(s.spent(holding, left + held.permits, now, cost, held.window));
                     return;
@@ -112,7 +112,7 @@ impl HybridEngine {
                     window,
                     deadline,
                 });
-                holding.touch(now);
+                holding.touch(now, cost);
                 *decided = Some(s.spent(holding, left + permits, now, cost, window));
             }
             (Take::Late { lost, .. }, _) => s.expired(holding, lost as u64),
@@ -136,7 +136,7 @@ impl HybridEngine {
                 if contended && s.stocks && !s.contended.load(Ordering::Relaxed) {
                     s.contended.store(true, Ordering::Relaxed);
                 }
-                holding.touch(now);
+                holding.touch(now, cost);
                 *decided = Some(s.spent(holding, left, now, cost, window));
             }
             missed => *decided = self.fast_missed(holding, cost, missed),
@@ -179,10 +179,18 @@ impl HybridEngine {
                     return None;
                 }
                 let now = s.time.now_us();
-                holding
+                let denial = holding
                     .denied(now)
                     .filter(|&until| s.denial_covers(holding, until, now, cost))
-                    .map(|until| s.cached_denial(holding, until, now, cost))
+                    .map(|until| s.cached_denial(holding, until, now, cost));
+                // A key asked while it is denied is in use: evicted as
+                // idle, it lost what its process spent of it, and its next
+                // window started cold, in a dozen small leases instead of
+                // one (a tenant over its budget for 50 s of every minute).
+                if denial.is_some() {
+                    holding.touch(now, cost);
+                }
+                denial
             }
             // The lease ended (its permits are void): the next window's
             // may be held already.
@@ -212,7 +220,7 @@ impl HybridEngine {
             Take::Taken {
                 left, now, window, ..
             } => {
-                holding.touch(now);
+                holding.touch(now, cost);
                 Some(s.spent(holding, left, now, cost, window))
             }
             _ => None,

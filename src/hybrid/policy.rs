@@ -77,9 +77,15 @@ pub(crate) fn trim_delay_us(period_us: u64, sweep_us: u64) -> u64 {
 /// all requests at per-second windows, at a 5 ms round trip).
 pub(crate) const THIN_ACTIVE_PERIODS: u64 = 6;
 
-/// Idle for this many of its usual gaps between requests, a key's rate
-/// no longer says what it will spend.
-pub(crate) const IDLE_TRIM_GAPS: f64 = 4.0;
+/// Idle for this many of its usual gaps between requests (by its rate and
+/// the cost of a recent request: `Holding::request_gap_us`), a key's rate
+/// no longer says what it will spend. (Counted in permits, a gap was the
+/// time one permit takes: a few milliseconds for requests of 2,000 tokens,
+/// so a key seen about once a second per process gave its lease back at
+/// most pauses and leased again seconds later. Four request gaps pass by
+/// chance alone in most windows of such a key; eight in about one in
+/// forty.)
+pub(crate) const IDLE_TRIM_GAPS: f64 = 8.0;
 
 /// How long a peek that found the window full is believed: a period, at
 /// most a second. The holding is peeked at when, by its rate, it runs out

@@ -1,7 +1,7 @@
 //! Refunds that go back locally: into the lease a permit came from, or
 //! into credit not yet reported, each at most once.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use super::HybridEngine;
 use crate::algorithm::Refunded;
@@ -16,6 +16,12 @@ use crate::error::Error;
 pub(crate) struct LocalRefunds {
     /// Admission → (local µs after which it is forgotten, where it went).
     seen: HashMap<u64, (u64, Went)>,
+    /// The same admissions in the order they were recorded, with their
+    /// ends: forgotten from the front, a few at each record (a scan of
+    /// the whole map at each record, once it was half full, took a
+    /// settlement tens of microseconds and cooled the caches of the
+    /// decisions around it: a reservation's p50 went from 120 to 450 ns).
+    order: VecDeque<(u64, u64)>,
 }
 
 /// Where a refund that could go back locally went.
@@ -37,8 +43,14 @@ impl LocalRefunds {
     /// that this one goes `went`. `Some(Local)` too when there is no room
     /// to remember it (nothing goes back then).
     fn route(&mut self, seq: u64, now: u64, until: u64, went: Went) -> Option<Went> {
-        if self.seen.len() >= MAX_LOCAL_REFUNDS / 2 {
-            self.seen.retain(|_, &mut (end, _)| end > now);
+        while let Some(&(end, old)) = self.order.front() {
+            if end > now {
+                break;
+            }
+            self.order.pop_front();
+            if self.seen.get(&old).is_some_and(|&(e, _)| e == end) {
+                self.seen.remove(&old);
+            }
         }
         if let Some(&(_, before)) = self.seen.get(&seq) {
             return Some(before);
@@ -47,6 +59,7 @@ impl LocalRefunds {
             return Some(Went::Local);
         }
         self.seen.insert(seq, (until, went));
+        self.order.push_back((until, seq));
         None
     }
 
@@ -62,7 +75,15 @@ impl HybridEngine {
     /// it could go back into.
     fn local_refund_horizon(&self, now: u64) -> u64 {
         let s = &*self.shared;
-        now + s.config.load().lease_ttl.as_micros() as u64 + 2 * s.params.period_us + 1_000_000
+        // A window lease's take goes back only into that window's lease,
+        // which ends within a period of the take (and of any refund after
+        // it); a bucket lease's, into the lease it came from.
+        let window = if s.leases.windowed() {
+            s.params.period_us
+        } else {
+            0
+        };
+        now + s.config.load().lease_ttl.as_micros() as u64 + window + 1_000_000
     }
 
     /// Gives `taken` back into the lease (or credit) it came from, once

@@ -26,6 +26,7 @@ mod all;
 mod builder;
 mod lane;
 mod quotas;
+mod receipt;
 mod reserve;
 mod tiers;
 mod undo;
@@ -33,6 +34,7 @@ mod undo;
 pub use all::{check_all, check_each, refund_all};
 pub use builder::Builder;
 use quotas::Quotas;
+pub use receipt::Receipt;
 pub use reserve::{Charge, Reservation, Reserve, Settled};
 
 /// The most quotas one limiter enforces on a key (see [`Builder::and`]).

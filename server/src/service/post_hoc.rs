@@ -4,13 +4,18 @@
 use super::{Counted, Decided};
 
 /// A post-hoc rule's hit (see `Rule::post_hoc`): its cost charged
-/// whatever is left, then what is left looked at. A charge is over when
-/// part of it went past the limit (a charge that uses the budget up
-/// exactly is not, as the reference counts it); an ask (a hit of 0) when
-/// nothing is left.
+/// whatever is left, then what is left looked at.
 pub(super) async fn post_hoc(p: &Counted) -> Decided {
-    let past = if p.cost > 0 {
-        let charge = p.limiter.charge(&p.key, p.cost).await;
+    charged(p, p.cost).await
+}
+
+/// `cost` of `p` charged whatever is left, then what is left looked at. A
+/// charge is over when part of it went past the limit (a charge that uses
+/// the budget up exactly is not, as the reference counts it); an ask (a
+/// hit of 0) when nothing is left.
+pub(super) async fn charged(p: &Counted, cost: u64) -> Decided {
+    let past = if cost > 0 {
+        let charge = p.limiter.charge(&p.key, cost).await;
         Some(charge.past_limit().unwrap_or(u64::from(charge.exhausted())))
     } else {
         None
@@ -25,5 +30,6 @@ pub(super) async fn post_hoc(p: &Counted) -> Decided {
         over,
         peeked: false,
         past,
+        hits: None,
     }
 }

@@ -104,7 +104,9 @@ pub(super) fn prelease_if_active(
     // Used in this window, or within its last few usual gaps (a thin
     // holder with one request a window skips about a third of them).
     let active = now.saturating_sub(idle_us) >= window_start
-        || (rate > 0.0 && (idle_us as f64) < IDLE_TRIM_GAPS / rate)
+        || holding
+            .request_gap_us(rate)
+            .is_some_and(|gap| (idle_us as f64) < IDLE_TRIM_GAPS * gap)
         || (books.sizing.thin() && idle_us < THIN_ACTIVE_PERIODS * shared.params.period_us);
     let due = to_end
         <= plan.lead
@@ -171,7 +173,10 @@ pub(super) fn trim_idle(shared: &Shared, holding: &Holding, idle_ms: u64, now: u
         return;
     }
     let rate = holding.books().sizing.rate_per_us();
-    if rate > 0.0 && (idle_us as f64) < IDLE_TRIM_GAPS / rate {
+    if holding
+        .request_gap_us(rate)
+        .is_some_and(|gap| (idle_us as f64) < IDLE_TRIM_GAPS * gap)
+    {
         return;
     }
     if let Some(Trimmed { permits, window }) = holding.trim(keep, now) {

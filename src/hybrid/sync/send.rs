@@ -557,6 +557,16 @@ pub(super) fn lease_call(
             ahead_cap = (shared.params.limit / THIN_AHEAD_CAP_DIVISOR).max(1);
         }
         want = want.min(earned).max(need);
+        // What the process spent of the key in a whole window it can
+        // spend in the next (pro rata in what is left of this one): the
+        // rate, an average, decays to nothing while the key is denied,
+        // and a key spent to its limit by mid-window began the next
+        // window in a dozen leases instead of one.
+        if let (Some(spent), Some(left)) = (books.sizing.per_window(), time_left) {
+            let pro_rata = (u128::from(spent) * u128::from(left.min(period))
+                / u128::from(period.max(1))) as u64;
+            ceiling = ceiling.max(pro_rata.min(config.max_lease));
+        }
         ceiling = ceiling.min(earned).max(want);
     }
     // Window leases have an identity; after a lost reply the next one
