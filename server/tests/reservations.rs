@@ -94,10 +94,13 @@ async fn a_reservation_settles_on_another_replica() {
             assert!(is_ok(&reserved), "{what}: {reserved:?}");
             let settled = call(&b, key, &who, Some((SETTLE_ENTRY, "req-1")), 100).await;
             assert!(is_ok(&settled), "{what}: {settled:?}");
-            // A second request of 800 fits only because they came back.
-            let second = call(&b, key, &who, Some((RESERVE_ENTRY, "req-2")), 800).await;
+            // A second request of 600 fits only because they came back.
+            // (In hybrid mode `a` may still hold what its lease took
+            // beyond the 800: 600 fit in what Redis has, with the refund,
+            // whatever `a` holds, and without it in none of the cases.)
+            let second = call(&b, key, &who, Some((RESERVE_ENTRY, "req-2")), 600).await;
             assert!(is_ok(&second), "{what}: the refund did not land");
-            // It used 950: 150 more, past the limit (1,050 of 1,000).
+            // It used 950: 350 more, past the limit (1,050 of 1,000).
             let settled = call(&a, key, &who, Some((SETTLE_ENTRY, "req-2")), 950).await;
             assert!(!is_ok(&settled), "{what}: 50 past the limit is over");
             // Delivered twice: counted once.
