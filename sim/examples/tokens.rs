@@ -14,8 +14,9 @@
 //! 50–2,000 tokens (uniform), `max_tokens`, and an output drawn from a
 //! Pareto tail up to `max_tokens`; it reserves prompt + `max_tokens` and
 //! settles to prompt + output. Open loop at `--rate` requests per second
-//! over all processes. Reported per mode, over the full windows of the
-//! run: store calls per 1,000 requests; tokens charged beyond a tenant's
+//! over all processes, from a full window of warm-up (a running gateway's
+//! processes know their tenants). Reported per mode, over the measured
+//! windows: store calls per 1,000 requests (made within them); tokens charged beyond a tenant's
 //! limit in a window (the bound: the overruns settled there, 0 here since
 //! no output exceeds `max_tokens`); budget used by tenants whose demand
 //! exceeded it; the reservation's decision time.
