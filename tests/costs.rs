@@ -691,3 +691,62 @@ async fn a_receipt_crosses_processes_on_redis() {
     assert_eq!(b.check("k", 0).await.remaining(), 700);
     assert_eq!(server.immortal_keys(), Vec::<String>::new());
 }
+
+/// Two hybrid processes; one reserves 800 of 1,000 (its lease takes the
+/// whole budget) and 700 go back to the store through a receipt. Then
+/// both keep asking for 800 once a second: one is admitted well within
+/// the window, minutes before its end, whatever the period. (A request
+/// denied counted as use once, and the 200 the first process still held
+/// were never trimmed while it kept asking: nothing was admitted for the
+/// rest of the window.)
+#[tokio::test(start_paused = true)]
+async fn what_a_settlement_gives_back_is_not_stranded_by_a_process_still_asking() {
+    for period in [Duration::from_secs(60), Duration::from_secs(3_600)] {
+        // A second into an hour (and a minute).
+        let clock = VirtualClock::new(Duration::from_secs(1_699_999_201));
+        let store = MemoryStore::with_clock(clock.clone());
+        let quota = Quota::new(1_000, period).unwrap();
+        let ns = format!("stranded-{}", period.as_secs());
+        let a = build(
+            &ns,
+            &[quota],
+            Algorithm::FixedWindow,
+            Mode::Strict,
+            &clock,
+            store.clone(),
+        );
+        let b = build(
+            &ns,
+            &[quota],
+            Algorithm::FixedWindow,
+            Mode::Strict,
+            &clock,
+            store.clone(),
+        );
+        let e = build(
+            &ns,
+            &[quota],
+            Algorithm::FixedWindow,
+            Mode::Exact,
+            &clock,
+            store.clone(),
+        );
+        let taken = a.check("k", 800).await;
+        assert!(taken.is_allowed());
+        settle_down().await;
+        let receipt = taken.receipt().expect("a window lease's receipt");
+        assert_eq!(e.refund_receipt("k", &receipt, 700).await, 700);
+        let mut waited = Duration::ZERO;
+        loop {
+            if b.check("k", 800).await.is_allowed() || a.check("k", 800).await.is_allowed() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            waited += Duration::from_secs(1);
+            assert!(
+                waited < Duration::from_secs(45),
+                "{period:?}: 800 of the 900 left not admitted after {waited:?}"
+            );
+        }
+    }
+}

@@ -48,16 +48,26 @@ impl Record {
 /// The memory store's value of a reservation's key.
 #[derive(Debug, Clone)]
 enum Kept {
-    Ready(String),
-    Taken { by: String, record: String },
+    Ready {
+        by: String,
+        record: String,
+    },
+    Taken {
+        by: String,
+        record: String,
+    },
+    /// Reserved twice under one identity: nothing to settle against.
+    Spoilt,
 }
 
-/// Keeps `record` under `key` for `ttl_ms`, unless a record is kept there
-/// already.
+/// Keeps `record` under `key` for `ttl_ms`, as the request `by`. Another
+/// request's record under the same key spoils both (see the script).
 #[derive(Debug)]
 pub struct Keep<'a> {
     /// Where it is kept.
     pub key: &'a str,
+    /// The reserving call's identity.
+    pub by: &'a str,
     /// What is kept.
     pub record: &'a Record,
     /// How long, ms.
@@ -75,22 +85,34 @@ impl Call for Keep<'_> {
 
     fn args(&self, args: &mut Vec<Arg>) {
         args.push(Arg::Text("put".into()));
+        args.push(Arg::Text(self.by.to_owned().into()));
         args.push(Arg::Text(self.record.text().into()));
         args.push(Arg::Uint(self.ttl_ms.max(1)));
     }
 
     fn mirror(&self, memory: &mut Memory<'_>) -> Result<Vec<i64>, Error> {
-        if memory.get::<Kept>(self.key).is_some() {
-            return Ok(vec![0]);
+        match memory.get::<Kept>(self.key) {
+            None => {
+                let expires = memory.now_us() + self.ttl_ms.max(1) * 1_000;
+                let kept = Kept::Ready {
+                    by: self.by.to_owned(),
+                    record: self.record.text(),
+                };
+                memory.set(self.key, kept, expires);
+                Ok(vec![1])
+            }
+            Some(Kept::Ready { by, .. }) if by == self.by => Ok(vec![1]),
+            Some(kept) => {
+                *kept = Kept::Spoilt;
+                Ok(vec![0])
+            }
         }
-        let expires = memory.now_us() + self.ttl_ms.max(1) * 1_000;
-        memory.set(self.key, Kept::Ready(self.record.text()), expires);
-        Ok(vec![1])
     }
 }
 
 impl Script for Keep<'_> {
-    /// Whether this call kept it (`false`: one was kept already).
+    /// Whether this call kept it (`false`: another request's was kept
+    /// under the same key, and both are spoilt).
     type Reply = bool;
 
     fn parse(&self, values: Vec<i64>) -> Result<bool, Error> {
@@ -130,7 +152,7 @@ impl Call for Take<'_> {
             return Ok(Vec::new());
         };
         let record = match kept.clone() {
-            Kept::Ready(record) => {
+            Kept::Ready { record, .. } => {
                 *kept = Kept::Taken {
                     by: self.by.to_owned(),
                     record: record.clone(),
@@ -139,6 +161,7 @@ impl Call for Take<'_> {
             }
             Kept::Taken { by, record } if by == self.by => record,
             Kept::Taken { .. } => return Ok(vec![0]),
+            Kept::Spoilt => return Ok(Vec::new()),
         };
         Ok(record.bytes().map(i64::from).collect())
     }
@@ -151,7 +174,7 @@ pub enum Found {
     Kept(Record),
     /// Taken by another call: settled already.
     Settled,
-    /// None kept: never made, or expired.
+    /// None kept: never made, reserved twice, or expired.
     Nothing,
 }
 
@@ -192,29 +215,28 @@ mod tests {
             estimate: 800,
             receipt: Some(receipt),
         };
-        let keep = Keep {
-            key: "k",
+        let keep = |key, by| Keep {
+            key,
+            by,
             record: &record,
             ttl_ms: 60_000,
         };
-        assert!(store.run_now(&keep).unwrap());
+        assert!(store.run_now(&keep("k", "p")).unwrap());
         // A second delivery changes nothing.
-        assert!(!store.run_now(&keep).unwrap());
-        let take = |by| store.run_now(&Take { key: "k", by }).unwrap();
-        assert_eq!(take("a"), Found::Kept(record.clone()));
+        assert!(store.run_now(&keep("k", "p")).unwrap());
+        let take = |key, by| store.run_now(&Take { key, by }).unwrap();
+        assert_eq!(take("k", "a"), Found::Kept(record.clone()));
         // Sent again by the same call: the same record; by another: it
         // was settled.
-        assert_eq!(take("a"), Found::Kept(record));
-        assert_eq!(take("b"), Found::Settled);
-        assert_eq!(
-            store
-                .run_now(&Take {
-                    key: "other",
-                    by: "a"
-                })
-                .unwrap(),
-            Found::Nothing
-        );
+        assert_eq!(take("k", "a"), Found::Kept(record.clone()));
+        assert_eq!(take("k", "b"), Found::Settled);
+        assert_eq!(take("other", "a"), Found::Nothing);
+        // Reserved by two requests under one identity: nothing to settle
+        // against, however often asked.
+        assert!(store.run_now(&keep("twice", "p")).unwrap());
+        assert!(!store.run_now(&keep("twice", "q")).unwrap());
+        assert_eq!(take("twice", "a"), Found::Nothing);
+        assert_eq!(take("twice", "b"), Found::Nothing);
     }
 
     #[test]

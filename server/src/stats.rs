@@ -28,13 +28,15 @@ pub const OVERRIDES_IGNORED: &str = "slicelimit_server_overrides_ignored_total";
 /// Live limiters of requests' own `limit`s, by `domain`.
 pub const OVERRIDES_LIVE: &str = "slicelimit_server_overrides_live";
 /// Settlements of reservations (`slicelimit_settle`), by `outcome`:
-/// `charged` (the work cost more than reserved), `refunded` (less),
-/// `exact`, `again` (settled before: nothing), `unreserved` (no
-/// reservation found: charged in full).
+/// `charged` (the work cost more than reserved), `refunded` (less, given
+/// back), `expired` (less, but its window had ended), `exact`, `again`
+/// (settled before: nothing), `unreserved` (no reservation found, or two
+/// under one identity: charged in full).
 pub const SETTLEMENTS: &str = "slicelimit_server_settlements_total";
 /// Reservations (`slicelimit_reserve`) of passing requests, by `result`:
-/// `kept` for their settlement, `duplicate` (one of the same identity was
-/// kept), `failed` (the store did not answer).
+/// `kept` for their settlement, `duplicate` (another request's was kept
+/// under the same identity: both settle unreserved), `failed` (the store
+/// did not answer).
 pub const RESERVATIONS: &str = "slicelimit_server_reservations_total";
 /// Configuration loads, by `result`: `ok` or `error`.
 pub const CONFIG_LOADS: &str = "slicelimit_server_config_loads_total";

@@ -7,16 +7,11 @@
 mod rls;
 use slicelimit_sim as support;
 
-use std::sync::Arc;
-
-use arc_swap::ArcSwap;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use rls::{descriptor, is_ok, request};
-use slicelimit::{FailurePolicy, RedisStore};
-use slicelimit_server::config::Config;
 use slicelimit_server::service::{RateLimiter, RESERVE_ENTRY, SETTLE_ENTRY};
-use slicelimit_server::table::{Mode, Settings, Table};
+use slicelimit_server::table::Mode;
 use support::load::wall_us;
 use support::RedisServer;
 
@@ -30,18 +25,7 @@ descriptors:
 ";
 
 async fn service(redis: &RedisServer, mode: Mode) -> RateLimiter {
-    let store = RedisStore::connect_with(&redis.url(), support::test_options())
-        .await
-        .expect("connect to the test Redis");
-    let settings = Settings {
-        store: store.into(),
-        mode,
-        on_store_error: FailurePolicy::FailClosed,
-        merge_domains: false,
-    };
-    let config = Config::parse("llm.yaml", CONFIG).expect("parses");
-    let (table, _) = Table::build(vec![config], &settings, None).expect("builds");
-    RateLimiter::new(Arc::new(ArcSwap::from_pointee(table)), settings)
+    rls::service_on(redis, mode, CONFIG).await
 }
 
 /// One descriptor `key: who` (and `role: id`, if any) of `hits`.

@@ -183,12 +183,14 @@ impl HybridEngine {
                     .denied(now)
                     .filter(|&until| s.denial_covers(holding, until, now, cost))
                     .map(|until| s.cached_denial(holding, until, now, cost));
-                // A key asked while it is denied is in use: evicted as
-                // idle, it lost what its process spent of it, and its next
-                // window started cold, in a dozen small leases instead of
-                // one (a tenant over its budget for 50 s of every minute).
+                // A key asked while it is denied is in use, though idle
+                // (what it holds is not spent: a trim may give it back).
+                // Evicted, it lost what its process spent of it, and its
+                // next window started cold, in a dozen small leases
+                // instead of one (a tenant over its budget for 50 s of
+                // every minute).
                 if denial.is_some() {
-                    holding.touch(now, cost);
+                    holding.mark_asked();
                 }
                 denial
             }

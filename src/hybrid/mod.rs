@@ -361,14 +361,7 @@ impl HybridEngine {
                 && holding
                     .window()
                     .is_some_and(|window| holding.books().used_up(window));
-            // Nor once the holding's lease is void (past its deadline, the
-            // clock margin before its window ends): a refill then asks for
-            // the next window, and with a slice of it held, asking again
-            // only fetches more of it (two waiters near a minute's end
-            // once took 38 slices of a tenant's next minute in 7 ms, all
-            // its budget, into one process).
-            let void = now >= holding.deadline();
-            if next_start.is_none_or(|start| start > now + soon && !used_up && !void) {
+            if next_start.is_none_or(|start| start > now + soon && !used_up) {
                 s.request_refill(&holding, true);
             }
             if holding.refill_failed() {

@@ -69,6 +69,15 @@ pub(crate) fn trim_delay_us(period_us: u64, sweep_us: u64) -> u64 {
     period_us / IDLE_TRIM_DIVISOR + sweep_us
 }
 
+/// When the first denial after a calm spell asks the store once more:
+/// once an idle holder's surplus could have gone back
+/// ([`trim_delay_us`]), or, sooner, once a holder asked and denied has
+/// given its surplus back at maintenance's next look and a holder idle
+/// for `idle_ttl` has been evicted (its permits returned), a sweep after.
+pub(crate) fn recheck_delay_us(period_us: u64, idle_ttl_us: u64, sweep_us: u64) -> u64 {
+    trim_delay_us(period_us, sweep_us).min(idle_ttl_us.saturating_add(sweep_us))
+}
+
 /// A thin holder counts as active, and is pre-leased, until it has been
 /// idle this many periods (its rate, sampled at its few lease calls, is
 /// biased upward: four of its gaps by the rate were one or two windows,
@@ -229,6 +238,30 @@ pub(crate) fn runs_out_early(g: &Granted, remaining: u64, max_lease: u64) -> boo
 /// a holder's requests in a window vary as much as their number.
 pub(crate) fn thin_want(per_window: u64) -> u64 {
     2 * per_window + 4
+}
+
+/// A window lease's ask: what it wants, the most it takes (the script's
+/// `ceiling`), and a thin holder's pre-lease cap (0: none).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WindowAsk {
+    pub(crate) want: u64,
+    pub(crate) ceiling: u64,
+    pub(crate) ahead_cap: u64,
+}
+
+/// What a window lease's ask is shaped by, besides the sizing.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WindowTerms {
+    /// The largest cost waiting.
+    pub(crate) need: u64,
+    /// A lease of the next window, ahead of it.
+    pub(crate) ahead: bool,
+    /// What is left of the window asked for.
+    pub(crate) time_left_us: Option<u64>,
+    pub(crate) period_us: u64,
+    pub(crate) limit: u64,
+    pub(crate) min_lease: u64,
+    pub(crate) max_lease: u64,
 }
 
 /// Per-key sizing state: updated by the sync task (and by a promotion of
@@ -460,6 +493,36 @@ impl Sizing {
             cold
         };
         usable.max(want).min(max_lease.max(want))
+    }
+
+    /// A window lease's ask from the rate's (`rate`): earned by use (see
+    /// [`EARNED_FLOOR_DIVISOR`]: what a burst seemed to promise is not
+    /// taken from processes that keep asking); a thin holder's pre-lease
+    /// what its next window will likely use, only while the key is far
+    /// under its limit (the store checks; see [`Sizing::thin`]); and at
+    /// least what the process spent of the key in a whole recent window,
+    /// pro rata in what is left of this one (the rate, an average, decays
+    /// to nothing while the key is denied, and a key spent to its limit by
+    /// mid-window began the next window in a dozen leases instead of one).
+    pub(crate) fn window_ask(&self, rate: WindowAsk, t: &WindowTerms) -> WindowAsk {
+        let earned = self.earned(t.limit, t.min_lease);
+        let (mut want, mut ahead_cap) = (rate.want, rate.ahead_cap);
+        if let Some(used) = self.per_window().filter(|_| t.ahead && self.thin()) {
+            want = want.max(thin_want(used));
+            ahead_cap = (t.limit / THIN_AHEAD_CAP_DIVISOR).max(1);
+        }
+        let want = want.min(earned).max(t.need);
+        let mut ceiling = rate.ceiling;
+        if let (Some(spent), Some(left)) = (self.per_window(), t.time_left_us) {
+            let pro_rata = (u128::from(spent) * u128::from(left.min(t.period_us))
+                / u128::from(t.period_us.max(1))) as u64;
+            ceiling = ceiling.max(pro_rata.min(t.max_lease));
+        }
+        WindowAsk {
+            want,
+            ceiling: ceiling.min(earned).max(want),
+            ahead_cap,
+        }
     }
 }
 

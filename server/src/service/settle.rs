@@ -101,15 +101,18 @@ pub(super) async fn keep(store: &Store, p: &Counted, id: &str, decision: &Decisi
     };
     let key = record_key(p, id);
     let ttl_ms = kept_for(p).as_millis() as u64;
+    let by = format!("{:x}", rand_id());
     let call = Keep {
         key: &key,
+        by: &by,
         record: &record,
         ttl_ms,
     };
     let result = match store.run(&call).await {
         Ok(true) => "kept",
         // Another reservation of the same identity: request ids must be
-        // unique (see docs/envoy.md); this one settles as unreserved.
+        // unique (see docs/envoy.md).
+        // (Both are spoilt: each of their settlements is charged whole.)
         Ok(false) => "duplicate",
         Err(_) => "failed",
     };
@@ -131,12 +134,17 @@ pub(super) async fn settle(store: &Store, p: &Counted, id: &str) -> Decided {
             if p.cost > estimate {
                 (p.cost - estimate, "charged")
             } else if p.cost < estimate {
-                if let Some(receipt) = receipt {
-                    p.limiter
-                        .refund_receipt(&p.key, &receipt, estimate - p.cost)
-                        .await;
-                }
-                (0, "refunded")
+                let back = match receipt {
+                    Some(receipt) => {
+                        p.limiter
+                            .refund_receipt(&p.key, &receipt, estimate - p.cost)
+                            .await
+                    }
+                    None => 0,
+                };
+                // Nothing back: its window ended (or its quota changed, or
+                // a hybrid bucket lease has no receipt).
+                (0, if back > 0 { "refunded" } else { "expired" })
             } else {
                 (0, "exact")
             }

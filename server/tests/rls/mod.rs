@@ -11,6 +11,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 
 use slicelimit_sim::free_port;
+use slicelimit_sim::RedisServer;
 
 /// One `slicelimit-server` process.
 pub struct RlsServer {
@@ -197,4 +198,29 @@ pub fn write_config(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp");
     std::fs::write(&tmp, text).expect("write the configuration");
     std::fs::rename(&tmp, path).expect("move the configuration into place");
+}
+
+/// The service in process, on `redis`, in `mode`, answering from the
+/// domain file `config` (fail-closed, as a test wants to see errors).
+pub async fn service_on(
+    redis: &RedisServer,
+    mode: slicelimit_server::table::Mode,
+    config: &str,
+) -> slicelimit_server::service::RateLimiter {
+    use slicelimit_server::table::{Settings, Table};
+    let store = slicelimit::RedisStore::connect_with(&redis.url(), slicelimit_sim::test_options())
+        .await
+        .expect("connect to the test Redis");
+    let settings = Settings {
+        store: store.into(),
+        mode,
+        on_store_error: slicelimit::FailurePolicy::FailClosed,
+        merge_domains: false,
+    };
+    let config = slicelimit_server::config::Config::parse("test.yaml", config).expect("parses");
+    let (table, _) = Table::build(vec![config], &settings, None).expect("builds");
+    slicelimit_server::service::RateLimiter::new(
+        std::sync::Arc::new(arc_swap::ArcSwap::from_pointee(table)),
+        settings,
+    )
 }

@@ -157,6 +157,9 @@ pub(crate) struct Holding {
     refill_failed: AtomicBool,
     /// Removed from the map; whoever still holds it must look the key up again.
     evicted: AtomicBool,
+    /// Asked (and denied from what it knows) since maintenance last
+    /// looked: in use, so not evicted, though idle for trims.
+    asked: AtomicBool,
     /// Largest cost a waiting request needs (so the next lease covers it).
     need: AtomicU32,
     /// Last use, local milliseconds (wrapping), for idle eviction (the
@@ -237,6 +240,7 @@ impl Holding {
             swept_ahead: AtomicBool::new(false),
             refill_failed: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
+            asked: AtomicBool::new(false),
             need: AtomicU32::new(0),
             last_used: AtomicU64::new(used_word(millis(now), 1)),
             store_remaining: AtomicU32::new(0),
@@ -414,6 +418,20 @@ impl Holding {
         if (self.last_used.load(Ordering::Relaxed) >> 32) as u32 != ms {
             self.last_used.store(used_word(ms, cost), Ordering::Relaxed);
         }
+    }
+
+    /// Records a request denied from what the holding knows: the key is in
+    /// use (see [`Holding::take_asked`]).
+    #[inline]
+    pub(crate) fn mark_asked(&self) {
+        if !self.asked.load(Ordering::Relaxed) {
+            self.asked.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the key was asked since the last call (which forgets it).
+    pub(crate) fn take_asked(&self) -> bool {
+        self.asked.load(Ordering::Relaxed) && self.asked.swap(false, Ordering::Relaxed)
     }
 
     /// The usual time between requests, µs, by `rate` (permits per µs)

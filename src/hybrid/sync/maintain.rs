@@ -160,10 +160,15 @@ pub(super) fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
 /// per-second long tail from 4.7 to 18 round trips per 1,000 decisions,
 /// give-backs of keys between two requests); a thin key holds less than
 /// the floor anyway.
-pub(super) fn trim_idle(shared: &Shared, holding: &Holding, idle_ms: u64, now: u64) {
+///
+/// A holding `asked` since the last look, and denied from what it knew
+/// (it holds less than those requests cost), gives back at once what it
+/// holds above the floor: those permits cannot serve the requests that
+/// keep coming, and another process may need them for one.
+pub(super) fn trim_idle(shared: &Shared, holding: &Holding, idle_ms: u64, now: u64, asked: bool) {
     let period = shared.params.period_us;
     let idle_us = idle_ms.saturating_mul(1_000);
-    if !shared.leases.windowed() || idle_us < period / IDLE_TRIM_DIVISOR {
+    if !shared.leases.windowed() || (!asked && idle_us < period / IDLE_TRIM_DIVISOR) {
         return;
     }
     let keep = (shared.params.limit / crate::hybrid::policy::EARNED_FLOOR_DIVISOR)
@@ -173,9 +178,10 @@ pub(super) fn trim_idle(shared: &Shared, holding: &Holding, idle_ms: u64, now: u
         return;
     }
     let rate = holding.books().sizing.rate_per_us();
-    if holding
-        .request_gap_us(rate)
-        .is_some_and(|gap| (idle_us as f64) < IDLE_TRIM_GAPS * gap)
+    if !asked
+        && holding
+            .request_gap_us(rate)
+            .is_some_and(|gap| (idle_us as f64) < IDLE_TRIM_GAPS * gap)
     {
         return;
     }
@@ -247,11 +253,13 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
             .stranded
             .add(holding.expire_next(now) as u64);
         let idle_for = holding.idle_ms(now);
-        trim_idle(shared, holding, idle_for, now);
+        // (A key denied from what its holding knows is asked, not idle.)
+        let asked = holding.take_asked();
+        trim_idle(shared, holding, idle_for, now, asked);
         if let Some(plan) = &plan {
             prelease_if_active(shared, holding, now, idle_for, plan);
         }
-        if idle_for * 1_000 >= idle_us && !holding.refill_pending() {
+        if idle_for * 1_000 >= idle_us && !holding.refill_pending() && !asked {
             idle.push((idle_for, entry.key().clone()));
         } else if over > 0 {
             all.push((idle_for, entry.key().clone()));

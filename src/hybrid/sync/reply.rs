@@ -23,8 +23,8 @@ use crate::hybrid::holding::Holding;
 use crate::hybrid::holding::Installed;
 use crate::hybrid::holding::NextLease;
 use crate::hybrid::policy::low_water;
+use crate::hybrid::policy::recheck_delay_us;
 use crate::hybrid::policy::runs_out_early;
-use crate::hybrid::policy::trim_delay_us;
 use crate::hybrid::policy::Granted;
 use crate::hybrid::shared::Shared;
 use std::sync::atomic::Ordering;
@@ -259,11 +259,12 @@ pub(super) fn lease_answered(
                 .is_none_or(|before| before.saturating_add(shared.params.period_us) <= t1);
             if windowed && calm {
                 // The first denial after a calm spell asks once more, after
-                // the time an idle holder takes to give back what it will
-                // not spend (`trim_idle`): a window fully leased is not
-                // always fully spent. That re-check is not what the client
+                // the time other holders take to give back what they will
+                // not spend (`recheck_delay_us`): a window fully leased is
+                // not always fully spent. That re-check is not what the client
                 // is told: the window's end is.
-                let recheck = t1 + trim_delay_us(shared.params.period_us, sweep_us());
+                let idle_ttl = config.idle_ttl.as_micros() as u64;
+                let recheck = t1 + recheck_delay_us(shared.params.period_us, idle_ttl, sweep_us());
                 holding.deny_for(recheck, until, p.call.cost);
             } else {
                 // The store said when the waiting request's cost fits

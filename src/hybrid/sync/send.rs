@@ -20,9 +20,8 @@ use crate::failure::Report;
 use crate::hybrid::config::Ablation;
 use crate::hybrid::config::HybridConfig;
 use crate::hybrid::holding::Holding;
-use crate::hybrid::policy::thin_want;
 use crate::hybrid::policy::SizingRule;
-use crate::hybrid::policy::THIN_AHEAD_CAP_DIVISOR;
+use crate::hybrid::policy::{WindowAsk, WindowTerms};
 use crate::hybrid::shared::Shared;
 use futures_util::future::join_all;
 use std::sync::atomic::Ordering;
@@ -538,36 +537,25 @@ pub(super) fn lease_call(
         (shared.params.limit.max(shared.params.burst) / 32).max(1),
         config.max_lease,
     );
-    // A window lease is earned by use (see `policy::EARNED_FLOOR_DIVISOR`):
-    // what a burst seemed to promise is not taken from processes that
-    // keep asking.
-    let mut want = want;
-    let mut ahead_cap = 0;
+    let (mut want, mut ahead_cap) = (want, 0);
     if windowed {
-        let earned = books.sizing.earned(shared.params.limit, config.min_lease);
-        // A thin holder's pre-lease: what its next window will likely
-        // use, only while the key is far under its limit (the store
-        // checks; see `Sizing::thin`).
-        if let Some(used) = books
-            .sizing
-            .per_window()
-            .filter(|_| ahead && books.sizing.thin())
-        {
-            want = want.max(thin_want(used));
-            ahead_cap = (shared.params.limit / THIN_AHEAD_CAP_DIVISOR).max(1);
-        }
-        want = want.min(earned).max(need);
-        // What the process spent of the key in a whole window it can
-        // spend in the next (pro rata in what is left of this one): the
-        // rate, an average, decays to nothing while the key is denied,
-        // and a key spent to its limit by mid-window began the next
-        // window in a dozen leases instead of one.
-        if let (Some(spent), Some(left)) = (books.sizing.per_window(), time_left) {
-            let pro_rata = (u128::from(spent) * u128::from(left.min(period))
-                / u128::from(period.max(1))) as u64;
-            ceiling = ceiling.max(pro_rata.min(config.max_lease));
-        }
-        ceiling = ceiling.min(earned).max(want);
+        let ask = books.sizing.window_ask(
+            WindowAsk {
+                want,
+                ceiling,
+                ahead_cap: 0,
+            },
+            &WindowTerms {
+                need,
+                ahead,
+                time_left_us: time_left,
+                period_us: period,
+                limit: shared.params.limit,
+                min_lease: config.min_lease,
+                max_lease: config.max_lease,
+            },
+        );
+        (want, ceiling, ahead_cap) = (ask.want, ask.ceiling, ask.ahead_cap);
     }
     // Window leases have an identity; after a lost reply the next one
     // reuses it (see `LeaseCall::lease_id`).
