@@ -22,6 +22,12 @@ descriptors:
   - key: metered
     rate_limit: { unit: hour, requests_per_unit: 1000 }
     slicelimit: { post_hoc: true }
+  - key: preview
+    rate_limit: { unit: hour, requests_per_unit: 1000 }
+    shadow_mode: true
+  - key: quota
+    rate_limit: { unit: hour, requests_per_unit: 1000 }
+    quota_mode: true
 ";
 
 async fn service(redis: &RedisServer, mode: Mode) -> RateLimiter {
@@ -158,5 +164,52 @@ async fn bad_reservation_entries_are_refused() {
             .unwrap_err();
         assert_eq!(err.code(), tonic::Code::InvalidArgument, "{entries:?}");
         assert!(err.message().contains("slicelimit_"), "{err}");
+    }
+}
+
+/// One identity reserved by two requests (a client that sends its own
+/// `x-request-id` twice) spoils both: each settlement charges its whole
+/// cost, so the work is never cheaper than it was. (Once, the second
+/// reservation was not kept and its settlement found the first's taken:
+/// 800 of work counted 401.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_identity_reserved_twice_charges_both_settlements_whole() {
+    let redis = RedisServer::start();
+    in_one_hour().await;
+    for mode in modes() {
+        let service = service(&redis, mode).await;
+        let who = format!("{mode:?}-twice");
+        for _ in 0..2 {
+            let reserved = call(&service, "tenant", &who, Some((RESERVE_ENTRY, "X")), 1).await;
+            assert!(is_ok(&reserved), "{mode:?}");
+        }
+        for _ in 0..2 {
+            call(&service, "tenant", &who, Some((SETTLE_ENTRY, "X")), 400).await;
+        }
+        let fresh = rls::service_on(&redis, Mode::Exact, CONFIG).await;
+        let left = left(&fresh, "tenant", &who).await;
+        assert!(left <= 200, "{mode:?}: 800 of work counted as {}", 1_000 - left);
+    }
+}
+
+/// A shadow or quota-mode rule's reservation counts, and is kept, like an
+/// enforced one's: reserved 800, settled at 100, 900 are left. (Once a
+/// shadow rule's was not kept: its settlement charged 100 more on top of
+/// the 800, and a preview showed the tenant over far too early.) Exact
+/// mode: what Redis counts is then what was spent (a hybrid replica's
+/// lease counts there before it is spent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_or_quota_rule_settles_its_reservation() {
+    let redis = RedisServer::start();
+    in_one_hour().await;
+    for mode in [Mode::Exact] {
+        for key in ["preview", "quota"] {
+            let service = service(&redis, mode).await;
+            let who = format!("{mode:?}-{key}");
+            call(&service, key, &who, Some((RESERVE_ENTRY, "r")), 800).await;
+            call(&service, key, &who, Some((SETTLE_ENTRY, "r")), 100).await;
+            let fresh = rls::service_on(&redis, Mode::Exact, CONFIG).await;
+            assert_eq!(left(&fresh, key, &who).await, 900, "{mode:?} {key}");
+        }
     }
 }
