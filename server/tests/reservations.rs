@@ -84,13 +84,14 @@ async fn a_reservation_settles_on_another_replica() {
             assert!(is_ok(&reserved), "{what}: {reserved:?}");
             let settled = call(&b, key, &who, Some((SETTLE_ENTRY, "req-1")), 100).await;
             assert!(is_ok(&settled), "{what}: {settled:?}");
-            // A second request of 600 fits only because they came back.
+            // A second request of 400 fits only because they came back.
             // (In hybrid mode `a` may still hold what its lease took
-            // beyond the 800: 600 fit in what Redis has, with the refund,
+            // beyond the 800, and `b`, one of two holders, is granted at
+            // most half the window at once: 400 fit with the refund
             // whatever `a` holds, and without it in none of the cases.)
-            let second = call(&b, key, &who, Some((RESERVE_ENTRY, "req-2")), 600).await;
+            let second = call(&b, key, &who, Some((RESERVE_ENTRY, "req-2")), 400).await;
             assert!(is_ok(&second), "{what}: the refund did not land");
-            // It used 950: 350 more, past the limit (1,050 of 1,000).
+            // It used 950: 550 more, past the limit (1,050 of 1,000).
             let settled = call(&a, key, &who, Some((SETTLE_ENTRY, "req-2")), 950).await;
             assert!(!is_ok(&settled), "{what}: 50 past the limit is over");
             // Delivered twice: counted once.
@@ -106,7 +107,13 @@ async fn a_reservation_settles_on_another_replica() {
             // Nothing reserved under this identity: the whole cost counts.
             let other = format!("{who}-other");
             call(&a, key, &other, Some((SETTLE_ENTRY, "req-9")), 300).await;
-            assert_eq!(left(&fresh, key, &other).await, 700, "{what}");
+            let left = left(&fresh, key, &other).await;
+            // (In hybrid mode Redis also counts what `a` has leased since,
+            // spent or not.)
+            match mode {
+                Mode::Exact => assert_eq!(left, 700, "{what}"),
+                _ => assert!((600..=700).contains(&left), "{what}: {left}"),
+            }
         }
     }
     assert_eq!(redis.immortal_keys(), Vec::<String>::new());
@@ -188,7 +195,11 @@ async fn an_identity_reserved_twice_charges_both_settlements_whole() {
         }
         let fresh = rls::service_on(&redis, Mode::Exact, CONFIG).await;
         let left = left(&fresh, "tenant", &who).await;
-        assert!(left <= 200, "{mode:?}: 800 of work counted as {}", 1_000 - left);
+        assert!(
+            left <= 200,
+            "{mode:?}: 800 of work counted as {}",
+            1_000 - left
+        );
     }
 }
 
