@@ -707,30 +707,17 @@ async fn what_a_settlement_gives_back_is_not_stranded_by_a_process_still_asking(
         let store = MemoryStore::with_clock(clock.clone());
         let quota = Quota::new(1_000, period).unwrap();
         let ns = format!("stranded-{}", period.as_secs());
-        let a = build(
-            &ns,
-            &[quota],
-            Algorithm::FixedWindow,
-            Mode::Strict,
-            &clock,
-            store.clone(),
-        );
-        let b = build(
-            &ns,
-            &[quota],
-            Algorithm::FixedWindow,
-            Mode::Strict,
-            &clock,
-            store.clone(),
-        );
-        let e = build(
-            &ns,
-            &[quota],
-            Algorithm::FixedWindow,
-            Mode::Exact,
-            &clock,
-            store.clone(),
-        );
+        let build = |mode| {
+            build(
+                &ns,
+                &[quota],
+                Algorithm::FixedWindow,
+                mode,
+                &clock,
+                store.clone(),
+            )
+        };
+        let (a, b, e) = (build(Mode::Strict), build(Mode::Strict), build(Mode::Exact));
         let taken = a.check("k", 800).await;
         assert!(taken.is_allowed());
         settle_down().await;

@@ -8,10 +8,9 @@ use slicelimit_sim as support;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::UInt64Value;
-use rls::{descriptor, is_ok, request};
+use rls::{descriptor, in_one_hour, is_ok, modes, request};
 use slicelimit_server::service::RateLimiter;
 use slicelimit_server::table::Mode;
-use support::load::wall_us;
 use support::RedisServer;
 
 const CONFIG: &str = "domain: llm
@@ -35,17 +34,6 @@ async fn tenant(service: &RateLimiter, who: &str, hits: u64) -> RateLimitRespons
     let mut d = descriptor(&[("tenant", who)]);
     d.hits_addend = Some(UInt64Value { value: hits });
     service.decide(request("llm", vec![d])).await.unwrap()
-}
-
-fn modes() -> [Mode; 2] {
-    [Mode::Exact, Mode::HybridStrict]
-}
-
-/// Away from an hour's end: every call of a test in one window.
-async fn in_one_hour() {
-    while wall_us() % 3_600_000_000 > 3_590_000_000 {
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
 }
 
 /// A charge that does not fit is counted past the limit: the next ask is

@@ -9,10 +9,9 @@ use slicelimit_sim as support;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitResponse;
 use envoy_types::pb::google::protobuf::UInt64Value;
-use rls::{descriptor, is_ok, request};
+use rls::{descriptor, in_one_hour, is_ok, modes, request};
 use slicelimit_server::service::{RateLimiter, RESERVE_ENTRY, SETTLE_ENTRY};
 use slicelimit_server::table::Mode;
-use support::load::wall_us;
 use support::RedisServer;
 
 const CONFIG: &str = "domain: llm
@@ -53,17 +52,6 @@ async fn call(
 async fn left(service: &RateLimiter, key: &str, who: &str) -> u32 {
     let reply = call(service, key, who, None, 0).await;
     reply.statuses[0].limit_remaining
-}
-
-fn modes() -> [Mode; 2] {
-    [Mode::Exact, Mode::HybridStrict]
-}
-
-/// Away from an hour's end: every call of a test in one window.
-async fn in_one_hour() {
-    while wall_us() % 3_600_000_000 > 3_590_000_000 {
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
 }
 
 /// A reservation made on one replica and settled on another: what the

@@ -256,6 +256,8 @@ impl HybridEngine {
         let give_up_at = tokio::time::Instant::now() + config.max_wait;
         let mut retried = false;
         let mut asked_for_cost = false;
+        // When this waiter last asked while its holding's lease was void.
+        let mut asked_void_at: Option<u64> = None;
         loop {
             // The slow path reads the precise clock: it decides credit
             // windows and pre-lease starts, where a lagging clock would err.
@@ -361,7 +363,18 @@ impl HybridEngine {
                 && holding
                     .window()
                     .is_some_and(|window| holding.books().used_up(window));
-            if next_start.is_none_or(|start| start > now + soon && !used_up) {
+            // Once the holding's lease is void (past its deadline, the
+            // clock margin before its window ends) a refill may be of the
+            // next window only, until the store's window turns: with a
+            // slice of it held, asked at most once a `soon` (two waiters
+            // near a minute's end once asked on every refill, 38 slices of
+            // a tenant's next minute in 7 ms, all into one process).
+            let void = now >= holding.deadline() && next_start.is_some();
+            let may_ask = !void || asked_void_at.is_none_or(|at| now >= at + soon);
+            if may_ask && next_start.is_none_or(|start| start > now + soon && !used_up) {
+                if void {
+                    asked_void_at = Some(now);
+                }
                 s.request_refill(&holding, true);
             }
             if holding.refill_failed() {
@@ -402,6 +415,11 @@ impl HybridEngine {
                 ));
             }
             let wait = match next_start {
+                // (Void: back within a `soon`, to ask once the store's
+                // window may have turned.)
+                Some(start) if void => left.min(Duration::from_micros(
+                    start.saturating_sub(now).min(soon).max(100),
+                )),
                 Some(start) => left.min(Duration::from_micros(start.saturating_sub(now).max(100))),
                 None => left,
             };

@@ -224,3 +224,16 @@ pub async fn service_on(
         settings,
     )
 }
+
+/// The modes a service test runs in.
+pub fn modes() -> [slicelimit_server::table::Mode; 2] {
+    use slicelimit_server::table::Mode;
+    [Mode::Exact, Mode::HybridStrict]
+}
+
+/// Away from an hour's end: every call of a test in one window.
+pub async fn in_one_hour() {
+    while slicelimit_sim::load::wall_us() % 3_600_000_000 > 3_590_000_000 {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
