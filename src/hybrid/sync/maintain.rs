@@ -161,14 +161,15 @@ pub(super) fn next_boundary(known: u64, now: u64, period: u64) -> Option<u64> {
 /// give-backs of keys between two requests); a thin key holds less than
 /// the floor anyway.
 ///
-/// A holding `asked` since the last look, and denied from what it knew
-/// (it holds less than those requests cost), gives back at once what it
-/// holds above the floor: those permits cannot serve the requests that
-/// keep coming, and another process may need them for one.
-pub(super) fn trim_idle(shared: &Shared, holding: &Holding, idle_ms: u64, now: u64, asked: bool) {
+/// A holding `denied`, asked since the last look and denied from what it
+/// knows until a time still to come (it holds less than those requests
+/// cost), gives back at once what it holds above the floor: those permits
+/// cannot serve the requests that keep coming, and another process may
+/// need them for one.
+pub(super) fn trim_idle(shared: &Shared, holding: &Holding, idle_ms: u64, now: u64, denied: bool) {
     let period = shared.params.period_us;
     let idle_us = idle_ms.saturating_mul(1_000);
-    if !shared.leases.windowed() || (!asked && idle_us < period / IDLE_TRIM_DIVISOR) {
+    if !shared.leases.windowed() || (!denied && idle_us < period / IDLE_TRIM_DIVISOR) {
         return;
     }
     let keep = (shared.params.limit / crate::hybrid::policy::EARNED_FLOOR_DIVISOR)
@@ -178,7 +179,7 @@ pub(super) fn trim_idle(shared: &Shared, holding: &Holding, idle_ms: u64, now: u
         return;
     }
     let rate = holding.books().sizing.rate_per_us();
-    if !asked
+    if !denied
         && holding
             .request_gap_us(rate)
             .is_some_and(|gap| (idle_us as f64) < IDLE_TRIM_GAPS * gap)
@@ -253,9 +254,11 @@ pub(crate) fn maintain(shared: &Shared, slice: Option<usize>) {
             .stranded
             .add(holding.expire_next(now) as u64);
         let idle_for = holding.idle_ms(now);
-        // (A key denied from what its holding knows is asked, not idle.)
+        // (A key denied from what its holding knows is asked, not idle;
+        // while that denial stands, what it holds cannot serve it.)
         let asked = holding.take_asked();
-        trim_idle(shared, holding, idle_for, now, asked);
+        let still_denied = asked && holding.denied(now).is_some();
+        trim_idle(shared, holding, idle_for, now, still_denied);
         if let Some(plan) = &plan {
             prelease_if_active(shared, holding, now, idle_for, plan);
         }
