@@ -773,3 +773,35 @@ async fn a_quota_whose_leased_take_went_back_does_not_tell_a_stale_denial() {
     );
     l.shutdown().await;
 }
+
+/// A hybrid admission's `reset_after` never comes before its window's
+/// end, however long the window: a day's, from a lease, was told about
+/// 20 ms early (the clock-drift allowance taken off was reckoned on what
+/// was left including the allowance), a whole second early once rounded
+/// up as Envoy's `duration_until_reset` is.
+#[tokio::test(start_paused = true)]
+async fn a_long_window_s_reset_is_never_told_early() {
+    for period in [Duration::from_secs(3_600), Duration::from_secs(86_400)] {
+        // 100.3 s into a day: the allowance is most of 43 s.
+        let clock = VirtualClock::new(Duration::from_millis(1_699_920_100_300));
+        let limiter = Limiter::builder(Quota::new(1_000, period).unwrap())
+            .algorithm(Algorithm::FixedWindow)
+            .hybrid(HybridConfig::strict())
+            .store(MemoryStore::with_clock(clock.clone()))
+            .clock(clock.clone())
+            .build()
+            .unwrap();
+        for _ in 0..20 {
+            let d = limiter.check("k", 1).await;
+            assert!(d.is_allowed());
+            let period_us = period.as_micros() as u64;
+            let left_us = period_us - clock.now_us() % period_us;
+            assert!(
+                d.reset_after().as_micros() as u64 >= left_us,
+                "{period:?}: told {:?}, {left_us} µs left",
+                d.reset_after()
+            );
+            tokio::time::sleep(Duration::from_millis(7)).await;
+        }
+    }
+}
